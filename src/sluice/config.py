@@ -1,0 +1,466 @@
+"""Settings: one YAML file, validated by a JSON Schema shipped in the package.
+
+SUMMARY
+    load_config(path) -> Config, or ConfigError with the file, the key path
+    and what is wrong, in one line.
+
+DESCRIPTION
+    Setting names and defaults are the specification's (Mailismus's
+    ``queue`` block, Postfix's backoff and concurrency parameters).  The
+    defaults live in the schema (``schemas/config.schema.json``), so that
+    ``sluice config show`` and the documentation cannot drift apart.
+
+    With no file at all, Sluice runs on the embedded defaults, with its
+    state under ``./var``.  Relative paths in a file are taken relative to
+    the directory of that file, so that a service started from ``/`` finds
+    the same queue as an operator in the config directory.
+
+    Durations are seconds (a number) or strings with the units s, m, h and
+    d, alone or combined ("90s", "30m", "1h30m", "3d").
+
+    retry_granularity may not exceed half of the first retry delay; a larger
+    value is silently reduced, as Mailismus does (section 4.3.2).
+
+SEE ALSO
+    docs/configuration.md, sluice.retry
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+__all__ = [
+    "AccountingConfig",
+    "ApiConfig",
+    "BounceConfig",
+    "Config",
+    "ConfigError",
+    "DeliveryConfig",
+    "QueueConfig",
+    "SchedulerConfig",
+    "SmtpdConfig",
+    "SpoolConfig",
+    "config_schema",
+    "format_duration",
+    "load_config",
+    "parse_duration",
+    "parse_retry_delays",
+]
+
+ENV_CONFIG = "SLUICE_CONFIG"
+
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.IGNORECASE)
+
+
+class ConfigError(Exception):
+    """A configuration file is unusable; str() is the one line to print."""
+
+    def __init__(self, source: str, keypath: str, message: str) -> None:
+        self.source = source
+        self.keypath = keypath
+        self.message = message
+        where = f"{source}: {keypath}" if keypath else source
+        super().__init__(f"{where}: {message}")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from 90, "90s", "30m", "2h", "1d", "1h30m". Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a duration")
+    text = value.strip()
+    pos = 0
+    total = 0.0
+    if not text:
+        raise ValueError("empty duration")
+    while pos < len(text):
+        m = _DURATION_RE.match(text, pos)
+        if not m or m.end() == pos:
+            raise ValueError(f"{value!r} is not a duration (use s, m, h or d, e.g. 30m)")
+        unit = m.group(2).lower() or "s"
+        total += float(m.group(1)) * _UNIT_S[unit]
+        pos = m.end()
+        while pos < len(text) and text[pos] == " ":
+            pos += 1
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest exact spelling: 1800 -> "30m", 5400 -> "1h30m", 90 -> "90s"."""
+    if seconds != int(seconds):
+        return f"{seconds:g}s"
+    rest = int(seconds)
+    if rest == 0:
+        return "0s"
+    out = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if rest >= size:
+            n, rest = divmod(rest, size)
+            out.append(f"{n}{unit}")
+    if len(out) > 2:  # "1d2h3m4s" reads worse than seconds
+        return f"{int(seconds)}s"
+    return "".join(out)
+
+
+def parse_retry_delays(value: object) -> tuple[float, ...]:
+    """Mailismus's "30m | 2h | 4h" (or a YAML list) as seconds."""
+    items: list[object]
+    if isinstance(value, str):
+        items = [part for part in value.split("|")]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ValueError(f"{value!r} is not a list of delays")
+    delays = tuple(parse_duration(item.strip() if isinstance(item, str) else item) for item in items)
+    if not delays:
+        raise ValueError("at least one delay is needed")
+    if any(d <= 0 for d in delays):
+        raise ValueError("every retry delay must be greater than zero")
+    return delays
+
+
+# --------------------------------------------------------------------------
+# Typed sections.  Field metadata: "duration" -> parse_duration, "path" ->
+# resolved against the config directory.
+
+def _dur(default: str) -> Any:
+    return field(default=parse_duration(default), metadata={"duration": True})
+
+
+def _path(default: str | None) -> Any:
+    return field(default=default, metadata={"path": True})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    hostname: str = ""
+    id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolConfig:
+    rootpath: str = _path("var/spool")
+    partitiondepth: int = 2
+    bufsize: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class PostgresConfig:
+    dsn: str | None = None
+    pool_size: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    store: str = "sqlite"
+    path: str = _path("var/queue")
+    maxmemoryqueue: int = 10000
+    retry_maxtime: float = _dur("72h")
+    retry_maxtime_reports: float = _dur("24h")
+    retry_delays: tuple[float, ...] = (1800.0, 7200.0, 14400.0)
+    retry_mode: str = "schedule"
+    minimal_backoff: float = _dur("300s")
+    maximal_backoff: float = _dur("4000s")
+    quota_deferred: int = 10
+    retry_granularity: float = _dur("15m")
+    bounces_interval: float = _dur("10m")
+    commit_max_batch: int = 2000
+    spool: SpoolConfig = field(default_factory=SpoolConfig)
+    postgres: PostgresConfig = field(default_factory=PostgresConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class AccountingConfig:
+    path: str = _path("var/log")
+    rotate: str = "hourly"
+    keep: float = _dur("30d")
+
+
+@dataclass(frozen=True, slots=True)
+class BounceConfig:
+    from_address: str = "MAILER-DAEMON"
+    max_original_headers: int = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: str | None = _path(None)
+    suspensions: str | None = _path(None)
+    initial_destination_concurrency: int = 2
+    default_destination_concurrency_limit: int = 20
+    destination_concurrency_failed_cohort_limit: int = 1
+    dead_destination_ttl: float = _dur("5m")
+    destination_cache_size: int = 10000
+    refill_interval: float = _dur("1s")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    cert: str | None = _path(None)
+    key: str | None = _path(None)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    users: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SmtpdConfig:
+    listen: tuple[str, ...] = ("127.0.0.1:2525",)
+    processes: int = 0
+    hostname: str | None = None
+    mynetworks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    relay_domains: tuple[str, ...] = ()
+    max_message_size: int = 52428800
+    max_recipients: int = 1000
+    max_line_length: int = 998
+    max_connections_per_client: int = 50
+    max_connections: int = 1000
+    timeout: float = _dur("300s")
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    hook: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResolverConfig:
+    nameservers: tuple[str, ...] = ()
+    port: int = 53
+    timeout: float = _dur("5s")
+    cache_size: int = 10000
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryTimeouts:
+    connect: float = _dur("30s")
+    greeting: float = _dur("300s")
+    helo: float = _dur("300s")
+    mail: float = _dur("300s")
+    rcpt: float = _dur("300s")
+    data_init: float = _dur("120s")
+    data_block: float = _dur("180s")
+    data_done: float = _dur("600s")
+    idle: float = _dur("10s")
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryConfig:
+    transport: Mapping[str, str] = field(default_factory=dict)
+    port: int = 25
+    resolver: ResolverConfig = field(default_factory=ResolverConfig)
+    helo: Mapping[str, str] = field(default_factory=dict)
+    max_messages_per_connection: int = 100
+    max_connections: int = 200
+    starttls: str = "opportunistic"
+    timeouts: DeliveryTimeouts = field(default_factory=DeliveryTimeouts)
+    pre_hook: str | None = None
+    post_hook: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SuppressionConfig:
+    path: str | None = _path(None)
+    mode: str = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    enabled: bool = True
+    listen: str = "127.0.0.1:8025"
+    tokens: tuple[str, ...] = ()
+    audit_path: str | None = _path(None)
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticsConfig:
+    master: str = "local[*]"
+    suppress_soft_count: int = 5
+    suppress_soft_days: float = 7.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The effective configuration; ``source`` says where it came from."""
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
+    bounce: BounceConfig = field(default_factory=BounceConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    smtpd: SmtpdConfig = field(default_factory=SmtpdConfig)
+    delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
+    suppression: SuppressionConfig = field(default_factory=SuppressionConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    analytics: AnalyticsConfig = field(default_factory=AnalyticsConfig)
+    source: str = "<embedded defaults>"
+    base_dir: str = "."
+
+    @property
+    def hostname(self) -> str:
+        return self.node.hostname
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective settings as plain data (durations in seconds)."""
+        out = _to_plain(self)
+        assert isinstance(out, dict)
+        out.pop("source", None)
+        out.pop("base_dir", None)
+        return out
+
+
+def _to_plain(value: object) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def config_schema() -> dict[str, Any]:
+    """The JSON Schema of the configuration file, as shipped in the package."""
+    text = resources.files("sluice").joinpath("schemas/config.schema.json").read_text("utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+def _keypath(parts: object) -> str:
+    out = ""
+    for part in parts:  # type: ignore[attr-defined]
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    if error.validator == "additionalProperties":
+        return error.message.replace("Additional properties are not allowed", "unknown key")
+    if error.validator == "enum":
+        allowed = ", ".join(repr(v) for v in error.validator_value)
+        return f"{error.instance!r} is not one of {allowed}"
+    return error.message
+
+
+def _fill_defaults(schema: Mapping[str, Any], data: dict[str, Any]) -> None:
+    for key, sub in schema.get("properties", {}).items():
+        if key not in data and "default" in sub:
+            data[key] = json.loads(json.dumps(sub["default"]))
+        if isinstance(data.get(key), dict) and sub.get("type") == "object":
+            _fill_defaults(sub, data[key])
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], path: str, source: str, base: Path) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        keypath = f"{path}.{f.name}" if path else f.name
+        try:
+            if f.metadata.get("duration"):
+                value = parse_duration(value)
+            elif f.name == "retry_delays":
+                value = parse_retry_delays(value)
+            elif f.metadata.get("path") and value is not None:
+                value = str((base / os.path.expanduser(value)).resolve())
+            elif isinstance(value, dict) and isinstance(f.default_factory, type):
+                factory = f.default_factory
+                if dataclasses.is_dataclass(factory):
+                    value = _build(factory, value, keypath, source, base)
+            elif isinstance(value, list):
+                value = tuple(value)
+        except ValueError as exc:
+            raise ConfigError(source, keypath, str(exc)) from None
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _semantic_checks(cfg: Config) -> Config:
+    queue = cfg.queue
+    # Mailismus 4.3.2: "This setting cannot exceed half the value of the first
+    # retry_delays interval ... and will be silently reduced".
+    limit = queue.retry_delays[0] / 2
+    if queue.retry_granularity > limit:
+        queue = dataclasses.replace(queue, retry_granularity=limit)
+    if queue.minimal_backoff > queue.maximal_backoff:
+        raise ConfigError(
+            cfg.source, "queue.minimal_backoff", "must not exceed queue.maximal_backoff"
+        )
+    hostname = cfg.node.hostname or socket.gethostname() or "localhost"
+    node = NodeConfig(hostname=hostname, id=cfg.node.id or hostname)
+    return dataclasses.replace(cfg, queue=queue, node=node)
+
+
+def config_from_dict(
+    data: Mapping[str, Any] | None, *, source: str = "<dict>", base_dir: str | Path = "."
+) -> Config:
+    """Validate plain data (as parsed from YAML) and build the Config."""
+    raw: dict[str, Any] = json.loads(json.dumps(dict(data or {}), default=str))
+    schema = config_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
+    if errors:
+        # The most specific error is the most useful single line.
+        err = max(errors, key=lambda e: len(e.absolute_path))
+        raise ConfigError(source, _keypath(err.absolute_path), _describe(err))
+    _fill_defaults(schema, raw)
+    hostname = (raw.get("node") or {}).get("hostname")
+    if hostname is None:
+        raw.setdefault("node", {})["hostname"] = ""
+    if raw["node"].get("id") is None:
+        raw["node"]["id"] = ""
+    base = Path(base_dir).resolve()
+    cfg = _build(Config, raw, "", source, base)
+    cfg = dataclasses.replace(cfg, source=source, base_dir=str(base))
+    return _semantic_checks(cfg)
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load ``path``, or $SLUICE_CONFIG, or the embedded defaults."""
+    if path is None:
+        path = os.environ.get(ENV_CONFIG) or None
+    if path is None:
+        return config_from_dict({}, source="<embedded defaults>", base_dir=Path.cwd())
+    source = str(path)
+    try:
+        text = Path(path).read_text("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, "", "no such file") from None
+    except OSError as exc:
+        raise ConfigError(source, "", exc.strerror or str(exc)) from None
+    except UnicodeDecodeError:
+        raise ConfigError(source, "", "not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(source, "", f"invalid YAML {where}: {problem}".replace("  ", " ")) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, "", "the top level must be a mapping of sections")
+    return config_from_dict(data, source=source, base_dir=Path(path).resolve().parent)

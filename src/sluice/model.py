@@ -1,0 +1,272 @@
+"""Plain data of the queue: messages, recipient entries, replies, outcomes.
+
+SUMMARY
+    The vocabulary every other package speaks.  Nothing here does I/O or
+    reads the clock; every value is a frozen, slotted dataclass or an Enum.
+
+DESCRIPTION
+    A message is spooled once under its SPID (spool id, hexadecimal).  The
+    meta queue holds one *entry* per recipient, identified by its queue id
+    (QID) ``<SPID>-<index>``, where index is the recipient's position in the
+    envelope.  An entry is in exactly one QueueState at any time; when it
+    leaves the queue (delivered, NDR queued, deleted) it is gone.
+
+    Times are absolute POSIX seconds and end in ``_at``; durations are
+    seconds and end in ``_s``.
+
+INVARIANTS
+    A QID names one entry for the life of its message; SPIDs are never
+    reused while their spool file exists.  ``priority`` is 0 (normal) or 1
+    (high), as Halon defines it.
+
+SEE ALSO
+    sluice.store (where entries live), sluice.scheduler (what picks them).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+__all__ = [
+    "Accepted",
+    "Delivered",
+    "Outcome",
+    "PermFail",
+    "QueueEntry",
+    "QueueState",
+    "Reply",
+    "Selector",
+    "Submission",
+    "TempFail",
+    "format_qid",
+    "parse_qid",
+    "recipient_domain",
+]
+
+
+class QueueState(StrEnum):
+    """Where a recipient entry is in its life cycle (DESIGN.md)."""
+
+    HOLD = "hold"  # ignored by the queue manager until released
+    INCOMING = "incoming"  # accepted, not yet looked at
+    DEFERRED = "deferred"  # waiting for next_attempt_at
+    ACTIVE = "active"  # claimed into a queue manager's memory
+    DELIVERING = "delivering"  # a delivery attempt is in flight
+    BOUNCE = "bounce"  # failed for good; waiting for its NDR
+
+
+#: States that belong to a running queue manager; after a restart they
+#: return to the queue to be retried (at-least-once delivery).
+IN_FLIGHT_STATES = (QueueState.ACTIVE, QueueState.DELIVERING)
+
+_SPID_RE = re.compile(r"^[0-9A-F]{8,32}$")
+_QID_RE = re.compile(r"^([0-9A-F]{8,32})-(\d{1,6})$")
+
+
+def format_qid(spid: str, idx: int) -> str:
+    """The queue id of recipient number ``idx`` of message ``spid``."""
+    return f"{spid}-{idx}"
+
+
+def parse_qid(qid: str) -> tuple[str, int | None]:
+    """Split a queue id into (spid, index); a bare SPID gives (spid, None).
+
+    Raises ValueError for anything else, so that a typo on the command line
+    selects nothing instead of everything.
+    """
+    text = qid.strip().upper()
+    m = _QID_RE.match(text)
+    if m:
+        return m.group(1), int(m.group(2))
+    if _SPID_RE.match(text):
+        return text, None
+    raise ValueError(f"not a queue id or SPID: {qid!r}")
+
+
+def recipient_domain(address: str) -> str:
+    """The domain part of an address, lower-cased; '' when there is none."""
+    _, at, domain = address.rpartition("@")
+    return domain.strip().rstrip(".").lower() if at else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An SMTP reply: basic code, RFC 3463 enhanced code and text."""
+
+    code: int
+    enhanced: str = ""
+    text: str = ""
+
+    def __str__(self) -> str:
+        parts = [str(self.code)]
+        if self.enhanced:
+            parts.append(self.enhanced)
+        if self.text:
+            parts.append(self.text)
+        return " ".join(parts)
+
+    @property
+    def is_permanent(self) -> bool:
+        return 500 <= self.code <= 599
+
+    @property
+    def is_transient(self) -> bool:
+        return 400 <= self.code <= 499
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """The next hop took responsibility (2xx)."""
+
+    reply: Reply
+
+
+@dataclass(frozen=True, slots=True)
+class TempFail:
+    """Try again later (4xx, connection failure, dead destination)."""
+
+    reply: Reply
+
+
+@dataclass(frozen=True, slots=True)
+class PermFail:
+    """Never try again: bounce and send an NDR (5xx, null MX)."""
+
+    reply: Reply
+
+
+Outcome = Delivered | TempFail | PermFail
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """What a client hands us with a message: envelope and queue fields.
+
+    ``hold`` puts the entries in the hold state; ``delay_s`` > 0 queues them
+    deferred until now + delay (Halon's queue() "hold" and "delay").
+    """
+
+    sender: str
+    recipients: tuple[str, ...]
+    tenantid: str = ""
+    jobid: str = ""
+    transportid: str = ""
+    localip: tuple[str, ...] = ()
+    priority: int = 0
+    hold: bool = False
+    delay_s: float = 0.0
+    is_report: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.recipients:
+            raise ValueError("a submission needs at least one recipient")
+        if self.priority not in (0, 1):
+            raise ValueError(f"priority must be 0 or 1, not {self.priority}")
+        if self.delay_s < 0:
+            raise ValueError("delay_s must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A submission is durable: content and meta are on stable storage."""
+
+    spid: str
+    qids: tuple[str, ...]
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """One recipient of one message, as the meta queue keeps it."""
+
+    spid: str
+    idx: int
+    sender: str
+    recipient: str
+    state: QueueState
+    arrival_at: float
+    next_attempt_at: float
+    attempts: int = 0
+    last_reply: Reply | None = None
+    priority: int = 0
+    tenantid: str = ""
+    jobid: str = ""
+    transportid: str = ""
+    localip: tuple[str, ...] = ()
+    is_report: bool = False
+    size: int = 0
+    domain: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.domain:
+            object.__setattr__(self, "domain", recipient_domain(self.recipient))
+
+    @property
+    def qid(self) -> str:
+        return format_qid(self.spid, self.idx)
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """Which entries an operator command or a listing applies to.
+
+    Every given criterion must match (AND).  ``qids`` holds queue ids or
+    bare SPIDs (all recipients of the message).  An empty selector matches
+    everything; commands that change the queue refuse it unless the
+    operator says so explicitly.
+    """
+
+    qids: tuple[str, ...] = ()
+    states: tuple[QueueState, ...] = ()
+    domain: str | None = None
+    sender: str | None = None
+    recipient: str | None = None
+    tenantid: str | None = None
+    jobid: str | None = None
+    transportid: str | None = None
+
+    def __post_init__(self) -> None:
+        for qid in self.qids:
+            parse_qid(qid)  # raises on a malformed id
+        if self.domain is not None:
+            object.__setattr__(self, "domain", self.domain.lower().rstrip("."))
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.qids
+            or self.states
+            or self.domain is not None
+            or self.sender is not None
+            or self.recipient is not None
+            or self.tenantid is not None
+            or self.jobid is not None
+            or self.transportid is not None
+        )
+
+    def matches(self, entry: QueueEntry) -> bool:
+        """Whether ``entry`` is selected; the reference for every store flavour."""
+        if self.qids:
+            hit = False
+            for qid in self.qids:
+                spid, idx = parse_qid(qid)
+                if entry.spid == spid and (idx is None or entry.idx == idx):
+                    hit = True
+                    break
+            if not hit:
+                return False
+        if self.states and entry.state not in self.states:
+            return False
+        if self.domain is not None and entry.domain != self.domain:
+            return False
+        if self.sender is not None and entry.sender.lower() != self.sender.lower():
+            return False
+        if self.recipient is not None and entry.recipient.lower() != self.recipient.lower():
+            return False
+        if self.tenantid is not None and entry.tenantid != self.tenantid:
+            return False
+        if self.jobid is not None and entry.jobid != self.jobid:
+            return False
+        return self.transportid is None or entry.transportid == self.transportid

@@ -1,0 +1,109 @@
+"""The spool: message content, one copy per message, named by its SPID.
+
+SUMMARY
+    Spool (a Protocol), SpoolFile, Content, new_spid(), iter_chunks().
+    The filesystem flavour is sluice.spool.fs.FsSpool.
+
+DESCRIPTION
+    A SPID is 16 hexadecimal digits: 11 of milliseconds since the epoch
+    (so SPIDs sort by arrival, which the kv flavour relies on to iterate
+    "from the oldest message") and 5 random ones (so the last digits, which
+    pick the spool partition, are uniformly distributed, as Mailismus
+    requires).  Uniqueness is enforced where the content is created
+    (exclusive create); a collision just draws again.
+
+    Writing is two steps so that many submissions can share one fsync
+    (group commit): ``write()`` streams the content to disk in ``bufsize``
+    pieces and returns a SpoolFile that is not yet durable; ``sync(files)``
+    makes a whole batch durable at once.  The meta queue commits only after
+    that, so meta never points at content that could be lost.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, Protocol
+
+__all__ = ["Content", "Spool", "SpoolFile", "iter_chunks", "new_spid"]
+
+#: What a submitter may hand over: the whole content, pieces of it, or a
+#: binary file to be read in ``bufsize`` pieces.
+Content = bytes | bytearray | memoryview | Iterable[bytes] | IO[bytes]
+
+
+def new_spid(now_ms: int | None = None) -> str:
+    """A fresh SPID: 11 hex digits of milliseconds, then 5 random ones."""
+    ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    rnd = int.from_bytes(os.urandom(3), "big") & 0xFFFFF
+    return f"{ms & 0xFFFFFFFFFFF:011X}{rnd:05X}"
+
+
+def iter_chunks(content: Content, bufsize: int) -> Iterator[bytes | memoryview]:
+    """Pieces of at most ``bufsize`` bytes, never the whole content at once.
+
+    In-memory content is sliced without copying; files are read piece by
+    piece; iterables are passed through (re-sliced when a piece is larger).
+    """
+    if isinstance(content, bytes | bytearray | memoryview):
+        view = memoryview(content).cast("B")
+        for start in range(0, len(view), bufsize):
+            yield view[start : start + bufsize]
+        return
+    read = getattr(content, "read", None)
+    if read is not None:
+        while True:
+            piece = read(bufsize)
+            if not piece:
+                return
+            yield piece
+    for piece in content:  # type: ignore[union-attr]
+        if len(piece) <= bufsize:
+            if piece:
+                yield piece
+        else:
+            view = memoryview(piece).cast("B")
+            for start in range(0, len(view), bufsize):
+                yield view[start : start + bufsize]
+
+
+@dataclass(slots=True)
+class SpoolFile:
+    """Content written but not yet synced.  ``fd`` stays open until sync/discard."""
+
+    spid: str
+    path: str
+    size: int
+    fd: int = -1
+
+
+class Spool(Protocol):
+    """Where message content lives (filesystem, or a key-value store)."""
+
+    def write(self, content: Content) -> SpoolFile:
+        """Stream ``content`` under a new SPID; not durable until sync()."""
+        ...
+
+    def sync(self, files: Sequence[SpoolFile]) -> None:
+        """Make written files durable (content and directory entry) and close them."""
+        ...
+
+    def discard(self, file: SpoolFile) -> None:
+        """Forget a written file that will not be committed."""
+        ...
+
+    def open(self, spid: str) -> IO[bytes]:
+        """The content, for streaming reads.  FileNotFoundError if absent."""
+        ...
+
+    def delete(self, spid: str) -> None:
+        """Remove the content; a missing file is not an error."""
+        ...
+
+    def exists(self, spid: str) -> bool: ...
+
+    def spids(self) -> Iterator[tuple[str, float]]:
+        """Every SPID in the spool with its modification time."""
+        ...

@@ -1,0 +1,241 @@
+"""The meta queue behind one interface, whatever keeps it.
+
+SUMMARY
+    Store (a Protocol), Transition, Action, Counts, Change, StorageError,
+    open_store(config).
+
+DESCRIPTION
+    Callers (the queue life cycle in sluice.queue, the CLI, the API) speak
+    only this interface; SQL, file layouts and key schemes stay inside the
+    flavours: ``sqlite`` (embedded default), ``fs`` (Mailismus control
+    files), ``postgres`` (several nodes, one queue) and ``kv`` (ZoneMTA's
+    LevelDB layout).  Every flavour passes tests/integration/test_store_*.
+
+    Durability: submit() and apply() return only when their effect is on
+    stable storage.  Concurrent callers share one commit (group commit); a
+    flavour that cannot do so must still be correct, only slower.
+
+    State changes made by a running queue manager (claim, results) carry
+    ``expect``: the states the entry must still be in, so that an operator's
+    hold or delete made meanwhile wins over a late delivery result.  A
+    successful delivery is the exception: mail that went out must leave the
+    queue whatever an operator did to its entry in the meantime.
+
+    Operator changes (modify) are also appended to a change feed that a
+    running queue manager polls (changes_since), so it can drop its
+    in-memory copy and re-inject the entry, as Halon does.
+
+INVARIANTS
+    Every entry is in exactly one state.  Content is deleted after the
+    last entry of its message has left the queue, and never before.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import IO, TYPE_CHECKING, Protocol
+
+from sluice.model import Accepted, QueueEntry, QueueState, Reply, Selector, Submission
+from sluice.spool import Content
+
+if TYPE_CHECKING:
+    from sluice.config import Config
+
+__all__ = [
+    "Action",
+    "Change",
+    "Counts",
+    "StorageError",
+    "Store",
+    "Transition",
+    "open_store",
+]
+
+
+class StorageError(Exception):
+    """The store could not do what was asked (I/O error, full disk, lost server).
+
+    Always temporary from the client's point of view: the SMTP server answers
+    451 4.3.0, never 250.
+    """
+
+
+class Action(StrEnum):
+    """What an operator can do to selected entries."""
+
+    HOLD = "hold"
+    RELEASE = "release"
+    RETRY = "retry"
+    DELETE = "delete"
+    PRIORITY = "priority"
+    BOUNCE = "bounce"
+
+
+#: The states each action applies to; entries in other states are left alone.
+ACTION_STATES: dict[Action, tuple[QueueState, ...]] = {
+    Action.HOLD: (QueueState.INCOMING, QueueState.DEFERRED, QueueState.ACTIVE,
+                  QueueState.DELIVERING),
+    Action.RELEASE: (QueueState.HOLD,),
+    Action.RETRY: (QueueState.DEFERRED, QueueState.INCOMING),
+    Action.DELETE: tuple(QueueState),
+    Action.PRIORITY: tuple(QueueState),
+    Action.BOUNCE: (QueueState.HOLD, QueueState.INCOMING, QueueState.DEFERRED,
+                    QueueState.ACTIVE, QueueState.DELIVERING),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """Move one entry to ``state`` (None: it leaves the queue).
+
+    ``expect``: apply only if the entry is currently in one of these states
+    (empty = any).  ``attempted`` counts one more delivery attempt.
+    ``next_attempt_at`` is required for DEFERRED.
+    """
+
+    qid: str
+    state: QueueState | None
+    next_attempt_at: float | None = None
+    reply: Reply | None = None
+    attempted: bool = False
+    expect: tuple[QueueState, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.state is QueueState.DEFERRED and self.next_attempt_at is None:
+            raise ValueError("a deferral needs next_attempt_at")
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """Totals as qcount shows them."""
+
+    by_state: dict[QueueState, int] = field(default_factory=dict)
+    messages: int = 0
+
+    @property
+    def recipients(self) -> int:
+        return sum(self.by_state.values())
+
+    def __getitem__(self, state: QueueState) -> int:
+        return self.by_state.get(state, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One entry in the operator change feed."""
+
+    seq: int
+    qid: str
+    action: Action
+
+
+class Store(Protocol):
+    """A meta queue flavour with its spool.  All methods are thread-safe."""
+
+    flavour: str
+
+    # -- submission ------------------------------------------------------------
+
+    def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
+        """Spool the content and queue one entry per recipient; durable on return."""
+        ...
+
+    def submit_future(
+        self, submission: Submission, content: Content, now: float
+    ) -> concurrent.futures.Future[Accepted]:
+        """As submit(); the content is written now, the future resolves when durable."""
+        ...
+
+    # -- the queue manager's side ------------------------------------------------
+
+    def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
+        """Move up to ``limit`` entries from incoming and due deferred to active.
+
+        Alternates one from each; at least ``quota_deferred`` percent come from
+        deferred when both have work; within each, priority 1 first, then
+        oldest first.  The returned entries are in that interleaved order.
+        """
+        ...
+
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+        """Apply state changes; returns the qids that were applied."""
+        ...
+
+    def recover(self, now: float) -> int:
+        """After a restart: entries left active/delivering by this node become
+        due deferred; orphaned spool files are removed.  Returns the count."""
+        ...
+
+    def expired(self, cutoff_at: float, reports_cutoff_at: float,
+                limit: int = 10000) -> list[QueueEntry]:
+        """Deferred entries that arrived before the cutoff (reports: before
+        ``reports_cutoff_at``)."""
+        ...
+
+    def due_at(self) -> float | None:
+        """The earliest next_attempt_at among deferred entries (None: none)."""
+        ...
+
+    # -- operator side -------------------------------------------------------------
+
+    def modify(self, selector: Selector, action: Action, now: float,
+               priority: int | None = None, reply: Reply | None = None
+               ) -> list[QueueEntry]:
+        """Apply an operator action; returns the affected entries as they were."""
+        ...
+
+    def changes_since(self, seq: int) -> tuple[int, list[Change]]:
+        """Operator changes after ``seq``; returns the newest seq and the changes."""
+        ...
+
+    # -- reading -----------------------------------------------------------------
+
+    def get(self, qid: str) -> QueueEntry | None: ...
+
+    def entries(self, selector: Selector, *, after: str | None = None,
+                limit: int | None = None) -> Iterator[QueueEntry]:
+        """Entries in queue-id order (i.e. arrival order), after cursor ``after``."""
+        ...
+
+    def count(self, selector: Selector | None = None) -> Counts: ...
+
+    def shape(self, selector: Selector, now: float,
+              edges_s: Sequence[float]) -> dict[str, list[int]]:
+        """Per recipient domain, entry counts by age bucket (qshape).
+
+        Bucket i counts ages < edges_s[i] (and >= edges_s[i-1]); the last
+        bucket counts the rest, so each list has len(edges_s) + 1 items.
+        """
+        ...
+
+    def open_content(self, spid: str) -> IO[bytes]: ...
+
+    def close(self) -> None: ...
+
+
+def open_store(config: Config) -> Store:
+    """The store flavour that ``queue.store`` names, opened on its paths."""
+    flavour = config.queue.store
+    if flavour == "sqlite":
+        from sluice.store.sqlite import SqliteStore
+
+        return SqliteStore.from_config(config)
+    if flavour == "fs":
+        from sluice.store.fs import FsStore  # type: ignore[import-not-found,unused-ignore]
+
+        store: Store = FsStore.from_config(config)
+        return store
+    if flavour == "postgres":
+        from sluice.store.postgres import PgStore  # type: ignore[import-not-found,unused-ignore]
+
+        store = PgStore.from_config(config)
+        return store
+    if flavour == "kv":
+        from sluice.store.kv import KvStore  # type: ignore[import-not-found,unused-ignore]
+
+        store = KvStore.from_config(config)
+        return store
+    raise ValueError(f"unknown store flavour {flavour!r}")
