@@ -1,0 +1,199 @@
+"""The accounting log: one JSON line per queue transition.
+
+SUMMARY
+    AccountingLog(path, rotate="hourly", node=...).record(events)
+    make_event(kind, entry, now, **fields) -> dict
+
+DESCRIPTION
+    Every transition of a recipient entry -- received, deferred, delivered,
+    bounced, expired, held, released, retried, deleted, ndr, discarded --
+    appends one line.  The lines are the input of the Spark pipeline
+    (sluice.pipeline), so their fields are a contract: see EVENT_FIELDS and
+    docs/accounting.md.  Absent values are JSON null, never missing keys.
+
+STRATEGIES
+    Rotation by name.  Lines go to ``sluice-acct-YYYYMMDDTHH.jsonl`` (hourly)
+    or ``sluice-acct-YYYYMMDD.jsonl`` (daily), in UTC, chosen at the time of
+    the write.  Several processes can append to the same file without
+    coordinating: the file is opened with O_APPEND and every batch is one
+    write(2).  Files older than ``keep`` are removed when a new one opens.
+
+LIMITATIONS
+    Lines are written after the queue change is committed and are not
+    fsynced one by one: a crash can lose the last lines, never a message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from sluice.model import QueueEntry, Reply
+
+__all__ = ["EVENT_FIELDS", "AccountingLog", "EventKind", "iso_time", "make_event"]
+
+
+class EventKind(StrEnum):
+    RECEIVED = "received"
+    DEFERRED = "deferred"
+    DELIVERED = "delivered"
+    BOUNCED = "bounced"  # permanent failure (5xx, null MX, operator bounce)
+    EXPIRED = "expired"  # retry_maxtime passed
+    HELD = "held"
+    RELEASED = "released"
+    RETRY = "retry"  # operator: retry now
+    PRIORITY = "priority"
+    DELETED = "deleted"
+    NDR = "ndr"  # an NDR was queued for this failed recipient
+    DISCARDED = "discarded"  # an expired NDR, or mail dropped by policy
+    SUPPRESSED = "suppressed"  # refused or dropped by the suppression list
+    RECOVERED = "recovered"  # returned to the queue after a restart
+
+
+#: The contract with the pipeline: every line carries exactly these keys.
+EVENT_FIELDS: tuple[str, ...] = (
+    "time",  # ISO 8601 UTC with milliseconds, e.g. 2026-11-22T10:00:00.123Z
+    "event",  # an EventKind value
+    "node",  # node id that wrote the line
+    "qid",  # SPID-index
+    "spid",
+    "sender",  # envelope sender, "" for the null sender
+    "recipient",
+    "domain",  # recipient domain, lower case
+    "tenantid",
+    "jobid",
+    "transportid",
+    "localip",  # source IP used for the attempt (or the entry's list, comma-joined)
+    "remotemx",  # MX host name of the attempt
+    "remoteip",  # IP address connected to
+    "attempt",  # attempts so far, including this one
+    "code",  # SMTP basic code (int) or null
+    "enhanced",  # RFC 3463 code or null
+    "response",  # reply text or null
+    "queue_age_s",  # seconds since arrival
+    "size",  # message size in bytes
+    "duration_s",  # duration of the delivery attempt, or null
+    "is_report",  # true for NDRs
+)
+
+
+def iso_time(at: float) -> str:
+    """POSIX seconds as 2026-11-22T10:00:00.123Z."""
+    dt = datetime.fromtimestamp(at, UTC)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def make_event(
+    kind: EventKind | str,
+    entry: QueueEntry,
+    now: float,
+    *,
+    node: str = "",
+    reply: Reply | None = None,
+    attempt: int | None = None,
+    localip: str | None = None,
+    remotemx: str | None = None,
+    remoteip: str | None = None,
+    duration_s: float | None = None,
+) -> dict[str, Any]:
+    """One accounting line for ``entry``, with every key of EVENT_FIELDS."""
+    return {
+        "time": iso_time(now),
+        "event": str(kind),
+        "node": node,
+        "qid": entry.qid,
+        "spid": entry.spid,
+        "sender": entry.sender,
+        "recipient": entry.recipient,
+        "domain": entry.domain,
+        "tenantid": entry.tenantid,
+        "jobid": entry.jobid,
+        "transportid": entry.transportid,
+        "localip": localip if localip is not None else ",".join(entry.localip),
+        "remotemx": remotemx,
+        "remoteip": remoteip,
+        "attempt": entry.attempts if attempt is None else attempt,
+        "code": reply.code if reply else None,
+        "enhanced": (reply.enhanced or None) if reply else None,
+        "response": reply.text if reply else None,
+        "queue_age_s": round(max(0.0, now - entry.arrival_at), 3),
+        "size": entry.size,
+        "duration_s": None if duration_s is None else round(duration_s, 4),
+        "is_report": entry.is_report,
+    }
+
+
+class AccountingLog:
+    """Appends accounting lines to time-rotated files under ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str], rotate: str = "hourly",
+                 keep_s: float = 30 * 86400.0, node: str = "") -> None:
+        if rotate not in ("hourly", "daily"):
+            raise ValueError(f"rotate must be hourly or daily, not {rotate!r}")
+        self.path = Path(path)
+        self.rotate = rotate
+        self.keep_s = keep_s
+        self.node = node
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._name = ""
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def filename(self, at: float) -> str:
+        fmt = "%Y%m%dT%H" if self.rotate == "hourly" else "%Y%m%d"
+        return f"sluice-acct-{datetime.fromtimestamp(at, UTC).strftime(fmt)}.jsonl"
+
+    def record(self, events: Iterable[Mapping[str, Any]], now: float | None = None) -> int:
+        """Append ``events`` (dicts from make_event); returns how many."""
+        lines = []
+        for event in events:
+            if self.node and not event.get("node"):
+                event = {**event, "node": self.node}
+            lines.append(json.dumps(event, separators=(",", ":"), ensure_ascii=False))
+        if not lines:
+            return 0
+        data = ("\n".join(lines) + "\n").encode("utf-8")
+        at = time.time() if now is None else now
+        with self._lock:
+            fd = self._file_for(at)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        return len(lines)
+
+    def _file_for(self, at: float) -> int:
+        name = self.filename(at)
+        if name != self._name or self._fd < 0:
+            if self._fd >= 0:
+                os.close(self._fd)
+            self._fd = os.open(self.path / name,
+                               os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            self._name = name
+            self._prune(at)
+        return self._fd
+
+    def _prune(self, now: float) -> None:
+        cutoff = now - self.keep_s
+        for old in self.path.glob("sluice-acct-*.jsonl"):
+            try:
+                if old.stat().st_mtime < cutoff:
+                    old.unlink()
+            except FileNotFoundError:
+                continue
+
+    def files(self) -> list[Path]:
+        return sorted(self.path.glob("sluice-acct-*.jsonl"))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+                self._name = ""
