@@ -129,7 +129,9 @@ def parse_retry_delays(value: object) -> tuple[float, ...]:
         items = list(value)
     else:
         raise ValueError(f"{value!r} is not a list of delays")
-    delays = tuple(parse_duration(item.strip() if isinstance(item, str) else item) for item in items)
+    delays = tuple(
+        parse_duration(item.strip() if isinstance(item, str) else item) for item in items
+    )
     if not delays:
         raise ValueError("at least one delay is needed")
     if any(d <= 0 for d in delays):
@@ -318,22 +320,32 @@ class Config:
     def hostname(self) -> str:
         return self.node.hostname
 
-    def to_dict(self) -> dict[str, Any]:
-        """The effective settings as plain data (durations in seconds)."""
-        out = _to_plain(self)
+    def to_dict(self, readable: bool = False) -> dict[str, Any]:
+        """The effective settings as plain data: durations in seconds, or with
+        ``readable`` spelt as in a config file ("30m", "30m | 2h | 4h")."""
+        out = _to_plain(self, readable)
         assert isinstance(out, dict)
         out.pop("source", None)
         out.pop("base_dir", None)
         return out
 
 
-def _to_plain(value: object) -> object:
+def _to_plain(value: object, readable: bool = False) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        out: dict[str, object] = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if readable and f.metadata.get("duration"):
+                out[f.name] = format_duration(item)
+            elif readable and f.name == "retry_delays":
+                out[f.name] = " | ".join(format_duration(d) for d in item)
+            else:
+                out[f.name] = _to_plain(item, readable)
+        return out
     if isinstance(value, Mapping):
-        return {str(k): _to_plain(v) for k, v in value.items()}
+        return {str(k): _to_plain(v, readable) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        return [_to_plain(v) for v in value]
+        return [_to_plain(v, readable) for v in value]
     return value
 
 
@@ -358,7 +370,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         return error.message.replace("Additional properties are not allowed", "unknown key")
     if error.validator == "enum":
-        allowed = ", ".join(repr(v) for v in error.validator_value)
+        allowed = ", ".join(repr(v) for v in list(error.validator_value))  # type: ignore[arg-type]
         return f"{error.instance!r} is not one of {allowed}"
     return error.message
 
@@ -458,7 +470,8 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(source, "", f"invalid YAML {where}: {problem}".replace("  ", " ")) from None
+        message = f"invalid YAML {where}: {problem}".replace("  ", " ")
+        raise ConfigError(source, "", message) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -59,7 +59,7 @@ def iter_chunks(content: Content, bufsize: int) -> Iterator[bytes | memoryview]:
             if not piece:
                 return
             yield piece
-    for piece in content:  # type: ignore[union-attr]
+    for piece in content:
         if len(piece) <= bufsize:
             if piece:
                 yield piece

@@ -27,6 +27,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -165,7 +166,7 @@ class FsSpool:
     # -- reading and removal ----------------------------------------------------
 
     def open(self, spid: str) -> IO[bytes]:
-        return open(self.path(spid), "rb", buffering=self.bufsize)  # noqa: SIM115
+        return open(self.path(spid), "rb", buffering=self.bufsize)
 
     def delete(self, spid: str) -> None:
         _unlink(self.path(spid))
@@ -206,7 +207,5 @@ def _sync_one(job: tuple[str, int | str]) -> None:
 
 
 def _unlink(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -1,0 +1,190 @@
+"""Non-delivery reports: RFC 3464 delivery status notifications.
+
+SUMMARY
+    build_ndr(...) -> bytes; status_code(reply, expired) -> str;
+    FailedRecipient; read_header_block(stream, limit) -> bytes.
+
+DESCRIPTION
+    An NDR is a ``multipart/report; report-type=delivery-status`` message
+    (RFC 6522) with three parts:
+
+    1. a text/plain explanation for a person;
+    2. ``message/delivery-status`` (RFC 3464): per-message fields
+       Reporting-MTA and Arrival-Date, then per recipient Final-Recipient,
+       Action: failed, Status (an RFC 3463 code), Remote-MTA when known,
+       Diagnostic-Code (the SMTP reply) and Last-Attempt-Date;
+    3. ``text/rfc822-headers``: the header of the original message.
+
+    It goes from the null sender ``<>`` to the original envelope sender and
+    is queued like any message, with retry_maxtime_reports.  Never an NDR
+    for an NDR, nor for mail from the null sender (RFC 5321 section 6.1):
+    the caller discards those and logs it.
+
+    Status codes: the enhanced code of the last reply when it has one of
+    the right class; otherwise 5.0.0 for a permanent failure and 4.4.7
+    ("delivery time expired", RFC 3463 section 3.5) for an expired message
+    whose last reply carried no usable code.  An expired message keeps its
+    last transient code (e.g. 4.4.1), as Postfix does: the reader learns
+    why the attempts failed, and "Action: failed" says it is final.
+
+    Pure: no I/O, no clock (``now`` is a parameter).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.message import Message
+from email.policy import SMTP
+from email.utils import format_datetime
+from typing import IO
+
+from sluice.model import Reply
+
+__all__ = ["FailedRecipient", "build_ndr", "read_header_block", "status_code"]
+
+_ENHANCED_RE = re.compile(r"^[245]\.\d{1,3}\.\d{1,3}$")
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRecipient:
+    """One recipient an NDR reports on."""
+
+    recipient: str
+    reply: Reply | None
+    last_attempt_at: float | None = None
+    remote_mta: str | None = None
+    expired: bool = False
+
+
+def status_code(reply: Reply | None, expired: bool) -> str:
+    """The RFC 3463 Status for a failed recipient (see the module doc)."""
+    enhanced = reply.enhanced if reply else ""
+    if enhanced and _ENHANCED_RE.match(enhanced):
+        cls = enhanced[0]
+        if expired and cls in "45":
+            return enhanced
+        if not expired and cls == "5":
+            return enhanced
+    # No usable code: "delivery time expired", or an unspecified permanent
+    # failure (also for an operator's bounce of an entry whose last reply
+    # was transient: the failure is final now).
+    return "4.4.7" if expired else "5.0.0"
+
+
+def _rfc5322_date(at: float) -> str:
+    return format_datetime(datetime.fromtimestamp(at, UTC))
+
+
+def _diagnostic(reply: Reply | None) -> str:
+    if reply is None:
+        return "X-Sluice; delivery time expired before any attempt"
+    # RFC 3464 2.3.6: the SMTP reply, as one line.
+    text = " ".join(str(reply).split())
+    return f"smtp; {text}"
+
+
+def read_header_block(stream: IO[bytes], limit: int = 65536) -> bytes:
+    """The header of a message (up to the empty line), at most ``limit`` bytes.
+
+    Reads line by line from a stream, so that a large body is never loaded.
+    """
+    out = bytearray()
+    while len(out) < limit:
+        line = stream.readline(limit - len(out) + 1)
+        if not line or line in (b"\r\n", b"\n"):
+            break
+        out += line
+    return bytes(out[:limit])
+
+
+def _human_text(hostname: str, failed: Sequence[FailedRecipient]) -> str:
+    lines = [
+        f"This is the mail system at host {hostname}.",
+        "",
+        "I'm sorry to have to inform you that your message could not",
+        "be delivered to one or more recipients. It's attached below.",
+        "",
+    ]
+    for f in failed:
+        why = "the retry period expired" if f.expired else "delivery failed permanently"
+        reply = f" ({' '.join(str(f.reply).split())})" if f.reply else ""
+        lines.append(f"<{f.recipient}>: {why}{reply}")
+    lines.append("")
+    return "\r\n".join(lines)
+
+
+def build_ndr(
+    *,
+    reporting_mta: str,
+    from_address: str,
+    original_sender: str,
+    original_spid: str,
+    arrival_at: float,
+    now: float,
+    failed: Sequence[FailedRecipient],
+    original_headers: bytes,
+) -> bytes:
+    """The NDR as bytes with CRLF line ends, ready to be queued."""
+    if not failed:
+        raise ValueError("an NDR needs at least one failed recipient")
+    if not original_sender:
+        raise ValueError("never an NDR for mail from the null sender")
+    if "@" not in from_address:
+        from_address = f"{from_address}@{reporting_mta}"
+
+    report = Message(policy=SMTP)
+    report["From"] = f"Mail Delivery System <{from_address}>"
+    report["To"] = f"<{original_sender}>"
+    report["Subject"] = "Undelivered Mail Returned to Sender"
+    report["Date"] = _rfc5322_date(now)
+    # Deterministic (no clock, no randomness): one NDR per message and time.
+    report["Message-ID"] = f"<{original_spid}.{int(now * 1000)}.ndr@{reporting_mta}>"
+    report["Auto-Submitted"] = "auto-replied"  # RFC 3834: no auto-reply loops
+    report["MIME-Version"] = "1.0"
+    report.set_type("multipart/report")
+    report.set_param("report-type", "delivery-status")
+
+    human = Message(policy=SMTP)
+    human.set_type("text/plain")
+    human.set_param("charset", "us-ascii")
+    human["Content-Description"] = "Notification"
+    human.set_payload(_human_text(reporting_mta, failed))
+
+    status = Message(policy=SMTP)
+    status.set_type("message/delivery-status")
+    status["Content-Description"] = "Delivery report"
+    per_message = Message(policy=SMTP)
+    per_message["Reporting-MTA"] = f"dns; {reporting_mta}"
+    per_message["X-Sluice-Queue-ID"] = original_spid
+    per_message["Arrival-Date"] = _rfc5322_date(arrival_at)
+    blocks: list[Message | str] = [per_message]
+    for f in failed:
+        block = Message(policy=SMTP)
+        block["Final-Recipient"] = f"rfc822; {f.recipient}"
+        block["Action"] = "failed"
+        block["Status"] = status_code(f.reply, f.expired)
+        if f.remote_mta:
+            block["Remote-MTA"] = f"dns; {f.remote_mta}"
+        block["Diagnostic-Code"] = _diagnostic(f.reply)
+        if f.last_attempt_at is not None:
+            block["Last-Attempt-Date"] = _rfc5322_date(f.last_attempt_at)
+        blocks.append(block)
+    status.set_payload(blocks)
+
+    headers = Message(policy=SMTP)
+    headers.set_type("text/rfc822-headers")
+    headers["Content-Description"] = "Undelivered Message Headers"
+    text = original_headers.decode("ascii", "surrogateescape").replace("\r\n", "\n")
+    if any(b > 127 for b in original_headers):
+        headers["Content-Transfer-Encoding"] = "8bit"
+    else:
+        headers["Content-Transfer-Encoding"] = "7bit"
+    headers.set_payload(text)
+
+    report.attach(human)
+    report.attach(status)
+    report.attach(headers)
+    return report.as_bytes(policy=SMTP)

@@ -1,0 +1,50 @@
+"""`sluice config check|show|schema`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from sluice.cli import load
+from sluice.config import config_schema
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("config", help="check or show the configuration")
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION")
+    csub.required = True
+    check = csub.add_parser("check", help="validate the configuration; exit 0 when valid")
+    check.set_defaults(func=cmd_check)
+    show = csub.add_parser("show", help="print the effective configuration with defaults")
+    show.add_argument("--json", action="store_true", help="JSON instead of YAML")
+    show.set_defaults(func=cmd_show)
+    schema = csub.add_parser("schema", help="print the JSON Schema of the configuration file")
+    schema.set_defaults(func=cmd_schema)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    print(f"{cfg.source}: OK")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    data = cfg.to_dict(readable=not args.json)
+    if args.json:
+        json.dump(data, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"# effective configuration from {cfg.source}")
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    json.dump(config_schema(), sys.stdout, indent=2)
+    print()
+    return 0

@@ -1,0 +1,342 @@
+"""Queue commands: sendmail, qlist, qcount, qshape, hold, release, retry, delete, priority, bounce.
+
+DESCRIPTION
+    qlist follows Mailismus: semicolon-separated fields, the first row
+    names them, the last column (DSN) tells a delivery report from a
+    message, and the totals close the listing.  qshape follows Postfix's
+    qshape(1): recipients per domain by age in minutes.
+
+    The commands open the queue directly.  They work while ``sluice serve``
+    runs: SQLite readers never block the server, and a running queue
+    manager learns of changes through the store's change feed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import email.utils
+import io
+import itertools
+import json
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from email.parser import BytesHeaderParser
+from email.policy import compat32
+from typing import IO, Any
+
+from sluice.cli import CommandError, load
+from sluice.config import parse_duration
+from sluice.model import QueueEntry, QueueState, Selector, Submission
+from sluice.queue import QSHAPE_EDGES_MIN, Queue
+from sluice.store import Action, Counts, StorageError
+
+QLIST_FIELDS = (
+    "QueueID", "SPID", "State", "Sender", "Recipient", "Domain", "Arrival", "NextAttempt",
+    "Attempts", "Priority", "TenantID", "JobID", "TransportID", "LocalIP", "LastReply",
+    "Size", "DSN",
+)
+
+
+def _time(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _add_selector_args(p: argparse.ArgumentParser, with_ids: bool) -> None:
+    if with_ids:
+        p.add_argument("ids", nargs="*", metavar="QUEUEID",
+                       help="queue ids (SPID-N) or SPIDs (all recipients of the message)")
+    p.add_argument("--state", action="append", choices=[s.value for s in QueueState],
+                   help="only entries in this state (repeatable)")
+    p.add_argument("--domain", help="recipient domain")
+    p.add_argument("--sender", help="envelope sender ('' for the null sender)")
+    p.add_argument("--recipient", help="recipient address")
+    p.add_argument("--tenant", help="tenantid")
+    p.add_argument("--job", help="jobid")
+    p.add_argument("--transport", help="transportid")
+
+
+def selector_from_args(args: argparse.Namespace) -> Selector:
+    try:
+        return Selector(
+            qids=tuple(getattr(args, "ids", None) or ()),
+            states=tuple(QueueState(s) for s in (args.state or ())),
+            domain=args.domain,
+            sender=args.sender,
+            recipient=args.recipient,
+            tenantid=args.tenant,
+            jobid=args.job,
+            transportid=args.transport,
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc), status=2) from None
+
+
+def _open(args: argparse.Namespace) -> Queue:
+    try:
+        return Queue.open(load(args))
+    except StorageError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("sendmail", help="queue a message read from standard input")
+    p.add_argument("recipients", nargs="*", metavar="RCPT")
+    p.add_argument("-f", dest="sender", default=None, help="envelope sender")
+    p.add_argument("-t", dest="from_headers", action="store_true",
+                   help="take recipients from the To, Cc and Bcc headers (Bcc is removed)")
+    p.add_argument("--tenant", default="", help="tenantid")
+    p.add_argument("--job", default="", help="jobid")
+    p.add_argument("--transport", default="", help="transportid")
+    p.add_argument("--localip", action="append", default=[], help="source IP (repeatable)")
+    p.add_argument("--priority", type=int, choices=(0, 1), default=0)
+    p.add_argument("--hold", action="store_true", help="queue on hold")
+    p.add_argument("--delay", default=None, help="queue deferred for this long (e.g. 10m)")
+    p.set_defaults(func=cmd_sendmail)
+
+    p = sub.add_parser("qlist", help="list the queue (semicolon-separated, Mailismus style)")
+    _add_selector_args(p, with_ids=False)
+    p.add_argument("--json", action="store_true", help="JSON instead of semicolon CSV")
+    p.add_argument("--limit", type=int, default=None, help="at most this many entries")
+    p.set_defaults(func=cmd_qlist)
+
+    p = sub.add_parser("qcount", help="the queue's totals")
+    _add_selector_args(p, with_ids=False)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_qcount)
+
+    p = sub.add_parser("qshape", help="recipients per domain by age (Postfix qshape)")
+    _add_selector_args(p, with_ids=False)
+    p.add_argument("--top", type=int, default=0, help="only the N largest domains")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_qshape)
+
+    for action, text in (
+        (Action.HOLD, "put entries on hold"),
+        (Action.RELEASE, "release held entries"),
+        (Action.RETRY, "retry deferred entries now"),
+        (Action.DELETE, "delete entries (no NDR)"),
+        (Action.BOUNCE, "bounce entries (the sender gets an NDR)"),
+    ):
+        p = sub.add_parser(action.value, help=text)
+        _add_selector_args(p, with_ids=True)
+        p.add_argument("--all", action="store_true", help="allow an empty selection (everything)")
+        p.add_argument("--dry-run", action="store_true", help="only say how many would change")
+        p.set_defaults(func=cmd_action, action=action)
+    p = sub.add_parser("priority", help="set the priority (0 normal, 1 high)")
+    p.add_argument("value", type=int, choices=(0, 1))
+    _add_selector_args(p, with_ids=True)
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_action, action=Action.PRIORITY)
+
+
+# -- sendmail -----------------------------------------------------------------------------
+
+def _read_header(stream: IO[bytes], limit: int = 1 << 20) -> bytes:
+    out = bytearray()
+    while True:
+        line = stream.readline(65536)
+        out += line
+        if not line or line in (b"\r\n", b"\n"):
+            return bytes(out)
+        if len(out) > limit:
+            raise CommandError("the message header is larger than 1 MB")
+
+
+def cmd_sendmail(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    stdin = sys.stdin.buffer
+    header = _read_header(stdin)
+    recipients = list(args.recipients)
+    parsed = BytesHeaderParser(policy=compat32).parsebytes(header)
+    if args.from_headers:
+        fields = parsed.get_all("To", []) + parsed.get_all("Cc", []) + parsed.get_all("Bcc", [])
+        recipients += [addr for _, addr in email.utils.getaddresses(fields) if addr]
+        if parsed.get("Bcc") is not None:
+            header = b"".join(
+                line for line in _header_lines(header) if not line.lower().startswith(b"bcc:")
+            )
+    if not recipients:
+        raise CommandError("no recipients (give them as arguments, or use -t)", status=2)
+    sender = args.sender
+    if sender is None:
+        sender = f"{_user()}@{cfg.node.hostname}"
+    eol = b"\r\n" if header.endswith(b"\r\n") else b"\n"
+    extra = b""
+    if parsed.get("Date") is None:
+        extra += b"Date: " + email.utils.formatdate(localtime=False).encode() + eol
+    if parsed.get("Message-ID") is None:
+        extra += b"Message-ID: " + email.utils.make_msgid(domain=cfg.node.hostname).encode() + eol
+    if parsed.get("From") is None and sender:
+        extra += b"From: <" + sender.encode() + b">" + eol
+    delay_s = parse_duration(args.delay) if args.delay else 0.0
+    sub = Submission(
+        sender=sender, recipients=tuple(recipients), tenantid=args.tenant, jobid=args.job,
+        transportid=args.transport, localip=tuple(args.localip), priority=args.priority,
+        hold=args.hold, delay_s=delay_s,
+    )
+    content = itertools.chain([extra + header], iter(lambda: stdin.read(65536), b""))
+    with _open(args) as queue:
+        try:
+            accepted = queue.submit(sub, content)
+        except StorageError as exc:
+            raise CommandError(f"not queued: {exc}") from None
+    print(f"queued {accepted.spid} for {len(accepted.qids)} recipient(s), {accepted.size} bytes")
+    return 0
+
+
+def _header_lines(header: bytes) -> Iterator[bytes]:
+    """Header fields with their continuation lines, one item per field."""
+    field = b""
+    for line in io.BytesIO(header):
+        if line[:1] in (b" ", b"\t") and field:
+            field += line
+            continue
+        if field:
+            yield field
+        field = line
+    if field:
+        yield field
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "nobody"
+
+
+# -- listing --------------------------------------------------------------------------------
+
+def _row(e: QueueEntry) -> list[str]:
+    return [
+        e.qid, e.spid, e.state.value, e.sender or "<>", e.recipient, e.domain,
+        _time(e.arrival_at), _time(e.next_attempt_at), str(e.attempts), str(e.priority),
+        e.tenantid, e.jobid, e.transportid, ",".join(e.localip),
+        str(e.last_reply) if e.last_reply else "", str(e.size), "yes" if e.is_report else "no",
+    ]
+
+
+def _as_json(e: QueueEntry) -> dict[str, Any]:
+    return {
+        "qid": e.qid, "spid": e.spid, "state": e.state.value, "sender": e.sender,
+        "recipient": e.recipient, "domain": e.domain, "arrival_at": e.arrival_at,
+        "next_attempt_at": e.next_attempt_at, "attempts": e.attempts, "priority": e.priority,
+        "tenantid": e.tenantid, "jobid": e.jobid, "transportid": e.transportid,
+        "localip": list(e.localip),
+        "last_reply": None if e.last_reply is None else {
+            "code": e.last_reply.code, "enhanced": e.last_reply.enhanced,
+            "text": e.last_reply.text},
+        "size": e.size, "dsn": e.is_report,
+    }
+
+
+def totals_line(c: Counts) -> str:
+    return (f"Total: {c.messages} messages, {c.recipients} recipients; "
+            f"new/incoming: {c[QueueState.INCOMING]}")
+
+
+def _counts_json(c: Counts) -> dict[str, Any]:
+    return {"messages": c.messages, "recipients": c.recipients,
+            "by_state": {s.value: c[s] for s in QueueState}}
+
+
+def cmd_qlist(args: argparse.Namespace) -> int:
+    selector = selector_from_args(args)
+    out = sys.stdout
+    with _open(args) as queue:
+        store = queue.store
+        if args.json:
+            out.write('{"entries": [')
+            for i, e in enumerate(store.entries(selector, limit=args.limit)):
+                out.write(("," if i else "") + "\n" + json.dumps(_as_json(e)))
+            counts = store.count(selector)
+            out.write('\n], "totals": ' + json.dumps(_counts_json(counts)) + "}\n")
+            return 0
+        writer = csv.writer(out, delimiter=";", lineterminator="\n")
+        writer.writerow(QLIST_FIELDS)
+        for e in store.entries(selector, limit=args.limit):
+            writer.writerow(_row(e))
+        counts = store.count(selector)
+    out.write(totals_line(counts) + "\n")
+    return 0
+
+
+def cmd_qcount(args: argparse.Namespace) -> int:
+    selector = selector_from_args(args)
+    with _open(args) as queue:
+        counts = queue.store.count(selector)
+    if args.json:
+        print(json.dumps(_counts_json(counts)))
+        return 0
+    print(totals_line(counts))
+    print("; ".join(f"{s.value}: {counts[s]}" for s in QueueState))
+    return 0
+
+
+def shape_table(shape: dict[str, list[int]], top: int = 0) -> list[list[str]]:
+    """Rows of the qshape table, TOTAL first, then domains by size."""
+    width = len(QSHAPE_EDGES_MIN) + 1
+    total = [0] * width
+    for counts in shape.values():
+        total = [a + b for a, b in zip(total, counts, strict=True)]
+    domains = sorted(shape.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
+    if top:
+        domains = domains[:top]
+    header = ["", "T"] + [str(m) for m in QSHAPE_EDGES_MIN] + [f"{QSHAPE_EDGES_MIN[-1]}+"]
+    rows = [header, ["TOTAL", str(sum(total))] + [str(n) for n in total]]
+    for domain, counts in domains:
+        rows.append([domain or "<none>", str(sum(counts))] + [str(n) for n in counts])
+    return rows
+
+
+def cmd_qshape(args: argparse.Namespace) -> int:
+    selector = selector_from_args(args)
+    edges_s = [m * 60.0 for m in QSHAPE_EDGES_MIN]
+    with _open(args) as queue:
+        shape = queue.store.shape(selector, time.time(), edges_s)
+    if args.json:
+        print(json.dumps({"buckets_min": list(QSHAPE_EDGES_MIN), "domains": shape}))
+        return 0
+    rows = shape_table(shape, args.top)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print(" ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))
+    return 0
+
+
+# -- actions ---------------------------------------------------------------------------------
+
+def cmd_action(args: argparse.Namespace) -> int:
+    action: Action = args.action
+    selector = selector_from_args(args)
+    if selector.is_empty and not args.all:
+        raise CommandError(
+            f"{action.value}: give queue ids or a selector (--domain, --sender, ...), "
+            "or --all for the whole queue", status=2)
+    with _open(args) as queue:
+        if args.dry_run:
+            from sluice.store import ACTION_STATES
+
+            states = tuple(s for s in ACTION_STATES[action]
+                           if not selector.states or s in selector.states)
+            counts = queue.store.count(Selector(
+                qids=selector.qids, states=states, domain=selector.domain,
+                sender=selector.sender, recipient=selector.recipient,
+                tenantid=selector.tenantid, jobid=selector.jobid,
+                transportid=selector.transportid))
+            print(f"{action.value}: would change {counts.recipients} recipient(s)")
+            return 0
+        priority = getattr(args, "value", None)
+        touched = queue.act(selector, action, priority=priority)
+        if action is Action.BOUNCE:
+            queue.run_bounces()
+    verb = {"hold": "held", "release": "released", "retry": "scheduled for retry now",
+            "delete": "deleted", "bounce": "bounced", "priority": "reprioritised"}[action.value]
+    print(f"{verb} {len(touched)} recipient(s)")
+    return 0 if touched or not selector.qids else 1

@@ -1,0 +1,357 @@
+"""The queue's life cycle on top of a store: submit, outcomes, expiry, NDRs, operator actions.
+
+SUMMARY
+    Queue(config, store, accounting, clock).  Queue.open(config) opens the
+    configured store flavour and the accounting log.
+
+DESCRIPTION
+    The store keeps entries; this module decides what happens to them, the
+    same way for every flavour, and writes one accounting line for each
+    change:
+
+    submit      spool + meta, durable before it returns ("250").
+    claim       refill for the active queue (store.claim with quota_deferred).
+    record      outcomes of delivery attempts: 2xx delivered (gone);
+                5xx bounce; 4xx deferred by the retry rules, or bounce when
+                the message has outlived retry_maxtime (sluice.retry).
+    expire      the periodic sweep (bounces_interval) that bounces
+                deferred entries past retry_maxtime.
+    run_bounces NDRs for entries in the bounce state: one RFC 3464 report
+                per message, from <> to the sender, queued like any other
+                mail.  Never an NDR for an NDR or for mail from <>: those
+                are discarded and logged ("discarded").
+    act         operator actions on a selector: hold, release, retry,
+                delete, priority, bounce.
+
+STRATEGIES
+    Late results lose to operators.  A failed attempt's result applies only
+    while the entry is still active/delivering, so an operator's hold or
+    delete made meanwhile wins.  A successful delivery always removes the
+    entry: the mail is out, keeping it would send it twice.
+
+    At least once.  Between queueing an NDR and removing the bounce entries
+    a crash may leave both: the NDR is then sent twice, never lost.
+
+SEE ALSO
+    sluice.store, sluice.retry, sluice.bounce, sluice.accounting
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.accounting import AccountingLog, EventKind, make_event
+from sluice.bounce import FailedRecipient, build_ndr, read_header_block
+from sluice.config import Config
+from sluice.model import (
+    IN_FLIGHT_STATES,
+    Accepted,
+    Delivered,
+    Outcome,
+    PermFail,
+    QueueEntry,
+    QueueState,
+    Reply,
+    Selector,
+    Submission,
+    TempFail,
+    recipient_domain,
+)
+from sluice.retry import RetryPolicy
+from sluice.spool import Content
+from sluice.store import Action, Store, StorageError, Transition, open_store
+
+__all__ = ["AttemptResult", "Queue", "QSHAPE_EDGES_MIN"]
+
+#: Postfix qshape's age buckets, in minutes: T 5 10 20 40 80 160 320 640 1280 1280+
+QSHAPE_EDGES_MIN: tuple[int, ...] = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
+
+#: Reply recorded when an entry expires without a reply of its own.
+EXPIRED_REPLY = Reply(451, "4.4.7", "delivery time expired")
+
+_ACTION_EVENT = {
+    Action.HOLD: EventKind.HELD,
+    Action.RELEASE: EventKind.RELEASED,
+    Action.RETRY: EventKind.RETRY,
+    Action.DELETE: EventKind.DELETED,
+    Action.PRIORITY: EventKind.PRIORITY,
+    Action.BOUNCE: EventKind.BOUNCED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptResult:
+    """What one delivery attempt did for one entry.
+
+    ``attempted`` is False when no connection was tried (a dead destination,
+    a pre-delivery hook's defer): the entry is deferred, and its attempt
+    count still grows so that its retry schedule advances.
+    """
+
+    entry: QueueEntry
+    outcome: Outcome
+    attempted: bool = True
+    localip: str | None = None
+    remotemx: str | None = None
+    remoteip: str | None = None
+    duration_s: float | None = None
+
+
+class Queue:
+    """The life cycle of queued mail over any Store flavour."""
+
+    def __init__(self, config: Config, store: Store, accounting: AccountingLog | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.store = store
+        self.accounting = accounting
+        self.clock = clock
+        self.retry = RetryPolicy.from_config(config.queue)
+        self.node = config.node.id
+
+    @classmethod
+    def open(cls, config: Config, clock: Callable[[], float] = time.time) -> Queue:
+        store = open_store(config)
+        acct = AccountingLog(config.accounting.path, config.accounting.rotate,
+                             config.accounting.keep, node=config.node.id)
+        return cls(config, store, acct, clock)
+
+    def close(self) -> None:
+        self.store.close()
+        if self.accounting is not None:
+            self.accounting.close()
+
+    def __enter__(self) -> Queue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- accounting ----------------------------------------------------------------
+
+    def _log(self, events: Iterable[dict[str, Any]], now: float) -> None:
+        if self.accounting is not None:
+            self.accounting.record(events, now)
+
+    def _event(self, kind: EventKind, entry: QueueEntry, now: float, **kw: Any
+               ) -> dict[str, Any]:
+        return make_event(kind, entry, now, node=self.node, **kw)
+
+    @staticmethod
+    def entries_of(submission: Submission, accepted: Accepted, now: float) -> list[QueueEntry]:
+        """The entries a submission created, as the store holds them."""
+        if submission.hold:
+            state = QueueState.HOLD
+        elif submission.delay_s > 0:
+            state = QueueState.DEFERRED
+        else:
+            state = QueueState.INCOMING
+        return [
+            QueueEntry(
+                spid=accepted.spid, idx=i, sender=submission.sender, recipient=rcpt,
+                state=state, arrival_at=now, next_attempt_at=now + submission.delay_s,
+                priority=submission.priority, tenantid=submission.tenantid,
+                jobid=submission.jobid, transportid=submission.transportid,
+                localip=submission.localip, is_report=submission.is_report,
+                size=accepted.size, domain=recipient_domain(rcpt),
+            )
+            for i, rcpt in enumerate(submission.recipients)
+        ]
+
+    # -- submission --------------------------------------------------------------------
+
+    def submit(self, submission: Submission, content: Content) -> Accepted:
+        """Queue a message; returns once content and meta are durable."""
+        return self.submit_future(submission, content).result()
+
+    def submit_future(self, submission: Submission, content: Content
+                      ) -> concurrent.futures.Future[Accepted]:
+        """As submit(); the future resolves when durable (for async servers)."""
+        now = self.clock()
+        fut = self.store.submit_future(submission, content, now)
+
+        def logged(done: concurrent.futures.Future[Accepted]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            accepted = done.result()
+            self._log(
+                (self._event(EventKind.RECEIVED, e, now)
+                 for e in self.entries_of(submission, accepted, now)),
+                now,
+            )
+
+        fut.add_done_callback(logged)
+        return fut
+
+    # -- the queue manager's side ------------------------------------------------------
+
+    def claim(self, limit: int) -> list[QueueEntry]:
+        return self.store.claim(limit, self.clock(), self.config.queue.quota_deferred)
+
+    def mark_delivering(self, entries: Sequence[QueueEntry]) -> None:
+        """Note that attempts started.  Not waited for: recovery treats active
+        and delivering alike, so losing this in a crash changes nothing."""
+        self.store.apply(
+            [Transition(e.qid, QueueState.DELIVERING, expect=(QueueState.ACTIVE,))
+             for e in entries],
+            wait=False,
+        )
+
+    def release_claims(self, entries: Sequence[QueueEntry]) -> None:
+        """Give claimed entries back untried (shutdown, dropped from memory)."""
+        now = self.clock()
+        self.store.apply(
+            [Transition(e.qid, QueueState.DEFERRED if e.attempts else QueueState.INCOMING,
+                        next_attempt_at=now if e.attempts else e.arrival_at,
+                        expect=IN_FLIGHT_STATES)
+             for e in entries]
+        )
+
+    def record(self, results: Sequence[AttemptResult]) -> list[tuple[AttemptResult, QueueState | None]]:
+        """Apply attempt outcomes; returns each result with the state it led to
+        (None: gone), for the results that applied."""
+        now = self.clock()
+        transitions: list[Transition] = []
+        planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]] = []
+        for res in results:
+            e = res.entry
+            match res.outcome:
+                case Delivered(reply):
+                    transitions.append(Transition(e.qid, None, reply=reply))
+                    planned.append((res, None, EventKind.DELIVERED, reply))
+                case PermFail(reply):
+                    transitions.append(Transition(
+                        e.qid, QueueState.BOUNCE, reply=reply, attempted=res.attempted,
+                        expect=IN_FLIGHT_STATES))
+                    planned.append((res, QueueState.BOUNCE, EventKind.BOUNCED, reply))
+                case TempFail(reply):
+                    failures = e.attempts + 1
+                    at = self.retry.next_attempt_at(now, failures, e.arrival_at, e.is_report)
+                    if at is None:
+                        transitions.append(Transition(
+                            e.qid, QueueState.BOUNCE, reply=reply, attempted=res.attempted,
+                            expect=IN_FLIGHT_STATES))
+                        planned.append((res, QueueState.BOUNCE, EventKind.EXPIRED, reply))
+                    else:
+                        transitions.append(Transition(
+                            e.qid, QueueState.DEFERRED, next_attempt_at=at, reply=reply,
+                            attempted=True, expect=IN_FLIGHT_STATES))
+                        planned.append((res, QueueState.DEFERRED, EventKind.DEFERRED, reply))
+        applied = self.store.apply(transitions)
+        out: list[tuple[AttemptResult, QueueState | None]] = []
+        events = []
+        for res, state, kind, reply in planned:
+            if res.entry.qid not in applied:
+                continue
+            out.append((res, state))
+            attempts = res.entry.attempts + (1 if res.attempted or kind is EventKind.DEFERRED
+                                             else 0)
+            events.append(self._event(
+                kind, res.entry, now, reply=reply, attempt=attempts, localip=res.localip,
+                remotemx=res.remotemx, remoteip=res.remoteip, duration_s=res.duration_s))
+        self._log(events, now)
+        return out
+
+    def expire(self, limit: int = 10000) -> int:
+        """Bounce deferred entries past retry_maxtime (every bounces_interval)."""
+        now = self.clock()
+        total = 0
+        while True:
+            batch = self.store.expired(now - self.retry.maxtime_s,
+                                       now - self.retry.maxtime_reports_s, limit)
+            if not batch:
+                return total
+            transitions = [
+                Transition(e.qid, QueueState.BOUNCE, reply=e.last_reply or EXPIRED_REPLY,
+                           expect=(QueueState.DEFERRED,))
+                for e in batch
+            ]
+            applied = self.store.apply(transitions)
+            self._log(
+                (self._event(EventKind.EXPIRED, e, now, reply=e.last_reply or EXPIRED_REPLY)
+                 for e in batch if e.qid in applied),
+                now,
+            )
+            total += len(applied)
+            if len(batch) < limit or not applied:
+                return total
+
+    def run_bounces(self, limit: int = 1000) -> int:
+        """Queue NDRs for entries in the bounce state; returns NDRs queued."""
+        now = self.clock()
+        entries = list(self.store.entries(Selector(states=(QueueState.BOUNCE,)), limit=limit))
+        by_spid: dict[str, list[QueueEntry]] = defaultdict(list)
+        for e in entries:
+            by_spid[e.spid].append(e)
+        ndrs = 0
+        for spid, group in by_spid.items():
+            first = group[0]
+            if first.is_report or not first.sender:
+                # RFC 5321 6.1 / Mailismus: never an NDR for an NDR or for <>.
+                kind = EventKind.DISCARDED
+            else:
+                try:
+                    self._queue_ndr(spid, group, now)
+                except StorageError:
+                    continue  # try again on the next run; nothing is lost
+                kind = EventKind.NDR
+                ndrs += 1
+            applied = self.store.apply(
+                [Transition(e.qid, None, expect=(QueueState.BOUNCE,)) for e in group])
+            self._log((self._event(kind, e, now, reply=e.last_reply)
+                       for e in group if e.qid in applied), now)
+        return ndrs
+
+    def _queue_ndr(self, spid: str, group: Sequence[QueueEntry], now: float) -> Accepted:
+        first = group[0]
+        try:
+            with self.store.open_content(spid) as stream:
+                headers = read_header_block(stream, self.config.bounce.max_original_headers)
+        except (StorageError, OSError):
+            headers = b""
+        failed = [
+            FailedRecipient(
+                recipient=e.recipient,
+                reply=e.last_reply,
+                last_attempt_at=now if e.attempts else None,
+                expired=self.retry.is_expired(now, e.arrival_at, e.is_report)
+                or (e.last_reply is not None and e.last_reply.is_transient),
+            )
+            for e in group
+        ]
+        report = build_ndr(
+            reporting_mta=self.config.node.hostname,
+            from_address=self.config.bounce.from_address,
+            original_sender=first.sender,
+            original_spid=spid,
+            arrival_at=first.arrival_at,
+            now=now,
+            failed=failed,
+            original_headers=headers,
+        )
+        sub = Submission(sender="", recipients=(first.sender,), tenantid=first.tenantid,
+                         jobid=first.jobid, transportid=first.transportid,
+                         localip=first.localip, is_report=True)
+        return self.submit(sub, report)
+
+    # -- operator side ------------------------------------------------------------------
+
+    def act(self, selector: Selector, action: Action, *, priority: int | None = None,
+            reply: Reply | None = None) -> list[QueueEntry]:
+        """Apply an operator action; returns the entries it touched (as they were)."""
+        now = self.clock()
+        touched = self.store.modify(selector, action, now, priority=priority, reply=reply)
+        kind = _ACTION_EVENT[action]
+        self._log((self._event(kind, e, now, reply=reply if action is Action.BOUNCE else None)
+                   for e in touched), now)
+        return touched
+
+    def recover(self) -> int:
+        """After a restart: in-flight entries return to the queue."""
+        now = self.clock()
+        return self.store.recover(now)

@@ -1,0 +1,831 @@
+"""The embedded default meta queue: SQLite in WAL mode, one row per recipient.
+
+SUMMARY
+    SqliteStore(path, spool, node_id=...) implements sluice.store.Store.
+
+DESCRIPTION
+    Table ``queue`` holds one row per recipient entry, keyed by (spid, idx),
+    with its state, next attempt time, attempts, last reply, priority and
+    the fields pickup policies key on (tenantid, jobid, transportid,
+    localip, domain).  The SPID is time-ordered, so the primary key is also
+    arrival order: listing is a range scan and a cursor is the last qid.
+    ``qstats`` keeps counts per state and of messages up to date through
+    triggers, so qcount costs nothing at a million rows.  ``qchanges`` is
+    the operator change feed a running queue manager polls.
+
+STRATEGIES
+    Group commit.  Every write goes through one committer thread that owns
+    the only write connection.  It takes everything that queued up while
+    the previous commit was in flight -- no artificial wait -- makes the
+    batch's spool files durable in one parallel sync, then runs the whole
+    batch in one transaction with a savepoint per operation (one failing
+    operation does not fail its neighbours) and commits: one WAL fsync
+    (synchronous=FULL) for the whole batch.  Submitters block on a future
+    that resolves only after that commit.
+
+    Order of durability.  Spool content is synced before the meta rows
+    that point at it are committed; content is deleted only after the
+    commit that removed its last row.  A crash in between leaves at worst
+    an orphan spool file, which recover() removes -- never a row without
+    content.
+
+    Readers use one connection per thread and never block the writer (WAL).
+    Several processes may open the same queue; SQLite's lock serialises
+    their commits (busy_timeout).
+
+INVARIANTS
+    A row is in exactly one state.  ``qstats`` equals COUNT(*) per state.
+    Content exists for every spid that has a row.
+
+LIMITATIONS
+    One machine: for several nodes sharing a queue use the postgres flavour.
+
+SEE ALSO
+    sluice.store (the interface), sluice.spool.fs, seeds/000 section 4.3.3.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+import queue as queuelib
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from sluice.model import (
+    IN_FLIGHT_STATES,
+    Accepted,
+    QueueEntry,
+    QueueState,
+    Reply,
+    Selector,
+    Submission,
+    format_qid,
+    parse_qid,
+    recipient_domain,
+)
+from sluice.spool import Content, SpoolFile
+from sluice.spool.fs import FsSpool
+from sluice.store import (
+    ACTION_STATES,
+    Action,
+    Change,
+    Counts,
+    StorageError,
+    Transition,
+)
+
+if TYPE_CHECKING:
+    from sluice.config import Config
+
+__all__ = ["SqliteStore"]
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS queue (
+    spid            TEXT    NOT NULL,
+    idx             INTEGER NOT NULL,
+    sender          TEXT    NOT NULL,
+    recipient       TEXT    NOT NULL,
+    domain          TEXT    NOT NULL,
+    state           TEXT    NOT NULL,
+    arrival_at      REAL    NOT NULL,
+    next_attempt_at REAL    NOT NULL,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    last_code       INTEGER,
+    last_enhanced   TEXT,
+    last_text       TEXT,
+    priority        INTEGER NOT NULL DEFAULT 0,
+    tenantid        TEXT    NOT NULL DEFAULT '',
+    jobid           TEXT    NOT NULL DEFAULT '',
+    transportid     TEXT    NOT NULL DEFAULT '',
+    localip         TEXT    NOT NULL DEFAULT '',
+    is_report       INTEGER NOT NULL DEFAULT 0,
+    size            INTEGER NOT NULL DEFAULT 0,
+    owner           TEXT,
+    PRIMARY KEY (spid, idx)
+) WITHOUT ROWID;
+-- due-deferred selection, incoming FIFO, listing and counting by state
+CREATE INDEX IF NOT EXISTS queue_pick ON queue (state, priority, next_attempt_at);
+-- selectors and qshape by domain
+CREATE INDEX IF NOT EXISTS queue_domain ON queue (domain);
+-- selectors by tenant and job
+CREATE INDEX IF NOT EXISTS queue_tenant ON queue (tenantid, jobid);
+
+CREATE TABLE IF NOT EXISTS qstats (key TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+INSERT OR IGNORE INTO qstats (key, n) VALUES
+    ('hold', 0), ('incoming', 0), ('deferred', 0), ('active', 0),
+    ('delivering', 0), ('bounce', 0), ('messages', 0);
+
+CREATE TRIGGER IF NOT EXISTS queue_ins AFTER INSERT ON queue BEGIN
+    UPDATE qstats SET n = n + 1 WHERE key = new.state;
+    UPDATE qstats SET n = n + 1 WHERE key = 'messages' AND new.idx = 0;
+END;
+CREATE TRIGGER IF NOT EXISTS queue_del AFTER DELETE ON queue BEGIN
+    UPDATE qstats SET n = n - 1 WHERE key = old.state;
+END;
+CREATE TRIGGER IF NOT EXISTS queue_upd AFTER UPDATE OF state ON queue
+WHEN old.state <> new.state BEGIN
+    UPDATE qstats SET n = n - 1 WHERE key = old.state;
+    UPDATE qstats SET n = n + 1 WHERE key = new.state;
+END;
+
+CREATE TABLE IF NOT EXISTS qchanges (
+    seq    INTEGER PRIMARY KEY AUTOINCREMENT,
+    at     REAL NOT NULL,
+    qid    TEXT NOT NULL,
+    action TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS qmeta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
+"""
+
+_COLUMNS = (
+    "spid, idx, sender, recipient, domain, state, arrival_at, next_attempt_at, attempts, "
+    "last_code, last_enhanced, last_text, priority, tenantid, jobid, transportid, localip, "
+    "is_report, size"
+)
+
+#: How long an orphan spool file (content without rows) must have existed
+#: before recover() removes it: a submission in another process may be
+#: between its spool write and its commit.
+ORPHAN_AGE_S = 3600.0
+
+#: Operator changes are kept this long in the change feed.
+CHANGES_KEEP_S = 3600.0
+
+
+def _entry(row: Sequence[Any]) -> QueueEntry:
+    reply = None
+    if row[9] is not None:
+        reply = Reply(int(row[9]), row[10] or "", row[11] or "")
+    return QueueEntry(
+        spid=row[0],
+        idx=row[1],
+        sender=row[2],
+        recipient=row[3],
+        domain=row[4],
+        state=QueueState(row[5]),
+        arrival_at=row[6],
+        next_attempt_at=row[7],
+        attempts=row[8],
+        last_reply=reply,
+        priority=row[12],
+        tenantid=row[13],
+        jobid=row[14],
+        transportid=row[15],
+        localip=tuple(row[16].split(",")) if row[16] else (),
+        is_report=bool(row[17]),
+        size=row[18],
+    )
+
+
+def _where(selector: Selector) -> tuple[str, list[Any]]:
+    """SQL WHERE clause (without the keyword) and parameters for a selector."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    if selector.qids:
+        ors = []
+        for qid in selector.qids:
+            spid, idx = parse_qid(qid)
+            if idx is None:
+                ors.append("spid = ?")
+                params.append(spid)
+            else:
+                ors.append("(spid = ? AND idx = ?)")
+                params.extend((spid, idx))
+        clauses.append("(" + " OR ".join(ors) + ")")
+    if selector.states:
+        clauses.append(f"state IN ({','.join('?' * len(selector.states))})")
+        params.extend(str(s) for s in selector.states)
+    if selector.domain is not None:
+        clauses.append("domain = ?")
+        params.append(selector.domain)
+    if selector.sender is not None:
+        clauses.append("sender = ? COLLATE NOCASE")
+        params.append(selector.sender)
+    if selector.recipient is not None:
+        clauses.append("recipient = ? COLLATE NOCASE")
+        params.append(selector.recipient)
+    if selector.tenantid is not None:
+        clauses.append("tenantid = ?")
+        params.append(selector.tenantid)
+    if selector.jobid is not None:
+        clauses.append("jobid = ?")
+        params.append(selector.jobid)
+    if selector.transportid is not None:
+        clauses.append("transportid = ?")
+        params.append(selector.transportid)
+    return (" AND ".join(clauses) or "1"), params
+
+
+# --------------------------------------------------------------------------
+# The committer
+
+_Work = Callable[[sqlite3.Connection, "_Batch"], Any]
+
+
+@dataclass(slots=True)
+class _Op:
+    work: _Work
+    future: concurrent.futures.Future[Any]
+    files: list[SpoolFile] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What the operations of one commit leave to do after it."""
+
+    unlink: list[str] = field(default_factory=list)
+
+
+_STOP = object()
+
+
+class SqliteStore:
+    """Meta queue on SQLite (WAL) with a filesystem spool; see the module doc."""
+
+    flavour = "sqlite"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        spool: FsSpool,
+        *,
+        node_id: str = "local",
+        max_batch: int = 2000,
+        busy_timeout_s: float = 60.0,
+    ) -> None:
+        self.dir = Path(path)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.db_path = self.dir / "queue.db"
+        self.spool = spool
+        self.node_id = node_id
+        self.max_batch = max_batch
+        self._busy_timeout_ms = int(busy_timeout_s * 1000)
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._ops: queuelib.SimpleQueue[_Op | object] = queuelib.SimpleQueue()
+        self._closed = False
+        try:
+            self._writer = self._connect()
+            self._writer.executescript(_SCHEMA)
+            self._writer.execute(
+                "INSERT OR IGNORE INTO qmeta (key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
+        self._thread = threading.Thread(target=self._run, name="sluice-commit", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: Config) -> SqliteStore:
+        q = config.queue
+        spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize)
+        return cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch)
+
+    # -- connections ---------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.db_path, isolation_level=None, check_same_thread=False,
+            timeout=self._busy_timeout_ms / 1000,
+        )
+        conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        # FULL, not NORMAL: in WAL mode NORMAL is not durable on power loss.
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = OFF")
+        conn.execute("PRAGMA cache_size = -65536")
+        return conn
+
+    def _reader(self) -> sqlite3.Connection:
+        if self._closed:
+            raise StorageError("the store is closed")
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = self._connect()
+                conn.execute("PRAGMA query_only = ON")
+            except sqlite3.Error as exc:
+                raise StorageError(f"cannot read the queue: {exc}") from exc
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        conn = self._reader()
+        try:
+            yield conn
+        except sqlite3.Error as exc:
+            raise StorageError(f"reading the queue failed: {exc}") from exc
+
+    # -- the committer thread -------------------------------------------------------
+
+    def _submit_op(self, work: _Work, files: list[SpoolFile] | None = None
+                   ) -> concurrent.futures.Future[Any]:
+        if self._closed:
+            raise StorageError("the store is closed")
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._ops.put(_Op(work, fut, files or []))
+        return fut
+
+    def _call(self, work: _Work) -> Any:
+        return self._submit_op(work).result()
+
+    def _run(self) -> None:
+        while True:
+            first = self._ops.get()
+            if first is _STOP:
+                return
+            assert isinstance(first, _Op)
+            batch = [first]
+            stop = False
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._ops.get_nowait()
+                except queuelib.Empty:
+                    break
+                if nxt is _STOP:
+                    stop = True
+                    break
+                assert isinstance(nxt, _Op)
+                batch.append(nxt)
+            try:
+                self._commit(batch)
+            except BaseException as exc:  # never leave a submitter waiting
+                for op in batch:
+                    if not op.future.done():
+                        op.future.set_exception(StorageError(f"commit failed: {exc}"))
+            if stop:
+                return
+
+    def _commit(self, batch: list[_Op]) -> None:
+        # 1. Content first: sync every spool file of the batch in one go.
+        files = [f for op in batch for f in op.files]
+        if files:
+            try:
+                self.spool.sync(files)
+            except OSError as exc:
+                err = StorageError(f"spool sync failed: {exc}")
+                for op in batch:
+                    if op.files:
+                        for f in op.files:
+                            self.spool.discard(f)
+                        op.future.set_exception(err)
+                batch = [op for op in batch if not op.files]
+                if not batch:
+                    return
+        # 2. Meta: the whole batch in one transaction, one savepoint per op.
+        conn = self._writer
+        after = _Batch()
+        results: list[tuple[_Op, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for op in batch:
+                conn.execute("SAVEPOINT op")
+                try:
+                    value = op.work(conn, after)
+                except Exception as exc:
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    results.append((op, None, exc))
+                else:
+                    conn.execute("RELEASE op")
+                    results.append((op, value, None))
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            err = StorageError(f"queue commit failed: {exc}")
+            for op in batch:
+                for f in op.files:
+                    self.spool.discard(f)
+                op.future.set_exception(err)
+            return
+        # 3. After the commit: content whose last row is gone may go too.
+        for spid in after.unlink:
+            with contextlib.suppress(OSError):
+                self.spool.delete(spid)
+        for op, value, failure in results:
+            if failure is None:
+                op.future.set_result(value)
+            else:
+                for f in op.files:
+                    self.spool.discard(f)
+                if isinstance(failure, sqlite3.Error):
+                    failure = StorageError(str(failure))
+                op.future.set_exception(failure)
+
+    # -- submission --------------------------------------------------------------
+
+    def submit_future(self, submission: Submission, content: Content, now: float
+                      ) -> concurrent.futures.Future[Accepted]:
+        try:
+            sf = self.spool.write(content)
+        except OSError as exc:
+            raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
+        state = QueueState.INCOMING
+        next_at = now
+        if submission.hold:
+            state = QueueState.HOLD
+        elif submission.delay_s > 0:
+            state = QueueState.DEFERRED
+            next_at = now + submission.delay_s
+        localip = ",".join(submission.localip)
+        rows = [
+            (sf.spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,
+             next_at, submission.priority, submission.tenantid, submission.jobid,
+             submission.transportid, localip, int(submission.is_report), sf.size)
+            for i, rcpt in enumerate(submission.recipients)
+        ]
+        accepted = Accepted(
+            spid=sf.spid,
+            qids=tuple(format_qid(sf.spid, i) for i in range(len(rows))),
+            size=sf.size,
+        )
+
+        def work(conn: sqlite3.Connection, after: _Batch) -> Accepted:
+            conn.executemany(
+                "INSERT INTO queue (spid, idx, sender, recipient, domain, state, arrival_at, "
+                "next_attempt_at, priority, tenantid, jobid, transportid, localip, is_report, "
+                "size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                rows,
+            )
+            return accepted
+
+        try:
+            return self._submit_op(work, [sf])
+        except BaseException:
+            self.spool.discard(sf)
+            raise
+
+    def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
+        result: Accepted = self.submit_future(submission, content, now).result()
+        return result
+
+    # -- the queue manager's side ----------------------------------------------------
+
+    def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
+        if limit <= 0:
+            return []
+        node = self.node_id
+
+        def pick(conn: sqlite3.Connection, state: QueueState, due: bool, n: int
+                 ) -> list[tuple[Any, ...]]:
+            out: list[tuple[Any, ...]] = []
+            for prio in (1, 0):
+                if len(out) >= n:
+                    break
+                sql = f"SELECT {_COLUMNS} FROM queue WHERE state = ? AND priority = ?"
+                params: list[Any] = [str(state), prio]
+                if due:
+                    sql += " AND next_attempt_at <= ?"
+                    params.append(now)
+                sql += " ORDER BY next_attempt_at LIMIT ?"
+                params.append(n - len(out))
+                out.extend(conn.execute(sql, params).fetchall())
+            return out
+
+        def work(conn: sqlite3.Connection, after: _Batch) -> list[QueueEntry]:
+            incoming = pick(conn, QueueState.INCOMING, False, limit)
+            deferred = pick(conn, QueueState.DEFERRED, True, limit)
+            take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
+            chosen = interleave(incoming[:take_i], deferred[:take_d])
+            conn.executemany(
+                "UPDATE queue SET state = 'active', owner = ? WHERE spid = ? AND idx = ?",
+                [(node, row[0], row[1]) for row in chosen],
+            )
+            return [
+                _entry((*row[:5], "active", *row[6:]))
+                for row in chosen
+            ]
+
+        result: list[QueueEntry] = self._call(work)
+        return result
+
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+        if not transitions:
+            return set()
+        items = list(transitions)
+        node = self.node_id
+
+        def work(conn: sqlite3.Connection, after: _Batch) -> set[str]:
+            applied: set[str] = set()
+            touched: set[str] = set()
+            for t in items:
+                spid, idx = parse_qid(t.qid)
+                if idx is None:
+                    raise ValueError(f"a transition needs a full queue id, not {t.qid!r}")
+                cond = "spid = ? AND idx = ?"
+                cparams: list[Any] = [spid, idx]
+                if t.expect:
+                    cond += f" AND state IN ({','.join('?' * len(t.expect))})"
+                    cparams.extend(str(s) for s in t.expect)
+                if t.state is None:
+                    cur = conn.execute(f"DELETE FROM queue WHERE {cond}", cparams)
+                else:
+                    sets = ["state = ?"]
+                    params: list[Any] = [str(t.state)]
+                    if t.next_attempt_at is not None:
+                        sets.append("next_attempt_at = ?")
+                        params.append(t.next_attempt_at)
+                    if t.reply is not None:
+                        sets += ["last_code = ?", "last_enhanced = ?", "last_text = ?"]
+                        params += [t.reply.code, t.reply.enhanced, t.reply.text]
+                    if t.attempted:
+                        sets.append("attempts = attempts + 1")
+                    sets.append("owner = ?")
+                    params.append(node if t.state in IN_FLIGHT_STATES else None)
+                    cur = conn.execute(
+                        f"UPDATE queue SET {', '.join(sets)} WHERE {cond}", params + cparams
+                    )
+                if cur.rowcount:
+                    applied.add(t.qid)
+                    if t.state is None:
+                        touched.add(spid)
+            self._collect_gone(conn, touched, after)
+            return applied
+
+        fut = self._submit_op(work)
+        if not wait:
+            return set()
+        result: set[str] = fut.result()
+        return result
+
+    def _collect_gone(self, conn: sqlite3.Connection, spids: set[str], after: _Batch) -> None:
+        """Queue for deletion the content of messages that have no rows left."""
+        for spid in spids:
+            if conn.execute("SELECT 1 FROM queue WHERE spid = ? LIMIT 1", (spid,)).fetchone():
+                continue
+            after.unlink.append(spid)
+            conn.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
+
+    def recover(self, now: float) -> int:
+        def work(conn: sqlite3.Connection, after: _Batch) -> int:
+            # On the embedded store one queue manager owns the whole queue, so
+            # every in-flight row is ours to return, whichever node id wrote it
+            # (a renamed host, a copied queue directory).
+            cur = conn.execute(
+                "UPDATE queue SET state = 'deferred', next_attempt_at = ?, owner = NULL "
+                "WHERE state IN ('active', 'delivering')",
+                (now,),
+            )
+            conn.execute("DELETE FROM qchanges WHERE at < ?", (now - CHANGES_KEEP_S,))
+            # Recount, as insurance against counters left wrong by an older
+            # version (one scan of an index; a fraction of a second at 1M rows).
+            conn.execute(
+                "UPDATE qstats SET n = (SELECT COUNT(*) FROM queue q WHERE q.state = qstats.key) "
+                "WHERE key <> 'messages'"
+            )
+            conn.execute(
+                "UPDATE qstats SET n = (SELECT COUNT(*) FROM (SELECT DISTINCT spid FROM queue)) "
+                "WHERE key = 'messages'"
+            )
+            return int(cur.rowcount)
+
+        moved: int = self._call(work)
+        self._sweep_orphans(now)
+        return moved
+
+    def _sweep_orphans(self, now: float) -> None:
+        with self._reading() as conn:
+            for spid, mtime in self.spool.spids():
+                if now - mtime < ORPHAN_AGE_S:
+                    continue
+                row = conn.execute("SELECT 1 FROM queue WHERE spid = ? LIMIT 1", (spid,))
+                if row.fetchone() is None:
+                    self.spool.delete(spid)
+
+    def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
+                ) -> list[QueueEntry]:
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM queue WHERE state = 'deferred' AND "
+                "((is_report = 0 AND arrival_at <= ?) OR (is_report = 1 AND arrival_at <= ?)) "
+                "LIMIT ?",
+                (cutoff_at, reports_cutoff_at, limit),
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def due_at(self) -> float | None:
+        with self._reading() as conn:
+            row = conn.execute(
+                "SELECT MIN(next_attempt_at) FROM queue WHERE state = 'deferred'"
+            ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    # -- operator side ------------------------------------------------------------------
+
+    def modify(self, selector: Selector, action: Action, now: float,
+               priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
+        if action is Action.PRIORITY and priority not in (0, 1):
+            raise ValueError("priority must be 0 or 1")
+        where, params = _where(selector)
+        states = ACTION_STATES[action]
+        where += f" AND state IN ({','.join('?' * len(states))})"
+        params += [str(s) for s in states]
+        bounce_reply = reply or Reply(550, "5.0.0", "bounced by the operator")
+
+        def work(conn: sqlite3.Connection, after: _Batch) -> list[QueueEntry]:
+            rows = conn.execute(f"SELECT {_COLUMNS} FROM queue WHERE {where}", params).fetchall()
+            entries = [_entry(r) for r in rows]
+            keys = [(e.spid, e.idx) for e in entries]
+            if action is Action.HOLD:
+                conn.executemany(
+                    "UPDATE queue SET state = 'hold', owner = NULL WHERE spid = ? AND idx = ?", keys
+                )
+            elif action is Action.RELEASE:
+                # Never tried: back to incoming; tried before: due now.
+                conn.executemany(
+                    "UPDATE queue SET state = CASE WHEN attempts = 0 THEN 'incoming' "
+                    "ELSE 'deferred' END, next_attempt_at = ? WHERE spid = ? AND idx = ?",
+                    [(now, s, i) for s, i in keys],
+                )
+            elif action is Action.RETRY:
+                conn.executemany(
+                    "UPDATE queue SET next_attempt_at = ? WHERE spid = ? AND idx = ?",
+                    [(now, s, i) for s, i in keys],
+                )
+            elif action is Action.PRIORITY:
+                conn.executemany(
+                    "UPDATE queue SET priority = ? WHERE spid = ? AND idx = ?",
+                    [(priority, s, i) for s, i in keys],
+                )
+            elif action is Action.BOUNCE:
+                conn.executemany(
+                    "UPDATE queue SET state = 'bounce', owner = NULL, last_code = ?, "
+                    "last_enhanced = ?, last_text = ? WHERE spid = ? AND idx = ?",
+                    [(bounce_reply.code, bounce_reply.enhanced, bounce_reply.text, s, i)
+                     for s, i in keys],
+                )
+            elif action is Action.DELETE:
+                conn.executemany("DELETE FROM queue WHERE spid = ? AND idx = ?", keys)
+                self._collect_gone(conn, {s for s, _ in keys}, after)
+            conn.executemany(
+                "INSERT INTO qchanges (at, qid, action) VALUES (?, ?, ?)",
+                [(now, e.qid, str(action)) for e in entries],
+            )
+            return entries
+
+        result: list[QueueEntry] = self._call(work)
+        return result
+
+    def changes_since(self, seq: int) -> tuple[int, list[Change]]:
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT seq, qid, action FROM qchanges WHERE seq > ? ORDER BY seq", (seq,)
+            ).fetchall()
+            if not rows:
+                top = conn.execute("SELECT MAX(seq) FROM qchanges").fetchone()[0]
+                return max(seq, int(top or 0)), []
+        changes = [Change(int(r[0]), r[1], Action(r[2])) for r in rows]
+        return changes[-1].seq, changes
+
+    # -- reading ----------------------------------------------------------------------
+
+    def get(self, qid: str) -> QueueEntry | None:
+        spid, idx = parse_qid(qid)
+        if idx is None:
+            raise ValueError(f"get() needs a full queue id, not a SPID: {qid!r}")
+        with self._reading() as conn:
+            row = conn.execute(
+                f"SELECT {_COLUMNS} FROM queue WHERE spid = ? AND idx = ?", (spid, idx)
+            ).fetchone()
+        return None if row is None else _entry(row)
+
+    def entries(self, selector: Selector, *, after: str | None = None,
+                limit: int | None = None) -> Iterator[QueueEntry]:
+        where, params = _where(selector)
+        page = 5000 if limit is None else min(limit, 5000)
+        remaining = limit
+        cursor: tuple[str, int] | None = None
+        if after is not None:
+            spid, idx = parse_qid(after)
+            cursor = (spid, -1 if idx is None else idx)
+        while remaining is None or remaining > 0:
+            n = page if remaining is None else min(page, remaining)
+            sql = f"SELECT {_COLUMNS} FROM queue WHERE {where}"
+            p = list(params)
+            if cursor is not None:
+                sql += " AND (spid, idx) > (?, ?)"
+                p += list(cursor)
+            sql += " ORDER BY spid, idx LIMIT ?"
+            p.append(n)
+            with self._reading() as conn:
+                rows = conn.execute(sql, p).fetchall()
+            for row in rows:
+                yield _entry(row)
+            if len(rows) < n:
+                return
+            cursor = (rows[-1][0], rows[-1][1])
+            if remaining is not None:
+                remaining -= len(rows)
+
+    def count(self, selector: Selector | None = None) -> Counts:
+        with self._reading() as conn:
+            if selector is None or selector.is_empty:
+                rows = conn.execute("SELECT key, n FROM qstats").fetchall()
+                stats = dict(rows)
+                by_state = {s: int(stats.get(str(s), 0)) for s in QueueState}
+                return Counts(by_state=by_state, messages=int(stats.get("messages", 0)))
+            where, params = _where(selector)
+            rows = conn.execute(
+                f"SELECT state, COUNT(*) FROM queue WHERE {where} GROUP BY state",
+                params,
+            ).fetchall()
+            messages = conn.execute(
+                f"SELECT COUNT(DISTINCT spid) FROM queue WHERE {where}", params
+            ).fetchone()[0]
+        by_state = {s: 0 for s in QueueState}
+        for state, n in rows:
+            by_state[QueueState(state)] = int(n)
+        return Counts(by_state=by_state, messages=int(messages))
+
+    def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
+              ) -> dict[str, list[int]]:
+        where, params = _where(selector)
+        edges = list(edges_s)
+        case = " ".join(
+            f"WHEN ? - arrival_at < {float(e)!r} THEN {i}" for i, e in enumerate(edges)
+        )
+        sql = (
+            f"SELECT domain, CASE {case} ELSE {len(edges)} END AS b, COUNT(*) "
+            f"FROM queue WHERE {where} GROUP BY domain, b"
+        )
+        out: dict[str, list[int]] = {}
+        with self._reading() as conn:
+            for domain, bucket, n in conn.execute(sql, [now] * len(edges) + params):
+                out.setdefault(domain, [0] * (len(edges) + 1))[int(bucket)] += int(n)
+        return out
+
+    def open_content(self, spid: str) -> IO[bytes]:
+        try:
+            return self.spool.open(spid)
+        except OSError as exc:
+            raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
+
+    # -- life ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ops.put(_STOP)
+        self._thread.join()
+        with contextlib.suppress(sqlite3.Error):
+            self._writer.close()
+        with self._readers_lock:
+            for conn in self._readers:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._readers.clear()
+
+    def __enter__(self) -> SqliteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------
+# Refill arithmetic, shared by every flavour (pure)
+
+
+def split_quota(limit: int, n_incoming: int, n_deferred: int, quota_deferred: int
+                ) -> tuple[int, int]:
+    """How many to take from (deferred, incoming) for a refill of ``limit``.
+
+    Mailismus's quota_deferred: at least that percentage of the batch comes
+    from deferred when both have work; whatever one side cannot fill, the
+    other may.  New mail gets the rest (Postfix: new mail first, delayed
+    mail in idle capacity).
+    """
+    if limit <= 0:
+        return 0, 0
+    floor_d = math.ceil(limit * quota_deferred / 100) if quota_deferred > 0 else 0
+    take_d = min(n_deferred, floor_d)
+    take_i = min(n_incoming, limit - take_d)
+    take_d = min(n_deferred, limit - take_i)
+    return take_d, take_i
+
+
+def interleave(incoming: Sequence[Any], deferred: Sequence[Any]) -> list[Any]:
+    """One from incoming, one from deferred, in turn (Postfix qmgr)."""
+    out: list[Any] = []
+    for i in range(max(len(incoming), len(deferred))):
+        if i < len(incoming):
+            out.append(incoming[i])
+        if i < len(deferred):
+            out.append(deferred[i])
+    return out
