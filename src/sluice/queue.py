@@ -64,9 +64,9 @@ from sluice.model import (
 )
 from sluice.retry import RetryPolicy
 from sluice.spool import Content
-from sluice.store import Action, Store, StorageError, Transition, open_store
+from sluice.store import Action, StorageError, Store, Transition, open_store
 
-__all__ = ["AttemptResult", "Queue", "QSHAPE_EDGES_MIN"]
+__all__ = ["QSHAPE_EDGES_MIN", "AttemptResult", "Queue"]
 
 #: Postfix qshape's age buckets, in minutes: T 5 10 20 40 80 160 320 640 1280 1280+
 QSHAPE_EDGES_MIN: tuple[int, ...] = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
@@ -212,7 +212,9 @@ class Queue:
              for e in entries]
         )
 
-    def record(self, results: Sequence[AttemptResult]) -> list[tuple[AttemptResult, QueueState | None]]:
+    def record(
+        self, results: Sequence[AttemptResult]
+    ) -> list[tuple[AttemptResult, QueueState | None]]:
         """Apply attempt outcomes; returns each result with the state it led to
         (None: gone), for the results that applied."""
         now = self.clock()
