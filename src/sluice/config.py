@@ -432,7 +432,7 @@ def config_from_dict(
     raw: dict[str, Any] = json.loads(json.dumps(dict(data or {}), default=str))
     schema = config_schema()
     validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
+    errors = list(validator.iter_errors(raw))
     if errors:
         # The most specific error is the most useful single line.
         err = max(errors, key=lambda e: len(e.absolute_path))

@@ -106,7 +106,7 @@ class RetryPolicy:
     def round_up(self, at: float) -> float:
         """``at`` rounded up to the granularity grid (no change at 0)."""
         g = self.granularity_s
-        if g <= 0:
+        if g < 0.001:  # no rounding below a millisecond (and no overflow)
             return at
         return math.ceil(at / g - 1e-9) * g
 

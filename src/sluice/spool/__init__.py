@@ -7,10 +7,12 @@ SUMMARY
 DESCRIPTION
     A SPID is 16 hexadecimal digits: 11 of milliseconds since the epoch
     (so SPIDs sort by arrival, which the kv flavour relies on to iterate
-    "from the oldest message") and 5 random ones (so the last digits, which
-    pick the spool partition, are uniformly distributed, as Mailismus
-    requires).  Uniqueness is enforced where the content is created
-    (exclusive create); a collision just draws again.
+    "from the oldest message") and 5 that start at a random value in each
+    millisecond and count up within it (so the last digits, which pick the
+    spool partition, are uniformly distributed, as Mailismus requires, and
+    one process's SPIDs sort in the order it drew them).  Uniqueness across
+    processes is enforced where the content is created (exclusive create);
+    a collision just draws again.
 
     Writing is two steps so that many submissions can share one fsync
     (group commit): ``write()`` streams the content to disk in ``bufsize``
@@ -22,23 +24,45 @@ DESCRIPTION
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol
 
-__all__ = ["Content", "Spool", "SpoolFile", "iter_chunks", "new_spid"]
+__all__ = ["Content", "Spool", "SpoolFile", "SpoolIOError", "iter_chunks", "new_spid"]
+
+
+class SpoolIOError(OSError):
+    """Writing the spool failed (full disk, I/O error) -- as opposed to an
+    error raised by the content source, which passes through unchanged."""
 
 #: What a submitter may hand over: the whole content, pieces of it, or a
 #: binary file to be read in ``bufsize`` pieces.
 Content = bytes | bytearray | memoryview | Iterable[bytes] | IO[bytes]
 
 
+_spid_lock = threading.Lock()
+_spid_last: list[int] = [-1, 0]  # [millisecond, suffix] of the last SPID drawn here
+# A forked child must not continue its parent's sequence within the same ms.
+os.register_at_fork(after_in_child=lambda: _spid_last.__setitem__(0, -1))
+
+
 def new_spid(now_ms: int | None = None) -> str:
-    """A fresh SPID: 11 hex digits of milliseconds, then 5 random ones."""
+    """A fresh SPID: 11 hex digits of milliseconds, then 5 more.
+
+    The suffix starts at a random value in each millisecond and counts up
+    within it, so SPIDs drawn by one process sort in the order they were
+    drawn, and the last digits still cycle evenly through every partition.
+    """
     ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-    rnd = int.from_bytes(os.urandom(3), "big") & 0xFFFFF
-    return f"{ms & 0xFFFFFFFFFFF:011X}{rnd:05X}"
+    with _spid_lock:
+        if ms == _spid_last[0]:
+            suffix = (_spid_last[1] + 1) & 0xFFFFF
+        else:
+            suffix = int.from_bytes(os.urandom(3), "big") & 0xFFFFF
+        _spid_last[0], _spid_last[1] = ms, suffix
+    return f"{ms & 0xFFFFFFFFFFF:011X}{suffix:05X}"
 
 
 def iter_chunks(content: Content, bufsize: int) -> Iterator[bytes | memoryview]:

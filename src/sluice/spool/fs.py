@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
-from sluice.spool import Content, SpoolFile, iter_chunks, new_spid
+from sluice.spool import Content, SpoolFile, SpoolIOError, iter_chunks, new_spid
 
 __all__ = ["FsSpool"]
 
@@ -123,6 +123,8 @@ class FsSpool:
                 if spid is not None:
                     raise
                 continue
+            except OSError as exc:
+                raise SpoolIOError(exc.errno, exc.strerror, str(path)) from exc
             break
         else:  # pragma: no cover - 100 collisions in a row means a broken RNG
             raise RuntimeError("could not allocate a unique SPID")
@@ -131,7 +133,10 @@ class FsSpool:
             for piece in iter_chunks(content, self.bufsize):
                 view = memoryview(piece)
                 while view:
-                    n = os.write(fd, view)
+                    try:
+                        n = os.write(fd, view)
+                    except OSError as exc:
+                        raise SpoolIOError(exc.errno, exc.strerror, str(path)) from exc
                     view = view[n:]
                     size += n
         except BaseException:

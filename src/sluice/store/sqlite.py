@@ -70,7 +70,7 @@ from sluice.model import (
     parse_qid,
     recipient_domain,
 )
-from sluice.spool import Content, SpoolFile
+from sluice.spool import Content, SpoolFile, SpoolIOError
 from sluice.spool.fs import FsSpool
 from sluice.store import (
     ACTION_STATES,
@@ -433,7 +433,7 @@ class SqliteStore:
                       ) -> concurrent.futures.Future[Accepted]:
         try:
             sf = self.spool.write(content)
-        except OSError as exc:
+        except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
         state = QueueState.INCOMING
         next_at = now

@@ -1,0 +1,135 @@
+"""Configuration: defaults, durations, validation errors naming the key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sluice.config import (
+    ConfigError,
+    config_from_dict,
+    format_duration,
+    load_config,
+    parse_duration,
+    parse_retry_delays,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_embedded_defaults_are_the_specifications(clean_env: None, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None)
+    q = cfg.queue
+    assert cfg.source == "<embedded defaults>"
+    assert q.maxmemoryqueue == 10000
+    assert q.retry_maxtime == 72 * 3600
+    assert q.retry_maxtime_reports == 24 * 3600
+    assert q.retry_delays == (1800, 7200, 14400)
+    assert q.quota_deferred == 10
+    assert q.retry_granularity == 900
+    assert q.bounces_interval == 600
+    assert q.spool.partitiondepth == 2
+    assert q.spool.bufsize == 8192
+    assert q.store == "sqlite"
+    assert q.path == str(tmp_path / "var" / "queue")
+    assert q.spool.rootpath == str(tmp_path / "var" / "spool")
+    assert cfg.accounting.path == str(tmp_path / "var" / "log")
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90), (90, 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("3d", 259200),
+     ("1h30m", 5400), ("1.5h", 5400), ("0", 0)],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "3x", "h", "-5", "1h-", True, None, [1]])
+def test_bad_durations(bad: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(bad)
+
+
+def test_format_duration_round_trips() -> None:
+    for s in (0, 59, 60, 1800, 5400, 7200, 86400, 259200, 4000):
+        assert parse_duration(format_duration(s)) == s
+
+
+def test_retry_delays_pipe_string_and_list() -> None:
+    assert parse_retry_delays("30m | 2h | 4h") == (1800, 7200, 14400)
+    assert parse_retry_delays(["5m", 600]) == (300, 600)
+    with pytest.raises(ValueError):
+        parse_retry_delays("30m | | 4h")
+
+
+def test_granularity_is_silently_reduced() -> None:
+    cfg = config_from_dict({"queue": {"retry_delays": "10m | 1h", "retry_granularity": "1h"}})
+    assert cfg.queue.retry_granularity == 300
+
+
+def test_relative_paths_are_taken_from_the_config_files_directory(tmp_path: Path) -> None:
+    f = tmp_path / "etc" / "sluice.yaml"
+    f.parent.mkdir()
+    f.write_text("queue:\n  path: q\n  spool:\n    rootpath: ../spool\n")
+    cfg = load_config(f)
+    assert cfg.queue.path == str(tmp_path / "etc" / "q")
+    assert cfg.queue.spool.rootpath == str(tmp_path / "spool")
+
+
+@pytest.mark.parametrize(
+    ("text", "keypath", "fragment"),
+    [
+        ("queue:\n  retry_maxtime: 3x\n", "queue.retry_maxtime", "not a duration"),
+        ("queue:\n  spool:\n    partitiondepth: two\n", "queue.spool.partitiondepth",
+         "not of type 'integer'"),
+        ("queue:\n  maxmemoryqueue: 0\n", "queue.maxmemoryqueue", "less than the minimum"),
+        ("queue:\n  store: mysql\n", "queue.store", "is not one of"),
+        ("queue:\n  bogus: 1\n", "queue", "unknown key"),
+        ("qeueu:\n  path: x\n", "", "unknown key"),
+        ("queue:\n  retry_delays: '30m | soon'\n", "queue.retry_delays", "not a duration"),
+        ("smtpd:\n  listen: [1]\n", "smtpd.listen[0]", "not of type 'string'"),
+        ("queue: [1, 2]\n", "queue", "not of type 'object'"),
+    ],
+)
+def test_errors_name_the_file_and_key_path(tmp_path: Path, text: str, keypath: str,
+                                            fragment: str) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    err = info.value
+    assert err.source == str(f)
+    assert err.keypath == keypath
+    assert fragment in err.message
+    assert str(err).startswith(str(f))
+    assert "\n" not in str(err)
+
+
+def test_unparsable_yaml_and_missing_file(tmp_path: Path) -> None:
+    f = tmp_path / "broken.yaml"
+    f.write_text("queue:\n  path: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML line"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.yaml")
+    f.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(f)
+
+
+def test_sluice_config_environment_variable(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "env.yaml"
+    f.write_text("queue:\n  quota_deferred: 25\n")
+    monkeypatch.setenv("SLUICE_CONFIG", str(f))
+    assert load_config(None).queue.quota_deferred == 25
+
+
+def test_to_dict_readable_round_trips_through_validation() -> None:
+    cfg = config_from_dict({"queue": {"retry_delays": "5m | 1h30m"}})
+    again = config_from_dict(cfg.to_dict(readable=True))
+    assert again.queue == cfg.queue

@@ -1,0 +1,69 @@
+"""Queue ids, selectors and other plain data."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.model import (
+    QueueEntry,
+    QueueState,
+    Selector,
+    Submission,
+    format_qid,
+    parse_qid,
+    recipient_domain,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def entry(**kw: object) -> QueueEntry:
+    base: dict[str, object] = dict(spid="0123456789ABCDEF", idx=0, sender="a@x.org",
+                                   recipient="b@Example.COM", state=QueueState.INCOMING,
+                                   arrival_at=0.0, next_attempt_at=0.0)
+    base.update(kw)
+    return QueueEntry(**base)  # type: ignore[arg-type]
+
+
+def test_qids() -> None:
+    assert format_qid("0123456789ABCDEF", 3) == "0123456789ABCDEF-3"
+    assert parse_qid("0123456789abcdef-3") == ("0123456789ABCDEF", 3)
+    assert parse_qid("0123456789ABCDEF") == ("0123456789ABCDEF", None)
+    for bad in ("", "xyz", "0123-1", "0123456789ABCDEF-", "0123456789ABCDEF-x", "*"):
+        with pytest.raises(ValueError):
+            parse_qid(bad)
+
+
+def test_domain_is_lower_case_without_trailing_dot() -> None:
+    assert recipient_domain("Bob@Example.COM.") == "example.com"
+    assert recipient_domain("postmaster") == ""
+    assert entry().domain == "example.com"
+
+
+def test_selector_matching() -> None:
+    e = entry(tenantid="t1", jobid="j1")
+    assert Selector().matches(e)
+    assert Selector(domain="EXAMPLE.com").matches(e)
+    assert not Selector(domain="example.org").matches(e)
+    assert Selector(qids=("0123456789ABCDEF",)).matches(e)
+    assert Selector(qids=("0123456789ABCDEF-0",)).matches(e)
+    assert not Selector(qids=("0123456789ABCDEF-1",)).matches(e)
+    assert Selector(states=(QueueState.INCOMING, QueueState.HOLD)).matches(e)
+    assert not Selector(states=(QueueState.HOLD,)).matches(e)
+    assert Selector(tenantid="t1", jobid="j1", sender="A@X.ORG").matches(e)
+    assert not Selector(tenantid="t1", jobid="j2").matches(e)
+    assert Selector().is_empty and not Selector(sender="").is_empty
+
+
+def test_malformed_selector_qid_is_refused() -> None:
+    with pytest.raises(ValueError):
+        Selector(qids=("not-a-qid",))
+
+
+def test_submission_checks() -> None:
+    with pytest.raises(ValueError, match="recipient"):
+        Submission("a@x.org", ())
+    with pytest.raises(ValueError, match="priority"):
+        Submission("a@x.org", ("b@y.org",), priority=2)
+    with pytest.raises(ValueError, match="delay"):
+        Submission("a@x.org", ("b@y.org",), delay_s=-1)
