@@ -1,0 +1,344 @@
+"""Jobs: extract -> transform -> load, one function per `sluice analytics` command.
+
+SUMMARY
+    run_report(spark, inputs, output, since=None, until=None, top=10) -> JobResult
+    run_bounces(spark, inputs, output, since=None, until=None) -> JobResult
+    run_suppress(spark, inputs, output, list_path=None, soft_count=5,
+                 soft_days=7.0, soft_ttl_days=30.0, ...) -> JobResult
+    run_shape(spark, inputs, output, policy_path=None, ...) -> JobResult
+    run_maillog(spark, inputs, output, year=None, tz="UTC", ...) -> JobResult
+
+DESCRIPTION
+    Each job reads its inputs (sluice.pipeline.extract), chains pure
+    transformations with DataFrame.transform, and writes its tables
+    (sluice.pipeline.load).  The returned JobResult names every output and
+    carries the headline counts, which the CLI prints.
+
+    Outputs under OUTPUT:
+      report    outcomes_hourly, outcomes_by_hour, outcomes_by_domain,
+                outcomes_total, reasons_top, reasons_by_domain
+                (.parquet/ and .csv/), report.html
+      bounces   bounces (every classified failure, Parquet),
+                bounce_summary (.parquet/ and .csv/)
+      suppress  suppression (.parquet/ and .csv/), and the list itself at
+                list_path (default OUTPUT/suppression.jsonl), merged with
+                the list already there
+      shape     throttle_findings (.parquet/ and .csv/), policy.yaml (or
+                policy_path)
+      maillog   events.parquet/ (EVENT_SCHEMA: feed it to the others)
+
+STRATEGIES
+    Read once.  A job that makes several tables from the same events
+    persists them (memory, then disk) so the JSON is parsed once; small
+    aggregates are persisted too, because each table is written twice.
+
+SEE ALSO
+    sluice.cli.analytics_cmds, docs/analytics.md
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from sluice.accounting import iso_time
+from sluice.pipeline import load
+from sluice.pipeline.bounces import bounce_summary, classify_failures
+from sluice.pipeline.events import between
+from sluice.pipeline.extract import expand_inputs, read_events, read_lines
+from sluice.pipeline.html import ReportData, render_report
+from sluice.pipeline.maillog import maillog_events, parse_lines
+from sluice.pipeline.policy import build_policy, limits_from_findings, policy_yaml
+from sluice.pipeline.report import Level, level, outcomes, reasons, top_reasons
+from sluice.pipeline.shape import throttle_findings
+from sluice.pipeline.suppress import last_delivered, suppressions
+from sluice.suppression import (
+    SuppressionEntry,
+    SuppressionList,
+    SuppressionReason,
+    merge_entries,
+    write_suppression_list,
+)
+
+__all__ = [
+    "JobResult",
+    "run_bounces",
+    "run_maillog",
+    "run_report",
+    "run_shape",
+    "run_suppress",
+]
+
+Step = Callable[[str], None]
+
+
+def _no_step(_: str) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    job: str
+    outputs: dict[str, str] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+def _events(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    since: datetime | None,
+    until: datetime | None,
+) -> tuple[list[str], DataFrame]:
+    paths = expand_inputs(inputs)
+    events = read_events(spark, paths).transform(between, since=since, until=until)
+    return paths, events
+
+
+def _tables(out: dict[str, str], prefix: str, written: dict[str, str]) -> None:
+    for kind, path in written.items():
+        out[f"{prefix}.{kind}"] = path
+
+
+def run_report(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    top: int = 10,
+    html: bool = True,
+    step: Step = _no_step,
+) -> JobResult:
+    started = time.monotonic()
+    step("report: reading events")
+    paths, events = _events(spark, inputs, since, until)
+    events = events.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        step("report: outcomes")
+        outcome_rows = outcomes(events).persist(StorageLevel.MEMORY_AND_DISK)
+        reason_rows = reasons(events).persist(StorageLevel.MEMORY_AND_DISK)
+        written: dict[str, str] = {}
+        tables = {
+            "outcomes_hourly": level(outcome_rows, Level.HOURLY),
+            "outcomes_by_hour": level(outcome_rows, Level.HOUR),
+            "outcomes_by_domain": level(outcome_rows, Level.DOMAIN),
+            "outcomes_total": level(outcome_rows, Level.TOTAL),
+        }
+        for name, df in tables.items():
+            step(f"report: {name}")
+            _tables(written, name, load.write_table(df, output, name))
+        step("report: reasons")
+        top_all = top_reasons(reason_rows, top)
+        by_domain = top_reasons(reason_rows, top, by_domain=True)
+        _tables(written, "reasons_top", load.write_table(top_all, output, "reasons_top"))
+        _tables(written, "reasons_by_domain",
+                load.write_table(by_domain, output, "reasons_by_domain"))
+        totals_rows = load.rows(tables["outcomes_total"])
+        totals = totals_rows[0] if totals_rows else {}
+        if html:
+            step("report: HTML")
+            by_hour = load.rows(tables["outcomes_by_hour"])
+            period = (by_hour[0]["hour"], by_hour[-1]["hour"]) if by_hour else None
+            data = ReportData(
+                generated_at=iso_time(time.time()),
+                totals=totals,
+                by_hour=by_hour,
+                by_domain=load.rows(tables["outcomes_by_domain"]),
+                reasons=load.rows(top_all),
+                inputs=paths,
+                period=period,
+            )
+            written["html"] = load.write_file(output, "report.html", render_report(data))
+        outcome_rows.unpersist()
+        reason_rows.unpersist()
+    finally:
+        events.unpersist()
+    counts = {k: totals.get(k) for k in ("received", "delivered", "deferred", "bounced",
+                                         "expired", "delivery_rate")}
+    return JobResult("report", written, counts, time.monotonic() - started)
+
+
+def run_bounces(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    step: Step = _no_step,
+) -> JobResult:
+    started = time.monotonic()
+    step("bounces: classifying")
+    _, events = _events(spark, inputs, since, until)
+    classified = events.transform(classify_failures).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        written: dict[str, str] = {}
+        _tables(written, "bounces", load.write_table(classified, output, "bounces", csv=False))
+        step("bounces: summary")
+        summary = classified.transform(bounce_summary).persist(StorageLevel.MEMORY_AND_DISK)
+        _tables(written, "bounce_summary", load.write_table(summary, output, "bounce_summary"))
+        by_category = load.rows(
+            summary.groupBy("category", "hard").agg(F.sum("count").alias("count"))
+            .orderBy(F.col("count").desc())
+        )
+        summary.unpersist()
+    finally:
+        classified.unpersist()
+    counts: dict[str, Any] = {
+        f"{r['category']}{' (hard)' if r['hard'] else ''}": r["count"] for r in by_category
+    }
+    return JobResult("bounces", written, counts, time.monotonic() - started)
+
+
+def _entry(row: dict[str, Any]) -> SuppressionEntry:
+    def at(value: Any) -> float | None:
+        if value is None:
+            return None
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+    return SuppressionEntry(
+        address=row["address"],
+        reason=SuppressionReason(row["reason"]),
+        category=row.get("category") or "",
+        code=row.get("code"),
+        enhanced=row.get("enhanced") or "",
+        response=row.get("response") or "",
+        first_at=at(row.get("first_at")),
+        last_at=at(row.get("last_at")),
+        count=int(row.get("count") or 1),
+        expires_at=at(row.get("expires_at")),
+    )
+
+
+def run_suppress(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    list_path: str | None = None,
+    soft_count: int = 5,
+    soft_days: float = 7.0,
+    soft_ttl_days: float = 30.0,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    now: float | None = None,
+    step: Step = _no_step,
+) -> JobResult:
+    """Find suppressions, write them as tables and merge them into the list."""
+    started = time.monotonic()
+    step("suppress: finding recipients")
+    _, events = _events(spark, inputs, since, until)
+    events = events.persist(StorageLevel.MEMORY_AND_DISK)
+    target = list_path or load.join(output, "suppression.jsonl")
+    try:
+        found = events.transform(
+            suppressions,
+            soft_count=soft_count,
+            soft_days=soft_days,
+            soft_ttl_days=soft_ttl_days,
+            until=until,
+        ).persist(StorageLevel.MEMORY_AND_DISK)
+        written: dict[str, str] = {}
+        _tables(written, "suppression", load.write_table(found, output, "suppression"))
+        step("suppress: merging the list")
+        new = [_entry(r) for r in load.rows(found)]
+        found.unpersist()
+        old = list(SuppressionList.load(target))
+        delivered: dict[str, float] = {}
+        if old:
+            listed = spark.createDataFrame([(e.address,) for e in old], "address string")
+            for r in load.rows(last_delivered(events).join(F.broadcast(listed), "address")):
+                delivered[r["address"]] = datetime.fromisoformat(
+                    r["delivered_at"].replace("Z", "+00:00")
+                ).timestamp()
+    finally:
+        events.unpersist()
+    at = time.time() if now is None else now
+    merged = merge_entries(old, new, delivered, at)
+    write_suppression_list(target, merged, generated_at=at)
+    written["list"] = target
+    counts = {
+        "found_hard": sum(1 for e in new if e.reason is SuppressionReason.HARD),
+        "found_soft": sum(1 for e in new if e.reason is SuppressionReason.SOFT),
+        "listed_before": len(old),
+        "listed_now": len(merged),
+    }
+    return JobResult("suppress", written, counts, time.monotonic() - started)
+
+
+def run_shape(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    policy_path: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    step: Step = _no_step,
+) -> JobResult:
+    started = time.monotonic()
+    step("shape: throttling replies")
+    paths, events = _events(spark, inputs, since, until)
+    findings = events.transform(throttle_findings).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        written: dict[str, str] = {}
+        _tables(written, "throttle_findings",
+                load.write_table(findings, output, "throttle_findings"))
+        rows = load.rows(findings)
+    finally:
+        findings.unpersist()
+    limits = limits_from_findings(rows)
+    comment = (
+        f"Pickup policy advised by `sluice analytics shape` at {iso_time(time.time())}\n"
+        f"from {len(paths)} input file(s); {len(limits)} destination(s) throttled us.\n"
+        "Per source IP and destination: rate = 90 % of what was accepted while throttled,\n"
+        "concurrency = one below the in-flight count at throttling. Review before use."
+    )
+    text = policy_yaml(build_policy(limits), comment)
+    if policy_path:
+        directory, _, name = policy_path.rpartition("/")
+        written["policy"] = load.write_file(directory or ".", name, text)
+    else:
+        written["policy"] = load.write_file(output, "policy.yaml", text)
+    counts = {"destinations": len(limits), "throttled_attempts": sum(r["throttled"] for r in rows)}
+    return JobResult("shape", written, counts, time.monotonic() - started)
+
+
+def run_maillog(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    year: int | None = None,
+    tz: str = "UTC",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    step: Step = _no_step,
+) -> JobResult:
+    started = time.monotonic()
+    step("maillog: parsing")
+    lines = read_lines(spark, expand_inputs(inputs))
+    events = (
+        lines.transform(parse_lines, year=year, tz=tz)
+        .transform(maillog_events)
+        .transform(between, since=since, until=until)
+        .persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    try:
+        written: dict[str, str] = {}
+        _tables(written, "events", load.write_table(events, output, "events", csv=False))
+        by_kind = load.rows(events.groupBy("event").count())
+    finally:
+        events.unpersist()
+    counts = {r["event"]: r["count"] for r in sorted(by_kind, key=lambda r: r["event"])}
+    return JobResult("maillog", written, counts, time.monotonic() - started)
+

@@ -1,0 +1,179 @@
+"""Report: delivery outcomes per destination, sender and hour, latency and top reasons.
+
+SUMMARY
+    outcomes(events) -> DataFrame          one pass, four levels (OUTCOME_SCHEMA)
+    level(outcomes, Level.HOURLY) -> DataFrame
+    reasons(events) -> DataFrame           (event, domain, reason) counts
+    top_reasons(reasons, n, by_domain=False) -> DataFrame
+
+DESCRIPTION
+    An operator's daily view of a sending platform.  Per recipient domain,
+    tenantid, jobid, localip and remotemx, per hour: received, delivered,
+    deferred attempts, bounced and expired counts; the delivery rate; queue
+    time to delivery (p50, p95, p99); attempts per delivered message.  The
+    same measures per hour, per domain and in total come out of the same
+    aggregation.
+
+    delivery_rate is delivered / (delivered + bounced + expired): the share
+    of recipients that reached an end in that cell and were delivered.
+    Deferrals are not an end; received is counted where the mail came in,
+    which need not be the hour or the remote MX where it left.  Received
+    events carry no remotemx, so in the hourly detail they form their own
+    cells with an empty remotemx; per domain and in total they add up.
+
+STRATEGIES
+    One pass with grouping sets.  The detail, per-hour, per-domain and total
+    levels are one GROUPING SETS aggregation: the events are read once, and
+    percentiles per domain are exact to the detail's own approximation
+    (percentile_approx, accuracy 10 000) rather than averaged from cells.
+
+    Reasons are grouped after masking (rules.mask): "452 4.2.2 <addr>...
+    mailbox full" is one reason whoever the recipient.
+
+INVARIANTS
+    Counts at every level add up to the total level, for every measure.
+
+SEE ALSO
+    sluice.pipeline.rules (masking), sluice.pipeline.html (the HTML page)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+from sluice.pipeline import expressions as X
+
+__all__ = [
+    "DIMENSIONS",
+    "MEASURES",
+    "Level",
+    "level",
+    "outcomes",
+    "reasons",
+    "top_reasons",
+]
+
+#: What the detail level is grouped by, besides the hour.
+DIMENSIONS: tuple[str, ...] = ("domain", "tenantid", "jobid", "localip", "remotemx")
+
+#: Measures, in output order.
+MEASURES: tuple[str, ...] = (
+    "received",
+    "delivered",
+    "deferred",
+    "bounced",
+    "expired",
+    "delivery_rate",
+    "queue_p50_s",
+    "queue_p95_s",
+    "queue_p99_s",
+    "attempts_per_delivered",
+)
+
+#: percentile_approx accuracy: 1/10000 relative rank error.
+PERCENTILE_ACCURACY = 10000
+
+
+class Level(StrEnum):
+    HOURLY = "hourly"  # every dimension and the hour
+    HOUR = "hour"  # per hour, all destinations
+    DOMAIN = "domain"  # per recipient domain, all hours
+    TOTAL = "total"  # one row
+
+
+def _count(kind: str) -> Column:
+    return F.count_if(F.col("event") == kind).cast("long")
+
+
+def outcomes(events: DataFrame) -> DataFrame:
+    """EVENT_SCHEMA -> level, hour, DIMENSIONS..., MEASURES (all four levels)."""
+    delivered = F.col("event") == "delivered"
+    with_hour = events.withColumn("hour", F.date_trunc("hour", F.col("time")))
+    keys = [*DIMENSIONS, "hour"]
+    sets = [keys, ["hour"], ["domain"], []]
+    pct = F.percentile_approx(
+        F.when(delivered, F.col("queue_age_s")),
+        [0.5, 0.95, 0.99],
+        PERCENTILE_ACCURACY,
+    )
+    agg = with_hour.groupingSets(sets, *keys).agg(
+        _count("received").alias("received"),
+        _count("delivered").alias("delivered"),
+        _count("deferred").alias("deferred"),
+        _count("bounced").alias("bounced"),
+        _count("expired").alias("expired"),
+        pct.alias("_pct"),
+        F.avg(F.when(delivered, F.col("attempt"))).alias("attempts_per_delivered"),
+        F.grouping("domain").alias("_g_domain"),
+        F.grouping("tenantid").alias("_g_tenant"),
+        F.grouping("hour").alias("_g_hour"),
+    )
+    ended = F.col("delivered") + F.col("bounced") + F.col("expired")
+    lvl = (
+        F.when((F.col("_g_tenant") == 0) & (F.col("_g_hour") == 0), F.lit(str(Level.HOURLY)))
+        .when(F.col("_g_domain") == 0, F.lit(str(Level.DOMAIN)))
+        .when(F.col("_g_hour") == 0, F.lit(str(Level.HOUR)))
+        .otherwise(F.lit(str(Level.TOTAL)))
+    )
+    return agg.select(
+        lvl.alias("level"),
+        F.col("hour"),
+        *[F.col(d) for d in DIMENSIONS],
+        F.col("received"),
+        F.col("delivered"),
+        F.col("deferred"),
+        F.col("bounced"),
+        F.col("expired"),
+        F.when(ended > 0, F.col("delivered") / ended).alias("delivery_rate"),
+        F.col("_pct")[0].alias("queue_p50_s"),
+        F.col("_pct")[1].alias("queue_p95_s"),
+        F.col("_pct")[2].alias("queue_p99_s"),
+        F.col("attempts_per_delivered"),
+    )
+
+
+_LEVEL_COLUMNS: dict[Level, tuple[str, ...]] = {
+    Level.HOURLY: ("hour", *DIMENSIONS),
+    Level.HOUR: ("hour",),
+    Level.DOMAIN: ("domain",),
+    Level.TOTAL: (),
+}
+
+
+def level(outcome_rows: DataFrame, which: Level) -> DataFrame:
+    """One level of outcomes(), with only the columns that level groups by."""
+    keys = _LEVEL_COLUMNS[which]
+    rows = outcome_rows.where(F.col("level") == str(which)).select(*keys, *MEASURES)
+    return rows.orderBy(*keys) if keys else rows
+
+
+def reasons(events: DataFrame) -> DataFrame:
+    """EVENT_SCHEMA -> event, domain, reason, count, example (failures only)."""
+    failures = events.where(F.col("event").isin("deferred", "bounced", "expired"))
+    return (
+        failures.withColumn(
+            "reason", X.reason(F.col("code"), F.col("enhanced"), F.col("response"))
+        )
+        .groupBy("event", "domain", "reason")
+        .agg(F.count(F.lit(1)).alias("count"), F.min("response").alias("example"))
+    )
+
+
+def top_reasons(reason_rows: DataFrame, n: int = 10, by_domain: bool = False) -> DataFrame:
+    """The n most frequent reasons per event kind (and per domain if asked)."""
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    if by_domain:
+        rows = reason_rows
+        part = ["event", "domain"]
+    else:
+        rows = reason_rows.groupBy("event", "reason").agg(
+            F.sum("count").alias("count"), F.min("example").alias("example")
+        )
+        part = ["event"]
+    window = Window.partitionBy(*part).orderBy(F.col("count").desc(), F.col("reason"))
+    ranked = rows.withColumn("rank", F.row_number().over(window)).where(F.col("rank") <= n)
+    return ranked.select(*part, "rank", "reason", "count", "example").orderBy(*part, "rank")

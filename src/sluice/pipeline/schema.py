@@ -1,0 +1,93 @@
+"""The shapes of the pipeline's tables: events in, reports out.
+
+SUMMARY
+    RAW_EVENT_SCHEMA   the accounting log's JSON lines as read (time is text)
+    EVENT_SCHEMA       events after normalisation (time is a timestamp)
+    CLASSIFIED_SCHEMA  EVENT_SCHEMA plus category, hard and reason
+    SUPPRESSION_SCHEMA what the suppress job produces
+
+DESCRIPTION
+    Every transformation in sluice.pipeline states the schema it takes and
+    the schema it returns, so that a change of the accounting contract
+    (sluice.accounting.EVENT_FIELDS) breaks a test rather than a report.
+    The column order of EVENT_SCHEMA is the order of EVENT_FIELDS.
+
+SEE ALSO
+    sluice.accounting, docs/accounting.md, docs/analytics.md
+"""
+
+from __future__ import annotations
+
+from pyspark.sql.types import (
+    BooleanType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from sluice.accounting import EVENT_FIELDS
+
+__all__ = [
+    "CLASSIFIED_SCHEMA",
+    "CORRUPT_COLUMN",
+    "EVENT_SCHEMA",
+    "RAW_EVENT_SCHEMA",
+    "SUPPRESSION_SCHEMA",
+]
+
+#: Where Spark's JSON reader puts a line it could not parse.
+CORRUPT_COLUMN = "_corrupt_record"
+
+_TYPES = {
+    "attempt": IntegerType(),
+    "code": IntegerType(),
+    "queue_age_s": DoubleType(),
+    "size": LongType(),
+    "duration_s": DoubleType(),
+    "is_report": BooleanType(),
+}
+
+
+def _event_schema(time_type: StringType | TimestampType) -> StructType:
+    fields = []
+    for name in EVENT_FIELDS:
+        if name == "time":
+            fields.append(StructField(name, time_type, True))
+        else:
+            fields.append(StructField(name, _TYPES.get(name, StringType()), True))
+    return StructType(fields)
+
+
+EVENT_SCHEMA: StructType = _event_schema(TimestampType())
+
+RAW_EVENT_SCHEMA: StructType = StructType(
+    [*_event_schema(StringType()).fields, StructField(CORRUPT_COLUMN, StringType(), True)]
+)
+
+CLASSIFIED_SCHEMA: StructType = StructType(
+    [
+        *EVENT_SCHEMA.fields,
+        StructField("category", StringType(), True),
+        StructField("hard", BooleanType(), True),
+        StructField("reason", StringType(), True),
+    ]
+)
+
+SUPPRESSION_SCHEMA: StructType = StructType(
+    [
+        StructField("address", StringType(), False),
+        StructField("reason", StringType(), False),  # hard | soft
+        StructField("category", StringType(), True),
+        StructField("code", IntegerType(), True),
+        StructField("enhanced", StringType(), True),
+        StructField("response", StringType(), True),
+        StructField("first_at", TimestampType(), True),
+        StructField("last_at", TimestampType(), True),
+        StructField("count", LongType(), False),
+        StructField("expires_at", TimestampType(), True),
+    ]
+)

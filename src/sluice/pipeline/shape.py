@@ -1,0 +1,182 @@
+"""Shape: what each destination tolerates, from its throttling replies.
+
+SUMMARY
+    attempts(events) -> DataFrame            delivery attempts with group and throttle kind
+    throttle_findings(events) -> DataFrame   one row per (localip, destination) that throttled
+
+DESCRIPTION
+    Large mailbox providers answer "421 4.7.0 Try again later, closing
+    connection", "451 4.7.1 ... rate limited" or "421 Too many concurrent
+    SMTP connections" when a sender goes faster than they allow.  Per
+    source IP and destination (the remote MX rolled up into a group: all of
+    Google's MX hosts are one destination, as the pickup policy's groups
+    will count them), this job finds those replies (rules.throttle_kind)
+    and estimates what the destination accepted:
+
+    rate         the deliveries per minute it still accepted in the minutes
+                 in which it throttled (median over those minutes); the
+                 advice is 90 % of that, at least 1 per minute.
+    concurrency  how many attempts were in flight when a throttling reply
+                 came (median); the advice is one less, at least 1.  Only
+                 given when the replies speak of connections.
+    connectinterval
+                 for "connection rate" replies: the seconds between
+                 connections that the accepted rate implies.
+
+    sluice.pipeline.policy turns the findings into a Halon-format pickup
+    policy.
+
+STRATEGIES
+    In-flight counts come from the log alone: an attempt that ended at
+    ``time`` after ``duration_s`` was in flight from time - duration_s.
+    A running sum over start (+1) and end (-1) marks per destination gives
+    the count at each start; ends sort before starts at the same instant.
+
+LIMITATIONS
+    An estimate from what happened, not a measurement of the limit: a
+    destination that was never pushed hard shows no throttling and gets no
+    advice.  Attempts without a duration (connection failures) count for
+    the rate but not for in-flight numbers.
+
+SEE ALSO
+    sluice.pipeline.rules (throttle wording, provider groups),
+    sluice.pipeline.policy, Halon's pickup policies (specification)
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame, Window
+from pyspark.sql import functions as F
+
+from sluice.pipeline import expressions as X
+from sluice.pipeline.rules import ThrottleKind
+
+__all__ = ["attempts", "throttle_findings"]
+
+#: Part of the accepted rate we advise: stay a little under what worked.
+RATE_MARGIN = 0.9
+
+
+def attempts(events: DataFrame) -> DataFrame:
+    """Delivery attempts with ``destination`` (MX group) and ``throttle`` kind."""
+    tried = events.where(
+        F.col("event").isin("delivered", "deferred", "bounced") & F.col("remotemx").isNotNull()
+    )
+    return tried.select(
+        F.coalesce(F.col("localip"), F.lit("")).alias("localip"),
+        X.mx_group(F.col("remotemx")).alias("destination"),
+        F.lower(F.col("remotemx")).alias("remotemx"),
+        F.col("time"),
+        F.col("event"),
+        F.col("duration_s"),
+        F.col("code"),
+        F.col("enhanced"),
+        F.col("response"),
+        X.throttle(F.col("code"), F.col("enhanced"), F.col("response")).alias("throttle"),
+    )
+
+
+def _inflight_at_throttle(tried: DataFrame) -> DataFrame:
+    timed = tried.where(F.col("duration_s").isNotNull())
+    end_us = F.unix_micros(F.col("time"))
+    start_us = end_us - (F.col("duration_s") * 1_000_000).cast("long")
+    throttled = F.col("throttle").isNotNull()
+    marks = timed.select(
+        "localip",
+        "destination",
+        F.explode(
+            F.array(
+                F.struct(start_us.alias("t"), F.lit(1).alias("delta"), throttled.alias("thr")),
+                F.struct(end_us.alias("t"), F.lit(-1).alias("delta"), F.lit(False).alias("thr")),
+            )
+        ).alias("m"),
+    ).select("localip", "destination", "m.t", "m.delta", "m.thr")
+    running = Window.partitionBy("localip", "destination").orderBy("t", "delta").rowsBetween(
+        Window.unboundedPreceding, Window.currentRow
+    )
+    inflight = marks.withColumn("inflight", F.sum("delta").over(running))
+    return inflight.groupBy("localip", "destination").agg(
+        F.max("inflight").alias("max_inflight"),
+        F.percentile_approx(
+            F.when((F.col("delta") == 1) & F.col("thr"), F.col("inflight")), 0.5
+        ).alias("inflight_at_throttle"),
+    )
+
+
+def throttle_findings(events: DataFrame) -> DataFrame:
+    """EVENT_SCHEMA -> one row per (localip, destination) with throttling replies.
+
+    Columns: localip, destination, sample_mx, attempts, delivered, throttled,
+    rate_throttles, connection_throttles, connect_rate_throttles,
+    peak_per_min, accepted_per_min, max_inflight, inflight_at_throttle,
+    rate_per_min, concurrency, connectinterval_s, example, first_at, last_at.
+    """
+    tried = attempts(events)
+    keys = ["localip", "destination"]
+    minute = (
+        tried.groupBy(*keys, F.date_trunc("minute", F.col("time")).alias("minute"))
+        .agg(
+            F.count_if(F.col("event") == "delivered").alias("ok"),
+            F.count_if(F.col("throttle").isNotNull()).alias("thr"),
+        )
+        .groupBy(*keys)
+        .agg(
+            F.max("ok").alias("peak_per_min"),
+            F.percentile_approx(F.when(F.col("thr") > 0, F.col("ok")), 0.5).alias(
+                "accepted_per_min"
+            ),
+        )
+    )
+    totals = tried.groupBy(*keys).agg(
+        F.count(F.lit(1)).alias("attempts"),
+        F.min("remotemx").alias("sample_mx"),
+        F.count_if(F.col("event") == "delivered").alias("delivered"),
+        F.count_if(F.col("throttle").isNotNull()).alias("throttled"),
+        F.count_if(F.col("throttle") == str(ThrottleKind.RATE)).alias("rate_throttles"),
+        F.count_if(F.col("throttle") == str(ThrottleKind.CONNECTIONS)).alias(
+            "connection_throttles"
+        ),
+        F.count_if(F.col("throttle") == str(ThrottleKind.CONNECT_RATE)).alias(
+            "connect_rate_throttles"
+        ),
+        F.min(F.when(F.col("throttle").isNotNull(), F.concat_ws(
+            " ", F.col("code").cast("string"), F.col("enhanced"), F.col("response")
+        ))).alias("example"),
+        F.min(F.when(F.col("throttle").isNotNull(), F.col("time"))).alias("first_at"),
+        F.max(F.when(F.col("throttle").isNotNull(), F.col("time"))).alias("last_at"),
+    )
+    found = (
+        totals.where(F.col("throttled") > 0)
+        .join(minute, keys, "left")
+        .join(_inflight_at_throttle(tried), keys, "left")
+    )
+    accepted = F.coalesce(F.col("accepted_per_min"), F.lit(0))
+    rate = F.greatest(F.lit(1), F.floor(accepted * RATE_MARGIN)).cast("long")
+    concurrency = F.when(
+        F.col("connection_throttles") > 0,
+        F.greatest(F.lit(1), F.coalesce(F.col("inflight_at_throttle"), F.lit(2)) - 1),
+    ).cast("long")
+    interval = F.when(
+        F.col("connect_rate_throttles") > 0,
+        F.round(F.lit(60.0) / F.greatest(F.lit(1.0), accepted.cast("double")), 2),
+    )
+    return found.select(
+        *keys,
+        "sample_mx",
+        "attempts",
+        "delivered",
+        "throttled",
+        "rate_throttles",
+        "connection_throttles",
+        "connect_rate_throttles",
+        "peak_per_min",
+        "accepted_per_min",
+        "max_inflight",
+        "inflight_at_throttle",
+        rate.alias("rate_per_min"),
+        concurrency.alias("concurrency"),
+        interval.alias("connectinterval_s"),
+        "example",
+        "first_at",
+        "last_at",
+    ).orderBy(*keys)
