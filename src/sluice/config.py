@@ -212,6 +212,8 @@ class SchedulerConfig:
     dead_destination_ttl: float = _dur("5m")
     destination_cache_size: int = 10000
     refill_interval: float = _dur("1s")
+    refill_batch: int = 1000
+    max_deliveries: int = 0
 
 
 @dataclass(frozen=True, slots=True)

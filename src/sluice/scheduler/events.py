@@ -1,0 +1,284 @@
+"""What the runtime tells the scheduler (events) and what it is told (commands).
+
+SUMMARY
+    Route, DeliveryJob; events MailArrived, EntriesClaimed, JobsQueued,
+    DeliveryFinished, EntriesModified, PolicyReloaded, ConditionAdded,
+    ConditionRemoved, SuspensionAdded, SuspensionRemoved, ClockTicked;
+    commands Refill, StartDelivery, DeferJob.
+
+DESCRIPTION
+    Events are things that happened, in the past tense; commands are what
+    the runtime must do next, in the imperative.  All are frozen, slotted
+    dataclasses; none carries a clock reading except where the time is the
+    subject (expiries).  The time of an event is the ``now`` passed with it
+    to Scheduler.handle().
+
+    A *delivery job* is one SMTP (or LMTP) transaction: the recipients of
+    one message that share the recipient domain and the route.  The
+    runtime builds jobs after routing (pre-delivery hook, DNS or the
+    transport map) and the scheduler decides when each starts, and from
+    which of its source IPs.
+
+SEE ALSO
+    sluice.scheduler.core, docs/scheduler.md
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sluice.model import Outcome, Reply
+from sluice.scheduler.policy import Condition, Policy, Suspension
+
+__all__ = [
+    "ClockTicked",
+    "Command",
+    "ConditionAdded",
+    "ConditionRemoved",
+    "DeferJob",
+    "DeliveryFinished",
+    "DeliveryJob",
+    "EntriesClaimed",
+    "EntriesModified",
+    "Event",
+    "JobsQueued",
+    "MailArrived",
+    "PolicyReloaded",
+    "Refill",
+    "Route",
+    "StartDelivery",
+    "SuspensionAdded",
+    "SuspensionRemoved",
+    "Transport",
+]
+
+
+class Transport(StrEnum):
+    SMTP = "smtp"
+    LMTP = "lmtp"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Everything a policy can name about a delivery, and where it goes.
+
+    ``localip`` is the pool of source IPs the delivery may use (empty: the
+    system's default address, counted as the value "").  ``destination``
+    is the next-hop key for slow start and the destination status cache
+    (defaults to the recipient domain).  Many jobs share one Route; the
+    scheduler keys its sub-queues on it.
+    """
+
+    recipientdomain: str
+    tenantid: str = ""
+    jobid: str = ""
+    transportid: str = ""
+    localip: tuple[str, ...] = ()
+    grouping: str = ""
+    remoteip: str = ""
+    remotemx: str = ""
+    destination: str = ""
+    transport: Transport = Transport.SMTP
+
+    def __post_init__(self) -> None:
+        domain = self.recipientdomain.lower().rstrip(".")
+        if domain != self.recipientdomain:
+            object.__setattr__(self, "recipientdomain", domain)
+        mx = self.remotemx.lower().rstrip(".")
+        if mx != self.remotemx:
+            object.__setattr__(self, "remotemx", mx)
+        if not self.destination:
+            object.__setattr__(self, "destination", domain)
+        if len(set(self.localip)) != len(self.localip):
+            raise ValueError(f"duplicate source IP in {self.localip}")
+
+    def value(self, name: str, localip: str) -> str:
+        """The value of policy field ``name`` when sent from ``localip``."""
+        if name == "localip":
+            return localip
+        value: str = getattr(self, name)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryJob:
+    """One transaction's worth of recipients (``qids``) of message ``spid``.
+
+    ``ref`` is the runtime's unique name for the job.  ``arrival_at`` is
+    when the message arrived (for waiting-time figures and explanations).
+    """
+
+    ref: str
+    spid: str
+    qids: tuple[str, ...]
+    route: Route
+    priority: int = 0
+    arrival_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.qids:
+            raise ValueError(f"job {self.ref} has no recipients")
+        if self.priority not in (0, 1):
+            raise ValueError(f"priority must be 0 or 1, not {self.priority}")
+
+
+# --------------------------------------------------------------------------
+# Events
+
+
+@dataclass(frozen=True, slots=True)
+class MailArrived:
+    """New mail was queued in the store (incoming has work): refill soon."""
+
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class EntriesClaimed:
+    """The store answered a Refill: ``count`` entries are now being routed.
+
+    ``exhausted``: the store had fewer than asked for.  ``next_due_at``:
+    the earliest deferred entry's retry time (Store.due_at()), if known,
+    so the scheduler wakes for it instead of polling.
+    """
+
+    count: int
+    exhausted: bool = False
+    next_due_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobsQueued:
+    """Routing is done for some claimed entries.
+
+    ``jobs`` are ready for pickup; ``unrouted`` entries left the
+    scheduler's care without a job (DNS failed, the pre-delivery hook held
+    or bounced them; the runtime has recorded their outcome).
+    """
+
+    jobs: tuple[DeliveryJob, ...]
+    unrouted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryFinished:
+    """A StartDelivery is over.
+
+    ``outcomes``: (qid, outcome) per recipient.  ``connection_failed``: no
+    usable session (connect refused or timed out, greeting or HELO
+    refused, 421 at the door); this is what slow start and the
+    destination status cache count.  ``new_connection``: the delivery
+    opened a connection rather than reusing one.  ``localip``: the source
+    IP used (must be the one StartDelivery named; "" = not reported).
+    """
+
+    ref: str
+    outcomes: tuple[tuple[str, Outcome], ...] = ()
+    connection_failed: bool = False
+    new_connection: bool = True
+    localip: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EntriesModified:
+    """An operator changed these entries in the store (hold, release,
+    retry now, priority, delete): forget them; the store re-offers them."""
+
+    qids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyReloaded:
+    """The policy file was read again; it replaces the counters and the
+    file's suspensions (suspensions added at run time stay)."""
+
+    policy: Policy
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionAdded:
+    """A condition for counter ``counter_id``, inserted at ``position``
+    (0 = evaluated first, so a run-time override wins)."""
+
+    counter_id: str
+    condition: Condition
+    position: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionRemoved:
+    counter_id: str
+    condition_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SuspensionAdded:
+    """A suspension by hand; one with the same fields only gets the new
+    expiry, tag and reason (as Halon does)."""
+
+    suspension: Suspension
+
+
+@dataclass(frozen=True, slots=True)
+class SuspensionRemoved:
+    suspension_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClockTicked:
+    """Nothing happened but time passed (the runtime woke at next_wakeup())."""
+
+
+Event = (
+    MailArrived
+    | EntriesClaimed
+    | JobsQueued
+    | DeliveryFinished
+    | EntriesModified
+    | PolicyReloaded
+    | ConditionAdded
+    | ConditionRemoved
+    | SuspensionAdded
+    | SuspensionRemoved
+    | ClockTicked
+)
+
+
+# --------------------------------------------------------------------------
+# Commands
+
+
+@dataclass(frozen=True, slots=True)
+class Refill:
+    """Claim up to ``limit`` entries (Store.claim(limit, now, quota_deferred)),
+    route them, and answer with EntriesClaimed, then JobsQueued."""
+
+    limit: int
+    quota_deferred: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartDelivery:
+    """Deliver ``qids`` of ``job`` now, from source IP ``localip``; answer
+    with DeliveryFinished.  ``qids`` may be fewer than the job's when an
+    operator took some away meanwhile."""
+
+    job: DeliveryJob
+    localip: str
+    qids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeferJob:
+    """Defer ``qids`` of ``job`` without a connection attempt, as a
+    temporary failure with ``reply`` (the destination is marked dead until
+    ``dead_until_at``); the runtime applies the retry rules."""
+
+    job: DeliveryJob
+    qids: tuple[str, ...]
+    reply: Reply
+    dead_until_at: float
+
+
+Command = Refill | StartDelivery | DeferJob
