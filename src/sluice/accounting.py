@@ -176,12 +176,16 @@ class AccountingLog:
             self._fd = os.open(self.path / name,
                                os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
             self._name = name
-            self._prune(at)
+            self._prune()
         return self._fd
 
-    def _prune(self, now: float) -> None:
-        cutoff = now - self.keep_s
+    def _prune(self) -> None:
+        # By the wall clock and modification time (not the event time, which
+        # a test or a replay may set anywhere); never the file just opened.
+        cutoff = time.time() - self.keep_s
         for old in self.path.glob("sluice-acct-*.jsonl"):
+            if old.name == self._name:
+                continue
             try:
                 if old.stat().st_mtime < cutoff:
                     old.unlink()

@@ -1,0 +1,206 @@
+"""The operator CLI as an operator runs it: real processes, real files."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, SLUICE, subprocess_env, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def run(cfg: Path | None, *args: str, stdin: bytes = b"", check: bool = True
+        ) -> subprocess.CompletedProcess[str]:
+    cmd = [SLUICE] + (["-c", str(cfg)] if cfg else []) + list(args)
+    proc = subprocess.run(cmd, input=stdin.decode(), capture_output=True, text=True,
+                          env=subprocess_env(), timeout=60)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Path:
+    return write_config(tmp_path)
+
+
+MSG = b"Subject: hello\n\nbody line\n"
+
+
+def qlist(cfg: Path, *args: str) -> tuple[list[dict[str, str]], str]:
+    out = run(cfg, "qlist", *args).stdout
+    *table, totals = out.rstrip("\n").split("\n")
+    rows = list(csv.DictReader(io.StringIO("\n".join(table)), delimiter=";"))
+    return rows, totals
+
+
+def test_sendmail_then_qlist_in_mailismus_format(cfg: Path) -> None:
+    out = run(cfg, "sendmail", "-f", "alice@example.org", "bob@example.net", "c@example.com",
+              "--tenant", "t1", "--job", "j9", stdin=MSG).stdout
+    assert out.startswith("queued ")
+    run(cfg, "sendmail", "-f", "", "postmaster@example.net", stdin=MSG)
+    raw = run(cfg, "qlist").stdout.splitlines()
+    assert raw[0].split(";")[0] == "QueueID" and raw[0].endswith(";DSN")
+    rows, totals = qlist(cfg)
+    assert len(rows) == 3
+    assert [r["Recipient"] for r in rows] == ["bob@example.net", "c@example.com",
+                                             "postmaster@example.net"]
+    assert {r["State"] for r in rows} == {"incoming"}
+    assert rows[0]["TenantID"] == "t1" and rows[0]["JobID"] == "j9"
+    assert rows[2]["Sender"] == "<>"
+    assert {r["DSN"] for r in rows} == {"no"}
+    assert totals == "Total: 2 messages, 3 recipients; new/incoming: 3"
+    assert run(cfg, "qcount").stdout.splitlines()[0] == totals
+
+
+def test_sendmail_t_reads_recipients_and_strips_bcc(cfg: Path, tmp_path: Path) -> None:
+    msg = b"To: a@x.org\nCc: B <b@y.org>\nBcc: hidden@z.org\nSubject: t\n\nbody\n"
+    run(cfg, "sendmail", "-t", "-f", "s@example.org", stdin=msg)
+    rows, _ = qlist(cfg)
+    assert sorted(r["Recipient"] for r in rows) == ["a@x.org", "b@y.org", "hidden@z.org"]
+    spool = next((tmp_path / "spool").rglob("*.msg")).read_bytes()
+    assert b"Bcc" not in spool and b"hidden@z.org" not in spool
+    assert b"Message-ID: <" in spool and b"Date: " in spool
+    assert spool.endswith(b"\nbody\n")
+
+
+def test_sendmail_without_recipients_is_misuse(cfg: Path) -> None:
+    proc = run(cfg, "sendmail", stdin=MSG, check=False)
+    assert proc.returncode == 2
+    assert "no recipients" in proc.stderr
+
+
+def test_filters_and_json(cfg: Path) -> None:
+    run(cfg, "sendmail", "-f", "a@example.org", "x@gmail.com", "y@yahoo.com",
+        "--tenant", "t1", stdin=MSG)
+    run(cfg, "sendmail", "-f", "b@example.org", "z@gmail.com", "--tenant", "t2", "--hold",
+        stdin=MSG)
+    rows, totals = qlist(cfg, "--domain", "gmail.com")
+    assert [r["Recipient"] for r in rows] == ["x@gmail.com", "z@gmail.com"]
+    assert totals.startswith("Total: 2 messages, 2 recipients")
+    rows, _ = qlist(cfg, "--state", "hold")
+    assert [r["Recipient"] for r in rows] == ["z@gmail.com"]
+    rows, _ = qlist(cfg, "--sender", "a@example.org", "--tenant", "t1")
+    assert len(rows) == 2
+    doc = json.loads(run(cfg, "qlist", "--json", "--domain", "yahoo.com").stdout)
+    assert [e["recipient"] for e in doc["entries"]] == ["y@yahoo.com"]
+    assert doc["totals"]["recipients"] == 1
+    counts = json.loads(run(cfg, "qcount", "--json").stdout)
+    assert counts["by_state"] == {"hold": 1, "incoming": 2, "deferred": 0, "active": 0,
+                                  "delivering": 0, "bounce": 0}
+    assert counts["messages"] == 2
+
+
+def test_actions_by_id_and_selector(cfg: Path) -> None:
+    run(cfg, "sendmail", "-f", "a@example.org", "x@gmail.com", "y@yahoo.com", stdin=MSG)
+    rows, _ = qlist(cfg)
+    gmail = next(r["QueueID"] for r in rows if r["Domain"] == "gmail.com")
+    assert run(cfg, "hold", gmail).stdout.strip() == "held 1 recipient(s)"
+    assert run(cfg, "hold", "--domain", "yahoo.com", "--dry-run").stdout.strip() == \
+        "hold: would change 1 recipient(s)"
+    assert run(cfg, "hold", "--domain", "yahoo.com").stdout.strip() == "held 1 recipient(s)"
+    rows, _ = qlist(cfg)
+    assert {r["State"] for r in rows} == {"hold"}
+    run(cfg, "release", "--all")
+    run(cfg, "priority", "1", rows[0]["SPID"])
+    rows, _ = qlist(cfg)
+    assert {(r["State"], r["Priority"]) for r in rows} == {("incoming", "1")}
+    run(cfg, "retry", "--domain", "gmail.com")
+    assert run(cfg, "delete", rows[0]["SPID"]).stdout.strip() == "deleted 2 recipient(s)"
+    assert run(cfg, "qcount").stdout.startswith("Total: 0 messages, 0 recipients")
+
+
+def test_actions_refuse_an_empty_selection_and_bad_ids(cfg: Path) -> None:
+    proc = run(cfg, "delete", check=False)
+    assert proc.returncode == 2 and "--all" in proc.stderr
+    proc = run(cfg, "hold", "not-a-queue-id", check=False)
+    assert proc.returncode == 2 and "not a queue id" in proc.stderr
+    proc = run(cfg, "hold", "0123456789ABCDEF-0", check=False)
+    assert proc.returncode == 1 and "held 0" in proc.stdout
+
+
+def test_bounce_command_queues_an_ndr(cfg: Path) -> None:
+    run(cfg, "sendmail", "-f", "alice@example.org", "x@gmail.com", stdin=MSG)
+    run(cfg, "bounce", "--domain", "gmail.com")
+    rows, _ = qlist(cfg)
+    assert [(r["Sender"], r["Recipient"], r["DSN"]) for r in rows] == [
+        ("<>", "alice@example.org", "yes")]
+
+
+def test_qshape(cfg: Path) -> None:
+    for rcpt in ("a@gmail.com", "b@gmail.com", "c@yahoo.com"):
+        run(cfg, "sendmail", "-f", "s@example.org", rcpt, stdin=MSG)
+    lines = run(cfg, "qshape").stdout.splitlines()
+    assert lines[0].split() == ["T", "5", "10", "20", "40", "80", "160", "320", "640",
+                                "1280", "1280+"]
+    assert lines[1].split() == ["TOTAL", "3", "3"] + ["0"] * 9
+    assert lines[2].split()[:3] == ["gmail.com", "2", "2"]
+    assert lines[3].split()[:3] == ["yahoo.com", "1", "1"]
+    assert len(run(cfg, "qshape", "--top", "1").stdout.splitlines()) == 3
+
+
+def test_config_check_show_and_errors(cfg: Path, tmp_path: Path) -> None:
+    assert run(cfg, "config", "check").stdout.strip() == f"{cfg}: OK"
+    shown = run(cfg, "config", "show").stdout
+    assert "retry_delays: 30m | 2h | 4h" in shown and "maxmemoryqueue: 10000" in shown
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("queue:\n  spool:\n    partitiondepth: deep\n")
+    for args in (("config", "check"), ("qlist",), ("sendmail", "a@b.c")):
+        proc = run(bad, *args, check=False)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert lines == [f"sluice: config error: {bad}: queue.spool.partitiondepth: "
+                         "'deep' is not of type 'integer'"]
+        assert "Traceback" not in proc.stderr
+
+
+def test_embedded_defaults_live_under_var(tmp_path: Path) -> None:
+    proc = subprocess.run([SLUICE, "sendmail", "-f", "a@example.org", "b@example.net"],
+                          input=MSG.decode(), capture_output=True, text=True, cwd=tmp_path,
+                          env=subprocess_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "var" / "queue" / "queue.db").exists()
+    assert len(list((tmp_path / "var" / "spool").rglob("*.msg"))) == 1
+    assert list((tmp_path / "var" / "log").glob("sluice-acct-*.jsonl"))
+
+
+def test_cli_works_while_another_process_uses_the_queue(cfg: Path) -> None:
+    writer = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from sluice.config import load_config\n"
+            "from sluice.queue import Queue\n"
+            "from sluice.model import Submission\n"
+            "q = Queue.open(load_config(sys.argv[1]))\n"
+            "print('open', flush=True)\n"
+            "for i in range(300):\n"
+            "    q.submit(Submission('w@example.org', ('r@example.net',)), b'x')\n"
+            "print('done', flush=True)\n"
+            "time.sleep(30)\n"), str(cfg)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env=subprocess_env())
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == "open"
+        seen = []
+        for _ in range(5):
+            rows, _ = qlist(cfg)
+            seen.append(len(rows))
+            run(cfg, "hold", "--domain", "example.net")
+            time.sleep(0.05)
+        assert writer.stdout.readline().strip() == "done"
+        rows, _ = qlist(cfg)
+        assert len(rows) == 300
+        assert seen == sorted(seen)
+    finally:
+        writer.kill()
+        writer.wait()
+        if writer.stdout:
+            writer.stdout.close()

@@ -1,0 +1,285 @@
+"""The whole life cycle through sluice.queue on real files, with a controlled clock.
+
+submit -> claim -> outcomes (2xx, 4xx with the retry schedule, 5xx) -> expiry
+-> NDR queued to the sender (parsed back) -> NDR's own expiry discarded; every
+transition written to the accounting log.
+"""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice.accounting import EVENT_FIELDS
+from sluice.config import Config
+from sluice.model import (
+    Delivered,
+    PermFail,
+    QueueEntry,
+    QueueState,
+    Reply,
+    Selector,
+    Submission,
+    TempFail,
+)
+from sluice.queue import AttemptResult, Queue
+from sluice.store import Action
+from tests.integration.stores import flavour_config
+
+pytestmark = pytest.mark.integration
+
+H = 3600.0
+S = QueueState
+
+
+class Clock:
+    """Time moves only when the test says so."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(1_800_000_000.0)  # on the 15-minute grid
+
+
+@pytest.fixture
+def cfg(flavour: str, tmp_path: Path) -> Config:
+    return flavour_config(flavour, tmp_path, queue={"retry_delays": "30m | 2h | 4h",
+                                                    "retry_maxtime": "12h"})
+
+
+@pytest.fixture
+def queue(cfg: Config, clock: Clock) -> Iterator[Queue]:
+    q = Queue.open(cfg, clock=clock)
+    yield q
+    q.close()
+
+
+def log_lines(cfg: Config) -> list[dict[str, object]]:
+    out = []
+    for f in sorted(Path(cfg.accounting.path).glob("sluice-acct-*.jsonl")):
+        out += [json.loads(line) for line in f.read_text().splitlines()]
+    return out
+
+
+def message(subject: str = "hello") -> bytes:
+    return (f"From: alice@example.org\r\nTo: bob@example.net\r\nSubject: {subject}\r\n"
+            "Message-ID: <m1@example.org>\r\n\r\nbody\r\n").encode()
+
+
+def attempt(queue: Queue, outcome_for: dict[str, object]) -> list[QueueEntry]:
+    """Claim everything due and report the given outcome per recipient."""
+    claimed = queue.claim(100)
+    queue.mark_delivering(claimed)
+    results = [AttemptResult(e, outcome_for[e.recipient], remotemx="mx.test",  # type: ignore[arg-type]
+                             remoteip="127.0.0.1", localip="127.0.0.1", duration_s=0.01)
+               for e in claimed]
+    queue.record(results)
+    return claimed
+
+
+OK = Delivered(Reply(250, "2.0.0", "queued as X"))
+GREY = TempFail(Reply(451, "4.7.1", "greylisted"))
+GONE = PermFail(Reply(550, "5.1.1", "no such user"))
+
+
+def test_delivery_removes_entries_and_content(queue: Queue, cfg: Config) -> None:
+    acc = queue.submit(Submission("alice@example.org", ("bob@example.net",)), message())
+    attempt(queue, {"bob@example.net": OK})
+    assert queue.store.count().recipients == 0
+    assert not list(Path(cfg.queue.spool.rootpath).rglob(f"{acc.spid}*"))
+    events = [(e["event"], e["qid"]) for e in log_lines(cfg)]
+    assert events == [("received", acc.qids[0]), ("delivered", acc.qids[0])]
+
+
+def test_retry_schedule_then_success(queue: Queue, clock: Clock, cfg: Config) -> None:
+    acc = queue.submit(Submission("alice@example.org", ("bob@example.net",)), message())
+    qid = acc.qids[0]
+    t0 = clock.now
+    attempt(queue, {"bob@example.net": GREY})
+    e = queue.store.get(qid)
+    assert e is not None
+    assert (e.state, e.attempts, e.next_attempt_at) == (S.DEFERRED, 1, t0 + 30 * 60)
+    assert e.last_reply == GREY.reply
+
+    clock.advance(29 * 60)
+    assert queue.claim(10) == []  # not due yet
+    clock.advance(60)
+    attempt(queue, {"bob@example.net": GREY})
+    e = queue.store.get(qid)
+    assert e is not None
+    assert (e.attempts, e.next_attempt_at) == (2, clock.now + 2 * H)
+
+    clock.advance(2 * H)
+    attempt(queue, {"bob@example.net": OK})
+    assert queue.store.get(qid) is None
+    kinds = [x["event"] for x in log_lines(cfg)]
+    assert kinds == ["received", "deferred", "deferred", "delivered"]
+    delivered = log_lines(cfg)[-1]
+    assert set(delivered) == set(EVENT_FIELDS)
+    assert delivered["attempt"] == 3
+    assert delivered["queue_age_s"] == pytest.approx(2.5 * H)
+    assert (delivered["remotemx"], delivered["code"]) == ("mx.test", 250)
+
+
+def _ndrs(queue: Queue) -> list[QueueEntry]:
+    return [e for e in queue.store.entries(Selector()) if e.is_report]
+
+
+def _parse(queue: Queue, spid: str) -> email.message.EmailMessage:
+    with queue.store.open_content(spid) as stream:
+        raw = stream.read()
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    assert isinstance(msg, email.message.EmailMessage)
+    return msg
+
+
+def test_permanent_failure_sends_one_ndr_for_the_failed_recipients(queue: Queue,
+                                                                    cfg: Config) -> None:
+    acc = queue.submit(Submission("alice@example.org",
+                                  ("bob@example.net", "carol@example.com", "dave@example.net")),
+                       message("quarterly report"))
+    attempt(queue, {"bob@example.net": GONE, "carol@example.com": OK,
+                    "dave@example.net": GONE})
+    assert queue.store.count()[S.BOUNCE] == 2
+    assert queue.run_bounces() == 1
+    (ndr,) = _ndrs(queue)
+    assert (ndr.sender, ndr.recipient, ndr.state) == ("", "alice@example.org", S.INCOMING)
+    msg = _parse(queue, ndr.spid)
+    assert msg.get_content_type() == "multipart/report"
+    blocks = list(msg.iter_parts())[1].get_payload()
+    assert blocks[0]["X-Sluice-Queue-ID"] == acc.spid
+    assert [b["Final-Recipient"] for b in blocks[1:]] == [
+        "rfc822; bob@example.net", "rfc822; dave@example.net"]
+    assert {b["Status"] for b in blocks[1:]} == {"5.1.1"}
+    assert "Subject: quarterly report" in list(msg.iter_parts())[2].get_payload()
+    # the original message is gone entirely; only the NDR remains
+    assert queue.store.count().messages == 1
+    kinds = [x["event"] for x in log_lines(cfg)]
+    assert kinds.count("bounced") == 2 and kinds.count("ndr") == 2
+    assert kinds.count("delivered") == 1
+
+
+def test_expiry_bounces_with_the_last_reply_and_ndr_says_so(queue: Queue, clock: Clock,
+                                                            cfg: Config) -> None:
+    queue.submit(Submission("alice@example.org", ("bob@example.net",)), message())
+    # 30m, 2h, 4h, 4h ... within retry_maxtime 12h; keep failing
+    for _ in range(20):
+        claimed = queue.claim(10)
+        if claimed:
+            queue.record([AttemptResult(claimed[0], TempFail(Reply(421, "4.4.1",
+                                                                   "connection refused")))])
+        if queue.store.count()[S.BOUNCE]:
+            break
+        due = queue.store.due_at()
+        assert due is not None
+        clock.now = max(clock.now, due)
+    assert queue.store.count()[S.BOUNCE] == 1
+    assert clock.now - 1_800_000_000.0 == pytest.approx(12 * H)  # the last try at the deadline
+    queue.run_bounces()
+    (ndr,) = _ndrs(queue)
+    blocks = list(_parse(queue, ndr.spid).iter_parts())[1].get_payload()
+    assert blocks[1]["Status"] == "4.4.1"
+    assert blocks[1]["Action"] == "failed"
+    assert "connection refused" in blocks[1]["Diagnostic-Code"]
+    assert [x["event"] for x in log_lines(cfg)].count("expired") == 1
+
+
+def test_expiry_sweep_bounces_deferred_mail_without_an_attempt(queue: Queue,
+                                                               clock: Clock) -> None:
+    acc = queue.submit(Submission("alice@example.org", ("bob@example.net",), delay_s=20 * H),
+                       message())
+    clock.advance(12 * H)
+    assert queue.expire() == 1
+    e = queue.store.get(acc.qids[0])
+    assert e is not None and e.state is S.BOUNCE
+    assert queue.run_bounces() == 1
+    (ndr,) = _ndrs(queue)
+    blocks = list(_parse(queue, ndr.spid).iter_parts())[1].get_payload()
+    assert blocks[1]["Status"] == "4.4.7"  # delivery time expired
+
+
+def test_never_an_ndr_for_the_null_sender(queue: Queue, cfg: Config) -> None:
+    queue.submit(Submission("", ("bob@example.net",)), message())
+    attempt(queue, {"bob@example.net": GONE})
+    assert queue.run_bounces() == 0
+    assert queue.store.count().recipients == 0
+    assert [x["event"] for x in log_lines(cfg)][-1] == "discarded"
+
+
+def test_an_expired_ndr_is_discarded_and_logged(queue: Queue, clock: Clock,
+                                                cfg: Config) -> None:
+    queue.submit(Submission("alice@example.org", ("bob@example.net",)), message())
+    attempt(queue, {"bob@example.net": GONE})
+    queue.run_bounces()
+    (ndr,) = _ndrs(queue)
+    # The sender's server is down for good: NDRs expire after retry_maxtime_reports (24h),
+    # before the 12h... no: reports use their own limit; fail it until then.
+    for _ in range(30):
+        claimed = queue.claim(10)
+        if claimed:
+            queue.record([AttemptResult(c, GREY) for c in claimed])
+        if queue.store.count()[S.BOUNCE]:
+            break
+        due = queue.store.due_at()
+        assert due is not None
+        clock.now = max(clock.now, due)
+    assert clock.now - ndr.arrival_at == pytest.approx(24 * H)
+    assert queue.run_bounces() == 0  # no NDR for an NDR
+    assert queue.store.count().recipients == 0
+    assert [x["event"] for x in log_lines(cfg)][-1] == "discarded"
+
+
+def test_operator_actions_are_logged_and_a_late_result_loses(queue: Queue, cfg: Config
+                                                             ) -> None:
+    acc = queue.submit(Submission("alice@example.org", ("bob@example.net", "c@example.com")),
+                       message())
+    claimed = queue.claim(10)
+    queue.act(Selector(domain="example.net"), Action.HOLD)
+    applied = queue.record([AttemptResult(e, GREY) for e in claimed])
+    assert [r.entry.recipient for r, _ in applied] == ["c@example.com"]
+    assert queue.store.get(acc.qids[0]).state is S.HOLD  # type: ignore[union-attr]
+    queue.act(Selector(qids=(acc.qids[0],)), Action.RELEASE)
+    queue.act(Selector(qids=(acc.spid,)), Action.PRIORITY, priority=1)
+    queue.act(Selector(qids=(acc.spid,)), Action.DELETE)
+    kinds = [x["event"] for x in log_lines(cfg)]
+    assert kinds == ["received", "received", "held", "deferred", "released", "priority",
+                     "priority", "deleted", "deleted"]
+
+
+def test_operator_bounce_sends_an_ndr(queue: Queue) -> None:
+    queue.submit(Submission("alice@example.org", ("bob@example.net",)), message())
+    queue.act(Selector(domain="example.net"), Action.BOUNCE,
+              reply=Reply(550, "5.7.1", "removed by the postmaster"))
+    assert queue.run_bounces() == 1
+    (ndr,) = _ndrs(queue)
+    blocks = list(_parse(queue, ndr.spid).iter_parts())[1].get_payload()
+    assert blocks[1]["Status"] == "5.7.1"
+
+
+def test_recovery_after_restart_returns_claimed_mail(cfg: Config, clock: Clock) -> None:
+    q = Queue.open(cfg, clock=clock)
+    acc = q.submit(Submission("alice@example.org", ("bob@example.net",)), message())
+    q.claim(10)
+    q.close()
+    q = Queue.open(cfg, clock=clock)
+    try:
+        assert q.recover() == 1
+        (again,) = q.claim(10)
+        assert again.qid == acc.qids[0]
+    finally:
+        q.close()
