@@ -136,6 +136,10 @@ class Store(Protocol):
     """A meta queue flavour with its spool.  All methods are thread-safe."""
 
     flavour: str
+    #: Whether several processes may open the same queue at once (SQLite,
+    #: PostgreSQL: yes; LevelDB: no -- one process owns it).  `sluice serve`
+    #: runs its receivers in separate processes only when this is true.
+    shared_access: bool
 
     # -- submission ------------------------------------------------------------
 

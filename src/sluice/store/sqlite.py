@@ -252,6 +252,7 @@ class SqliteStore:
     """Meta queue on SQLite (WAL) with a filesystem spool; see the module doc."""
 
     flavour = "sqlite"
+    shared_access = True
 
     def __init__(
         self,
@@ -478,6 +479,19 @@ class SqliteStore:
 
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
         if limit <= 0:
+            return []
+        # A queue manager polls often; when there is nothing to claim, answer
+        # from a reader instead of taking the write lock.
+        with self._reading() as conn:
+            found = conn.execute(
+                "SELECT 1 FROM queue WHERE state = 'incoming' UNION ALL "
+                "SELECT 1 FROM queue WHERE state = 'deferred' AND priority = 1 "
+                "AND next_attempt_at <= ? UNION ALL "
+                "SELECT 1 FROM queue WHERE state = 'deferred' AND priority = 0 "
+                "AND next_attempt_at <= ? LIMIT 1",
+                (now, now),
+            ).fetchone()
+        if found is None:
             return []
         node = self.node_id
 
