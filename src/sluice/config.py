@@ -299,6 +299,7 @@ class AnalyticsConfig:
     master: str = "local[*]"
     suppress_soft_count: int = 5
     suppress_soft_days: float = 7.0
+    suppress_soft_ttl_days: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)

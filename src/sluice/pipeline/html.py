@@ -123,6 +123,12 @@ def _volume_chart(rows: Sequence[Mapping[str, Any]]) -> str:
         points = " ".join(f"{x(i):.1f},{y(_num(r.get(key))):.1f}" for i, r in enumerate(rows))
         parts.append(f'<polyline class="series {key}" fill=none stroke="{colour}" '
                      f'stroke-width=2 points="{points}"><title>{key}</title></polyline>')
+        if n <= 48:  # few points: mark them, a single hour has no line at all
+            parts.extend(
+                f'<circle cx="{x(i):.1f}" cy="{y(_num(r.get(key))):.1f}" r=3 fill="{colour}">'
+                f'<title>{_e(r.get("hour"))} {key}: {_fmt_count(r.get(key))}</title></circle>'
+                for i, r in enumerate(rows)
+            )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -133,7 +139,7 @@ def _mix_chart(rows: Sequence[Mapping[str, Any]]) -> str:
     ranked = [r for r in ranked if sum(_num(r.get(k)) for k in keys) > 0]
     if not ranked:
         return "<p class=empty>No delivery attempts in the period.</p>"
-    bar, gap, left, width = 22, 6, 190, 680
+    bar, gap, left, width = 22, 6, 190, 640
     h = len(ranked) * (bar + gap) + 10
     parts = [f'<svg class=chart viewBox="0 0 900 {h}" role="img" '
              'aria-label="Outcome mix per domain">']

@@ -204,7 +204,8 @@ BOUNCE_RULES: tuple[BounceRule, ...] = (
     BounceRule(C.NO_ANSWER_FROM_HOST, enhanced=r"[45]\.4\.1"),
     BounceRule(C.BAD_CONNECTION, enhanced=r"[45]\.4\.2"),
     BounceRule(C.ROUTING_ERRORS, enhanced=r"[45]\.4\.[03-6]"),
-    BounceRule(C.VIRUS_RELATED, enhanced=r"[45]\.7\.2[0-9]"),
+    # RFC 7372: X.7.20-X.7.29 are DKIM/SPF/DMARC failures of the sender.
+    BounceRule(C.POLICY_RELATED, enhanced=r"[45]\.7\.2[0-9]"),
     # Broad wording.
     BounceRule(
         C.POLICY_RELATED,

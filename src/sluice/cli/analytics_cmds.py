@@ -1,0 +1,214 @@
+"""`sluice analytics ...`: the Spark jobs over the accounting log.
+
+SUMMARY
+    sluice analytics report   --input PATH... --output DIR [--top N] [--no-html]
+    sluice analytics bounces  --input PATH... --output DIR
+    sluice analytics suppress --input PATH... --output DIR [--list FILE]
+                              [--soft-count N] [--soft-days D] [--soft-ttl-days T]
+    sluice analytics shape    --input PATH... --output DIR [--policy FILE]
+    sluice analytics maillog  --input MAILLOG... --output DIR [--year Y] [--timezone TZ]
+    common: [--master URL] [--since WHEN] [--until WHEN] [--driver-memory 2g]
+            [--no-progress]
+
+DESCRIPTION
+    Inputs are files or globs of JSON-lines accounting logs or Parquet
+    (``events.parquet`` from ``maillog``, for one); quote globs so the
+    shell leaves them to us.  WHEN is a date or time in UTC
+    (2026-11-22, 2026-11-22T10:00Z) or a duration ago (24h, 7d).  The
+    master defaults to ``analytics.master`` (``local[*]``: Spark embedded
+    in this process).
+
+    PySpark is an optional part of Sluice: without it these commands say
+    how to install it and exit 1, and the rest of `sluice` works as ever.
+    This module therefore imports nothing of Spark until a job runs.
+
+SEE ALSO
+    sluice.pipeline.jobs, docs/analytics.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from sluice.cli import CommandError, load
+
+__all__ = ["register"]
+
+INSTALL_HINT = "pip install 'sluice-mta[analytics]'"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "analytics",
+        help="reports, bounce classes, suppression list, shaping advice (Spark)",
+        description="Spark jobs over the accounting log (needs the analytics extra and Java).",
+    )
+    jobs = parser.add_subparsers(dest="job", metavar="JOB")
+    jobs.required = True
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--input", "-i", nargs="+", required=True, metavar="PATH",
+                        help="accounting files, globs or Parquet directories")
+    common.add_argument("--output", "-o", required=True, metavar="DIR",
+                        help="directory for the tables and files (replaced)")
+    common.add_argument("--master", metavar="URL",
+                        help="Spark master (default: analytics.master, local[*])")
+    common.add_argument("--since", metavar="WHEN", help="only events at or after WHEN")
+    common.add_argument("--until", metavar="WHEN", help="only events before WHEN")
+    common.add_argument("--driver-memory", metavar="SIZE", default=None,
+                        help="Spark driver memory for a new local session (default 2g)")
+    common.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (default when stderr is not a terminal)")
+
+    p = jobs.add_parser("report", parents=[common],
+                        help="outcomes per domain/tenant/job/IP/MX and hour, HTML report")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="reasons kept per kind")
+    p.add_argument("--no-html", action="store_true", help="tables only")
+    p.set_defaults(func=_report)
+
+    p = jobs.add_parser("bounces", parents=[common],
+                        help="classify deferrals and bounces (PowerMTA categories, hard/soft)")
+    p.set_defaults(func=_bounces)
+
+    p = jobs.add_parser("suppress", parents=[common],
+                        help="write the suppression list the queue reads")
+    p.add_argument("--list", dest="list_path", metavar="FILE",
+                   help="the list to merge into (default: suppression.path, "
+                        "else DIR/suppression.jsonl)")
+    p.add_argument("--soft-count", type=int, metavar="N",
+                   help="soft failures in a row (default: analytics.suppress_soft_count)")
+    p.add_argument("--soft-days", type=float, metavar="D",
+                   help="within so many days (default: analytics.suppress_soft_days)")
+    p.add_argument("--soft-ttl-days", type=float, metavar="T",
+                   help="soft entries expire after T days, 0 never "
+                        "(default: analytics.suppress_soft_ttl_days)")
+    p.set_defaults(func=_suppress)
+
+    p = jobs.add_parser("shape", parents=[common],
+                        help="throttling per destination -> pickup policy YAML")
+    p.add_argument("--policy", dest="policy_path", metavar="FILE",
+                   help="where to write the policy (default DIR/policy.yaml)")
+    p.set_defaults(func=_shape)
+
+    p = jobs.add_parser("maillog", parents=[common],
+                        help="a Postfix maillog as accounting events (DIR/events.parquet)")
+    p.add_argument("--year", type=int, help="year of traditional syslog stamps (default: now)")
+    p.add_argument("--timezone", default="UTC", metavar="TZ",
+                   help="zone of traditional syslog stamps (default UTC)")
+    p.set_defaults(func=_maillog)
+
+
+# --------------------------------------------------------------------------
+
+def _require_spark() -> None:
+    if importlib.util.find_spec("pyspark") is None:
+        raise CommandError(
+            f"the analytics commands need PySpark, which is not installed: {INSTALL_HINT}"
+        )
+    if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
+        raise CommandError("the analytics commands need Java 17 or later (java not found)")
+
+
+def _when(text: str | None, option: str) -> datetime | None:
+    if text is None:
+        return None
+    from sluice.pipeline.events import parse_when
+
+    try:
+        return parse_when(text)
+    except ValueError as exc:
+        raise CommandError(f"{option}: {exc}", status=2) from None
+
+
+def _run(args: argparse.Namespace, job: Callable[..., Any], **kwargs: Any) -> int:
+    _require_spark()
+    cfg = load(args)
+    since = _when(args.since, "--since")
+    until = _when(args.until, "--until")
+    if since and until and since >= until:
+        raise CommandError("--since must be before --until", status=2)
+    with warnings.catch_warnings():
+        # PySpark warns about pandas versions on import; we use no pandas.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyspark\..*")
+        from pyspark.errors import PySparkException
+
+        from sluice.pipeline.extract import InputError, expand_inputs
+        from sluice.pipeline.progress import SparkProgress
+        from sluice.pipeline.session import pipeline_session
+        from sluice.suppression import SuppressionFileError
+
+        try:  # before the JVM starts: a typo should cost no seconds
+            expand_inputs(args.input)
+        except InputError as exc:
+            raise CommandError(str(exc), status=2) from None
+        master = args.master or cfg.analytics.master
+        show = not args.no_progress and sys.stderr.isatty()
+        try:
+            with pipeline_session(master, driver_memory=args.driver_memory) as spark, \
+                    SparkProgress(spark, enabled=show) as progress:
+                result = job(spark, args.input, args.output, since=since, until=until,
+                             step=progress.step, **kwargs)
+        except InputError as exc:
+            raise CommandError(str(exc), status=2) from None
+        except PySparkException as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CommandError(f"Spark: {first}") from None
+        except SuppressionFileError as exc:
+            raise CommandError(f"suppression list: {exc}") from None
+        except ValueError as exc:
+            raise CommandError(str(exc), status=2) from None
+        except OSError as exc:
+            raise CommandError(f"{exc.filename or args.output}: {exc.strerror or exc}") from None
+    print(f"sluice analytics {result.job}: done in {result.elapsed_s:.1f} s")
+    for key, value in result.counts.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"  {key}: {shown}")
+    for key, path in result.outputs.items():
+        print(f"  {key} -> {path}")
+    return 0
+
+
+def _jobs() -> Any:
+    from sluice.pipeline import jobs
+
+    return jobs
+
+
+def _report(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise CommandError("--top must be at least 1", status=2)
+    return _run(args, _jobs().run_report, top=args.top, html=not args.no_html)
+
+
+def _bounces(args: argparse.Namespace) -> int:
+    return _run(args, _jobs().run_bounces)
+
+
+def _suppress(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    a = cfg.analytics
+    soft_count = args.soft_count if args.soft_count is not None else a.suppress_soft_count
+    soft_days = args.soft_days if args.soft_days is not None else a.suppress_soft_days
+    ttl = args.soft_ttl_days if args.soft_ttl_days is not None else a.suppress_soft_ttl_days
+    if soft_count < 1 or soft_days <= 0 or ttl < 0:
+        raise CommandError("--soft-count >= 1, --soft-days > 0 and --soft-ttl-days >= 0",
+                           status=2)
+    list_path = args.list_path or cfg.suppression.path
+    return _run(args, _jobs().run_suppress, list_path=list_path, soft_count=soft_count,
+                soft_days=soft_days, soft_ttl_days=ttl)
+
+
+def _shape(args: argparse.Namespace) -> int:
+    return _run(args, _jobs().run_shape, policy_path=args.policy_path)
+
+
+def _maillog(args: argparse.Namespace) -> int:
+    return _run(args, _jobs().run_maillog, year=args.year, tz=args.timezone)
