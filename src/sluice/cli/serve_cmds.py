@@ -1,0 +1,80 @@
+"""`sluice sink` (and, with the SMTP edges, `serve` and `demo`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import time
+from typing import Any
+
+from sluice.cli import CommandError
+from sluice.sink import Behaviour, Sink, parse_behaviour
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("sink", help="run a programmable SMTP sink (a test next hop)")
+    p.add_argument("--listen", default="127.0.0.1:2526", help="address:port (default %(default)s)")
+    p.add_argument("--default", default="accept", metavar="BEHAVIOUR",
+                   help="for domains not named (default %(default)s)")
+    for kind in ("accept", "greylist", "reject", "tempfail"):
+        p.add_argument(f"--{kind}", action="append", default=[], metavar="DOMAIN",
+                       help=f"{kind} mail for DOMAIN (repeatable; *.example.com: subdomains)")
+    p.add_argument("--slow", action="append", default=[], metavar="DOMAIN=SECONDS")
+    p.add_argument("--throttle", action="append", default=[], metavar="DOMAIN=PER_MINUTE")
+    p.add_argument("--hostname", default="sink.sluice.test")
+    p.add_argument("--report", type=float, default=5.0, metavar="SECONDS",
+                   help="print counts this often (0: never)")
+    p.set_defaults(func=cmd_sink)
+
+
+def _behaviours(args: argparse.Namespace) -> dict[str, Behaviour]:
+    out: dict[str, Behaviour] = {}
+    for kind in ("accept", "greylist", "reject", "tempfail"):
+        for domain in getattr(args, kind):
+            out[domain] = Behaviour(kind)
+    for kind in ("slow", "throttle"):
+        for item in getattr(args, kind):
+            domain, sep, value = item.partition("=")
+            if not sep:
+                raise CommandError(f"--{kind} wants DOMAIN=VALUE, not {item!r}", status=2)
+            out[domain] = parse_behaviour(f"{kind}={value}")
+    return out
+
+
+def cmd_sink(args: argparse.Namespace) -> int:
+    host, _, port = args.listen.rpartition(":")
+    try:
+        sink = Sink(_behaviours(args), default=parse_behaviour(args.default),
+                    hostname=args.hostname)
+        port_n = int(port)
+    except ValueError as exc:
+        raise CommandError(str(exc), status=2) from None
+
+    async def main() -> None:
+        bound = await sink.start(host.strip("[]") or "127.0.0.1", port_n)
+        print(f"sink listening on {host}:{bound}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        last = time.monotonic()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            if args.report and time.monotonic() - last >= args.report:
+                last = time.monotonic()
+                s = sink.snapshot()
+                print(f"delivered={s.total_delivered} transactions={s.transactions} "
+                      f"connections={s.connections} now={s.current_connections} "
+                      f"peak={s.peak_connections}", flush=True)
+        await sink.stop()
+        s = sink.snapshot()
+        print(f"stopped: delivered={s.total_delivered} by domain: {dict(s.delivered)}")
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        raise CommandError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
+    return 0
