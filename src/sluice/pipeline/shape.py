@@ -13,9 +13,10 @@ DESCRIPTION
     will count them), this job finds those replies (rules.throttle_kind)
     and estimates what the destination accepted:
 
-    rate         the deliveries per minute it still accepted in the minutes
-                 in which it throttled (median over those minutes); the
-                 advice is 90 % of that, at least 1 per minute.
+    rate         for replies about volume: the deliveries per minute it still
+                 accepted in the minutes in which it throttled (median over
+                 those minutes); the advice is 90 % of that, at least 1 per
+                 minute.
     concurrency  how many attempts were in flight when a throttling reply
                  came (median); the advice is one less, at least 1.  Only
                  given when the replies speak of connections.
@@ -151,7 +152,9 @@ def throttle_findings(events: DataFrame) -> DataFrame:
         .join(_inflight_at_throttle(tried), keys, "left")
     )
     accepted = F.coalesce(F.col("accepted_per_min"), F.lit(0))
-    rate = F.greatest(F.lit(1), F.floor(accepted * RATE_MARGIN)).cast("long")
+    rate = F.when(
+        F.col("rate_throttles") > 0, F.greatest(F.lit(1), F.floor(accepted * RATE_MARGIN))
+    ).cast("long")
     concurrency = F.when(
         F.col("connection_throttles") > 0,
         F.greatest(F.lit(1), F.coalesce(F.col("inflight_at_throttle"), F.lit(2)) - 1),
