@@ -29,7 +29,6 @@ SEE ALSO
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import sys
@@ -109,10 +108,12 @@ def register(subparsers: Any) -> None:
 # --------------------------------------------------------------------------
 
 def _require_spark() -> None:
-    if importlib.util.find_spec("pyspark") is None:
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
         raise CommandError(
             f"the analytics commands need PySpark, which is not installed: {INSTALL_HINT}"
-        )
+        ) from None
     if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
         raise CommandError("the analytics commands need Java 17 or later (java not found)")
 
@@ -128,7 +129,7 @@ def _when(text: str | None, option: str) -> datetime | None:
         raise CommandError(f"{option}: {exc}", status=2) from None
 
 
-def _run(args: argparse.Namespace, job: Callable[..., Any], **kwargs: Any) -> int:
+def _run(args: argparse.Namespace, job_name: str, **kwargs: Any) -> int:
     _require_spark()
     cfg = load(args)
     since = _when(args.since, "--since")
@@ -140,6 +141,7 @@ def _run(args: argparse.Namespace, job: Callable[..., Any], **kwargs: Any) -> in
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyspark\..*")
         from pyspark.errors import PySparkException
 
+        from sluice.pipeline import jobs
         from sluice.pipeline.extract import InputError, expand_inputs
         from sluice.pipeline.progress import SparkProgress
         from sluice.pipeline.session import pipeline_session
@@ -154,6 +156,7 @@ def _run(args: argparse.Namespace, job: Callable[..., Any], **kwargs: Any) -> in
         try:
             with pipeline_session(master, driver_memory=args.driver_memory) as spark, \
                     SparkProgress(spark, enabled=show) as progress:
+                job: Callable[..., Any] = getattr(jobs, job_name)
                 result = job(spark, args.input, args.output, since=since, until=until,
                              step=progress.step, **kwargs)
         except InputError as exc:
@@ -176,20 +179,14 @@ def _run(args: argparse.Namespace, job: Callable[..., Any], **kwargs: Any) -> in
     return 0
 
 
-def _jobs() -> Any:
-    from sluice.pipeline import jobs
-
-    return jobs
-
-
 def _report(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise CommandError("--top must be at least 1", status=2)
-    return _run(args, _jobs().run_report, top=args.top, html=not args.no_html)
+    return _run(args, "run_report", top=args.top, html=not args.no_html)
 
 
 def _bounces(args: argparse.Namespace) -> int:
-    return _run(args, _jobs().run_bounces)
+    return _run(args, "run_bounces")
 
 
 def _suppress(args: argparse.Namespace) -> int:
@@ -202,13 +199,13 @@ def _suppress(args: argparse.Namespace) -> int:
         raise CommandError("--soft-count >= 1, --soft-days > 0 and --soft-ttl-days >= 0",
                            status=2)
     list_path = args.list_path or cfg.suppression.path
-    return _run(args, _jobs().run_suppress, list_path=list_path, soft_count=soft_count,
+    return _run(args, "run_suppress", list_path=list_path, soft_count=soft_count,
                 soft_days=soft_days, soft_ttl_days=ttl)
 
 
 def _shape(args: argparse.Namespace) -> int:
-    return _run(args, _jobs().run_shape, policy_path=args.policy_path)
+    return _run(args, "run_shape", policy_path=args.policy_path)
 
 
 def _maillog(args: argparse.Namespace) -> int:
-    return _run(args, _jobs().run_maillog, year=args.year, tz=args.timezone)
+    return _run(args, "run_maillog", year=args.year, tz=args.timezone)
