@@ -199,6 +199,13 @@ class Settings:
 # Blockers: things a sub-queue can be parked on.
 
 
+_Line = OrderedDict["_SubQueue", None]
+
+#: Shared by every blocker that never had a waiter (most of them): reading
+#: it is safe, and _park gives a blocker its own lines before the first write.
+_NO_WAITERS: tuple[_Line, _Line] = (OrderedDict(), OrderedDict())
+
+
 class _Blocker:
     """Something that can hold sub-queues; it keeps them in line, per priority."""
 
@@ -206,8 +213,7 @@ class _Blocker:
 
     def __init__(self) -> None:
         # waiters[p]: parked sub-queues of priority p, oldest first.
-        self.waiters: tuple[OrderedDict[_SubQueue, None], OrderedDict[_SubQueue, None]] = (
-            OrderedDict(), OrderedDict())
+        self.waiters: tuple[_Line, _Line] = _NO_WAITERS
         self.pending = 0  # woken, not yet looked at
         self.timer_at: float | None = None
 
@@ -235,6 +241,7 @@ class _Entry(_Blocker):
         "rate_s",
         "refs",
         "thresholds",
+        "timed",
     )
 
     def __init__(self, counter: _CCounter, key: tuple[str, ...], thresholds: Thresholds,
@@ -255,6 +262,7 @@ class _Entry(_Blocker):
         self.rate_n = thresholds.rate.count if thresholds.rate is not None else None
         self.rate_s = thresholds.rate.per_s if thresholds.rate is not None else 1.0
         self.interval = thresholds.connectinterval_s or None
+        self.timed = self.rate_n is not None or self.interval is not None
 
     def free(self, now: float) -> int:
         free = _BIG
@@ -355,8 +363,9 @@ class _Dest(_Blocker):
 
 
 class _SubQueue:
-    __slots__ = ("dest", "dropped", "entries", "in_ring", "ips", "jobs", "live", "parked_on",
-                 "priority", "route", "rr", "susp", "susp_version", "version", "woken_by")
+    __slots__ = ("cap_hint", "dest", "dropped", "entries", "in_ring", "ips", "jobs", "live",
+                 "parked_on", "priority", "route", "rr", "susp", "susp_version", "version",
+                 "woken_by")
 
     def __init__(self, route: Route, priority: int, dest: _Dest) -> None:
         self.route = route
@@ -374,6 +383,7 @@ class _SubQueue:
         self.in_ring = False
         self.woken_by: _Blocker | None = None
         self.rr = 0
+        self.cap_hint = 0
 
 
 class _Job:
@@ -484,11 +494,17 @@ class Scheduler:
         self._susps: dict[str, _Susp] = {}
         self._susp_index: dict[tuple[str, ...], dict[tuple[str, ...], _Susp]] = {}
         self._susp_version = 0
-        # Destinations: all known, and the idle ones in LRU order.
+        # Destinations with a sub-queue, a delivery in flight, or a dead mark.
         self._dests: dict[str, _Dest] = {}
-        self._idle_dests: OrderedDict[str, None] = OrderedDict()
         # Sub-queues and the rings of ready ones: [priority] -> woken first, then ring.
         self._subqueues: dict[tuple[Route, int], _SubQueue] = {}
+        # Sub-queues that ran empty stay (resolved) for a while, least
+        # recently used first: a destination with a trickle of mail does not
+        # pay for its counters each time.  Bounded by the settings (as many
+        # as the queue can hold jobs, plus the destination cache), never by
+        # the backlog.
+        self._empty: OrderedDict[_SubQueue, None] = OrderedDict()
+        self._empty_max = self.settings.destination_cache_size + self.settings.maxmemoryqueue
         self._woken: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
         self._ring: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
         # Jobs and deliveries.
@@ -516,6 +532,11 @@ class Scheduler:
     def now(self) -> float:
         return self._now
 
+    @property
+    def memory_used(self) -> int:
+        """Recipients held or asked for (claimed, routing, queued, in flight)."""
+        return self._memory_used()
+
     def handle(self, event: Event, now: float) -> list[Command]:
         """Take one event at ``now``; return what to do."""
         return self.handle_all((event,), now)
@@ -529,13 +550,27 @@ class Scheduler:
         if now < self._now:
             raise ValueError(f"time went backwards: {now} < {self._now}")
         events = tuple(events)
+        finished: set[str] = set()
+        flights = self._flights
         for event in events:
-            self._check(event)
+            if type(event) is DeliveryFinished:  # the common case, kept cheap
+                flight = flights.get(event.ref)
+                if flight is None or event.ref in finished:
+                    raise ValueError(f"no delivery {event.ref} in flight")
+                if event.localip and event.localip != flight.ip:
+                    raise ValueError(f"delivery {event.ref} was started from {flight.ip!r}, "
+                                     f"not {event.localip!r}")
+                finished.add(event.ref)
+            else:
+                self._check(event)
         self._now = now
         out: list[Command] = []
         self._fire_timers(now, out)
         for event in events:
-            self._dispatch(event, now, out)
+            if type(event) is DeliveryFinished:
+                self._finish(event, now, out)
+            else:
+                self._dispatch(event, now, out)
         self._select(now, out)
         self._maybe_refill(now, out)
         self._collect(now)
@@ -573,12 +608,6 @@ class Scheduler:
                         if qid in self._qids or qid in seen:
                             raise ValueError(f"recipient {qid} is queued twice")
                         seen.add(qid)
-            case DeliveryFinished(ref=ref, localip=ip):
-                flight = self._flights.get(ref)
-                if flight is None:
-                    raise ValueError(f"no delivery {ref} in flight")
-                if ip and ip != flight.ip:
-                    raise ValueError(f"delivery {ref} was started from {flight.ip!r}, not {ip!r}")
             case EntriesClaimed(count=count):
                 if count < 0 or count > self._claim_pending:
                     raise ValueError(f"claimed {count} entries, {self._claim_pending} asked for")
@@ -598,10 +627,10 @@ class Scheduler:
 
     def _dispatch(self, event: Event, now: float, out: list[Command]) -> None:
         match event:
-            case DeliveryFinished():
-                self._finish(event, now, out)
             case JobsQueued(jobs=jobs, unrouted=unrouted):
-                self._routing = max(0, self._routing - unrouted)
+                # Jobs queued without a Refill (tests, a simulator) count too.
+                routed = sum(len(job.qids) for job in jobs)
+                self._routing = max(0, self._routing - unrouted - routed)
                 for job in jobs:
                     self._enqueue(job, now, out)
             case EntriesClaimed(count=count, exhausted=exhausted, next_due_at=due):
@@ -848,12 +877,13 @@ class Scheduler:
         sq.entries = entries
         sq.version = self._version
         dest = sq.dest
+        sq.cap_hint = 0
         if any(limits):
             # The policy's limit for the destination over all the source IPs:
             # "5 per localip and domain" from two IPs allows 10.
             default = self.settings.default_destination_concurrency_limit
-            hint = sum(limit or default for limit in limits)
-            dest.cap_hint = max(dest.cap_hint, hint)
+            sq.cap_hint = sum(limit or default for limit in limits)
+            dest.cap_hint = max(dest.cap_hint, sq.cap_hint)
         cap = self._dest_cap(dest)
         if dest.window > cap:
             dest.window = float(cap)
@@ -926,19 +956,14 @@ class Scheduler:
         if dest is None:
             dest = _Dest(name, float(self.settings.initial_destination_concurrency))
             self._dests[name] = dest
-        else:
-            self._idle_dests.pop(name, None)
         return dest
 
-    def _dest_maybe_idle(self, dest: _Dest) -> None:
-        if dest.subqueues or dest.inflight:
+    def _forget_dest(self, dest: _Dest) -> None:
+        """Forget a destination nothing refers to (unless it is marked dead)."""
+        if dest.subqueues or dest.inflight or dest.dead_until > self._now:
             return
-        idle = self._idle_dests
-        idle[dest.name] = None
-        idle.move_to_end(dest.name)
-        while len(idle) > self.settings.destination_cache_size:
-            name, _ = idle.popitem(last=False)
-            self._dests.pop(name, None)
+        if self._dests.get(dest.name) is dest:
+            del self._dests[dest.name]
 
     def _revive(self, dest: _Dest) -> None:
         """A dead destination's cache entry expired: the next delivery probes it."""
@@ -946,12 +971,14 @@ class Scheduler:
         dest.fail_cohorts = 0.0
         dest.window = float(min(self.settings.initial_destination_concurrency,
                                 self._dest_cap(dest)))
+        self._forget_dest(dest)
 
     def _mark_dead(self, dest: _Dest, now: float, out: list[Command]) -> None:
         dest.dead_until = now + self.settings.dead_destination_ttl_s
         self._schedule(dest.dead_until, _T_DEAD, dest)
         for sq in list(dest.subqueues):
-            self._defer_subqueue(sq, dest, out)
+            if sq.live:
+                self._defer_subqueue(sq, dest, out)
 
     def _defer_subqueue(self, sq: _SubQueue, dest: _Dest, out: list[Command]) -> None:
         reply = dest.last_reply or DEAD_REPLY
@@ -969,22 +996,30 @@ class Scheduler:
 
     def _enqueue(self, job: DeliveryJob, now: float, out: list[Command]) -> None:
         route = job.route
-        n = len(job.qids)
-        self._routing = max(0, self._routing - n)
-        dest = self._dest(route.destination)
-        if dest.dead_until > now:
-            out.append(DeferJob(job, job.qids, dest.last_reply or DEAD_REPLY, dest.dead_until))
-            self._dest_maybe_idle(dest)
-            return
         key = (route, job.priority)
         sq = self._subqueues.get(key)
         if sq is None:
+            dest = self._dest(route.destination)
+            if dest.dead_until > now:
+                out.append(DeferJob(job, job.qids, dest.last_reply or DEAD_REPLY,
+                                    dest.dead_until))
+                self._forget_dest(dest)
+                return
             sq = _SubQueue(route, job.priority, dest)
+            self._resolve(sq)
             self._subqueues[key] = sq
-            self._resolve(sq)
-        elif sq.version != self._version:
-            self._resolve(sq)
-        dest.subqueues.add(sq)
+            dest.subqueues.add(sq)
+        else:
+            dest = sq.dest
+            if dest.dead_until > now:
+                out.append(DeferJob(job, job.qids, dest.last_reply or DEAD_REPLY,
+                                    dest.dead_until))
+                return
+            if not sq.live:
+                self._empty.pop(sq, None)
+            if sq.version != self._version:
+                self._resolve(sq)
+        n = len(job.qids)
         rec = _Job(job, sq, now)
         sq.jobs.append(rec)
         sq.live += 1
@@ -997,23 +1032,34 @@ class Scheduler:
             sq.in_ring = True
 
     def _retire(self, sq: _SubQueue) -> None:
-        """A sub-queue has no live job: forget it (its counters lose a reference)."""
+        """A sub-queue has no live job: it joins the empty ones."""
         if sq.live:
             raise RuntimeError("retiring a sub-queue with live jobs")
-        self._unpark(sq)
-        sq.jobs.clear()
+        if sq.parked_on:
+            self._unpark(sq)
+        if sq.jobs:
+            sq.jobs.clear()
         sq.dropped = 0
-        if self._subqueues.get((sq.route, sq.priority)) is sq:
-            del self._subqueues[(sq.route, sq.priority)]
-            for entries in sq.entries:
-                for entry in entries:
-                    entry.refs -= 1
-                    self._maybe_forget(entry)
-            sq.entries = []
-            sq.version = -1
+        empty = self._empty
+        empty[sq] = None
+        if len(empty) > self._empty_max:
+            old, _ = empty.popitem(last=False)
+            self._drop_subqueue(old)
+
+    def _drop_subqueue(self, sq: _SubQueue) -> None:
+        """Forget an empty sub-queue: its counter entries lose a reference."""
+        key = (sq.route, sq.priority)
+        if self._subqueues.get(key) is sq:
+            del self._subqueues[key]
+        for entries in sq.entries:
+            for entry in entries:
+                entry.refs -= 1
+                self._maybe_forget(entry)
+        sq.entries = []
+        sq.version = -1
         dest = sq.dest
         dest.subqueues.discard(sq)
-        self._dest_maybe_idle(dest)
+        self._forget_dest(dest)
 
     def _modified(self, qids: Sequence[str]) -> None:
         for qid in qids:
@@ -1042,6 +1088,8 @@ class Scheduler:
         sq.parked_on = tuple(blockers)
         p = sq.priority
         for blocker in blockers:
+            if blocker.waiters is _NO_WAITERS:
+                blocker.waiters = (OrderedDict(), OrderedDict())
             waiters = blocker.waiters[p]
             waiters[sq] = None
             if blocker is woken:
@@ -1108,10 +1156,11 @@ class Scheduler:
 
     def _visit(self, sq: _SubQueue, now: float, out: list[Command],
                woken: _Blocker | None) -> None:
-        jobs = sq.jobs
-        while jobs and jobs[0].dropped:
-            jobs.popleft()
-            sq.dropped -= 1
+        if sq.dropped:
+            jobs = sq.jobs
+            while jobs and jobs[0].dropped:
+                jobs.popleft()
+                sq.dropped -= 1
         if not sq.live or sq.parked_on:
             return  # a stale ring entry: retired, or parked meanwhile
         if sq.version != self._version:
@@ -1123,9 +1172,25 @@ class Scheduler:
         if dest.inflight >= int(dest.window):
             self._park(sq, [dest], woken, now)
             return
-        susps = self._suspensions_for(sq)
-        ips = sq.ips
-        n = len(ips)
+        susps = sq.susp if sq.susp_version == self._susp_version else self._suspensions_for(sq)
+        n = len(sq.ips)
+        if n == 1:
+            # The common case, without the bookkeeping of a pool.
+            held: _Blocker | None = susps[0]
+            if held is None:
+                for entry in sq.entries[0]:
+                    conc = entry.conc
+                    if conc is not None and entry.inflight >= conc:
+                        held = entry
+                        break
+                    if entry.timed and entry.free(now) <= 0:
+                        held = entry
+                        break
+                else:
+                    self._start(sq, 0, now, out)
+                    return
+            self._park(sq, [held], woken, now)
+            return
         blockers: list[_Blocker] = []
         for k in range(n):
             i = (sq.rr + k) % n
@@ -1134,14 +1199,13 @@ class Scheduler:
                 if susp not in blockers:
                     blockers.append(susp)
                 continue
-            held: _Blocker | None = None
+            held = None
             for entry in sq.entries[i]:
                 conc = entry.conc
                 if conc is not None and entry.inflight >= conc:
                     held = entry
                     break
-                if (entry.rate_n is not None or entry.interval is not None) \
-                        and entry.free(now) <= 0:
+                if entry.timed and entry.free(now) <= 0:
                     held = entry
                     break
             if held is not None:
@@ -1160,10 +1224,11 @@ class Scheduler:
         entries = sq.entries[i]
         for entry in entries:
             entry.inflight += 1
-            if entry.rate_n is not None:
-                entry.log.append(now)
-            if entry.interval is not None:
-                entry.last_at = now
+            if entry.timed:
+                if entry.rate_n is not None:
+                    entry.log.append(now)
+                if entry.interval is not None:
+                    entry.last_at = now
         dest = sq.dest
         dest.inflight += 1
         job = rec.job
@@ -1195,12 +1260,10 @@ class Scheduler:
         self._inflight_entries -= len(flight.qids)
         for entry in flight.entries:
             entry.inflight -= 1
-            if entry.inflight < 0:
-                raise RuntimeError(f"counter {entry.counter.id} {entry.key}: in flight < 0")
-            if entry.waiters[1] or entry.waiters[0]:
+            if entry.waiters is not _NO_WAITERS:
                 self._release(entry, now)
-            elif entry.refs == 0 and entry.inflight == 0:
-                self._maybe_forget(entry)
+            if not entry.refs and not entry.inflight:
+                self._forget_later(entry)
         dest = flight.dest
         dest.inflight -= 1
         if event.connection_failed:
@@ -1224,9 +1287,10 @@ class Scheduler:
             cap = self._dest_cap(dest)
             if dest.window < cap:
                 dest.window = min(float(cap), dest.window + 1.0 / dest.window)
-        if dest.waiters[1] or dest.waiters[0]:
+        if dest.waiters is not _NO_WAITERS:
             self._release(dest, now)
-        self._dest_maybe_idle(dest)
+        if not dest.inflight and not dest.subqueues:
+            self._forget_dest(dest)
 
     # ---------------------------------------------------- garbage entries
 
@@ -1263,7 +1327,7 @@ class Scheduler:
             inflight_entries=self._inflight_entries,
             inflight_jobs=len(self._flights),
             max_deliveries=self.settings.max_deliveries,
-            subqueues=len(self._subqueues),
+            subqueues=sum(1 for sq in self._subqueues.values() if sq.live),
             parked_subqueues=sum(1 for sq in self._subqueues.values() if sq.parked_on),
             counter_entries=len(self._entries),
             destinations=len(self._dests),
@@ -1274,6 +1338,8 @@ class Scheduler:
         """Every sub-queue with work: its route, counts, and what holds it."""
         out = []
         for sq in self._subqueues.values():
+            if not sq.live:
+                continue
             held = tuple(self._blocker_text(b) for b in sq.parked_on)
             out.append(SubQueueView(
                 route=sq.route, priority=sq.priority, jobs=sq.live,
@@ -1334,21 +1400,20 @@ class Scheduler:
     def destinations(self, now: float | None = None) -> list[DestinationView]:
         """Slow-start windows and the status cache, per destination."""
         now = self._now if now is None else now
-        return [
-            DestinationView(
-                destination=d.name, window=d.window, limit=self._dest_cap(d),
-                inflight=d.inflight, dead=d.dead_until > now,
-                dead_until_at=d.dead_until if d.dead_until > now else None,
-                failed_cohorts=d.fail_cohorts, queued_jobs=sum(sq.live for sq in d.subqueues),
-            )
-            for d in self._dests.values()
-        ]
+        return [self._dest_view(d, now) for d in self._dests.values()]
 
-    def destination(self, name: str) -> DestinationView | None:
-        for view in self.destinations():
-            if view.destination == name:
-                return view
-        return None
+    def destination(self, name: str, now: float | None = None) -> DestinationView | None:
+        """One destination's view, if the scheduler remembers it."""
+        dest = self._dests.get(name)
+        return None if dest is None else self._dest_view(dest, self._now if now is None else now)
+
+    def _dest_view(self, d: _Dest, now: float) -> DestinationView:
+        return DestinationView(
+            destination=d.name, window=d.window, limit=self._dest_cap(d),
+            inflight=d.inflight, dead=d.dead_until > now,
+            dead_until_at=d.dead_until if d.dead_until > now else None,
+            failed_cohorts=d.fail_cohorts, queued_jobs=sum(sq.live for sq in d.subqueues),
+        )
 
     # ------------------------------------------------------------ explain
 

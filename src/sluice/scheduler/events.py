@@ -25,7 +25,7 @@ SEE ALSO
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from sluice.model import Outcome, Reply
@@ -80,6 +80,11 @@ class Route:
     remotemx: str = ""
     destination: str = ""
     transport: Transport = Transport.SMTP
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # Routes key the sub-queues; hash once, not on every lookup.
+        return self._hash
 
     def __post_init__(self) -> None:
         domain = self.recipientdomain.lower().rstrip(".")
@@ -92,6 +97,9 @@ class Route:
             object.__setattr__(self, "destination", domain)
         if len(set(self.localip)) != len(self.localip):
             raise ValueError(f"duplicate source IP in {self.localip}")
+        object.__setattr__(self, "_hash", hash((
+            self.recipientdomain, self.tenantid, self.jobid, self.transportid, self.localip,
+            self.grouping, self.remoteip, self.remotemx, self.destination, self.transport)))
 
     def value(self, name: str, localip: str) -> str:
         """The value of policy field ``name`` when sent from ``localip``."""
