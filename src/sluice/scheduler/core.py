@@ -329,23 +329,28 @@ class _Dest(_Blocker):
     """Slow start and the status cache of one destination (next hop)."""
 
     __slots__ = (
-        "cap_hint",
+        "cap",
         "dead_until",
         "delivered",
         "fail_cohorts",
         "failed",
         "inflight",
+        "ip_limits",
         "last_reply",
+        "limit",
         "name",
         "subqueues",
         "window",
     )
 
-    def __init__(self, name: str, window: float) -> None:
+    def __init__(self, name: str, window: float, cap: int) -> None:
         super().__init__()
         self.name = name
-        self.window = window
-        self.cap_hint = 0  # the policy's largest concurrency for it; 0 = none
+        self.window = window  # slow start's progress
+        self.cap = cap  # the policy's limit for the destination
+        self.limit = min(int(window), cap)  # what is enforced: the smaller
+        # Per source IP, the tightest concurrency a destination counter sets.
+        self.ip_limits: dict[str, int] = {}
         self.inflight = 0
         self.dead_until = -_NEVER
         self.fail_cohorts = 0.0
@@ -355,7 +360,15 @@ class _Dest(_Blocker):
         self.failed = 0
 
     def free(self, now: float) -> int:
-        return int(self.window) - self.inflight
+        return self.limit - self.inflight
+
+    def set_window(self, window: float) -> None:
+        self.window = window
+        self.limit = min(int(window), self.cap)
+
+    def set_cap(self, cap: int) -> None:
+        self.cap = cap
+        self.limit = min(int(self.window), cap)
 
 
 # --------------------------------------------------------------------------
@@ -363,7 +376,7 @@ class _Dest(_Blocker):
 
 
 class _SubQueue:
-    __slots__ = ("cap_hint", "dest", "dropped", "entries", "in_ring", "ips", "jobs", "live",
+    __slots__ = ("dest", "dropped", "entries", "in_ring", "ips", "jobs", "live",
                  "parked_on", "priority", "route", "rr", "susp", "susp_version", "version",
                  "woken_by")
 
@@ -383,7 +396,6 @@ class _SubQueue:
         self.in_ring = False
         self.woken_by: _Blocker | None = None
         self.rr = 0
-        self.cap_hint = 0
 
 
 class _Job:
@@ -802,7 +814,8 @@ class Scheduler:
             entry.waiters[0].clear()
             entry.waiters[1].clear()
         for dest in self._dests.values():
-            dest.cap_hint = 0
+            dest.ip_limits.clear()
+            dest.set_cap(self.settings.default_destination_concurrency_limit)
             dest.waiters[0].clear()
             dest.waiters[1].clear()
             dest.pending = 0
@@ -877,19 +890,23 @@ class Scheduler:
         sq.entries = entries
         sq.version = self._version
         dest = sq.dest
-        sq.cap_hint = 0
-        if any(limits):
-            # The policy's limit for the destination over all the source IPs:
-            # "5 per localip and domain" from two IPs allows 10.
+        changed = False
+        for ip, limit in zip(sq.ips, limits, strict=True):
+            if limit > dest.ip_limits.get(ip, 0) or ip not in dest.ip_limits:
+                dest.ip_limits[ip] = limit
+                changed = True
+        if changed:
+            # The policy's limit for the destination over every source IP that
+            # sends to it: "5 per localip and domain" from two IPs allows 10.
+            # An IP without such a limit counts as the default limit.
             default = self.settings.default_destination_concurrency_limit
-            sq.cap_hint = sum(limit or default for limit in limits)
-            dest.cap_hint = max(dest.cap_hint, sq.cap_hint)
-        cap = self._dest_cap(dest)
-        if dest.window > cap:
-            dest.window = float(cap)
+            if any(dest.ip_limits.values()):
+                dest.set_cap(sum(v or default for v in dest.ip_limits.values()))
+            else:
+                dest.set_cap(default)
 
     def _dest_cap(self, dest: _Dest) -> int:
-        return dest.cap_hint or self.settings.default_destination_concurrency_limit
+        return dest.cap
 
     # -------------------------------------------------------- suspensions
 
@@ -954,7 +971,8 @@ class Scheduler:
     def _dest(self, name: str) -> _Dest:
         dest = self._dests.get(name)
         if dest is None:
-            dest = _Dest(name, float(self.settings.initial_destination_concurrency))
+            dest = _Dest(name, float(self.settings.initial_destination_concurrency),
+                         self.settings.default_destination_concurrency_limit)
             self._dests[name] = dest
         return dest
 
@@ -969,8 +987,7 @@ class Scheduler:
         """A dead destination's cache entry expired: the next delivery probes it."""
         dest.dead_until = -_NEVER
         dest.fail_cohorts = 0.0
-        dest.window = float(min(self.settings.initial_destination_concurrency,
-                                self._dest_cap(dest)))
+        dest.set_window(float(self.settings.initial_destination_concurrency))
         self._forget_dest(dest)
 
     def _mark_dead(self, dest: _Dest, now: float, out: list[Command]) -> None:
@@ -1169,7 +1186,7 @@ class Scheduler:
         if dest.dead_until > now:
             self._defer_subqueue(sq, dest, out)
             return
-        if dest.inflight >= int(dest.window):
+        if dest.inflight >= dest.limit:
             self._park(sq, [dest], woken, now)
             return
         susps = sq.susp if sq.susp_version == self._susp_version else self._suspensions_for(sq)
@@ -1272,9 +1289,9 @@ class Scheduler:
                 if isinstance(outcome, TempFail):
                     dest.last_reply = outcome.reply
                     break
-            window = dest.window
+            window = min(dest.window, float(dest.cap))
             dest.fail_cohorts += 1.0 / window
-            dest.window = max(1.0, window - 1.0 / window)
+            dest.set_window(max(1.0, window - 1.0 / window))
             if (dest.fail_cohorts >= self.settings.destination_concurrency_failed_cohort_limit
                     and dest.dead_until <= now):
                 self._mark_dead(dest, now, out)
@@ -1284,9 +1301,8 @@ class Scheduler:
             dest.last_reply = None
             if dest.dead_until > now:
                 self._revive(dest)  # a delivery got through: it is not dead after all
-            cap = self._dest_cap(dest)
-            if dest.window < cap:
-                dest.window = min(float(cap), dest.window + 1.0 / dest.window)
+            if dest.window < dest.cap:
+                dest.set_window(min(float(dest.cap), dest.window + 1.0 / dest.window))
         if dest.waiters is not _NO_WAITERS:
             self._release(dest, now)
         if not dest.inflight and not dest.subqueues:
@@ -1409,7 +1425,7 @@ class Scheduler:
 
     def _dest_view(self, d: _Dest, now: float) -> DestinationView:
         return DestinationView(
-            destination=d.name, window=d.window, limit=self._dest_cap(d),
+            destination=d.name, window=min(d.window, float(d.cap)), limit=d.cap,
             inflight=d.inflight, dead=d.dead_until > now,
             dead_until_at=d.dead_until if d.dead_until > now else None,
             failed_cohorts=d.fail_cohorts, queued_jobs=sum(sq.live for sq in d.subqueues),
@@ -1438,7 +1454,7 @@ class Scheduler:
         if isinstance(blocker, _Susp):
             return f"suspension {blocker.suspension.id}"
         if isinstance(blocker, _Dest):
-            return f"destination {blocker.name}: window {int(blocker.window)} full"
+            return f"destination {blocker.name}: concurrency window {blocker.limit} full"
         return repr(blocker)
 
     def explain(self, qid: str, now: float | None = None) -> Explanation:
@@ -1515,12 +1531,13 @@ class Scheduler:
                 undated = True
             elif best is None or at_ip < best:
                 best = at_ip
-        if dest.inflight >= int(dest.window):
+        if dest.inflight >= dest.limit:
+            window = min(dest.window, float(dest.cap))
             reasons.append(Reason(
                 Waiting.DESTINATION_WINDOW,
-                f"destination {dest.name}: {dest.inflight} in flight fill its slow-start window "
-                f"of {dest.window:.2f} (limit {self._dest_cap(dest)})",
-                current=str(dest.inflight), threshold=f"{dest.window:.2f}"))
+                f"destination {dest.name}: {dest.inflight} in flight fill its concurrency window "
+                f"of {window:.2f} (slow start; the policy allows {dest.cap})",
+                current=str(dest.inflight), threshold=f"{window:.2f}"))
             best = None
         elif best is not None and best <= now:
             if len(self._flights) >= self.settings.max_deliveries:
