@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import math
 import os
 import queue as queuelib
 import sqlite3
@@ -80,6 +79,7 @@ from sluice.store import (
     StorageError,
     Transition,
 )
+from sluice.store._refill import interleave, split_quota
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -810,36 +810,3 @@ class SqliteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# --------------------------------------------------------------------------
-# Refill arithmetic, shared by every flavour (pure)
-
-
-def split_quota(limit: int, n_incoming: int, n_deferred: int, quota_deferred: int
-                ) -> tuple[int, int]:
-    """How many to take from (deferred, incoming) for a refill of ``limit``.
-
-    Mailismus's quota_deferred: at least that percentage of the batch comes
-    from deferred when both have work; whatever one side cannot fill, the
-    other may.  New mail gets the rest (Postfix: new mail first, delayed
-    mail in idle capacity).
-    """
-    if limit <= 0:
-        return 0, 0
-    floor_d = math.ceil(limit * quota_deferred / 100) if quota_deferred > 0 else 0
-    take_d = min(n_deferred, floor_d)
-    take_i = min(n_incoming, limit - take_d)
-    take_d = min(n_deferred, limit - take_i)
-    return take_d, take_i
-
-
-def interleave(incoming: Sequence[Any], deferred: Sequence[Any]) -> list[Any]:
-    """One from incoming, one from deferred, in turn (Postfix qmgr)."""
-    out: list[Any] = []
-    for i in range(max(len(incoming), len(deferred))):
-        if i < len(incoming):
-            out.append(incoming[i])
-        if i < len(deferred):
-            out.append(deferred[i])
-    return out
