@@ -71,6 +71,9 @@ __all__ = ["QSHAPE_EDGES_MIN", "AttemptResult", "Queue"]
 #: Postfix qshape's age buckets, in minutes: T 5 10 20 40 80 160 320 640 1280 1280+
 QSHAPE_EDGES_MIN: tuple[int, ...] = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
 
+#: How long an NDR run holds the bounce entries it works on.
+NDR_LEASE_S = 600.0
+
 #: Reply recorded when an entry expires without a reply of its own.
 EXPIRED_REPLY = Reply(451, "4.4.7", "delivery time expired")
 
@@ -212,6 +215,25 @@ class Queue:
              for e in entries]
         )
 
+    def hold_claimed(self, entries: Sequence[QueueEntry]) -> list[QueueEntry]:
+        """Put claimed entries on hold (a pre-delivery hook's decision)."""
+        now = self.clock()
+        applied = self.store.apply(
+            [Transition(e.qid, QueueState.HOLD, expect=IN_FLIGHT_STATES) for e in entries])
+        held = [e for e in entries if e.qid in applied]
+        self._log((self._event(EventKind.HELD, e, now) for e in held), now)
+        return held
+
+    def drop_claimed(self, entries: Sequence[QueueEntry], reason: str = "") -> list[QueueEntry]:
+        """Remove claimed entries without delivery or NDR (logged as discarded)."""
+        now = self.clock()
+        applied = self.store.apply(
+            [Transition(e.qid, None, expect=IN_FLIGHT_STATES) for e in entries])
+        dropped = [e for e in entries if e.qid in applied]
+        reply = Reply(250, "2.0.0", f"dropped: {reason}" if reason else "dropped")
+        self._log((self._event(EventKind.DISCARDED, e, now, reply=reply) for e in dropped), now)
+        return dropped
+
     def record(
         self, results: Sequence[AttemptResult]
     ) -> list[tuple[AttemptResult, QueueState | None]]:
@@ -228,16 +250,16 @@ class Queue:
                     planned.append((res, None, EventKind.DELIVERED, reply))
                 case PermFail(reply):
                     transitions.append(Transition(
-                        e.qid, QueueState.BOUNCE, reply=reply, attempted=res.attempted,
-                        expect=IN_FLIGHT_STATES))
+                        e.qid, QueueState.BOUNCE, next_attempt_at=now, reply=reply,
+                        attempted=res.attempted, expect=IN_FLIGHT_STATES))
                     planned.append((res, QueueState.BOUNCE, EventKind.BOUNCED, reply))
                 case TempFail(reply):
                     failures = e.attempts + 1
                     at = self.retry.next_attempt_at(now, failures, e.arrival_at, e.is_report)
                     if at is None:
                         transitions.append(Transition(
-                            e.qid, QueueState.BOUNCE, reply=reply, attempted=res.attempted,
-                            expect=IN_FLIGHT_STATES))
+                            e.qid, QueueState.BOUNCE, next_attempt_at=now, reply=reply,
+                            attempted=res.attempted, expect=IN_FLIGHT_STATES))
                         planned.append((res, QueueState.BOUNCE, EventKind.EXPIRED, reply))
                     else:
                         transitions.append(Transition(
@@ -269,8 +291,8 @@ class Queue:
             if not batch:
                 return total
             transitions = [
-                Transition(e.qid, QueueState.BOUNCE, reply=e.last_reply or EXPIRED_REPLY,
-                           expect=(QueueState.DEFERRED,))
+                Transition(e.qid, QueueState.BOUNCE, next_attempt_at=now,
+                           reply=e.last_reply or EXPIRED_REPLY, expect=(QueueState.DEFERRED,))
                 for e in batch
             ]
             applied = self.store.apply(transitions)
@@ -284,9 +306,24 @@ class Queue:
                 return total
 
     def run_bounces(self, limit: int = 1000) -> int:
-        """Queue NDRs for entries in the bounce state; returns NDRs queued."""
+        """Queue NDRs for entries in the bounce state; returns NDRs queued.
+
+        Entries are leased first (store.claim_bounces), so concurrent runs --
+        in other processes or on other nodes -- never report the same
+        failure twice; a run that dies leaves them to the next one when the
+        lease ends.
+        """
         now = self.clock()
-        entries = list(self.store.entries(Selector(states=(QueueState.BOUNCE,)), limit=limit))
+        total = 0
+        while True:
+            entries = self.store.claim_bounces(limit, now, NDR_LEASE_S)
+            if not entries:
+                return total
+            total += self._ndrs_for(entries, now)
+            if len(entries) < limit:
+                return total
+
+    def _ndrs_for(self, entries: Sequence[QueueEntry], now: float) -> int:
         by_spid: dict[str, list[QueueEntry]] = defaultdict(list)
         for e in entries:
             by_spid[e.spid].append(e)

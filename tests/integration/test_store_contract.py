@@ -401,3 +401,20 @@ def test_readers_work_while_a_writer_commits(store: Store) -> None:
         t.join()
     assert errors == []
     assert store.count().messages == 100
+
+
+def test_bounce_leases_keep_concurrent_ndr_runs_apart(store: Store) -> None:
+    accs = [store.submit(sub("a@x.org", "b@x.org"), body(i), T0) for i in range(3)]
+    for e in store.claim(10, T0, 10):
+        store.apply([Transition(e.qid, S.BOUNCE, next_attempt_at=T0,
+                                reply=Reply(550, "5.1.1", "no"))])
+    first = store.claim_bounces(4, T0 + 1, 600)
+    assert [e.qid for e in first] == [q for a in accs[:2] for q in a.qids]
+    assert all(e.state is S.BOUNCE and e.next_attempt_at == T0 + 601 for e in first)
+    second = store.claim_bounces(10, T0 + 2, 600)  # another runner: only the rest
+    assert [e.qid for e in second] == list(accs[2].qids)
+    assert store.claim_bounces(10, T0 + 3, 600) == []
+    # A runner that died: its entries come back when the lease ends.
+    again = store.claim_bounces(10, T0 + 601, 600)
+    assert [e.qid for e in again] == [q for a in accs[:2] for q in a.qids]
+    assert store.count()[S.BOUNCE] == 6

@@ -168,6 +168,17 @@ class Store(Protocol):
         """Apply state changes; returns the qids that were applied."""
         ...
 
+    def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
+        """Lease up to ``limit`` entries in the bounce state for NDR generation.
+
+        Only entries whose next_attempt_at <= now are taken; their
+        next_attempt_at becomes now + lease_s, so a concurrent caller (another
+        process or node) skips them, and a caller that crashes before removing
+        them leaves them to be taken again when the lease ends.  Ordered by
+        queue id, so the entries of one message come together.
+        """
+        ...
+
     def recover(self, now: float) -> int:
         """After a restart: entries left active/delivering by this node become
         due deferred; orphaned spool files are removed.  Returns the count."""

@@ -585,6 +585,23 @@ class SqliteStore:
             after.unlink.append(spid)
             conn.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
 
+    def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
+        if limit <= 0:
+            return []
+
+        def work(conn: sqlite3.Connection, after: _Batch) -> list[QueueEntry]:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM queue WHERE state = 'bounce' AND next_attempt_at <= ? "
+                "ORDER BY spid, idx LIMIT ?", (now, limit)).fetchall()
+            until = now + lease_s
+            conn.executemany(
+                "UPDATE queue SET next_attempt_at = ? WHERE spid = ? AND idx = ?",
+                [(until, r[0], r[1]) for r in rows])
+            return [_entry((*r[:7], until, *r[8:])) for r in rows]
+
+        result: list[QueueEntry] = self._call(work)
+        return result
+
     def recover(self, now: float) -> int:
         def work(conn: sqlite3.Connection, after: _Batch) -> int:
             # On the embedded store one queue manager owns the whole queue, so
@@ -678,9 +695,9 @@ class SqliteStore:
                 )
             elif action is Action.BOUNCE:
                 conn.executemany(
-                    "UPDATE queue SET state = 'bounce', owner = NULL, last_code = ?, "
-                    "last_enhanced = ?, last_text = ? WHERE spid = ? AND idx = ?",
-                    [(bounce_reply.code, bounce_reply.enhanced, bounce_reply.text, s, i)
+                    "UPDATE queue SET state = 'bounce', owner = NULL, next_attempt_at = ?, "
+                    "last_code = ?, last_enhanced = ?, last_text = ? WHERE spid = ? AND idx = ?",
+                    [(now, bounce_reply.code, bounce_reply.enhanced, bounce_reply.text, s, i)
                      for s, i in keys],
                 )
             elif action is Action.DELETE:

@@ -1,0 +1,651 @@
+"""The queue manager: the event loop around the sans-IO scheduler.
+
+SUMMARY
+    manager = QueueManager(config, queue, router=..., agent=..., hooks=...)
+    await manager.run(stop_event)
+
+DESCRIPTION
+    The scheduler (sluice.scheduler) decides; this module does what it
+    says and tells it what happened.  One asyncio task runs the loop:
+
+        events so far  --handle_all(events, now)-->  commands
+        Refill         claim from the store, run the pre-delivery hook,
+                       route (transport map or DNS), group the recipients
+                       of one message and destination into a job; answer
+                       EntriesClaimed, then JobsQueued.
+        StartDelivery  mark the entries delivering, hand the job to the
+                       delivery agent, run the post-delivery hook; answer
+                       DeliveryFinished; record the outcomes in the store.
+        DeferJob       a dead destination: defer without a connection.
+
+    and sleeps until the next event or the scheduler's next_wakeup().
+
+    Around it, background tasks: the recorder (applies outcomes to the
+    store in batches, and queues NDRs for bounces), the change-feed
+    watcher (an operator changed entries this manager holds: drop them
+    and give their claim back, so they come back re-read -- Halon's
+    "re-inject"), the expiry sweep (every queue.bounces_interval), and the
+    policy file watcher (a changed file is reloaded; a broken one is
+    logged and the running policy kept).
+
+STRATEGIES
+    Blocking store calls run in a small thread pool, never on the loop.
+    Outcomes are recorded in batches: while one batch commits, the next
+    gathers (group commit again).  Route lookups of one refill are shared
+    per (domain, transportid, nexthop).
+
+    Graceful stop.  No refill and no new delivery once stopping; in-flight
+    deliveries finish (for up to ``grace_s``), their outcomes are
+    recorded, and every entry still held in memory gets its claim back.
+
+INVARIANTS
+    Every StartDelivery is answered by exactly one DeliveryFinished.
+    Every claimed entry ends recorded, released, held or dropped; one
+    that is not (a crash) is returned by the next start's recovery.
+
+SEE ALSO
+    sluice.scheduler (docs/scheduler.md), sluice.delivery, sluice.queue
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from sluice.config import Config
+from sluice.delivery.agent import DeliveryAgent, DeliveryRequest
+from sluice.delivery.router import NextHop, Router
+from sluice.hooks import Bounce, Defer, Drop, Hold, Hooks, PostDelivery, Proceed
+from sluice.model import PermFail, QueueEntry, QueueState, Reply, TempFail
+from sluice.queue import AttemptResult, Queue
+from sluice.scheduler import (
+    Command,
+    DeferJob,
+    DeliveryFinished,
+    DeliveryJob,
+    EntriesClaimed,
+    EntriesModified,
+    Event,
+    JobsQueued,
+    MailArrived,
+    Policy,
+    PolicyError,
+    PolicyReloaded,
+    Refill,
+    Route,
+    Scheduler,
+    Settings,
+    StartDelivery,
+    Suspension,
+    parse_policy,
+    parse_suspensions,
+)
+
+__all__ = ["QueueManager", "load_policy_file", "load_suspensions_file"]
+
+log = logging.getLogger("sluice.manager")
+
+T = TypeVar("T")
+
+
+def load_policy_file(path: str | None) -> Policy:
+    """The pickup policy in ``path`` (Halon's YAML format); empty if None."""
+    if not path:
+        return Policy()
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as exc:
+        raise PolicyError(path, [("", exc.strerror or str(exc))]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PolicyError(path, [("", f"invalid YAML: {exc}".splitlines()[0])]) from None
+    return parse_policy(data, source=path)
+
+
+def load_suspensions_file(path: str | None) -> tuple[Suspension, ...]:
+    """Manual suspensions kept across restarts (a YAML list); none if absent."""
+    if not path or not os.path.exists(path):
+        return ()
+    try:
+        data = yaml.safe_load(Path(path).read_text("utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise PolicyError(path, [("", str(exc).splitlines()[0])]) from None
+    return parse_suspensions(data, source=path)
+
+
+@dataclass(slots=True)
+class _Job:
+    job: DeliveryJob
+    hop: NextHop
+    entries: dict[str, QueueEntry]
+    started: bool = False
+
+
+@dataclass(slots=True)
+class ManagerStats:
+    """Counters since start, for the API and metrics."""
+
+    claimed: int = 0
+    deliveries: int = 0
+    delivered: int = 0
+    deferred: int = 0
+    bounced: int = 0
+    unrouted: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+class QueueManager:
+    """Runs the scheduler against the store, the router and the delivery agent."""
+
+    def __init__(self, config: Config, queue: Queue, *, router: Router,
+                 agent: DeliveryAgent, hooks: Hooks | None = None,
+                 clock: Callable[[], float] = time.time, grace_s: float = 30.0,
+                 change_poll_s: float = 1.0, policy_poll_s: float = 2.0) -> None:
+        self.config = config
+        self.queue = queue
+        self.router = router
+        self.agent = agent
+        self.hooks = hooks or Hooks()
+        self.clock = clock
+        self.grace_s = grace_s
+        self.change_poll_s = change_poll_s
+        self.policy_poll_s = policy_poll_s
+        self.policy_path = config.scheduler.policy
+        policy = load_policy_file(self.policy_path)
+        suspensions = load_suspensions_file(config.scheduler.suspensions)
+        self._last_now = clock()
+        self.scheduler = Scheduler(Settings.from_config(config), policy, suspensions,
+                                   now=self._last_now)
+        self.stats = ManagerStats()
+        self._events: list[Event] = []
+        self._wake = asyncio.Event()
+        self._jobs: dict[str, _Job] = {}
+        self._ref = itertools.count(1)
+        self._routing: set[str] = set()  # qids claimed and being routed
+        self._modified_while_routing: set[str] = set()
+        self._pending: list[AttemptResult] = []
+        self._recorder: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._deliveries: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sluice-io")
+        self._route_cache: dict[tuple[Any, ...], Route] = {}
+        self._policy_mtime = self._mtime(self.policy_path)
+        self._change_seq = 0
+        self._bounce_pending = False
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _now(self) -> float:
+        # The scheduler's time never goes backwards, even if the wall clock does.
+        now = self.clock()
+        if now < self._last_now:
+            now = self._last_now
+        self._last_now = now
+        return now
+
+    def post(self, event: Event) -> None:
+        """Tell the scheduler something happened (from the loop's thread)."""
+        self._events.append(event)
+        self._wake.set()
+
+    def notify_mail(self, count: int = 1) -> None:
+        """New mail was queued: refill soon (receivers call this)."""
+        self.post(MailArrived(count))
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def _spawn(self, coro: Any, *, delivery: bool = False) -> None:
+        task = asyncio.ensure_future(coro)
+        group = self._deliveries if delivery else self._tasks
+        group.add(task)
+        task.add_done_callback(group.discard)
+        task.add_done_callback(self._task_done)
+
+    @staticmethod
+    def _task_done(task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+    @staticmethod
+    def _mtime(path: str | None) -> float | None:
+        if not path:
+            return None
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            return None
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set, then stop gracefully."""
+        recovered = await self._io(self.queue.recover)
+        if recovered:
+            log.info("returned %d entries left in flight by the last run", recovered)
+        self.post(MailArrived())
+        background = [
+            asyncio.ensure_future(self._watch_changes()),
+            asyncio.ensure_future(self._sweep_expired()),
+            asyncio.ensure_future(self._watch_policy()),
+        ]
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                self._step()
+                wake = self.scheduler.next_wakeup()
+                timeout = None if wake is None else max(0.0, wake - self.clock())
+                waiter = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({waiter, stopper}, timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                self._wake.clear()
+        finally:
+            stopper.cancel()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self._shutdown()
+
+    def _step(self) -> None:
+        events, self._events = self._events, []
+        now = self._now()
+        if events:
+            commands = self.scheduler.handle_all(events, now)
+        else:
+            wake = self.scheduler.next_wakeup()
+            if wake is None or wake > now:
+                return
+            commands = self.scheduler.tick(now)
+        self._execute(commands)
+
+    def _execute(self, commands: Sequence[Command]) -> None:
+        for cmd in commands:
+            match cmd:
+                case StartDelivery(job=job, localip=localip, qids=qids):
+                    self._start(job, localip, qids)
+                case Refill(limit=limit):
+                    if self._stopping:
+                        self.post(EntriesClaimed(0, exhausted=True))
+                    else:
+                        self._spawn(self._refill(limit))
+                case DeferJob(job=job, qids=qids, reply=reply):
+                    self._defer_dead(job, qids, reply)
+
+    # -- refill and routing ----------------------------------------------------------
+
+    async def _refill(self, limit: int) -> None:
+        try:
+            entries = await self._io(self.queue.claim, limit)
+        except Exception:
+            log.exception("claiming entries failed; will try again")
+            self.post(EntriesClaimed(0, exhausted=True))
+            return
+        exhausted = len(entries) < limit
+        next_due = None
+        if exhausted:
+            with contextlib.suppress(Exception):
+                next_due = await self._io(self.queue.store.due_at)
+        self.stats.claimed += len(entries)
+        self._routing.update(e.qid for e in entries)
+        self.post(EntriesClaimed(len(entries), exhausted=exhausted, next_due_at=next_due))
+        if not entries:
+            return
+        try:
+            jobs, unrouted = await self._route_all(entries)
+        finally:
+            self._routing.difference_update(e.qid for e in entries)
+        modified = self._modified_while_routing
+        if modified:
+            # An operator changed some of these while they were being routed.
+            keep_jobs = []
+            for job in jobs:
+                gone = [q for q in job.qids if q in modified]
+                info = self._jobs[job.ref]
+                if gone:
+                    await self._release([info.entries.pop(q) for q in gone])
+                    unrouted += len(gone)
+                if info.entries:
+                    if gone:
+                        job = DeliveryJob(job.ref, job.spid, tuple(info.entries), job.route,
+                                          job.priority, job.arrival_at)
+                        info.job = job
+                    keep_jobs.append(job)
+                else:
+                    del self._jobs[job.ref]
+            modified.difference_update(e.qid for e in entries)
+            jobs = keep_jobs
+        self.post(JobsQueued(tuple(jobs), unrouted=unrouted))
+
+    async def _route_all(self, entries: Sequence[QueueEntry]) -> tuple[list[DeliveryJob], int]:
+        """Pre-delivery hook, routing, grouping into jobs; failures recorded."""
+        cache: dict[tuple[str, str, str | None], Any] = {}
+        groups: dict[tuple[Any, ...], tuple[NextHop, Route, list[QueueEntry]]] = {}
+        failed: list[AttemptResult] = []
+        hold: list[QueueEntry] = []
+        drop: list[tuple[QueueEntry, str]] = []
+        run_pre = self.hooks.pre_delivery is not None
+        for entry in entries:
+            nexthop: str | None = None
+            localip = entry.localip
+            transportid = entry.transportid
+            if run_pre:
+                decision = await self.hooks.run_pre_delivery(entry)
+                match decision:
+                    case Proceed():
+                        nexthop = decision.nexthop
+                        localip = decision.localip if decision.localip is not None else localip
+                        if decision.transportid is not None:
+                            transportid = decision.transportid
+                    case Hold():
+                        hold.append(entry)
+                        continue
+                    case Drop(reason=reason):
+                        drop.append((entry, reason))
+                        continue
+                    case Defer(reply=reply):
+                        failed.append(AttemptResult(entry, TempFail(reply), attempted=False))
+                        continue
+                    case Bounce(reply=reply):
+                        failed.append(AttemptResult(entry, PermFail(reply), attempted=False))
+                        continue
+            key = (entry.domain, transportid, nexthop)
+            hop = cache.get(key)
+            if hop is None:
+                try:
+                    hop = await self.router.route(entry.domain, transportid, nexthop)
+                except Exception:
+                    log.exception("routing %s failed", entry.domain)
+                    hop = TempFail(Reply(451, "4.4.3", "routing failed, will retry"))
+                cache[key] = hop
+            if not isinstance(hop, NextHop):
+                failed.append(AttemptResult(entry, hop, attempted=False))
+                continue
+            route = self._route(entry, hop, localip, transportid)
+            gkey = (entry.spid, route)
+            group = groups.get(gkey)
+            if group is None:
+                groups[gkey] = (hop, route, [entry])
+            else:
+                group[2].append(entry)
+        if hold:
+            await self._io(self.queue.hold_claimed, hold)
+        for entry, reason in drop:
+            await self._io(self.queue.drop_claimed, [entry], reason)
+        if failed:
+            await self._finish_unattempted(failed)
+        jobs = []
+        for hop, route, members in groups.values():
+            ref = f"j{next(self._ref)}"
+            first = members[0]
+            job = DeliveryJob(ref, first.spid, tuple(e.qid for e in members), route,
+                              priority=max(e.priority for e in members),
+                              arrival_at=first.arrival_at)
+            self._jobs[ref] = _Job(job, hop, {e.qid: e for e in members})
+            jobs.append(job)
+        unrouted = len(failed) + len(hold) + len(drop)
+        self.stats.unrouted += unrouted
+        return jobs, unrouted
+
+    def _route(self, entry: QueueEntry, hop: NextHop, localip: tuple[str, ...],
+               transportid: str) -> Route:
+        """The scheduler's Route for a delivery; equal routes are one object."""
+        key = (entry.domain, entry.tenantid, entry.jobid, transportid, localip,
+               hop.remoteip, hop.remotemx, hop.destination, hop.transport)
+        route = self._route_cache.get(key)
+        if route is None:
+            if len(self._route_cache) > 100_000:
+                self._route_cache.clear()
+            route = Route(recipientdomain=entry.domain, tenantid=entry.tenantid,
+                          jobid=entry.jobid, transportid=transportid, localip=localip,
+                          remoteip=hop.remoteip, remotemx=hop.remotemx,
+                          destination=hop.destination, transport=hop.transport)
+            self._route_cache[key] = route
+        return route
+
+    # -- delivery ------------------------------------------------------------------------
+
+    def _start(self, job: DeliveryJob, localip: str, qids: tuple[str, ...]) -> None:
+        info = self._jobs.get(job.ref)
+        if info is None or self._stopping:
+            # Stopping (or the job vanished): answer at once, give the claims back.
+            entries = [info.entries[q] for q in qids if q in info.entries] if info else []
+            self._jobs.pop(job.ref, None)
+            self.post(DeliveryFinished(job.ref, (), connection_failed=False,
+                                       new_connection=False, localip=localip))
+            if entries:
+                self._spawn(self._release(entries))
+            return
+        info.started = True
+        entries = [info.entries[q] for q in qids]
+        self.queue.mark_delivering(entries)
+        self.stats.deliveries += 1
+        self._spawn(self._deliver(info, tuple(entries), localip), delivery=True)
+
+    async def _deliver(self, info: _Job, entries: tuple[QueueEntry, ...], localip: str) -> None:
+        ref = info.job.ref
+        try:
+            request = DeliveryRequest(
+                route=info.hop, entries=entries,
+                content=functools.partial(self.queue.store.open_content, entries[0].spid),
+                localip=localip)
+            result = await self.agent.deliver(request)
+            results = result.attempt_results()
+            if self.hooks.post_delivery is not None:
+                results = [await self._post_hook(r) for r in results]
+            self.post(DeliveryFinished(
+                ref, tuple((r.entry.qid, r.outcome) for r in results),
+                connection_failed=result.connection_failed,
+                new_connection=result.new_connection, localip=localip))
+        except asyncio.CancelledError:
+            # Stopped hard: the entries stay "delivering" and return at the next start.
+            self.post(DeliveryFinished(ref, (), connection_failed=False,
+                                       new_connection=False, localip=localip))
+            raise
+        except Exception:
+            log.exception("delivery of %s failed unexpectedly", ref)
+            reply = Reply(451, "4.3.0", "local error during delivery, will retry")
+            results = [AttemptResult(e, TempFail(reply), attempted=False) for e in entries]
+            self.post(DeliveryFinished(ref, tuple((e.qid, TempFail(reply)) for e in entries),
+                                       connection_failed=False, new_connection=False,
+                                       localip=localip))
+        finally:
+            self._jobs.pop(ref, None)
+        self._record(results)
+
+    async def _post_hook(self, r: AttemptResult) -> AttemptResult:
+        outcome = await self.hooks.run_post_delivery(PostDelivery(
+            r.entry, r.outcome, attempted=r.attempted, localip=r.localip or "",
+            remotemx=r.remotemx or "", remoteip=r.remoteip or "",
+            duration_s=r.duration_s or 0.0))
+        if outcome is r.outcome:
+            return r
+        return AttemptResult(r.entry, outcome, r.attempted, r.localip, r.remotemx,
+                             r.remoteip, r.duration_s)
+
+    def _defer_dead(self, job: DeliveryJob, qids: tuple[str, ...], reply: Reply) -> None:
+        info = self._jobs.pop(job.ref, None)
+        if info is None:
+            return
+        results = [AttemptResult(info.entries[q], TempFail(reply), attempted=False,
+                                 remotemx=info.hop.remotemx, remoteip=info.hop.remoteip)
+                   for q in qids if q in info.entries]
+        self._spawn(self._finish_unattempted(results))
+
+    async def _finish_unattempted(self, results: list[AttemptResult]) -> None:
+        if self.hooks.post_delivery is not None:
+            results = [await self._post_hook(r) for r in results]
+        self._record(results)
+
+    # -- recording -----------------------------------------------------------------------
+
+    def _record(self, results: Iterable[AttemptResult]) -> None:
+        self._pending.extend(results)
+        if self._recorder is None or self._recorder.done():
+            self._recorder = asyncio.ensure_future(self._flush())
+            self._recorder.add_done_callback(self._task_done)
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                applied = await self._io(self.queue.record, batch)
+            except Exception:
+                # The store is failing: the entries stay claimed and return at
+                # the next start (or when the store works again and we restart).
+                log.exception("recording %d outcomes failed", len(batch))
+                continue
+            bounced = False
+            for res, state in applied:
+                match res.outcome:
+                    case PermFail():
+                        self.stats.bounced += 1
+                    case TempFail():
+                        self.stats.deferred += 1
+                    case _:
+                        self.stats.delivered += 1
+                if state is QueueState.BOUNCE:
+                    bounced = True
+            if bounced:
+                self._bounce_soon()
+
+    def _bounce_soon(self) -> None:
+        if self._bounce_pending:
+            return
+        self._bounce_pending = True
+
+        async def run() -> None:
+            await asyncio.sleep(0.2)  # let a burst of bounces gather into fewer NDR runs
+            self._bounce_pending = False
+            try:
+                queued = await self._io(self.queue.run_bounces)
+            except Exception:
+                log.exception("queueing NDRs failed; will try again")
+                return
+            if queued:
+                self.notify_mail(queued)
+
+        self._spawn(run())
+
+    async def _release(self, entries: Sequence[QueueEntry]) -> None:
+        if entries:
+            try:
+                await self._io(self.queue.release_claims, list(entries))
+            except Exception:
+                log.exception("giving back %d claims failed (recovered at next start)",
+                              len(entries))
+
+    # -- background duties ------------------------------------------------------------------
+
+    async def _watch_changes(self) -> None:
+        """Operator changes made to entries held here: drop and re-claim them."""
+        # Changes made before this start do not concern this run's memory.
+        self._change_seq, _ = await self._io(self.queue.store.changes_since, 0)
+        while True:
+            await asyncio.sleep(self.change_poll_s)
+            try:
+                seq, changes = await self._io(self.queue.store.changes_since, self._change_seq)
+            except Exception:
+                log.exception("reading the change feed failed")
+                continue
+            self._change_seq = seq
+            if changes:
+                self.apply_changes({c.qid for c in changes})
+
+    def apply_changes(self, qids: set[str]) -> None:
+        """Entries changed in the store by an operator: forget the in-memory copies."""
+        held: list[QueueEntry] = []
+        known: list[str] = []
+        for info in list(self._jobs.values()):
+            if info.started:
+                continue  # an attempt in flight: its result meets the store's expect rule
+            hit = [q for q in info.entries if q in qids]
+            if not hit:
+                continue
+            known.extend(hit)
+            held.extend(info.entries.pop(q) for q in hit)
+            if not info.entries:
+                self._jobs.pop(info.job.ref, None)
+        self._modified_while_routing.update(q for q in qids if q in self._routing)
+        if known:
+            self.post(EntriesModified(tuple(known)))
+            self._spawn(self._release(held))
+        # A retry or release may have made mail due: look soon.
+        self.notify_mail(0)
+
+    async def _sweep_expired(self) -> None:
+        interval = max(1.0, self.config.queue.bounces_interval)
+        while True:
+            try:
+                expired = await self._io(self.queue.expire)
+                if expired:
+                    log.info("%d deferred entries expired", expired)
+                    self._bounce_soon()
+                # Bounces left by a crash or a failed NDR run are picked up here too.
+                if (await self._io(self.queue.store.count))[QueueState.BOUNCE]:
+                    self._bounce_soon()
+            except Exception:
+                log.exception("the expiry sweep failed")
+            await asyncio.sleep(interval)
+
+    async def _watch_policy(self) -> None:
+        while True:
+            await asyncio.sleep(self.policy_poll_s)
+            mtime = self._mtime(self.policy_path)
+            if mtime == self._policy_mtime:
+                continue
+            self._policy_mtime = mtime
+            self.reload_policy()
+
+    def reload_policy(self) -> Policy | None:
+        """Read the policy file again; on error keep the running policy."""
+        try:
+            policy = load_policy_file(self.policy_path)
+        except PolicyError as exc:
+            log.error("policy not reloaded, keeping the running one:\n%s", exc)
+            return None
+        self.post(PolicyReloaded(policy))
+        log.info("policy reloaded from %s", self.policy_path)
+        return policy
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._deliveries:
+            _done, pending = await asyncio.wait(set(self._deliveries), timeout=self.grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        # Drain what the scheduler still says (DeliveryFinished bookkeeping).
+        with contextlib.suppress(Exception):
+            self._step()
+        if self._recorder is not None:
+            with contextlib.suppress(Exception):
+                await self._recorder
+        if self._pending:
+            with contextlib.suppress(Exception):
+                await self._flush()
+        leftovers = [e for info in self._jobs.values() for e in info.entries.values()]
+        self._jobs.clear()
+        await self._release(leftovers)
+        await self.agent.close()
+        self._pool.shutdown(wait=True)
