@@ -143,3 +143,20 @@ def test_without_pyspark_the_command_says_how_to_install_it(tmp_path):
          "from sluice.cli import main; sys.exit(main(['analytics', '--help']))"],
         capture_output=True, text=True, timeout=60, check=False)
     assert helped.returncode == 0 and "report" in helped.stdout
+
+
+@pytest.mark.spark
+def test_all_runs_several_jobs_over_one_read(spark, tmp_path, capsys):
+    truth = _run_log(tmp_path / "log")
+    out = tmp_path / "out"
+    assert main(["analytics", "all", "--jobs", "report,bounces", "-i",
+                 str(tmp_path / "log" / "*.jsonl"), "-o", str(out), "--no-progress",
+                 "--no-html"]) == 0
+    printed = capsys.readouterr().out
+    assert "sluice analytics report: done" in printed
+    assert "sluice analytics bounces: done" in printed
+    assert f"bad-mailbox (hard): {truth['bounced']}" in printed
+    assert (out / "bounce_summary.csv").is_dir() and (out / "outcomes_total.parquet").is_dir()
+    assert not (out / "report.html").exists()
+    assert main(["analytics", "all", "--jobs", "report,nonsense", "-i",
+                 str(tmp_path / "log" / "*.jsonl"), "-o", str(out)]) == 2

@@ -7,6 +7,7 @@ SUMMARY
                               [--soft-count N] [--soft-days D] [--soft-ttl-days T]
     sluice analytics shape    --input PATH... --output DIR [--policy FILE]
     sluice analytics maillog  --input MAILLOG... --output DIR [--year Y] [--timezone TZ]
+    sluice analytics all      --input PATH... --output DIR [--jobs report,bounces,...]
     common: [--master URL] [--since WHEN] [--until WHEN] [--driver-memory 2g]
             [--no-progress]
 
@@ -21,6 +22,9 @@ DESCRIPTION
     PySpark is an optional part of Sluice: without it these commands say
     how to install it and exit 1, and the rest of `sluice` works as ever.
     This module therefore imports nothing of Spark until a job runs.
+
+    ``all`` runs several of report, bounces, suppress and shape over one
+    read of the input (the daily run): the options of each apply.
 
 SEE ALSO
     sluice.pipeline.jobs, docs/analytics.md
@@ -97,6 +101,19 @@ def register(subparsers: Any) -> None:
                    help="where to write the policy (default DIR/policy.yaml)")
     p.set_defaults(func=_shape)
 
+    p = jobs.add_parser("all", parents=[common],
+                        help="several jobs over one read of the input (the daily run)")
+    p.add_argument("--jobs", default="report,bounces,suppress,shape",
+                   help="comma-separated (default: report,bounces,suppress,shape)")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="reasons kept per kind")
+    p.add_argument("--no-html", action="store_true", help="tables only")
+    p.add_argument("--list", dest="list_path", metavar="FILE")
+    p.add_argument("--soft-count", type=int, metavar="N")
+    p.add_argument("--soft-days", type=float, metavar="D")
+    p.add_argument("--soft-ttl-days", type=float, metavar="T")
+    p.add_argument("--policy", dest="policy_path", metavar="FILE")
+    p.set_defaults(func=_all)
+
     p = jobs.add_parser("maillog", parents=[common],
                         help="a Postfix maillog as accounting events (DIR/events.parquet)")
     p.add_argument("--year", type=int, help="year of traditional syslog stamps (default: now)")
@@ -170,12 +187,13 @@ def _run(args: argparse.Namespace, job_name: str, **kwargs: Any) -> int:
             raise CommandError(str(exc), status=2) from None
         except OSError as exc:
             raise CommandError(f"{exc.filename or args.output}: {exc.strerror or exc}") from None
-    print(f"sluice analytics {result.job}: done in {result.elapsed_s:.1f} s")
-    for key, value in result.counts.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else value
-        print(f"  {key}: {shown}")
-    for key, path in result.outputs.items():
-        print(f"  {key} -> {path}")
+    for one in result if isinstance(result, list) else [result]:
+        print(f"sluice analytics {one.job}: done in {one.elapsed_s:.1f} s")
+        for key, value in one.counts.items():
+            shown = f"{value:.4f}" if isinstance(value, float) else value
+            print(f"  {key}: {shown}")
+        for key, path in one.outputs.items():
+            print(f"  {key} -> {path}")
     return 0
 
 
@@ -189,7 +207,7 @@ def _bounces(args: argparse.Namespace) -> int:
     return _run(args, "run_bounces")
 
 
-def _suppress(args: argparse.Namespace) -> int:
+def _suppress_options(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load(args)
     a = cfg.analytics
     soft_count = args.soft_count if args.soft_count is not None else a.suppress_soft_count
@@ -198,9 +216,27 @@ def _suppress(args: argparse.Namespace) -> int:
     if soft_count < 1 or soft_days <= 0 or ttl < 0:
         raise CommandError("--soft-count >= 1, --soft-days > 0 and --soft-ttl-days >= 0",
                            status=2)
-    list_path = args.list_path or cfg.suppression.path
-    return _run(args, "run_suppress", list_path=list_path, soft_count=soft_count,
-                soft_days=soft_days, soft_ttl_days=ttl)
+    return {"list_path": args.list_path or cfg.suppression.path, "soft_count": soft_count,
+            "soft_days": soft_days, "soft_ttl_days": ttl}
+
+
+def _suppress(args: argparse.Namespace) -> int:
+    return _run(args, "run_suppress", **_suppress_options(args))
+
+
+def _all(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.jobs.split(",") if n.strip()]
+    allowed = ("report", "bounces", "suppress", "shape")
+    if not names or any(n not in allowed for n in names):
+        raise CommandError(f"--jobs: choose from {', '.join(allowed)}", status=2)
+    if args.top < 1:
+        raise CommandError("--top must be at least 1", status=2)
+    options = {
+        "report": {"top": args.top, "html": not args.no_html},
+        "suppress": _suppress_options(args),
+        "shape": {"policy_path": args.policy_path},
+    }
+    return _run(args, "run_jobs", names=names, options=options)
 
 
 def _shape(args: argparse.Namespace) -> int:

@@ -1,6 +1,8 @@
 """Jobs: extract -> transform -> load, one function per `sluice analytics` command.
 
 SUMMARY
+    run_jobs(spark, inputs, output, ["report", "bounces", ...], options=...)
+        -> list[JobResult]          several jobs over one read of the inputs
     run_report(spark, inputs, output, since=None, until=None, top=10) -> JobResult
     run_bounces(spark, inputs, output, since=None, until=None) -> JobResult
     run_suppress(spark, inputs, output, list_path=None, soft_count=5,
@@ -28,9 +30,12 @@ DESCRIPTION
       maillog   events.parquet/ (EVENT_SCHEMA: feed it to the others)
 
 STRATEGIES
-    Read once.  A job that makes several tables from the same events
-    persists them (memory, then disk) so the JSON is parsed once; small
-    aggregates are persisted too, because each table is written twice.
+    Read once.  Parsing JSON is most of the cost, so run_jobs reads the
+    inputs once for all the jobs it runs, and persists the events (memory,
+    then disk) whenever they are scanned more than once; small aggregates
+    are persisted too, because each table is written twice.  The
+    job functions (report_job, bounces_job, ...) take a Source of events
+    already read; run_report() and friends are one-job run_jobs() calls.
 
 SEE ALSO
     sluice.cli.analytics_cmds, docs/analytics.md
@@ -39,7 +44,7 @@ SEE ALSO
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -68,12 +73,20 @@ from sluice.suppression import (
 )
 
 __all__ = [
+    "JOBS",
     "JobResult",
+    "Source",
+    "bounces_job",
+    "open_source",
+    "report_job",
     "run_bounces",
+    "run_jobs",
     "run_maillog",
     "run_report",
     "run_shape",
     "run_suppress",
+    "shape_job",
+    "suppress_job",
 ]
 
 Step = Callable[[str], None]
@@ -91,15 +104,24 @@ class JobResult:
     elapsed_s: float = 0.0
 
 
-def _events(
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Events read once for one or more jobs."""
+
+    paths: list[str]
+    events: DataFrame
+    until: datetime | None = None
+
+
+def open_source(
     spark: SparkSession,
     inputs: Sequence[str],
-    since: datetime | None,
-    until: datetime | None,
-) -> tuple[list[str], DataFrame]:
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Source:
     paths = expand_inputs(inputs)
     events = read_events(spark, paths).transform(between, since=since, until=until)
-    return paths, events
+    return Source(paths, events, until)
 
 
 def _tables(out: dict[str, str], prefix: str, written: dict[str, str]) -> None:
@@ -107,25 +129,21 @@ def _tables(out: dict[str, str], prefix: str, written: dict[str, str]) -> None:
         out[f"{prefix}.{kind}"] = path
 
 
-def run_report(
-    spark: SparkSession,
-    inputs: Sequence[str],
+def report_job(
+    source: Source,
     output: str,
     *,
-    since: datetime | None = None,
-    until: datetime | None = None,
     top: int = 10,
     html: bool = True,
     step: Step = _no_step,
 ) -> JobResult:
+    """The report from events already read (see run_jobs)."""
     started = time.monotonic()
-    step("report: reading events")
-    paths, events = _events(spark, inputs, since, until)
-    events = events.persist(StorageLevel.MEMORY_AND_DISK)
+    events = source.events
+    step("report: outcomes")
+    outcome_rows = outcomes(events).persist(StorageLevel.MEMORY_AND_DISK)
+    reason_rows = reasons(events).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        step("report: outcomes")
-        outcome_rows = outcomes(events).persist(StorageLevel.MEMORY_AND_DISK)
-        reason_rows = reasons(events).persist(StorageLevel.MEMORY_AND_DISK)
         written: dict[str, str] = {}
         tables = {
             "outcomes_hourly": level(outcome_rows, Level.HOURLY),
@@ -154,32 +172,25 @@ def run_report(
                 by_hour=by_hour,
                 by_domain=load.rows(tables["outcomes_by_domain"]),
                 reasons=load.rows(top_all),
-                inputs=paths,
+                inputs=source.paths,
                 period=period,
             )
             written["html"] = load.write_file(output, "report.html", render_report(data))
+    finally:
         outcome_rows.unpersist()
         reason_rows.unpersist()
-    finally:
-        events.unpersist()
     counts = {k: totals.get(k) for k in ("received", "delivered", "deferred", "bounced",
                                          "expired", "delivery_rate")}
     return JobResult("report", written, counts, time.monotonic() - started)
 
 
-def run_bounces(
-    spark: SparkSession,
-    inputs: Sequence[str],
-    output: str,
-    *,
-    since: datetime | None = None,
-    until: datetime | None = None,
-    step: Step = _no_step,
-) -> JobResult:
+def bounces_job(source: Source, output: str, *, step: Step = _no_step) -> JobResult:
+    """Bounce classification from events already read (see run_jobs)."""
     started = time.monotonic()
     step("bounces: classifying")
-    _, events = _events(spark, inputs, since, until)
-    classified = events.transform(classify_failures).persist(StorageLevel.MEMORY_AND_DISK)
+    classified = source.events.transform(classify_failures).persist(
+        StorageLevel.MEMORY_AND_DISK
+    )
     try:
         written: dict[str, str] = {}
         _tables(written, "bounces", load.write_table(classified, output, "bounces", csv=False))
@@ -219,49 +230,43 @@ def _entry(row: dict[str, Any]) -> SuppressionEntry:
     )
 
 
-def run_suppress(
-    spark: SparkSession,
-    inputs: Sequence[str],
+def suppress_job(
+    source: Source,
     output: str,
     *,
     list_path: str | None = None,
     soft_count: int = 5,
     soft_days: float = 7.0,
     soft_ttl_days: float = 30.0,
-    since: datetime | None = None,
-    until: datetime | None = None,
     now: float | None = None,
     step: Step = _no_step,
 ) -> JobResult:
     """Find suppressions, write them as tables and merge them into the list."""
     started = time.monotonic()
     step("suppress: finding recipients")
-    _, events = _events(spark, inputs, since, until)
-    events = events.persist(StorageLevel.MEMORY_AND_DISK)
+    spark = source.events.sparkSession
+    events = source.events
     target = list_path or load.join(output, "suppression.jsonl")
-    try:
-        found = events.transform(
-            suppressions,
-            soft_count=soft_count,
-            soft_days=soft_days,
-            soft_ttl_days=soft_ttl_days,
-            until=until,
-        ).persist(StorageLevel.MEMORY_AND_DISK)
-        written: dict[str, str] = {}
-        _tables(written, "suppression", load.write_table(found, output, "suppression"))
-        step("suppress: merging the list")
-        new = [_entry(r) for r in load.rows(found)]
-        found.unpersist()
-        old = list(SuppressionList.load(target))
-        delivered: dict[str, float] = {}
-        if old:
-            listed = spark.createDataFrame([(e.address,) for e in old], "address string")
-            for r in load.rows(last_delivered(events).join(F.broadcast(listed), "address")):
-                delivered[r["address"]] = datetime.fromisoformat(
-                    r["delivered_at"].replace("Z", "+00:00")
-                ).timestamp()
-    finally:
-        events.unpersist()
+    found = events.transform(
+        suppressions,
+        soft_count=soft_count,
+        soft_days=soft_days,
+        soft_ttl_days=soft_ttl_days,
+        until=source.until,
+    ).persist(StorageLevel.MEMORY_AND_DISK)
+    written: dict[str, str] = {}
+    _tables(written, "suppression", load.write_table(found, output, "suppression"))
+    step("suppress: merging the list")
+    new = [_entry(r) for r in load.rows(found)]
+    found.unpersist()
+    old = list(SuppressionList.load(target))
+    delivered: dict[str, float] = {}
+    if old:
+        listed = spark.createDataFrame([(e.address,) for e in old], "address string")
+        for r in load.rows(last_delivered(events).join(F.broadcast(listed), "address")):
+            delivered[r["address"]] = datetime.fromisoformat(
+                r["delivered_at"].replace("Z", "+00:00")
+            ).timestamp()
     at = time.time() if now is None else now
     merged = merge_entries(old, new, delivered, at)
     write_suppression_list(target, merged, generated_at=at)
@@ -275,19 +280,17 @@ def run_suppress(
     return JobResult("suppress", written, counts, time.monotonic() - started)
 
 
-def run_shape(
-    spark: SparkSession,
-    inputs: Sequence[str],
+def shape_job(
+    source: Source,
     output: str,
     *,
     policy_path: str | None = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """Throttle findings and the advised policy from events already read."""
     started = time.monotonic()
     step("shape: throttling replies")
-    paths, events = _events(spark, inputs, since, until)
+    paths, events = source.paths, source.events
     findings = events.transform(throttle_findings).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         written: dict[str, str] = {}
@@ -342,3 +345,111 @@ def run_maillog(
     counts = {r["event"]: r["count"] for r in sorted(by_kind, key=lambda r: r["event"])}
     return JobResult("maillog", written, counts, time.monotonic() - started)
 
+
+#: The jobs that run on accounting events, in the order run_jobs runs them.
+JOBS: dict[str, Callable[..., JobResult]] = {
+    "report": report_job,
+    "bounces": bounces_job,
+    "suppress": suppress_job,
+    "shape": shape_job,
+}
+
+
+def run_jobs(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    names: Sequence[str],
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    step: Step = _no_step,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[JobResult]:
+    """Several jobs over one read of the inputs; options per job name.
+
+    The events are persisted (memory, then disk) unless a single job reads
+    them only once (bounces): parsing JSON is most of the cost, so it is
+    done once however many tables come out.
+    """
+    unknown = [n for n in names if n not in JOBS]
+    if unknown or not names:
+        raise ValueError(f"unknown job(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(JOBS)}")
+    source = open_source(spark, inputs, since, until)
+    shared = list(names) != ["bounces"]
+    if shared:
+        source = Source(source.paths, source.events.persist(StorageLevel.MEMORY_AND_DISK),
+                        until)
+    try:
+        results = []
+        for name in JOBS:
+            if name in names:
+                opts = dict((options or {}).get(name, {}))
+                results.append(JOBS[name](source, output, step=step, **opts))
+        return results
+    finally:
+        if shared:
+            source.events.unpersist()
+
+
+def run_report(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    top: int = 10,
+    html: bool = True,
+    step: Step = _no_step,
+) -> JobResult:
+    return run_jobs(spark, inputs, output, ["report"], since=since, until=until, step=step,
+                    options={"report": {"top": top, "html": html}})[0]
+
+
+def run_bounces(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    step: Step = _no_step,
+) -> JobResult:
+    return run_jobs(spark, inputs, output, ["bounces"], since=since, until=until,
+                    step=step)[0]
+
+
+def run_suppress(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    list_path: str | None = None,
+    soft_count: int = 5,
+    soft_days: float = 7.0,
+    soft_ttl_days: float = 30.0,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    now: float | None = None,
+    step: Step = _no_step,
+) -> JobResult:
+    options = {"list_path": list_path, "soft_count": soft_count, "soft_days": soft_days,
+               "soft_ttl_days": soft_ttl_days, "now": now}
+    return run_jobs(spark, inputs, output, ["suppress"], since=since, until=until, step=step,
+                    options={"suppress": options})[0]
+
+
+def run_shape(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    policy_path: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    step: Step = _no_step,
+) -> JobResult:
+    return run_jobs(spark, inputs, output, ["shape"], since=since, until=until, step=step,
+                    options={"shape": {"policy_path": policy_path}})[0]

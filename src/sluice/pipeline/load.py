@@ -53,7 +53,9 @@ def write_table(df: DataFrame, out_dir: str, name: str, csv: bool = True) -> dic
     if csv:
         out["csv"] = join(out_dir, name + ".csv")
         (
-            df.coalesce(1)
+            # repartition, not coalesce: coalesce(1) would pull the work
+            # that produces df into one task as well.
+            df.repartition(1)
             .write.mode("overwrite")
             .option("header", True)
             .option("timestampFormat", TIME_FORMAT)
