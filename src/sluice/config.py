@@ -251,6 +251,7 @@ class ResolverConfig:
     port: int = 53
     timeout: float = _dur("5s")
     cache_size: int = 10000
+    inet_protocols: tuple[str, ...] = ("ipv4", "ipv6")
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +265,8 @@ class DeliveryTimeouts:
     data_block: float = _dur("180s")
     data_done: float = _dur("600s")
     idle: float = _dur("10s")
+    starttls: float = _dur("300s")
+    rset: float = _dur("20s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +277,7 @@ class DeliveryConfig:
     helo: Mapping[str, str] = field(default_factory=dict)
     max_messages_per_connection: int = 100
     max_connections: int = 200
+    mx_address_limit: int = 5
     starttls: str = "opportunistic"
     timeouts: DeliveryTimeouts = field(default_factory=DeliveryTimeouts)
     pre_hook: str | None = None

@@ -1,0 +1,427 @@
+"""The delivery agent: one message to one next hop, with connection reuse.
+
+SUMMARY
+    agent = DeliveryAgent.from_config(config)
+    result = await agent.deliver(DeliveryRequest(route, entries, content, localip))
+    await agent.close()
+
+DESCRIPTION
+    deliver() hands one message to one next hop (a NextHop from the
+    Router) for one or more of its recipient entries, in one transaction,
+    from one source IP, and returns a DeliveryResult: an Outcome per
+    entry (Delivered, TempFail, PermFail, each with its Reply) and what
+    the attempt did (host, source IP, duration, new connection or not,
+    whether no session could be had at all).
+
+    deliver() never raises for a network or peer failure; those are
+    outcomes.  It raises only for misuse and lets cancellation through
+    (the connection is then dropped; the entries' fate is unknown, and the
+    queue's recovery retries them).
+
+    Hosts are tried in the route's order.  The next host is tried when a
+    connection cannot be made or times out, or when the server refuses to
+    talk (4xx or 5xx greeting, EHLO/HELO refused, TLS required but not
+    offered).  Once a session is up, its replies are final for this
+    attempt: a 4xx to RCPT defers that recipient; it does not send the
+    message to the next MX.
+
+    Outcomes without a reply from the peer (RFC 3463 codes):
+    4.4.1  no connection could be made (refused, unreachable, timed out)
+    4.4.2  the connection broke or timed out during the conversation
+    4.3.0  the queued content could not be read
+    5.3.4  larger than the SIZE the server announced (552)
+    5.6.7  non-ASCII addresses, server without SMTPUTF8 (553)
+
+STRATEGIES
+    Connection cache.  A session that ends a transaction cleanly goes back
+    to an idle pool keyed by (transport, destination, source IP) and is
+    reused by the next message for that destination, up to
+    ``max_messages_per_connection`` transactions; it is closed after
+    ``timeouts.idle`` unused.  A reused session that turns out to be dead
+    before the server answered anything is replaced by a new connection
+    once, with the content read again from the start.
+
+    Bounded connections.  When ``max_connections`` sessions are open, a new
+    one first closes the longest-idle session of any destination.  The
+    number in flight is the scheduler's to limit.
+
+    Source IP and HELO.  A connection is bound to the request's localip;
+    its HELO name is ``helo[localip]``, else ``helo["*"]``, else the node's
+    host name.  Hosts of the other address family than localip are skipped.
+
+    Opportunistic TLS.  With ``starttls: opportunistic`` a failed TLS
+    handshake is retried once on the same host without STARTTLS, as
+    Postfix's "may" level does; ``require`` defers instead.
+
+INVARIANTS
+    Every entry of a request gets exactly one outcome.  A session is in
+    the idle pool or in one delivery, never both.
+
+LIMITATIONS
+    Content is read from the spool on the event loop thread (small reads
+    from the page cache; a slow disk slows the loop).
+
+SEE ALSO
+    sluice.delivery.client (the protocol), sluice.delivery.router,
+    sluice.hooks (the post-delivery hook is the runtime's to call)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO
+
+from sluice.config import Config, DeliveryConfig
+from sluice.delivery.client import Envelope, ServerReply, Session, SessionError, StartTls
+from sluice.delivery.router import Host, NextHop
+from sluice.model import Delivered, Outcome, PermFail, QueueEntry, Reply, TempFail
+from sluice.queue import AttemptResult
+from sluice.scheduler.events import Transport
+
+__all__ = ["AgentStats", "DeliveryAgent", "DeliveryRequest", "DeliveryResult", "outcome_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRequest:
+    """One message for one next hop: ``entries`` are its recipients there.
+
+    ``content`` opens the spooled message (e.g. functools.partial(
+    store.open_content, spid)); it is called once per attempt and the
+    stream is closed after.  ``localip``: the source IP ("" = the
+    system's choice).  ``smtputf8``: the message was received with
+    SMTPUTF8 and needs it onwards.
+    """
+
+    route: NextHop
+    entries: tuple[QueueEntry, ...]
+    content: Callable[[], IO[bytes]]
+    localip: str = ""
+    smtputf8: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise ValueError("a delivery request needs at least one entry")
+        spid = self.entries[0].spid
+        if any(e.spid != spid for e in self.entries):
+            raise ValueError("all entries of a delivery request must be of one message")
+        if self.localip:
+            ipaddress.ip_address(self.localip)  # ValueError for a malformed source IP
+
+    @property
+    def spid(self) -> str:
+        return self.entries[0].spid
+
+    def envelope(self) -> Envelope:
+        first = self.entries[0]
+        return Envelope(first.sender, tuple(e.recipient for e in self.entries),
+                        first.size, self.smtputf8)
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryResult:
+    """What one attempt did: an outcome per entry, and how it went.
+
+    ``connection_failed``: no usable session could be had with any host
+    (what slow start and the dead-destination cache count).
+    ``new_connection``: a connection was opened for this attempt.
+    ``remotemx``/``remoteip``/``port``: the host that answered, or the
+    last one tried.
+    """
+
+    outcomes: tuple[tuple[QueueEntry, Outcome], ...]
+    localip: str
+    remotemx: str
+    remoteip: str
+    port: int
+    duration_s: float
+    new_connection: bool
+    connection_failed: bool
+    tls: bool = False
+
+    @property
+    def by_qid(self) -> tuple[tuple[str, Outcome], ...]:
+        """(qid, outcome) pairs, as the scheduler's DeliveryFinished takes them."""
+        return tuple((e.qid, o) for e, o in self.outcomes)
+
+    def attempt_results(self) -> list[AttemptResult]:
+        """The outcomes as sluice.queue.Queue.record() takes them."""
+        return [AttemptResult(e, o, attempted=True, localip=self.localip,
+                              remotemx=self.remotemx, remoteip=self.remoteip,
+                              duration_s=self.duration_s)
+                for e, o in self.outcomes]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStats:
+    """Counters since the agent started; ``open`` and ``idle`` are current."""
+
+    open: int
+    idle: int
+    connections_opened: int
+    connections_reused: int
+    connect_failures: int
+    transactions: int
+
+
+def outcome_of(reply: Reply) -> Outcome:
+    """2xx delivered, 4xx temporary, 5xx permanent; anything else is a
+    protocol error, retried later."""
+    if 200 <= reply.code < 300:
+        return Delivered(reply)
+    if 500 <= reply.code < 600:
+        return PermFail(reply)
+    if 400 <= reply.code < 500:
+        return TempFail(reply)
+    return TempFail(Reply(451, "4.5.0", f"unexpected reply {reply.code}: {reply.text}"))
+
+
+def _peer_outcome(reply: ServerReply, host: Host) -> Outcome:
+    if 200 <= reply.code < 300:
+        return Delivered(reply.to_reply())
+    return outcome_of(reply.to_reply(f"host {host} said: "))
+
+
+_Key = tuple[Transport, str, str]
+
+
+def _open(request: DeliveryRequest) -> IO[bytes] | Reply:
+    try:
+        return request.content()
+    except Exception as exc:  # StorageError, OSError: the spool's fault, not the peer's
+        return Reply(451, "4.3.0", f"cannot read the queued message {request.spid}: {exc}")
+
+
+class _Pool:
+    """Idle sessions by (transport, destination, localip); LIFO within a key
+    so that few connections stay warm and the rest time out."""
+
+    def __init__(self, max_messages: int, idle_s: float, max_open: int) -> None:
+        self.max_messages = max_messages
+        self.idle_s = idle_s
+        self.max_open = max_open
+        self.idle: dict[_Key, list[Session]] = {}
+        self.sessions: set[Session] = set()
+        self.closing = False
+
+    @property
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self.idle.values())
+
+    def take(self, key: _Key) -> Session | None:
+        stack = self.idle.get(key)
+        while stack:
+            session = stack.pop()
+            session._cancel_idle()
+            if session.alive:
+                return session
+            self.drop(session)
+        return None
+
+    def add(self, session: Session) -> None:
+        if len(self.sessions) >= self.max_open:
+            self._evict_one()
+        self.sessions.add(session)
+
+    def give(self, key: _Key, session: Session) -> None:
+        if self.closing or not session.alive or session.messages >= self.max_messages:
+            self.drop(session, polite=True)
+            return
+        self.idle.setdefault(key, []).append(session)
+        loop = asyncio.get_running_loop()
+        session.idle_handle = loop.call_later(self.idle_s, self._expire, key, session)
+
+    def drop(self, session: Session, polite: bool = False) -> None:
+        if polite and session.usable:
+            session.quit()
+        else:
+            session.abort()
+        self.sessions.discard(session)
+
+    def _expire(self, key: _Key, session: Session) -> None:
+        session.idle_handle = None
+        stack = self.idle.get(key)
+        if stack and session in stack:
+            stack.remove(session)
+            if not stack:
+                del self.idle[key]
+        self.drop(session, polite=True)
+
+    def _evict_one(self) -> None:
+        oldest: tuple[float, _Key, Session] | None = None
+        for key, stack in self.idle.items():
+            if stack and (oldest is None or stack[0].opened_at < oldest[0]):
+                oldest = (stack[0].opened_at, key, stack[0])
+        if oldest is not None:
+            _, key, session = oldest
+            session._cancel_idle()
+            self._expire(key, session)
+
+    def close(self) -> None:
+        self.closing = True
+        for stack in list(self.idle.values()):
+            for session in stack:
+                session._cancel_idle()
+                self.drop(session, polite=True)
+        self.idle.clear()
+
+
+class DeliveryAgent:
+    """Delivers DeliveryRequests; one per process, shared by all deliveries."""
+
+    def __init__(self, config: DeliveryConfig, *, hostname: str,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.config = config
+        self.hostname = hostname
+        self.timeouts = config.timeouts
+        self.starttls = config.starttls
+        self.ssl_context = ssl_context
+        self._pool = _Pool(config.max_messages_per_connection, config.timeouts.idle,
+                           config.max_connections)
+        self._opened = 0
+        self._reused = 0
+        self._connect_failures = 0
+        self._transactions = 0
+
+    @classmethod
+    def from_config(cls, config: Config, *, ssl_context: ssl.SSLContext | None = None
+                    ) -> DeliveryAgent:
+        return cls(config.delivery, hostname=config.node.hostname or "localhost",
+                   ssl_context=ssl_context)
+
+    @property
+    def stats(self) -> AgentStats:
+        return AgentStats(open=len(self._pool.sessions), idle=self._pool.idle_count,
+                          connections_opened=self._opened, connections_reused=self._reused,
+                          connect_failures=self._connect_failures,
+                          transactions=self._transactions)
+
+    def helo_name(self, localip: str) -> str:
+        helo = self.config.helo
+        return helo.get(localip) or helo.get("*") or self.hostname
+
+    async def close(self) -> None:
+        """Say QUIT on every idle connection; later deliveries still work but
+        their connections are not kept."""
+        self._pool.close()
+        await asyncio.sleep(0)  # let the transports flush QUIT
+
+    # -- delivering ---------------------------------------------------------------
+
+    async def deliver(self, request: DeliveryRequest) -> DeliveryResult:
+        """Deliver ``request``; every entry gets an outcome (see DESCRIPTION)."""
+        started = time.monotonic()
+        route = request.route
+        key: _Key = (route.transport, route.destination, request.localip)
+        count = len(request.entries)
+        content = _open(request)
+        if isinstance(content, Reply):
+            return self._result(request, [TempFail(content)] * count, route.hosts[0],
+                                started, new=False, failed=False)
+        try:
+            for attempt in (1, 2):
+                session = self._pool.take(key)
+                new = session is None
+                if session is None:
+                    got, host = await self._connect(request)
+                    if isinstance(got, Reply):
+                        return self._result(request, [TempFail(got)] * count, host, started,
+                                            new=True, failed=True)
+                    session = got
+                else:
+                    self._reused += 1
+                refusal = self._refuse_before_mail(session, env := request.envelope())
+                if refusal is not None:
+                    self._pool.give(key, session)
+                    return self._result(request, [refusal] * count, session.host, started,
+                                        new=new, failed=False, tls=session.tls)
+                try:
+                    replies = await session.send(env, content)
+                except SessionError as exc:
+                    self._pool.drop(session)
+                    if exc.stale and not new and attempt == 1:
+                        # A cached connection died while idle: one fresh try,
+                        # with the content from the start.
+                        content.close()
+                        content = _open(request)
+                        if isinstance(content, Reply):
+                            return self._result(request, [TempFail(content)] * count,
+                                                session.host, started, new=False, failed=False)
+                        continue
+                    return self._result(request, [TempFail(exc.reply)] * count, session.host,
+                                        started, new=new, failed=False, tls=session.tls)
+                except BaseException:  # cancelled mid-transaction: the session is in limbo
+                    self._pool.drop(session)
+                    raise
+                self._transactions += 1
+                self._pool.give(key, session)
+                outcomes = [_peer_outcome(r, session.host) for r in replies]
+                return self._result(request, outcomes, session.host, started, new=new,
+                                    failed=False, tls=session.tls)
+            raise AssertionError("unreachable: the second attempt always returns")
+        finally:
+            if not isinstance(content, Reply):
+                content.close()
+
+    def _refuse_before_mail(self, session: Session, env: Envelope) -> Outcome | None:
+        """Outcomes known from the EHLO reply alone (RFC 6531, RFC 1870)."""
+        if env.needs_smtputf8 and "SMTPUTF8" not in session.extensions:
+            ascii_addresses = env.sender.isascii() and all(r.isascii() for r in env.recipients)
+            if ascii_addresses:
+                return PermFail(Reply(550, "5.6.9", f"SMTPUTF8 is required for this message, "
+                                      f"but host {session.host} does not support it"))
+            return PermFail(Reply(553, "5.6.7", f"SMTPUTF8 is required for non-ASCII "
+                                  f"addresses, but host {session.host} does not support it"))
+        limit = session.max_size
+        if limit and env.size > limit:
+            return PermFail(Reply(552, "5.3.4", f"message size {env.size} exceeds the limit "
+                                  f"of {limit} bytes of host {session.host}"))
+        return None
+
+    async def _connect(self, request: DeliveryRequest) -> tuple[Session | Reply, Host]:
+        """A new session with the first host that will talk, or the reply
+        that explains why none would (with the last host tried)."""
+        route = request.route
+        localip = request.localip
+        family = ipaddress.ip_address(localip).version if localip else 0
+        lmtp = route.transport is Transport.LMTP
+        helo = self.helo_name(localip)
+        errors: list[SessionError] = []
+        for host in route.hosts:
+            if family and ipaddress.ip_address(host.ip).version != family:
+                errors.append(SessionError(Reply(451, "4.4.1", f"cannot reach {host} from "
+                                                 f"{localip}: other address family"),
+                                           connected=False))
+                continue
+            starttls = self.starttls
+            for _ in (1, 2):
+                try:
+                    session = await Session.open(
+                        host, helo=helo, localip=localip, lmtp=lmtp, starttls=starttls,
+                        timeouts=self.timeouts, ssl_context=self.ssl_context)
+                except SessionError as exc:
+                    errors.append(exc)
+                    if exc.tls_failed and starttls == StartTls.OPPORTUNISTIC:
+                        starttls = StartTls.NONE  # Postfix "may": plain text next
+                        continue
+                    break
+                self._opened += 1
+                self._pool.add(session)
+                return session, host
+            self._connect_failures += 1
+        # Prefer what a server said over a bare connect error: it explains more.
+        said = [e for e in errors if e.connected]
+        return (said or errors)[-1].reply, route.hosts[-1]
+
+    def _result(self, request: DeliveryRequest, outcomes: list[Outcome], host: Host,
+                started: float, *, new: bool, failed: bool, tls: bool = False
+                ) -> DeliveryResult:
+        return DeliveryResult(
+            outcomes=tuple(zip(request.entries, outcomes, strict=True)),
+            localip=request.localip, remotemx=host.name, remoteip=host.ip, port=host.port,
+            duration_s=time.monotonic() - started, new_connection=new,
+            connection_failed=failed, tls=tls)

@@ -1,0 +1,633 @@
+"""The SMTP and LMTP client: one session on one connection, on asyncio's Protocol API.
+
+SUMMARY
+    await Session.open(host, ...) -> Session, or SessionError
+    await session.send(Envelope, content) -> tuple[ServerReply, ...] per recipient
+    session.close()
+
+DESCRIPTION
+    A Session is a connection that has been greeted and has said EHLO (or
+    LHLO for LMTP, RFC 2033), possibly after STARTTLS, and can carry one
+    mail transaction after another:
+
+        MAIL FROM (SIZE, BODY=8BITMIME, SMTPUTF8 when offered and needed)
+        RCPT TO ...             one reply per recipient
+        DATA, content, "."      SMTP: one reply for the message;
+                                LMTP: one reply per accepted recipient
+
+    send() returns one reply per recipient, in envelope order: the RCPT
+    reply for a refused recipient, otherwise the reply to the final dot
+    (or to DATA, or to MAIL, whichever ended the transaction).
+
+    Phase timeouts are RFC 5321 4.5.3.2's: connect, greeting, helo (EHLO,
+    HELO, LHLO), starttls, mail, rcpt, data_init (DATA to 354),
+    data_block (each wait for the socket to take more content), data_done
+    (after the final dot), rset.  A timeout or a lost connection raises
+    SessionError and leaves the session closed.
+
+STRATEGIES
+    Pipelining (RFC 2920).  When the server offers PIPELINING, MAIL, every
+    RCPT and DATA go out in one write and the replies are read after; a
+    transaction costs two round trips (MAIL..DATA, content..dot) instead
+    of 3 + recipients.
+
+    Buffered writes.  Commands are joined before they are written; small
+    content goes out with the final dot in the same write, so a 1 KB
+    message is two writes and two reads on a reused connection.
+
+    Reply parsing in data_received.  Complete replies are queued as they
+    arrive; reading a reply that is already there does not yield to the
+    loop.  Timeouts are plain loop timers, not tasks.
+
+    EHLO, then HELO.  A 5xx to EHLO falls back to HELO (RFC 5321 3.2);
+    LMTP has no fallback.  After STARTTLS the server is asked again
+    (RFC 3207: forget what was learnt before).
+
+INVARIANTS
+    At most one transaction per session at a time.  A session whose
+    connection failed, timed out or said 421 is closed and never used
+    again (``usable`` is False).
+
+LIMITATIONS
+    No BDAT/CHUNKING, no DSN parameters, no AUTH.  Content with 8-bit
+    bytes goes to a server without 8BITMIME as it is (as Postfix does by
+    default), not converted to quoted-printable.
+
+SEE ALSO
+    RFC 5321, RFC 2033 (LMTP), RFC 2920 (pipelining), RFC 3207 (STARTTLS),
+    RFC 6152 (8BITMIME), RFC 6531 (SMTPUTF8), RFC 1870 (SIZE),
+    sluice.delivery.encoder, sluice.delivery.agent
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import ssl
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, cast
+
+from sluice.config import DeliveryTimeouts
+from sluice.delivery.encoder import DataEncoder
+from sluice.delivery.router import Host
+from sluice.model import Reply
+
+__all__ = ["Envelope", "ServerReply", "Session", "SessionError", "StartTls"]
+
+#: Read size for content from the spool.
+READ_SIZE = 65536
+#: A server's reply line longer than this is a protocol error (RFC 5321
+#: allows 512 octets; be generous with real servers).
+MAX_REPLY_LINE = 8192
+#: Most reply lines in one reply (EHLO lists are the longest).
+MAX_REPLY_LINES = 256
+
+_ENHANCED_RE = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?: |$)")
+
+
+class StartTls:
+    """delivery.starttls values."""
+
+    OPPORTUNISTIC = "opportunistic"
+    NONE = "none"
+    REQUIRE = "require"
+
+
+class ServerReply:
+    """One reply as the server sent it: code and text lines."""
+
+    __slots__ = ("code", "lines")
+
+    def __init__(self, code: int, lines: list[str]) -> None:
+        self.code = code
+        self.lines = lines
+
+    @property
+    def is_positive(self) -> bool:
+        return 200 <= self.code < 400
+
+    def to_reply(self, prefix: str = "", suffix: str = "") -> Reply:
+        """As a sluice Reply: the enhanced code (RFC 3463) taken from the
+        text when the server gave one, else the class default (X.0.0)."""
+        enhanced = ""
+        texts = []
+        for line in self.lines:
+            m = _ENHANCED_RE.match(line)
+            if m and int(m.group(1)) == self.code // 100:
+                enhanced = enhanced or line[: m.end()].strip()
+                line = line[m.end():]
+            texts.append(line.strip())
+        cls = self.code // 100
+        if not enhanced and cls in (2, 4, 5):
+            enhanced = f"{cls}.0.0"
+        text = " ".join(t for t in texts if t)
+        return Reply(self.code, enhanced, f"{prefix}{text}{suffix}")
+
+    def __repr__(self) -> str:
+        return f"ServerReply({self.code}, {self.lines!r})"
+
+
+class SessionError(Exception):
+    """The session is unusable: connect failed, timed out, connection lost,
+    or the server refused to talk.  ``reply`` is the TempFail reply to
+    record for recipients without an answer; ``connected`` says whether a
+    TCP connection was made; ``tls_failed`` that the TLS handshake failed;
+    ``stale`` that a transaction broke before the server answered anything
+    (a cached connection that died while idle)."""
+
+    def __init__(self, reply: Reply, *, connected: bool = True, tls_failed: bool = False
+                 ) -> None:
+        super().__init__(str(reply))
+        self.reply = reply
+        self.connected = connected
+        self.tls_failed = tls_failed
+        self.stale = False
+
+
+class _Timeout(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One transaction: sender, recipients and what the content needs.
+
+    ``size`` 0 means unknown (no SIZE parameter).  ``smtputf8``: the
+    message needs SMTPUTF8 (RFC 6531) even if the addresses are ASCII
+    (it was received with SMTPUTF8).
+    """
+
+    sender: str
+    recipients: tuple[str, ...]
+    size: int = 0
+    smtputf8: bool = False
+
+    @property
+    def needs_smtputf8(self) -> bool:
+        return self.smtputf8 or not (self.sender.isascii()
+                                     and all(r.isascii() for r in self.recipients))
+
+
+class _ReplyReader(asyncio.Protocol):
+    """Parses the server's replies as bytes arrive; tracks flow control."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.lines: list[str] = []
+        self.replies: deque[ServerReply] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.drainer: asyncio.Future[None] | None = None
+        self.paused = False
+        self.lost: str | None = None  # why the connection is gone
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not subclasses of asyncio.Transport.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        if b"\n" not in buf:
+            if len(buf) > MAX_REPLY_LINE:
+                self._protocol_error("reply line too long")
+            self.buf = buf
+            return
+        *complete, self.buf = buf.split(b"\n")
+        for raw in complete:
+            line = raw.rstrip(b"\r")
+            code = line[:3]
+            sep = line[3:4]
+            if len(line) > MAX_REPLY_LINE or not code.isdigit() or sep not in (b"", b" ", b"-"):
+                self._protocol_error(f"malformed reply line {line[:80]!r}")
+                return
+            self.lines.append(line[4:].decode("utf-8", "replace"))
+            if sep == b"-":
+                if len(self.lines) > MAX_REPLY_LINES:
+                    self._protocol_error("reply has too many lines")
+                    return
+                continue
+            self.replies.append(ServerReply(int(code), self.lines))
+            self.lines = []
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        self._gone("connection closed by the server")
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._gone(f"connection lost: {exc}" if exc else "connection closed by the server")
+        drainer = self.drainer
+        if drainer is not None and not drainer.done():
+            drainer.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        drainer = self.drainer
+        if drainer is not None and not drainer.done():
+            drainer.set_result(None)
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _gone(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+        self._wake()
+
+    def _protocol_error(self, why: str) -> None:
+        self._gone(f"protocol error: {why}")
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def reply(self, wait_s: float) -> ServerReply:
+        """The next reply; _Timeout or ConnectionError if none comes."""
+        while True:
+            if self.replies:
+                return self.replies.popleft()
+            if self.lost is not None:
+                raise ConnectionError(self.lost)
+            waiter = self.loop.create_future()
+            self.waiter = waiter
+            timer = self.loop.call_later(wait_s, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+
+    async def drain(self, wait_s: float) -> None:
+        """Wait until the transport takes more data (flow control)."""
+        while self.paused:
+            if self.lost is not None:
+                raise ConnectionError(self.lost)
+            drainer = self.loop.create_future()
+            self.drainer = drainer
+            timer = self.loop.call_later(wait_s, _expire, drainer)
+            try:
+                await drainer
+            finally:
+                timer.cancel()
+                self.drainer = None
+        if self.lost is not None:
+            raise ConnectionError(self.lost)
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(_Timeout())
+
+
+def _client_context() -> ssl.SSLContext:
+    # Opportunistic TLS (Postfix's "may" and "encrypt" levels): encrypt
+    # against passive listeners; MX names are not authenticated (no DANE).
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def default_ssl_context() -> ssl.SSLContext:
+    """The client TLS context delivery uses unless given another."""
+    return _client_context()
+
+
+class Session:
+    """A greeted, EHLO'd connection to one host; carries transactions in turn."""
+
+    def __init__(self, host: Host, localip: str, lmtp: bool, reader: _ReplyReader,
+                 timeouts: DeliveryTimeouts) -> None:
+        self.host = host
+        self.localip = localip
+        self.lmtp = lmtp
+        self.timeouts = timeouts
+        self._reader = reader
+        self.extensions: dict[str, str] = {}
+        self.tls = False
+        self.messages = 0
+        self.answers = 0  # replies read in the current transaction
+        self.usable = True
+        self.opened_at = time.monotonic()
+        self.idle_handle: asyncio.TimerHandle | None = None
+
+    # -- opening -------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, host: Host, *, helo: str, localip: str = "", lmtp: bool = False,
+                   starttls: str = StartTls.OPPORTUNISTIC, timeouts: DeliveryTimeouts,
+                   ssl_context: ssl.SSLContext | None = None) -> Session:
+        """Connect, read the greeting, EHLO/LHLO, STARTTLS per policy.
+
+        Raises SessionError with a 4xx reply naming the host.
+        """
+        loop = asyncio.get_running_loop()
+        reader = _ReplyReader(loop)
+        local_addr = (localip, 0) if localip else None
+        try:
+            transport, _ = await asyncio.wait_for(
+                loop.create_connection(lambda: reader, host.ip, host.port,
+                                       local_addr=local_addr),
+                timeouts.connect)
+        except TimeoutError:
+            raise SessionError(Reply(451, "4.4.1", f"connect to {host}: timed out after "
+                                     f"{timeouts.connect:g}s"), connected=False) from None
+        except OSError as exc:
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            src = f" from {localip}" if localip else ""
+            raise SessionError(Reply(451, "4.4.1", f"connect to {host}{src}: {why}"),
+                               connected=False) from None
+        # uvloop calls connection_made after create_connection returns.
+        reader.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # Commands are written whole; don't let Nagle hold the last one back.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self = cls(host, localip, lmtp, reader, timeouts)
+        try:
+            await self._handshake(helo, starttls, ssl_context)
+        except BaseException:
+            self.abort()
+            raise
+        return self
+
+    async def _handshake(self, helo: str, starttls: str,
+                         ssl_context: ssl.SSLContext | None) -> None:
+        greeting = await self._read(self.timeouts.greeting, "the initial server greeting")
+        if greeting.code != 220:
+            self._refused(greeting, "greeted us with")
+        await self._hello(helo)
+        if starttls == StartTls.NONE:
+            return
+        if "STARTTLS" not in self.extensions:
+            if starttls == StartTls.REQUIRE:
+                self.quit()
+                raise SessionError(Reply(451, "4.7.4", f"TLS is required, but host {self.host} "
+                                         "did not offer STARTTLS"))
+            return
+        self.write(b"STARTTLS\r\n")
+        reply = await self._read(self.timeouts.starttls, "STARTTLS")
+        if reply.code != 220:
+            if starttls == StartTls.REQUIRE:
+                self.quit()
+                raise SessionError(reply.to_reply(
+                    f"TLS is required, but host {self.host} refused STARTTLS: "))
+            # Opportunistic: carry on in plain text (RFC 3207 allows it).
+            return
+        reader = self._reader
+        loop = reader.loop
+        transport = reader.transport
+        assert transport is not None
+        try:
+            new = await loop.start_tls(
+                transport, reader, ssl_context or _client_context(),
+                server_hostname=None if self.host.name == self.host.ip else self.host.name,
+                ssl_handshake_timeout=self.timeouts.starttls)
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+            raise SessionError(Reply(451, "4.7.5", f"TLS handshake with {self.host} failed: "
+                                     f"{exc}"), tls_failed=True) from None
+        if new is None:
+            raise SessionError(Reply(451, "4.4.2", f"lost connection with {self.host} "
+                                     "during the TLS handshake"))
+        reader.transport = new
+        self.tls = True
+        await self._hello(helo)  # RFC 3207 4.2: discard what was learnt before TLS
+
+    async def _hello(self, helo: str) -> None:
+        verb = b"LHLO " if self.lmtp else b"EHLO "
+        self.write(verb + helo.encode("ascii", "replace") + b"\r\n")
+        reply = await self._read(self.timeouts.helo, verb.decode().strip())
+        if reply.code == 250:
+            self.extensions = _extensions(reply.lines[1:])
+            return
+        if self.lmtp or reply.code < 500:
+            self._refused(reply, "refused " + verb.decode().strip() + " with")
+        self.write(b"HELO " + helo.encode("ascii", "replace") + b"\r\n")
+        reply = await self._read(self.timeouts.helo, "HELO")
+        if reply.code != 250:
+            self._refused(reply, "refused HELO with")
+        self.extensions = {}
+
+    def _refused(self, reply: ServerReply, what: str) -> None:
+        """The server will not talk to us: try the next host (SessionError)."""
+        self.quit()
+        said = reply.to_reply()
+        # Recorded as a temporary failure whatever the code: another MX, or
+        # the same one later, may well accept (Postfix's smtp_skip_5xx_greeting).
+        enhanced = said.enhanced if said.enhanced.startswith("4") else "4.4.2"
+        code = said.code if said.is_transient else 451
+        raise SessionError(Reply(code, enhanced,
+                                 f"host {self.host} {what}: {said.code} {said.text}"))
+
+    # -- I/O ---------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        transport = self._reader.transport
+        if transport is None or self._reader.lost is not None:
+            return  # the read that follows reports the loss
+        transport.write(data)
+
+    async def _read(self, wait_s: float, what: str) -> ServerReply:
+        try:
+            reply = await self._reader.reply(wait_s)
+        except _Timeout:
+            self.abort()
+            raise SessionError(Reply(451, "4.4.2", f"conversation with {self.host} timed out "
+                                     f"while waiting for the reply to {what}")) from None
+        except ConnectionError as exc:
+            self.abort()
+            raise SessionError(Reply(451, "4.4.2", f"lost connection with {self.host} while "
+                                     f"waiting for the reply to {what}: {exc}")) from None
+        self.answers += 1
+        if reply.code == 421:
+            # The server is closing the channel (RFC 5321 3.8): never reuse.
+            self.usable = False
+        return reply
+
+    async def _drain(self, what: str) -> None:
+        try:
+            await self._reader.drain(self.timeouts.data_block)
+        except _Timeout:
+            self.abort()
+            raise SessionError(Reply(451, "4.4.2", f"conversation with {self.host} timed out "
+                                     f"while {what}")) from None
+        except ConnectionError as exc:
+            self.abort()
+            raise SessionError(Reply(451, "4.4.2", f"lost connection with {self.host} while "
+                                     f"{what}: {exc}")) from None
+
+    @property
+    def alive(self) -> bool:
+        """Usable for another transaction: open, and no unsolicited reply
+        (a server that timed us out sends 421 and hangs up)."""
+        r = self._reader
+        return self.usable and r.lost is None and not r.replies and not r.lines
+
+    def quit(self) -> None:
+        """Say QUIT and close without waiting for the 221 (nothing depends on it)."""
+        self.usable = False
+        self._cancel_idle()
+        transport = self._reader.transport
+        if transport is not None and not transport.is_closing():
+            if self._reader.lost is None:
+                transport.write(b"QUIT\r\n")
+            transport.close()
+
+    def abort(self) -> None:
+        self.usable = False
+        self._cancel_idle()
+        transport = self._reader.transport
+        if transport is not None:
+            transport.abort()
+
+    def _cancel_idle(self) -> None:
+        if self.idle_handle is not None:
+            self.idle_handle.cancel()
+            self.idle_handle = None
+
+    # -- a transaction ------------------------------------------------------------
+
+    @property
+    def max_size(self) -> int:
+        value = self.extensions.get("SIZE", "")
+        return int(value) if value.isdigit() else 0
+
+    async def send(self, env: Envelope, content: IO[bytes]) -> tuple[ServerReply, ...]:
+        """One transaction; one reply per recipient (see DESCRIPTION).
+
+        The caller checks SMTPUTF8 and SIZE first (these are outcomes, not
+        protocol).  Raises SessionError when the session breaks; the
+        session is then closed.
+        """
+        self.answers = 0
+        try:
+            return await self._transaction(env, content)
+        except SessionError as exc:
+            exc.stale = self.answers == 0
+            raise
+
+    async def _transaction(self, env: Envelope, content: IO[bytes]
+                           ) -> tuple[ServerReply, ...]:
+        if not self.alive:
+            raise SessionError(Reply(451, "4.4.2", f"connection to {self.host} is not usable"))
+        # Read ahead two pieces: when the second is empty the whole message
+        # is known, and a 7-bit one is sent without BODY=8BITMIME.
+        first = content.read(READ_SIZE)
+        second = content.read(READ_SIZE) if first else b""
+        ext = self.extensions
+        params = []
+        if env.size and "SIZE" in ext:
+            params.append(f" SIZE={env.size}")
+        if "8BITMIME" in ext and (second or not first.isascii()):
+            params.append(" BODY=8BITMIME")
+        if "SMTPUTF8" in ext and env.needs_smtputf8:
+            params.append(" SMTPUTF8")
+        mail = f"MAIL FROM:<{env.sender}>{''.join(params)}\r\n"
+        rcpts = [f"RCPT TO:<{r}>\r\n" for r in env.recipients]
+        count = len(rcpts)
+        self.messages += 1
+        pipelining = "PIPELINING" in ext
+        if pipelining:
+            self.write((mail + "".join(rcpts) + "DATA\r\n").encode("utf-8"))
+        else:
+            self.write(mail.encode("utf-8"))
+        mail_reply = await self._read(self.timeouts.mail, "MAIL FROM")
+        if mail_reply.code == 421:
+            return (mail_reply,) * count
+        if not mail_reply.is_positive and not pipelining:
+            return (mail_reply,) * count
+        rcpt_replies: list[ServerReply] = []
+        for line in rcpts:
+            if not pipelining:
+                self.write(line.encode("utf-8"))
+            reply = await self._read(self.timeouts.rcpt, "RCPT TO")
+            if reply.code == 421:
+                return _ended(rcpt_replies, reply, count)
+            rcpt_replies.append(reply)
+        if not pipelining:
+            if not any(r.is_positive for r in rcpt_replies):
+                await self._rset()
+                return tuple(rcpt_replies)
+            self.write(b"DATA\r\n")
+        data_reply = await self._read(self.timeouts.data_init, "DATA")
+        if data_reply.code == 421:
+            return _ended(rcpt_replies, data_reply, count)
+        if not mail_reply.is_positive:
+            # Pipelined: every RCPT and DATA were refused for want of MAIL.
+            if data_reply.code == 354:  # a confused server: end the empty message
+                await self._dot_then_rset()
+            return (mail_reply,) * count
+        accepted = [i for i, r in enumerate(rcpt_replies) if r.is_positive]
+        if data_reply.code != 354:
+            await self._rset()
+            return _ended(rcpt_replies, data_reply, count)
+        if not accepted:
+            # RFC 2920 3.1: a server should refuse DATA then; this one did not.
+            await self._dot_then_rset()
+            return tuple(rcpt_replies)
+        finals = await self._data(content, first, second, len(accepted) if self.lmtp else 1)
+        out = list(rcpt_replies)
+        for n, i in enumerate(accepted):
+            out[i] = finals[n] if self.lmtp else finals[0]
+        return tuple(out)
+
+    async def _rset(self) -> None:
+        """Clear a transaction that did not reach the final dot before reuse."""
+        if not self.usable:
+            return
+        self.write(b"RSET\r\n")
+        reply = await self._read(self.timeouts.rset, "RSET")
+        if reply.code != 250:
+            self.quit()
+
+    async def _dot_then_rset(self) -> None:
+        self.write(b".\r\n")
+        await self._read(self.timeouts.data_done, "end of data")
+        await self._rset()
+
+    async def _data(self, content: IO[bytes], first: bytes, second: bytes, replies: int
+                    ) -> list[ServerReply]:
+        enc = DataEncoder()
+        chunk, nxt = first, second
+        while True:
+            out = enc.feed(chunk)
+            if not nxt:
+                self.write(out + enc.finish())
+                break
+            self.write(out)
+            if self._reader.paused:
+                await self._drain("sending message content")
+            chunk, nxt = nxt, content.read(READ_SIZE)
+        return [await self._read(self.timeouts.data_done, "end of data") for _ in range(replies)]
+
+
+def _ended(so_far: Sequence[ServerReply], reply: ServerReply, count: int
+           ) -> tuple[ServerReply, ...]:
+    """Replies when ``reply`` ended the transaction early: recipients already
+    refused keep their refusal; every other one gets ``reply``."""
+    out = [r if not r.is_positive else reply for r in so_far]
+    out.extend([reply] * (count - len(out)))
+    return tuple(out)
+
+
+def _extensions(lines: Sequence[str]) -> dict[str, str]:
+    """EHLO keywords (upper case) and their parameters."""
+    out: dict[str, str] = {}
+    for line in lines:
+        keyword, _, param = line.strip().partition(" ")
+        if keyword:
+            out[keyword.upper()] = param.strip()
+    return out

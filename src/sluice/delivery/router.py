@@ -1,0 +1,256 @@
+"""Routing: which hosts receive a domain's mail, by transport map or DNS.
+
+SUMMARY
+    Router(DeliveryConfig) -> await .route(domain, transportid="", nexthop=None)
+        -> NextHop | TempFail | PermFail
+
+DESCRIPTION
+    A NextHop names the transport (smtp or lmtp), the hosts to try in order
+    (MX name, IP, port) and the *destination*: the key under which the
+    scheduler counts slow start and remembers dead destinations.  Mail for
+    several domains relayed to one gateway shares that gateway's
+    destination, as Postfix's queues are per nexthop.
+
+    Order of decisions, first match wins:
+
+    1. ``nexthop`` given by the pre-delivery hook (transport(5) syntax);
+    2. the transport map (``delivery.transport``), see sluice.delivery.transport;
+    3. DNS: the domain's MX records (RFC 5321 5.1).
+
+    DNS rules:
+    - MX records by preference, lowest first; hosts of equal preference in
+      random order, so load spreads as the domain intends.
+    - No MX records: the domain itself is the one host (implicit MX).
+    - Null MX (RFC 7505, "0 ."): the domain accepts no mail; PermFail
+      556 5.1.10 without a connection attempt.
+    - NXDOMAIN: PermFail 550 5.1.2.  SERVFAIL or a timeout: TempFail
+      451 4.4.3, so the entry is retried when DNS works again.
+    - Each MX host's A and AAAA records, in ``resolver.inet_protocols``
+      order; hosts that do not resolve are skipped; at most
+      ``mx_address_limit`` addresses in all.  If no host resolves, the
+      failure is temporary if any lookup failed temporarily.
+
+STRATEGIES
+    Parse once.  Transport map values are parsed when the router is built;
+    a value that names IP literals yields a NextHop built once and shared.
+
+INVARIANTS
+    A NextHop has at least one host.  Its destination is the domain for
+    DNS routes and the transport map value (``smtp:[192.0.2.1]:25``) for
+    mapped ones.
+
+SEE ALSO
+    sluice.delivery.resolver, sluice.delivery.transport, RFC 7505, RFC 5321 5.1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+from sluice.config import DeliveryConfig
+from sluice.delivery.resolver import NO_RECORDS, Addresses, DnsFailure, MxRecords, Resolver
+from sluice.delivery.transport import Gateway, Service, TransportEntry, TransportMap
+from sluice.model import PermFail, Reply, TempFail
+from sluice.scheduler.events import Transport
+
+__all__ = ["Host", "NextHop", "Router"]
+
+NULL_MX_REPLY_CODE = (556, "5.1.10")
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One address to connect to.  ``name`` is the MX (or gateway) host name,
+    or the IP itself for an address literal."""
+
+    name: str
+    ip: str
+    port: int
+    preference: int = 0
+
+    def __str__(self) -> str:
+        ip = f"[{self.ip}]" if ":" in self.ip else self.ip
+        return f"{self.name}[{ip}]:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class NextHop:
+    """Where a delivery goes: transport, hosts in the order to try, destination key."""
+
+    transport: Transport
+    hosts: tuple[Host, ...]
+    destination: str
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise ValueError(f"a route to {self.destination} needs at least one host")
+
+    @property
+    def remotemx(self) -> str:
+        """The first host's name (what pickup policies call remotemx)."""
+        return self.hosts[0].name
+
+    @property
+    def remoteip(self) -> str:
+        return self.hosts[0].ip
+
+
+Routing = NextHop | TempFail | PermFail
+
+
+class Router:
+    """Routes domains to next hops; one per process, shared by all deliveries."""
+
+    def __init__(self, config: DeliveryConfig, *, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.port = config.port
+        self.families = tuple(config.resolver.inet_protocols)
+        self.address_limit = config.mx_address_limit
+        self.transport_map = TransportMap.parse(config.transport)
+        self.resolver = Resolver(config.resolver)
+        self._rng = rng or random.Random()
+        # Values whose hosts are all IP literals need no DNS: build them once.
+        self._static: dict[TransportEntry, NextHop] = {}
+        for entry in self.transport_map.entries.values():
+            hop = self._static_hop(entry)
+            if hop is not None:
+                self._static[entry] = hop
+        self._parsed: dict[str, TransportEntry] = {}
+
+    def _static_hop(self, entry: TransportEntry) -> NextHop | None:
+        if entry.service not in (Service.SMTP, Service.LMTP) or not entry.gateways:
+            return None
+        if not all(g.is_ip for g in entry.gateways):
+            return None
+        return NextHop(Transport(entry.service.value),
+                       tuple(Host(g.host, g.host, g.port or self.port) for g in entry.gateways),
+                       str(entry))
+
+    async def route(self, domain: str, transportid: str = "",
+                    nexthop: str | None = None) -> Routing:
+        """Route ``domain``; ``nexthop`` (transport(5) syntax) overrides the map.
+
+        Raises ValueError for a malformed ``nexthop`` (the caller's misuse:
+        hooks' values are checked where they are returned).
+        """
+        domain = domain.lower().rstrip(".")
+        if nexthop is not None:
+            entry = self._parsed.get(nexthop)
+            if entry is None:
+                entry = TransportEntry.parse(nexthop)
+                if len(self._parsed) < 1024:  # hooks tend to reuse a few values
+                    self._parsed[nexthop] = entry
+        else:
+            found = self.transport_map.lookup(domain, transportid)
+            if found is None:
+                return await self._route_mx(domain, domain, Transport.SMTP, self.port)
+            entry = found
+        return await self._route_entry(domain, entry)
+
+    async def _route_entry(self, domain: str, entry: TransportEntry) -> Routing:
+        if entry.service is Service.ERROR:
+            return PermFail(_reply_from_text(entry.text, 550, "5.0.0", "mail for this domain "
+                                             "is refused by the transport map"))
+        if entry.service is Service.RETRY:
+            return TempFail(_reply_from_text(entry.text, 450, "4.3.0", "mail for this domain "
+                                             "is deferred by the transport map"))
+        static = self._static.get(entry)
+        if static is not None:
+            return static
+        transport = Transport(entry.service.value)
+        destination = str(entry)
+        if not entry.gateways:  # "smtp:" -- the recipient domain, by MX
+            return await self._route_mx(domain, domain, transport, self.port)
+        hosts: list[Host] = []
+        failures: list[DnsFailure] = []
+        for gw in entry.gateways:
+            got = await self._gateway_hosts(gw, transport)
+            if isinstance(got, DnsFailure):
+                failures.append(got)
+            else:
+                hosts.extend(got)
+        if hosts:
+            return NextHop(transport, tuple(hosts[: max(self.address_limit, 1)]), destination)
+        return _lookup_failed(failures, f"nexthop {destination}")
+
+    async def _gateway_hosts(self, gw: Gateway, transport: Transport
+                             ) -> list[Host] | DnsFailure:
+        port = gw.port or self.port
+        if gw.is_ip:
+            return [Host(gw.host, gw.host, port)]
+        if gw.mx:
+            routed = await self._route_mx(gw.host, gw.host, transport, port)
+            if isinstance(routed, NextHop):
+                return list(routed.hosts)
+            return DnsFailure(isinstance(routed, PermFail), routed.reply.text)
+        got = await self.resolver.addresses(gw.host, self.families)
+        if isinstance(got, DnsFailure):
+            return got
+        if got is NO_RECORDS:
+            return DnsFailure(True, f"{gw.host}: host has no address record")
+        return [Host(gw.host, ip, port) for ip in got.ips]
+
+    async def _route_mx(self, domain: str, destination: str, transport: Transport,
+                        port: int) -> Routing:
+        mx = await self.resolver.mx(domain)
+        if isinstance(mx, DnsFailure):
+            if mx.permanent:
+                return PermFail(Reply(550, "5.1.2", f"domain {domain} not found: {mx.reason}"))
+            return TempFail(Reply(451, "4.4.3", f"DNS lookup of {domain} failed: {mx.reason}"))
+        if mx is NO_RECORDS:
+            exchanges: list[tuple[int, str]] = [(0, domain)]  # implicit MX, RFC 5321 5.1
+        else:
+            assert isinstance(mx, MxRecords)
+            if any(name == "" for _, name in mx.records):
+                code, enhanced = NULL_MX_REPLY_CODE
+                return PermFail(Reply(code, enhanced,
+                                      f"domain {domain} accepts no mail (null MX, RFC 7505)"))
+            exchanges = self._order(mx.records)
+        lookups = await asyncio.gather(
+            *(self.resolver.addresses(name, self.families) for _, name in exchanges))
+        hosts: list[Host] = []
+        failures: list[DnsFailure] = []
+        for (pref, name), got in zip(exchanges, lookups, strict=True):
+            if isinstance(got, DnsFailure):
+                failures.append(got)
+            elif isinstance(got, Addresses):
+                hosts.extend(Host(name, ip, port, pref) for ip in got.ips)
+            else:
+                failures.append(DnsFailure(True, f"{name}: host has no address record"))
+        if hosts:
+            return NextHop(transport, tuple(hosts[: max(self.address_limit, 1)]), destination)
+        if mx is NO_RECORDS and all(f.permanent for f in failures):
+            return PermFail(Reply(550, "5.1.2",
+                                  f"domain {domain} has no MX and no address record"))
+        return _lookup_failed(failures, f"MX hosts of {domain}")
+
+    def _order(self, records: tuple[tuple[int, str], ...]) -> list[tuple[int, str]]:
+        """By preference; equal preferences shuffled (RFC 5321 5.1)."""
+        shuffled = list(records)
+        self._rng.shuffle(shuffled)
+        shuffled.sort(key=lambda r: r[0])  # stable: the shuffle survives within a preference
+        seen: set[str] = set()
+        out = []
+        for pref, name in shuffled:
+            if name not in seen:
+                seen.add(name)
+                out.append((pref, name))
+        return out
+
+
+def _lookup_failed(failures: list[DnsFailure], what: str) -> TempFail | PermFail:
+    reasons = "; ".join(f.reason for f in failures[:3]) or "no addresses"
+    if any(not f.permanent for f in failures):
+        return TempFail(Reply(451, "4.4.3", f"cannot resolve {what}: {reasons}"))
+    return PermFail(Reply(550, "5.4.4", f"cannot resolve {what}: {reasons}"))
+
+
+def _reply_from_text(text: str, code: int, enhanced: str, default: str) -> Reply:
+    """A reply from an error:/retry: text that may start with an enhanced code."""
+    head, _, rest = text.strip().partition(" ")
+    parts = head.split(".")
+    if len(parts) == 3 and all(p.isdigit() for p in parts) and head[0] == enhanced[0]:
+        return Reply(code, head, rest.strip() or default)
+    return Reply(code, enhanced, text.strip() or default)
