@@ -29,11 +29,12 @@ DESCRIPTION
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -94,11 +95,25 @@ def _leaves(error: jsonschema.ValidationError) -> list[jsonschema.ValidationErro
     return out
 
 
+def _problems(error: jsonschema.ValidationError) -> list[tuple[str, str]]:
+    """(key path, message) for one schema error; an unknown key gets its own path."""
+    path = _keypath(error.absolute_path)
+    schema = error.schema
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict) \
+            and isinstance(schema, Mapping):
+        known = set(schema.get("properties", {}))
+        extras = [k for k in error.instance if k not in known]
+        if extras:
+            return [(f"{path}.{k}" if path else str(k), "unknown key") for k in extras]
+    return [(path, _describe(error))]
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         return error.message.replace("Additional properties are not allowed", "unknown key")
-    if error.validator == "enum":
-        return f"{error.instance!r} is not one of {', '.join(map(str, error.validator_value))}"
+    allowed = error.validator_value
+    if error.validator == "enum" and isinstance(allowed, list):
+        return f"{error.instance!r} is not one of {', '.join(map(str, allowed))}"
     return error.message
 
 
@@ -110,10 +125,8 @@ def _times_to_epoch(data: Any) -> Any:
         out = {}
         for key, value in data.items():
             if key == "expires_at" and isinstance(value, str):
-                try:
+                with contextlib.suppress(ValueError):  # left for the checks to report
                     value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-                except ValueError:
-                    pass  # left for the checks to report
             out[key] = _times_to_epoch(value)
         return out
     if isinstance(data, list):
@@ -171,7 +184,7 @@ def validate_policy_data(data: Any, source: str) -> tuple[Policy | None, list[tu
         for leaf in _leaves(error):
             if leaf.validator in ("if", "then", "else"):
                 continue
-            schema_problems.append((_keypath(leaf.absolute_path), _describe(leaf)))
+            schema_problems.extend(_problems(leaf))
     policy: Policy | None = None
     core_problems: list[tuple[str, str]] = []
     try:
@@ -198,8 +211,7 @@ def load_suspensions_file(path: str) -> tuple[Suspension, ...]:
     validator = jsonschema.Draft202012Validator(
         {"$defs": schema["$defs"], "type": ["array", "null"],
          "items": {"$ref": "#/$defs/suspension"}})
-    schema_problems = [(_keypath(e.absolute_path), _describe(e))
-                       for e in validator.iter_errors(data)]
+    schema_problems = [p for e in validator.iter_errors(data) for p in _problems(e)]
     try:
         suspensions = parse_suspensions(data, path)
     except PolicyError as exc:
