@@ -240,6 +240,9 @@ class SmtpdConfig:
     max_connections_per_client: int = 50
     max_connections: int = 1000
     timeout: float = _dur("300s")
+    backlog: int = 1024
+    spill_size: int = 1048576
+    shutdown_timeout: float = _dur("30s")
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     hook: str | None = None

@@ -1,0 +1,62 @@
+"""The receiving side: an ESMTP server (on aiosmtpd) that queues what it accepts.
+
+SUMMARY
+    Receiver.from_config(config, queue) -> Receiver; await start() / stop()
+    ReceiverPool(config, processes).start() / .stop()   several processes, one port
+    run_receiver_process(config, ready)                  the body of one of them
+    ReceivePolicy, Credentials, received_header           the typed rules underneath
+
+DESCRIPTION
+    Mail enters Sluice here.  A Receiver listens on ``smtpd.listen``,
+    speaks ESMTP with SIZE, 8BITMIME, PIPELINING, SMTPUTF8,
+    ENHANCEDSTATUSCODES, STARTTLS and AUTH PLAIN/LOGIN (over TLS only),
+    refuses to relay for strangers, runs the end-of-DATA hook, adds a
+    Received header, and answers 250 only once the queue says the message
+    is durable.  docs/smtpd.md tells operators and ``sluice serve`` how to
+    run it.
+
+MODULES
+    policy       what may pass, as Reply values (pure)
+    credentials  AUTH users and constant-time checks (pure)
+    content      DATA pieces: end detection, unstuffing, limits, spilling
+    trace        the Received header
+    session      the aiosmtpd adapter, one object per connection
+    server       Receiver: sockets, limits, graceful stop
+    worker       receiving processes sharing the port (SO_REUSEPORT)
+"""
+
+from sluice.smtpd.credentials import Credentials, hash_password
+from sluice.smtpd.policy import (
+    Client,
+    ContentState,
+    Networks,
+    RcptAction,
+    RcptVerdict,
+    ReceivePolicy,
+)
+from sluice.smtpd.server import Receiver, ReceiverError, load_tls_context, parse_listen
+from sluice.smtpd.session import ReceiverStats, Settings
+from sluice.smtpd.trace import protocol_name, received_header
+from sluice.smtpd.worker import ReceiverPool, receiver_processes, run_receiver_process
+
+__all__ = [
+    "Client",
+    "ContentState",
+    "Credentials",
+    "Networks",
+    "RcptAction",
+    "RcptVerdict",
+    "ReceivePolicy",
+    "Receiver",
+    "ReceiverError",
+    "ReceiverPool",
+    "ReceiverStats",
+    "Settings",
+    "hash_password",
+    "load_tls_context",
+    "parse_listen",
+    "protocol_name",
+    "received_header",
+    "receiver_processes",
+    "run_receiver_process",
+]

@@ -1,0 +1,274 @@
+"""Receiving processes: several Receivers sharing the SMTP port, one per core.
+
+SUMMARY
+    receiver_processes(config, shared_access) -> int
+    pool = ReceiverPool(config_or_path, processes)
+    pool.start() -> [(host, port), ...]     # ReceiverError if one fails
+    pool.stop(grace_s=None) -> exit codes
+    run_receiver_process(config_or_path, ready=None, *, share=1) -> int
+
+DESCRIPTION
+    One Python process accepting mail keeps one core busy; a second one on
+    the same port (SO_REUSEPORT) uses the second core.  Each process opens
+    its own Queue on the configured store, which must allow several
+    processes (Store.shared_access, true for SQLite and PostgreSQL).  A
+    store that does not (LevelDB) is opened by one process only: then
+    ``sluice serve`` runs its Receiver in the main process instead.
+
+    run_receiver_process is the body of one such process: it loads the
+    configuration (a path, or a Config passed by value), opens the queue,
+    starts a Receiver with reuse_port, says so on ``ready``, serves until
+    SIGTERM or SIGINT, stops gracefully and closes the queue.  It uses
+    uvloop when it is installed.
+
+    ReceiverPool starts and stops a set of them with multiprocessing's
+    "spawn" method: the parent may have threads (a store's committer, the
+    scheduler), and forking a process with threads copies locks in
+    whatever state they were.
+
+STRATEGIES
+    Die with the parent.  A receiver asks the kernel (PR_SET_PDEATHSIG) for
+    SIGTERM when its parent dies, so a killed ``sluice serve`` does not
+    leave receivers holding the port; they stop gracefully like on any
+    SIGTERM.
+
+    Report, don't trace.  A start that fails (bad configuration, port in
+    use) sends one line naming the cause to the parent and exits 1.
+
+SEE ALSO
+    sluice.smtpd.server, docs/smtpd.md
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sluice.config import Config, ConfigError, load_config
+from sluice.queue import Queue
+from sluice.smtpd.server import Receiver, ReceiverError
+from sluice.store import StorageError
+
+__all__ = ["ReceiverPool", "receiver_processes", "run_receiver_process"]
+
+log = logging.getLogger("sluice.smtpd")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def receiver_processes(config: Config, shared_access: bool) -> int:
+    """How many receiving processes to start; 0 means receive in the caller.
+
+    ``smtpd.processes`` 0 means one per CPU core.  A store without shared
+    access is never opened by several processes.
+    """
+    if not shared_access:
+        return 0
+    return config.smtpd.processes or os.cpu_count() or 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def _tell(ready: Any, message: tuple[Any, ...]) -> None:
+    if ready is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        if hasattr(ready, "send"):
+            ready.send(message)
+        elif message[0] == "ready" and hasattr(ready, "set"):
+            ready.set()
+
+
+def run_receiver_process(config: Config | str | os.PathLike[str] | None = None,
+                         ready: Any = None, *, share: int = 1,
+                         parent_pid: int | None = None) -> int:
+    """Serve SMTP in this process until SIGTERM/SIGINT; returns the exit status.
+
+    ``ready`` is a multiprocessing Connection, which receives
+    ("ready", pid, [(host, port), ...]) or ("error", pid, message), or an
+    Event-like object that is set once listening.  ``share`` is the number
+    of receiving processes (for the connection limits).
+    """
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+    try:
+        cfg = config if isinstance(config, Config) else load_config(config)
+    except ConfigError as exc:
+        _tell(ready, ("error", os.getpid(), str(exc)))
+        print(f"sluice receiver: {exc}", file=sys.stderr)
+        return 1
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        return runner.run(_serve(cfg, ready, share))
+
+
+async def _serve(config: Config, ready: Any, share: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        queue = Queue.open(config)
+    except (StorageError, OSError) as exc:
+        message = f"cannot open the queue: {exc}"
+        _tell(ready, ("error", os.getpid(), message))
+        print(f"sluice receiver: {message}", file=sys.stderr)
+        return 1
+    try:
+        try:
+            receiver = Receiver.from_config(config, queue, reuse_port=True, share=share)
+            await receiver.start()
+        except (ConfigError, ReceiverError) as exc:
+            _tell(ready, ("error", os.getpid(), str(exc)))
+            print(f"sluice receiver: {exc}", file=sys.stderr)
+            return 1
+        _tell(ready, ("ready", os.getpid(), receiver.addresses))
+        await stop.wait()
+        await receiver.stop()
+        return 0
+    finally:
+        await asyncio.to_thread(queue.close)
+
+
+def _process_main(config: Config | str, ready: Any, share: int, parent_pid: int) -> None:
+    # multiprocessing ignores a target's return value; the status is the exit code.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the loop installs its handler
+    sys.exit(run_receiver_process(config, ready, share=share, parent_pid=parent_pid))
+
+
+class ReceiverPool:
+    """A set of receiving processes sharing the SMTP port (see the module doc)."""
+
+    def __init__(self, config: Config | str | os.PathLike[str], processes: int, *,
+                 start_timeout_s: float = 60.0) -> None:
+        if processes < 1:
+            raise ValueError("a receiver pool needs at least one process")
+        self.config: Config | str = config if isinstance(config, Config) else str(Path(config))
+        self.processes = processes
+        self.start_timeout_s = start_timeout_s
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs: list[Any] = []
+        self._addresses: list[tuple[str, int]] = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return list(self._addresses)
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self._procs]
+
+    def start(self) -> list[tuple[str, int]]:
+        """Start every process and wait until each listens; ReceiverError if one fails."""
+        if self._procs:
+            raise RuntimeError("the pool is already started")
+        pipes = []
+        for i in range(self.processes):
+            parent_end, child_end = self._ctx.Pipe(duplex=False)
+            proc = self._ctx.Process(
+                target=_process_main, name=f"sluice-receiver-{i}",
+                args=(self.config, child_end, self.processes, os.getpid()), daemon=False)
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            pipes.append(parent_end)
+        deadline = time.monotonic() + self.start_timeout_s
+        problem: str | None = None
+        for proc, pipe in zip(self._procs, pipes, strict=True):
+            message = self._wait_message(proc, pipe, deadline)
+            pipe.close()
+            if message[0] == "ready":
+                for addr in message[2]:
+                    if tuple(addr) not in self._addresses:
+                        self._addresses.append((str(addr[0]), int(addr[1])))
+            elif problem is None:
+                problem = str(message[2])
+        if problem is not None:
+            self.stop(grace_s=0.0)
+            raise ReceiverError(problem)
+        return self.addresses
+
+    def _wait_message(self, proc: Any, pipe: multiprocessing.connection.Connection,
+                      deadline: float) -> tuple[Any, ...]:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return ("error", proc.pid, f"receiver {proc.pid} did not start in "
+                        f"{self.start_timeout_s:.0f} s")
+            if pipe.poll(min(left, 0.2)):
+                try:
+                    message: tuple[Any, ...] = pipe.recv()
+                except EOFError:
+                    message = ("error", proc.pid, f"receiver {proc.pid} exited "
+                               f"(status {proc.exitcode}) before it was ready")
+                return message
+            if not proc.is_alive():
+                return ("error", proc.pid,
+                        f"receiver {proc.pid} exited (status {proc.exitcode}) before it was ready")
+
+    def stop(self, grace_s: float | None = None) -> list[int | None]:
+        """SIGTERM every process and wait; SIGKILL what is left after the grace period.
+
+        ``grace_s`` None waits ``smtpd.shutdown_timeout`` plus a margin for
+        closing the queue.  Returns the exit codes.
+        """
+        if grace_s is None:
+            cfg = self.config if isinstance(self.config, Config) else None
+            grace_s = (cfg.smtpd.shutdown_timeout if cfg else 30.0) + 10.0
+        for proc in self._procs:
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                log.warning("receiver %s did not stop in time; killing it", proc.pid)
+                proc.kill()
+                proc.join(5.0)
+        codes = [proc.exitcode for proc in self._procs]
+        for proc in self._procs:
+            proc.close()
+        self._procs = []
+        return codes
+
+    def __enter__(self) -> ReceiverPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._procs:
+            self.stop()
+

@@ -1,0 +1,118 @@
+"""The aiosmtpd adapter's pieces that need no network: its lean constructor and envelope parsing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import cast
+
+import pytest
+from aiosmtpd.smtp import SMTP
+
+from sluice.model import Reply
+from sluice.queue import Queue
+from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.policy import ReceivePolicy
+from sluice.smtpd.session import (
+    Registry,
+    Settings,
+    SmtpSession,
+    _parse_path,
+)
+
+pytestmark = pytest.mark.unit
+
+#: Attributes only our session has: its own state, and the command limits,
+#: which aiosmtpd keeps in a dict shared by every session of the process.
+OURS = {"_settings", "_registry", "_policy", "_ip", "_port", "_client", "_txn", "_auth_user",
+        "_auth_failures", "_admitted", "_idle", "_closing", "command_size_limits"}
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+#: Nothing here submits mail; the tests that do run a real queue (tests/integration).
+NO_QUEUE = cast(Queue, None)
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings(hostname="mx.sluice.test", queue=NO_QUEUE, policy=ReceivePolicy(),
+                    credentials=Credentials({"u": "p"}))
+
+
+def test_lean_constructor_sets_what_aiosmtpd_sets(loop: asyncio.AbstractEventLoop,
+                                                  settings: Settings) -> None:
+    # SmtpSession skips SMTP.__init__ (its per-connection introspection);
+    # if aiosmtpd grows new state, this fails and the constructor must follow.
+    base = SMTP(object(), hostname="mx.sluice.test", loop=loop, enable_SMTPUTF8=True)
+    ours = SmtpSession(settings, Registry(), loop)
+    assert set(vars(ours)) - OURS == set(vars(base))
+    assert ours.hostname == "mx.sluice.test"
+    assert ours.data_size_limit == settings.policy.max_message_size
+    assert ours.enable_SMTPUTF8
+    assert ours._auth_require_tls
+    assert set(ours._auth_methods) == {"PLAIN", "LOGIN"}
+    assert set(ours._smtp_methods) >= {"EHLO", "HELO", "MAIL", "RCPT", "DATA", "RSET", "NOOP",
+                                       "QUIT", "STARTTLS", "AUTH", "VRFY", "HELP"}
+    # bound to this session, not to another
+    assert ours._smtp_methods["MAIL"].__self__ is ours
+
+
+def test_no_users_no_auth_mechanisms(loop: asyncio.AbstractEventLoop) -> None:
+    plain = Settings(hostname="mx", queue=NO_QUEUE, policy=ReceivePolicy())
+    assert SmtpSession(plain, Registry(), loop)._auth_methods == {}
+
+
+def test_ehlo_reply_lists_extensions(settings: Settings) -> None:
+    lines = settings.ehlo_reply(tls_active=False).decode().split("\r\n")
+    assert lines[0] == "250-mx.sluice.test"
+    assert lines[-1] == ""
+    assert lines[-2].startswith("250 ")
+    keywords = [line[4:] for line in lines[1:-1]]
+    assert keywords == ["PIPELINING", f"SIZE {settings.policy.max_message_size}", "8BITMIME",
+                        "SMTPUTF8", "ENHANCEDSTATUSCODES"]
+    tls = settings.ehlo_reply(tls_active=True).decode()
+    assert "250 AUTH PLAIN LOGIN\r\n" in tls  # users, and encrypted
+    assert "STARTTLS" not in tls
+
+
+@pytest.mark.parametrize(("arg", "address", "params"), [
+    ("<a@b.test>", "a@b.test", ""),
+    (" <a@b.test>  SIZE=100 BODY=8BITMIME", "a@b.test", "SIZE=100 BODY=8BITMIME"),
+    ("<>", "", ""),
+    ("<> SIZE=1", "", "SIZE=1"),
+    ("a@b.test SIZE=1", "a@b.test", "SIZE=1"),
+    ('<"john doe"@b.test>', '"john doe"@b.test', ""),
+    ("<@relay.test,@r2.test:a@b.test>", "a@b.test", ""),
+    ("<a@[192.0.2.1]>", "a@[192.0.2.1]", ""),
+    ("<jürgen@bücher.test>", "jürgen@bücher.test", ""),
+    ("<a@b.test", None, ""),
+    ("<a b@c.test>", None, ""),
+    ("<a@b@c.test>", None, ""),
+    ("<a@>", None, ""),
+    ("<@b.test>", None, ""),
+    ("<postmaster>", None, ""),
+    ("<a\x01@b.test>", None, ""),
+    ("<" + "a" * 250 + "@b.test>", None, ""),
+])
+def test_parse_path(arg: str, address: str | None, params: str) -> None:
+    got, rest = _parse_path(arg)
+    assert got == address
+    if address is not None:
+        assert rest == params
+
+
+def test_replies_carry_enhanced_codes_only_for_esmtp(loop: asyncio.AbstractEventLoop,
+                                                     settings: Settings) -> None:
+    session = SmtpSession(settings, Registry(), loop)
+    session.session = session._create_session()
+    reply = Reply(452, "4.5.3", "Too many recipients")
+    session.session.extended_smtp = True
+    assert session._render(reply) == b"452 4.5.3 Too many recipients\r\n"
+    session.session.extended_smtp = False  # HELO: RFC 2034 codes are an ESMTP extension
+    assert session._render(reply) == b"452 Too many recipients\r\n"
