@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import re
 
 import pytest
@@ -79,7 +80,7 @@ def test_chunk_boundaries(chunks: list[bytes], wire: bytes) -> None:
 def test_any_chunking_matches_the_reference(content: bytes, cuts: list[int]) -> None:
     points = sorted({c for c in cuts if c <= len(content)})
     bounds = [0, *points, len(content)]
-    chunks = [content[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    chunks = [content[a:b] for a, b in itertools.pairwise(bounds)]
     assert encode_chunks(chunks) == reference(content)
 
 
