@@ -1,4 +1,4 @@
-"""`sluice sink` (and, with the SMTP edges, `serve` and `demo`)."""
+"""`sluice serve`, `sluice demo` and `sluice sink`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import signal
 import time
 from typing import Any
 
-from sluice.cli import CommandError
+from sluice.cli import CommandError, load
 from sluice.sink import Behaviour, Sink, parse_behaviour
 
 
 def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="receive, queue and deliver mail (the MTA)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("sink", help="run a programmable SMTP sink (a test next hop)")
     p.add_argument("--listen", default="127.0.0.1:2526", help="address:port (default %(default)s)")
     p.add_argument("--default", default="accept", metavar="BEHAVIOUR",
@@ -27,6 +32,20 @@ def register(sub: Any) -> None:
     p.add_argument("--report", type=float, default=5.0, metavar="SECONDS",
                    help="print counts this often (0: never)")
     p.set_defaults(func=cmd_sink)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sluice.runtime.serve import ServeError, serve
+    from sluice.scheduler import PolicyError
+    from sluice.smtpd import ReceiverError
+
+    cfg = load(args)
+    try:
+        return serve(cfg, log_level=args.log_level)
+    except PolicyError as exc:
+        raise CommandError(f"policy error: {exc}", status=2) from None
+    except (ServeError, ReceiverError) as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _behaviours(args: argparse.Namespace) -> dict[str, Behaviour]:
