@@ -14,7 +14,7 @@ from sluice.config import Config
 from sluice.store import Store, open_store
 from tests.conftest import make_config
 
-FLAVOURS: list[str] = ["sqlite", "kv"]
+FLAVOURS: list[str] = ["sqlite", "fs", "kv"]
 
 
 def flavour_sections(flavour: str, tmp: Path) -> dict[str, dict[str, Any]]:
