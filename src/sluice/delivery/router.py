@@ -49,9 +49,15 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-from sluice.config import DeliveryConfig
+from sluice.config import Config, ConfigError, DeliveryConfig
 from sluice.delivery.resolver import NO_RECORDS, Addresses, DnsFailure, MxRecords, Resolver
-from sluice.delivery.transport import Gateway, Service, TransportEntry, TransportMap
+from sluice.delivery.transport import (
+    Gateway,
+    Service,
+    TransportEntry,
+    TransportMap,
+    TransportMapError,
+)
 from sluice.model import PermFail, Reply, TempFail
 from sluice.scheduler.events import Transport
 
@@ -102,6 +108,17 @@ Routing = NextHop | TempFail | PermFail
 
 class Router:
     """Routes domains to next hops; one per process, shared by all deliveries."""
+
+    @classmethod
+    def from_config(cls, config: Config, *, rng: random.Random | None = None) -> Router:
+        """The router for ``config``; ConfigError names the bad key."""
+        try:
+            return cls(config.delivery, rng=rng)
+        except TransportMapError as exc:
+            raise ConfigError(config.source, "delivery.transport", str(exc)) from None
+        except ValueError as exc:
+            raise ConfigError(config.source, "delivery.resolver.nameservers",
+                              str(exc)) from None
 
     def __init__(self, config: DeliveryConfig, *, rng: random.Random | None = None) -> None:
         self.config = config
