@@ -45,6 +45,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Callable, Sequence
@@ -214,7 +215,8 @@ class Receiver:
         except OSError as exc:
             await self._close_servers()
             where = f"{host or '*'}:{port}"
-            raise ReceiverError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ReceiverError(f"cannot listen on {where}: {reason}") from None
         log.info("receiving on %s", ", ".join(f"{h}:{p}" for h, p in self.addresses))
 
     @property

@@ -126,7 +126,7 @@ _ENHANCED = {
     b"504": b"5.5.4", b"530": b"5.7.0", b"535": b"5.7.8", b"538": b"5.7.11",
     b"552": b"5.3.4", b"553": b"5.1.3", b"554": b"5.7.0", b"555": b"5.5.4",
 }
-_ENHANCED_RE = re.compile(rb"^[245]\.\d{1,3}\.\d{1,3}(?: |$)")
+_ENHANCED_RE = re.compile(rb"[245]\.\d{1,3}\.\d{1,3}(?: |$)")
 _UNCODED = frozenset((b"220", b"334", b"354"))
 
 # Envelope syntax.  Addresses are parsed here rather than with aiosmtpd's

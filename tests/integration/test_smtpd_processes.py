@@ -1,0 +1,194 @@
+"""Receivers in their own processes: two sharing a port, failures to start, SIGTERM, a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import smtplib
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from sluice.config import load_config
+from sluice.model import Selector
+from sluice.queue import Queue
+from sluice.smtpd import ReceiverError, ReceiverPool
+from tests.conftest import write_config
+from tests.integration.test_smtpd import HOST, Raw
+
+pytestmark = pytest.mark.integration
+
+SMTP_SOURCE = shutil.which("smtp-source") or "/usr/sbin/smtp-source"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_processes_share_the_port_and_stop_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    cfg_path = write_config(tmp_path, smtpd={"listen": [f"{HOST}:{port}"],
+                                             "max_connections_per_client": 200})
+    pool = ReceiverPool(cfg_path, 2)
+    try:
+        assert pool.start() == [(HOST, port)]
+        assert len(set(pool.pids)) == 2
+        out = subprocess.run([SMTP_SOURCE, "-s", "20", "-m", "600", "-l", "256", "-f",
+                              "s@x.test", "-t", "r@y.test", f"{HOST}:{port}"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        busy = Raw(port)  # a transaction in DATA when SIGTERM comes
+        busy.reply()
+        busy.sendall(b"EHLO b.test\r\nMAIL FROM:<a@x.test>\r\nRCPT TO:<last@y.test>\r\nDATA\r\n")
+        assert [busy.reply()[:3] for _ in range(4)] == ["250", "250", "250", "354"]
+        codes: list[int | None] = []
+        stopper = threading.Thread(target=lambda: codes.extend(pool.stop(grace_s=20)))
+        stopper.start()
+        busy.sendall(b"Subject: last\r\n\r\nstill ours\r\n.\r\n")
+        assert busy.reply().startswith("250 2.0.0 Ok: queued as ")
+        assert busy.reply().startswith("421 4.3.2")
+        busy.close()
+        stopper.join(30)
+        assert codes == [0, 0]
+    finally:
+        if pool.pids:
+            pool.stop(grace_s=5)
+    with Queue.open(load_config(cfg_path)) as queue:
+        entries = list(queue.store.entries(Selector()))
+        assert len(entries) == 601
+        # The Received id starts with the receiving process's prefix: both took mail.
+        prefixes = set()
+        for entry in entries:
+            with queue.store.open_content(entry.spid) as f:
+                head = f.read(300)
+            match = re.search(rb"with E?SMTP id ([0-9A-F]{8})\.", head)
+            assert match is not None
+            prefixes.add(match.group(1))
+        assert len(prefixes) == 2
+
+
+def test_a_receiver_that_cannot_start_says_why(tmp_path: Path) -> None:
+    port = free_port()
+    blocker = socket.socket()
+    blocker.bind((HOST, port))  # no SO_REUSEPORT: nobody else may bind it
+    blocker.listen()
+    try:
+        cfg_path = write_config(tmp_path, smtpd={"listen": [f"{HOST}:{port}"]})
+        with pytest.raises(ReceiverError, match=rf"cannot listen on {HOST}:{port}: "
+                                                r"Address already in use"):
+            ReceiverPool(cfg_path, 2).start()
+    finally:
+        blocker.close()
+    (tmp_path / "bad").mkdir()
+    bad = write_config(tmp_path / "bad", smtpd={"listen": [f"{HOST}:{port}"],
+                                                "tls": {"cert": str(tmp_path / "none.pem"),
+                                                        "key": str(tmp_path / "none.key")}})
+    with pytest.raises(ReceiverError, match=r"smtpd\.tls\.cert: cannot load"):
+        ReceiverPool(bad, 1).start()
+
+
+FULL_DISK_CHILD = textwrap.dedent('''
+    """Runs in a private mount namespace with the queue on a small tmpfs."""
+    import asyncio, json, os, subprocess, sys
+    from sluice.config import config_from_dict
+    from sluice.queue import Queue
+    from sluice.smtpd import Receiver
+
+    root, port = sys.argv[1], int(sys.argv[2])
+    small = os.path.join(root, "small")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", small], check=True)
+    cfg = config_from_dict({
+        "node": {"hostname": "mx.sluice.test"},
+        "queue": {"path": small + "/queue", "spool": {"rootpath": small + "/spool",
+                                                       "partitiondepth": 0}},
+        "accounting": {"path": root + "/log"},
+        "smtpd": {"listen": [f"127.0.0.1:{port}"]},
+    })
+    queue = Queue.open(cfg)
+    filler = os.path.join(small, "filler")
+
+    def fill():
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        for size in (1 << 16, 4096, 512, 1):
+            try:
+                while True:
+                    os.write(fd, b"x" * size)
+            except OSError:
+                pass
+        os.close(fd)
+
+    async def main():
+        receiver = Receiver.from_config(cfg, queue)
+        await receiver.start()
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            command = line.strip()
+            if command == "fill":
+                await loop.run_in_executor(None, fill)
+            elif command == "free":
+                os.unlink(filler)
+            elif command == "quit":
+                break
+            print(command, "done", flush=True)
+        await receiver.stop()
+
+    print("ready", flush=True)
+    asyncio.run(main())
+    spool = [n for n in os.listdir(small + "/spool") if n.endswith(".msg")]
+    print(json.dumps({"messages": queue.store.count().messages, "spool_files": len(spool)}))
+    queue.close()
+''')
+
+
+def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path) -> None:
+    # The queue lives on a 2 MB tmpfs mounted in a private mount namespace of
+    # a child process (we are root here and in CI); the network is shared.
+    (tmp_path / "small").mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(FULL_DISK_CHILD)
+    port = free_port()
+    with subprocess.Popen(["unshare", "-m", "--propagation", "private", sys.executable,
+                           str(script), str(tmp_path), str(port)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+        stdin, stdout = child.stdin, child.stdout
+        assert stdin is not None
+        assert stdout is not None
+
+        def command(text: str) -> None:
+            stdin.write(text + "\n")
+            stdin.flush()
+            assert stdout.readline().strip() == f"{text} done"
+
+        try:
+            assert stdout.readline().strip() == "ready"
+            message = b"Subject: disk\r\n\r\n" + b"0123456789abcdef" * 8 + b"\r\n" * 8
+            command("fill")
+            with smtplib.SMTP(HOST, port, local_hostname="c.test", timeout=20) as c:
+                c.ehlo()
+                c.mail("a@x.test")
+                c.rcpt("b@y.test")
+                code, text = c.data(message)
+                assert (code, text[:5]) == (451, b"4.3.0")
+                command("free")  # room again: the same client succeeds
+                c.mail("a@x.test")
+                c.rcpt("b@y.test")
+                code, text = c.data(message)
+                assert (code, text[:9]) == (250, b"2.0.0 Ok:")
+            stdin.write("quit\n")
+            stdin.flush()
+            result = json.loads(stdout.readline())
+            assert child.wait(30) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert result == {"messages": 1, "spool_files": 1}  # nothing left of the refused one
+    assert not os.path.ismount(tmp_path / "small")  # the mount stayed in its namespace
