@@ -1,0 +1,228 @@
+"""`sluice serve` end to end against real peers on loopback.
+
+Clients: Python's smtplib, swaks and Postfix's smtp-source.  Next hops:
+the programmable sink (aiosmtpd) and Postfix's smtp-sink.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import email
+import email.policy
+import json
+import os
+import shutil
+import smtplib
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice.sink import Behaviour, Sink
+from tests.integration.serving import free_port, serving, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def sink() -> Iterator[tuple[Sink, int]]:
+    s = Sink({"grey.example": Behaviour("greylist"), "bad.example": Behaviour("reject")},
+             keep=True)
+    port = s.start_in_thread()
+    yield s, port
+    s.stop_thread()
+
+
+def relay_to(port: int) -> dict[str, object]:
+    return {"transport": {"*": f"smtp:[127.0.0.1]:{port}"}}
+
+
+def send(port: int, sender: str, rcpts: list[str], data: bytes, **kw: object) -> None:
+    with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", **kw) as c:  # type: ignore[arg-type]
+        c.sendmail(sender, rcpts, data)
+
+
+def test_byte_exact_round_trip(tmp_path: Path, sink: tuple[Sink, int]) -> None:
+    s, sport = sink
+    body = (
+        "From: Zoë <zoe@sender.example>\r\n"
+        "To: bob@ok.example\r\n"
+        "Subject: =?utf-8?q?Gr=C3=BC=C3=9Fe?= und Grüße\r\n"
+        "\r\n"
+        ".leading dot\r\n"
+        "..two dots\r\n"
+        ".\r\n"
+        "a line of 990 characters: " + "x" * 964 + "\r\n"
+        "8-bit: \xe9t\xe9, ünïcödé ✓\r\n"
+        "last line without a newline"
+    ).encode("utf-8")
+    with serving(tmp_path, delivery=relay_to(sport)) as srv:
+        with smtplib.SMTP("127.0.0.1", srv.port, local_hostname="client.test") as c:
+            c.sendmail("zoe@sender.example", ["bob@ok.example"], body,
+                       mail_options=["SMTPUTF8", "BODY=8BITMIME"])
+        assert wait_until(lambda: s.snapshot().total_delivered == 1, 20)
+    (msg,) = s.messages
+    assert msg.data.startswith(b"Received: from client.test ([127.0.0.1])")
+    # smtplib adds the final CRLF a message must end with; nothing else changes.
+    assert msg.data.endswith(body + b"\r\n")
+    header_end = msg.data.index(b"\r\n\r\n")
+    assert msg.data[header_end:] == body[body.index(b"\r\n\r\n"):] + b"\r\n"
+
+
+def test_greylisting_then_delivery_and_bounce_with_ndr(tmp_path: Path,
+                                                       sink: tuple[Sink, int]) -> None:
+    s, sport = sink
+    with serving(tmp_path, delivery=relay_to(sport)) as srv:
+        msg = b"Subject: hello\r\n\r\nbody\r\n"
+        send(srv.port, "alice@sender.example", ["a@ok.example", "b@grey.example"], msg)
+        send(srv.port, "alice@sender.example", ["c@bad.example"], msg)
+        assert wait_until(lambda: s.snapshot().delivered["grey.example"] == 1, 30)
+        assert wait_until(lambda: s.snapshot().delivered["sender.example"] == 1, 30)
+        assert wait_until(lambda: srv.recipients_left() == 0, 30)
+    snap = s.snapshot()
+    assert snap.replies[("grey.example", 451)] == 1  # refused once, delivered on retry
+    assert snap.delivered["ok.example"] == 1
+    ndr = next(m for m in s.messages if m.recipients == ("alice@sender.example",))
+    assert ndr.sender == "<>"
+    report = email.message_from_bytes(ndr.data, policy=email.policy.default)
+    assert report.get_content_type() == "multipart/report"
+    status = list(report.iter_parts())[1].get_payload()[1]
+    assert status["Final-Recipient"] == "rfc822; c@bad.example"
+    assert status["Status"] == "5.1.1"
+    assert "no such user" in status["Diagnostic-Code"]
+    events = [json.loads(line)["event"] for f in sorted((tmp_path / "log").glob("*.jsonl"))
+              for line in f.read_text().splitlines()]
+    for kind in ("received", "delivered", "deferred", "bounced", "ndr"):
+        assert kind in events
+
+
+def test_a_slow_destination_does_not_delay_a_fast_one(tmp_path: Path) -> None:
+    slow = Sink(default=Behaviour("slow", seconds=1.0))
+    fast = Sink()
+    slow_port, fast_port = slow.start_in_thread(), fast.start_in_thread()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("- fields:\n  - recipientdomain\n  concurrency: 2\n")
+    try:
+        with serving(tmp_path, scheduler={"policy": str(policy)},
+                     delivery={"transport": {"slow.example": f"smtp:[127.0.0.1]:{slow_port}",
+                                             "fast.example": f"smtp:[127.0.0.1]:{fast_port}"}}
+                     ) as srv:
+            msg = b"Subject: x\r\n\r\nbody\r\n"
+            t0 = time.monotonic()
+            for i in range(20):
+                send(srv.port, "s@sender.example", [f"u{i}@slow.example"], msg)
+                send(srv.port, "s@sender.example", [f"u{i}@fast.example"], msg)
+            assert wait_until(lambda: fast.snapshot().total_delivered == 20, 30)
+            fast_done = time.monotonic() - t0
+            slow_so_far = slow.snapshot().total_delivered
+            assert wait_until(lambda: slow.snapshot().total_delivered == 20, 60)
+            slow_done = time.monotonic() - t0
+        # 20 slow messages, 2 at a time, 1 s each: about 10 s.  The fast
+        # ones do not wait for them.
+        assert slow_so_far < 20
+        assert fast_done < slow_done / 2, (fast_done, slow_done)
+        assert slow.snapshot().peak_connections <= 2
+    finally:
+        slow.stop_thread()
+        fast.stop_thread()
+
+
+def test_the_sink_never_sees_more_connections_than_the_policy_allows(tmp_path: Path) -> None:
+    s = Sink(default=Behaviour("slow", seconds=0.2))
+    sport = s.start_in_thread()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "- fields:\n    - recipientdomain\n  if:\n    recipientdomain: limited.example\n"
+        "    concurrency: 3\n  concurrency: 10\n")
+    try:
+        with serving(tmp_path, scheduler={"policy": str(policy)},
+                     delivery=relay_to(sport)) as srv:
+            msg = b"Subject: x\r\n\r\nbody\r\n"
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda i: send(srv.port, "s@sender.example",
+                                             [f"u{i}@limited.example"], msg), range(40)))
+            assert wait_until(lambda: s.snapshot().total_delivered == 40, 60)
+        snap = s.snapshot()
+        assert snap.peak_connections <= 3
+        assert snap.peak_by_domain["limited.example"] <= 3
+        assert snap.peak_connections >= 2  # it did go in parallel (slow start begins at 2)
+    finally:
+        s.stop_thread()
+
+
+def test_rate_limits_hold_at_the_sink(tmp_path: Path) -> None:
+    s = Sink()
+    sport = s.start_in_thread()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("- fields:\n  - recipientdomain\n  rate: 5/1\n")
+    try:
+        with serving(tmp_path, scheduler={"policy": str(policy)},
+                     delivery=relay_to(sport)) as srv:
+            msg = b"Subject: x\r\n\r\nbody\r\n"
+            for i in range(20):
+                send(srv.port, "s@sender.example", [f"u{i}@rated.example"], msg)
+            assert wait_until(lambda: s.snapshot().total_delivered == 20, 60)
+        times = sorted(s.snapshot().accepted_at["rated.example"])
+        # No window of (1 s less 50 ms delivery jitter) holds more than 5.
+        for i, t in enumerate(times):
+            within = sum(1 for u in times[i:] if u - t < 0.95)
+            assert within <= 5, (i, times)
+        assert times[-1] - times[0] >= 2.9  # 20 at 5 a second: at least three windows on
+    finally:
+        s.stop_thread()
+
+
+def test_relay_is_denied_to_an_outsider(tmp_path: Path, sink: tuple[Sink, int]) -> None:
+    s, sport = sink
+    with serving(tmp_path, delivery=relay_to(sport),
+                 smtpd={"mynetworks": ["127.0.0.1/32"], "relay_domains": ["local.example"]}
+                 ) as srv:
+        with smtplib.SMTP("127.0.0.1", srv.port, local_hostname="outsider.test",
+                          source_address=("127.0.0.2", 0)) as c:
+            with pytest.raises(smtplib.SMTPRecipientsRefused) as info:
+                c.sendmail("x@outsider.test", ["victim@elsewhere.example"], b"Subject: x\r\n\r\n")
+            code, text = info.value.recipients["victim@elsewhere.example"]
+            assert code == 554 and b"5.7.1" in text
+            # but mail for our own domain is taken from anyone
+            c.sendmail("x@outsider.test", ["postmaster@local.example"], b"Subject: x\r\n\r\nhi\r\n")
+        assert wait_until(lambda: s.snapshot().delivered["local.example"] == 1, 20)
+        assert s.snapshot().delivered["elsewhere.example"] == 0
+
+
+@pytest.mark.skipif(shutil.which("swaks") is None, reason="swaks is installed by scripts/setup")
+def test_swaks_client(tmp_path: Path, sink: tuple[Sink, int]) -> None:
+    s, sport = sink
+    with serving(tmp_path, delivery=relay_to(sport)) as srv:
+        proc = subprocess.run(
+            ["swaks", "--server", f"127.0.0.1:{srv.port}", "--from", "a@sender.example",
+             "--to", "b@ok.example,c@ok.example", "--helo", "swaks.test", "--pipeline"],
+            capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "250 2.0.0" in proc.stdout
+        assert wait_until(lambda: s.snapshot().delivered["ok.example"] == 2, 20)
+    assert s.messages[0].recipients == ("b@ok.example", "c@ok.example")  # one transaction
+
+
+def test_smtp_source_load_through_two_receivers_to_smtp_sink(tmp_path: Path) -> None:
+    sink_port = free_port()
+    as_user = ["-u", "nobody"] if os.geteuid() == 0 else []  # smtp-sink refuses root
+    sink = subprocess.Popen(["smtp-sink", *as_user, f"127.0.0.1:{sink_port}", "100"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        with serving(tmp_path, delivery=relay_to(sink_port), smtpd={"processes": 2}) as srv:
+            proc = subprocess.run(
+                ["smtp-source", "-s", "10", "-m", "300", "-l", "1024", "-c",
+                 "-f", "load@sender.example", "-t", "rcpt@d1.example",
+                 f"127.0.0.1:{srv.port}"], capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert wait_until(lambda: srv.recipients_left() == 0, 60)
+            lines = [json.loads(line) for f in (tmp_path / "log").glob("*.jsonl")
+                     for line in f.read_text().splitlines()]
+        assert sum(1 for e in lines if e["event"] == "received") == 300
+        assert sum(1 for e in lines if e["event"] == "delivered") == 300
+    finally:
+        sink.terminate()
+        sink.wait()
