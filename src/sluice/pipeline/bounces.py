@@ -37,10 +37,17 @@ __all__ = ["bounce_summary", "classify_failures"]
 def classify_failures(events: DataFrame) -> DataFrame:
     """Failure events with category, hard and reason (CLASSIFIED_SCHEMA)."""
     failures = events.where(F.col("event").isin(*FAILURE_EVENTS))
-    category = X.category(F.col("event"), F.col("enhanced"), F.col("response"))
-    out = failures.withColumn("category", category)
+    masked = X.with_masked(failures, "response", "_masked").withColumn(
+        "_enh", F.coalesce(F.col("enhanced"), F.lit(""))
+    )
+    # The rules run once per distinct (event, code, masked text), not per row:
+    # a day's millions of failures have a few thousand distinct reasons.
+    keys = masked.select("event", "_enh", "_masked").distinct()
+    keyed = keys.withColumn("category", X.category(F.col("event"), F.col("_enh"),
+                                                   F.col("_masked")))
+    out = masked.join(keyed, ["event", "_enh", "_masked"], "left")
     out = out.withColumn("hard", X.hard(F.col("event"), F.col("category")))
-    out = out.withColumn("reason", X.reason(F.col("code"), F.col("enhanced"), F.col("response")))
+    out = out.withColumn("reason", X.reason(F.col("code"), F.col("enhanced"), F.col("_masked")))
     return out.select(*CLASSIFIED_SCHEMA.fieldNames())
 
 

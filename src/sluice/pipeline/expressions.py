@@ -1,9 +1,9 @@
 """Expressions: the rules of sluice.pipeline.rules as Spark columns.
 
 SUMMARY
-    masked(text) -> Column              rules.mask() as regexp_replace calls
-    reason(code, enhanced, text) -> Column   "550 5.1.1 <addr>... user unknown"
-    category(event, enhanced, text) -> Column
+    with_masked(df, source, target) -> DataFrame   rules.mask() as regexp_replace steps
+    reason(code, enhanced, masked) -> Column  "550 5.1.1 <addr>... user unknown"
+    category(event, enhanced, masked) -> Column
     hard(event, category) -> Column
     throttle(code, enhanced, text) -> Column   rules.throttle_kind()
     mx_group(host) -> Column            rules.mx_group()'s id
@@ -20,29 +20,40 @@ SEE ALSO
 
 from __future__ import annotations
 
-from pyspark.sql import Column
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sluice.pipeline import rules
 
-__all__ = ["category", "hard", "masked", "mx_group", "reason", "throttle"]
+__all__ = ["category", "hard", "mx_group", "reason", "throttle", "with_masked"]
 
 
-def masked(text: Column) -> Column:
-    out = F.coalesce(text, F.lit(""))
-    for pattern, replacement in rules.MASK_RULES:
-        out = F.regexp_replace(out, pattern, replacement)
-    return F.substring(F.trim(out), 1, rules.MASK_MAX)
+def with_masked(df: DataFrame, source: str, target: str) -> DataFrame:
+    """df with ``target`` = rules.mask(``source``).
+
+    One column step per rule, each guarded by its cheap substring test; a
+    nested Column expression would repeat the previous steps in every
+    guard and grow with 2**rules.
+    """
+    out = df.withColumn(target, F.coalesce(F.col(source), F.lit("")))
+    for pattern, replacement, guard in rules.MASK_RULES:
+        step = F.regexp_replace(F.col(target), pattern, replacement)
+        if guard:
+            present = F.col(target).contains(guard[0])
+            for extra in guard[1:]:
+                present = present | F.col(target).contains(extra)
+            step = F.when(present, step).otherwise(F.col(target))
+        out = out.withColumn(target, step)
+    return out.withColumn(target, F.substring(F.trim(F.col(target)), 1, rules.MASK_MAX))
 
 
-def reason(code: Column, enhanced: Column, text: Column) -> Column:
+def reason(code: Column, enhanced: Column, masked_text: Column) -> Column:
     """Code, enhanced code and masked text: the key equal failures share."""
-    body = masked(text)
     return F.concat_ws(
         " ",
         code.cast("string"),
         F.when(enhanced != "", enhanced),
-        F.when(body != "", body),
+        F.when(masked_text != "", masked_text),
     )
 
 

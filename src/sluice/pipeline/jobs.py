@@ -111,6 +111,8 @@ class Source:
     paths: list[str]
     events: DataFrame
     until: datetime | None = None
+    #: classify_failures(events), when several jobs need it
+    classified: DataFrame | None = None
 
 
 def open_source(
@@ -142,7 +144,8 @@ def report_job(
     events = source.events
     step("report: outcomes")
     outcome_rows = outcomes(events).persist(StorageLevel.MEMORY_AND_DISK)
-    reason_rows = reasons(events).persist(StorageLevel.MEMORY_AND_DISK)
+    failures = source.classified if source.classified is not None else events
+    reason_rows = reasons(failures).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         written: dict[str, str] = {}
         tables = {
@@ -188,8 +191,9 @@ def bounces_job(source: Source, output: str, *, step: Step = _no_step) -> JobRes
     """Bounce classification from events already read (see run_jobs)."""
     started = time.monotonic()
     step("bounces: classifying")
-    classified = source.events.transform(classify_failures).persist(
-        StorageLevel.MEMORY_AND_DISK
+    shared = source.classified is not None
+    classified = source.classified if source.classified is not None else (
+        source.events.transform(classify_failures).persist(StorageLevel.MEMORY_AND_DISK)
     )
     try:
         written: dict[str, str] = {}
@@ -203,7 +207,8 @@ def bounces_job(source: Source, output: str, *, step: Step = _no_step) -> JobRes
         )
         summary.unpersist()
     finally:
-        classified.unpersist()
+        if not shared:
+            classified.unpersist()
     counts: dict[str, Any] = {
         f"{r['category']}{' (hard)' if r['hard'] else ''}": r["count"] for r in by_category
     }
@@ -253,6 +258,7 @@ def suppress_job(
         soft_days=soft_days,
         soft_ttl_days=soft_ttl_days,
         until=source.until,
+        classified=source.classified,
     ).persist(StorageLevel.MEMORY_AND_DISK)
     written: dict[str, str] = {}
     _tables(written, "suppression", load.write_table(found, output, "suppression"))
@@ -379,8 +385,12 @@ def run_jobs(
     source = open_source(spark, inputs, since, until)
     shared = list(names) != ["bounces"]
     if shared:
-        source = Source(source.paths, source.events.persist(StorageLevel.MEMORY_AND_DISK),
-                        until)
+        events = source.events.persist(StorageLevel.MEMORY_AND_DISK)
+        classified = None
+        if len({"report", "bounces", "suppress"} & set(names)) > 1:
+            # Masking and classifying is the costly part after parsing.
+            classified = classify_failures(events).persist(StorageLevel.MEMORY_AND_DISK)
+        source = Source(source.paths, events, until, classified)
     try:
         results = []
         for name in JOBS:
@@ -389,6 +399,8 @@ def run_jobs(
                 results.append(JOBS[name](source, output, step=step, **opts))
         return results
     finally:
+        if source.classified is not None:
+            source.classified.unpersist()
         if shared:
             source.events.unpersist()
 

@@ -153,14 +153,18 @@ def level(outcome_rows: DataFrame, which: Level) -> DataFrame:
 
 
 def reasons(events: DataFrame) -> DataFrame:
-    """EVENT_SCHEMA -> event, domain, reason, count, example (failures only)."""
+    """EVENT_SCHEMA (or CLASSIFIED_SCHEMA) -> event, domain, reason, count, example.
+
+    Failures only.  Classified events already carry their reason; plain
+    events are masked here.
+    """
     failures = events.where(F.col("event").isin("deferred", "bounced", "expired"))
-    return (
-        failures.withColumn(
-            "reason", X.reason(F.col("code"), F.col("enhanced"), F.col("response"))
+    if "reason" not in failures.columns:
+        failures = X.with_masked(failures, "response", "_masked").withColumn(
+            "reason", X.reason(F.col("code"), F.col("enhanced"), F.col("_masked"))
         )
-        .groupBy("event", "domain", "reason")
-        .agg(F.count(F.lit(1)).alias("count"), F.min("response").alias("example"))
+    return failures.groupBy("event", "domain", "reason").agg(
+        F.count(F.lit(1)).alias("count"), F.min("response").alias("example")
     )
 
 

@@ -18,6 +18,11 @@ DESCRIPTION
     ``\\b``, lookahead, ``(?i)``.
 
 STRATEGIES
+    Masked text.  Categories are decided on the reply text after masking,
+    so that addresses and URLs in a reply do not decide them, and so that
+    the Spark side classifies each distinct masked reason once instead of
+    every row.
+
     Text first, then the code.  A reply's enhanced status code (RFC 3463)
     is often generic -- most blocks come as 5.7.1 whatever the reason -- so
     specific wording ("blocked using zen.spamhaus.org", "relay access
@@ -231,8 +236,13 @@ def _search(pattern: str, text: str) -> bool:
 def classify(
     event: str, code: int | None, enhanced: str | None, text: str | None
 ) -> tuple[BounceCategory, bool]:
-    """The category of a failure and whether it is hard (reference version)."""
-    reply_text = text or ""
+    """The category of a failure and whether it is hard (reference version).
+
+    The rules see the masked text (see mask()): an address or a URL in a
+    reply never decides its category ("<spam.lover@example.com>: user
+    unknown" is a bad mailbox), and equal reasons get equal categories.
+    """
+    reply_text = mask(text)
     status = enhanced or ""
     category = BounceCategory.OTHER
     for rule in BOUNCE_RULES:
@@ -251,16 +261,18 @@ def classify(
 # --------------------------------------------------------------------------
 # Masking.
 
-#: (pattern, replacement), applied in order.
-MASK_RULES: tuple[tuple[str, str], ...] = (
-    (r"(?i)\b(https?://|www\.)[^\s<>()\"']+", "<url>"),
-    (r"<?[^\s<>@()\[\]\";:,]+@[^\s<>@()\[\]\";:,]+>?", "<addr>"),
-    (r"\[?(IPv6:)?(\d{1,3}\.){3}\d{1,3}\]?(:\d+)?", "<ip>"),
-    (r"(?i)\[?(IPv6:)?([0-9a-f]{1,4}:)+:([0-9a-f]{1,4}:?)*[0-9a-f]{0,4}\]?", "<ip>"),
-    (r"(?i)\[?(IPv6:)?([0-9a-f]{1,4}:){5,7}[0-9a-f]{1,4}\]?", "<ip>"),
-    (r"\b(?=[A-Za-z_-]*[0-9])(?=[0-9_-]*[A-Za-z])[A-Za-z0-9_-]{8,}\b", "<id>"),
-    (r"\d+([.,:/]\d+)*", "<n>"),
-    (r"\s+", " "),
+#: (pattern, replacement, guard), applied in order.  A rule with a guard
+#: runs only on texts that contain one of the guard's strings -- which any
+#: match needs anyway -- so most texts skip the costly patterns.
+MASK_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (r"\b(https?://|www\.)[^\s<>()\"']+", "<url>", ("://", "www.")),
+    (r"<?[^\s<>@()\[\]\";:,]+@[^\s<>@()\[\]\";:,]+>?", "<addr>", ("@",)),
+    (r"\[?(IPv6:)?(\d{1,3}\.){3}\d{1,3}\]?(:\d+)?", "<ip>", (".",)),
+    (r"(?i)\[?(IPv6:)?([0-9a-f]{1,4}:)+:([0-9a-f]{1,4}:?)*[0-9a-f]{0,4}\]?", "<ip>", ("::",)),
+    (r"(?i)\[?(IPv6:)?([0-9a-f]{1,4}:){5,7}[0-9a-f]{1,4}\]?", "<ip>", (":",)),
+    (r"\b(?=[A-Za-z_-]*[0-9])(?=[0-9_-]*[A-Za-z])[A-Za-z0-9_-]{8,}\b", "<id>", ()),
+    (r"\d+([.,:/]\d+)*", "<n>", ()),
+    (r"\s+", " ", ()),
 )
 
 #: Longest masked reason kept; the rest adds nothing to grouping.
@@ -270,8 +282,9 @@ MASK_MAX = 200
 def mask(text: str | None) -> str:
     """The reply text with its variable parts masked (reference version)."""
     out = text or ""
-    for pattern, replacement in MASK_RULES:
-        out = re.sub(pattern, replacement, out)
+    for pattern, replacement, guard in MASK_RULES:
+        if not guard or any(g in out for g in guard):
+            out = re.sub(pattern, replacement, out)
     return out.strip()[:MASK_MAX]
 
 

@@ -2,7 +2,7 @@
 
 SUMMARY
     suppressions(events, soft_count=5, soft_days=7.0, soft_ttl_days=30.0,
-                 until=None) -> DataFrame (SUPPRESSION_SCHEMA)
+                 until=None, classified=None) -> DataFrame (SUPPRESSION_SCHEMA)
     last_delivered(events) -> DataFrame (address, delivered_at)
 
 DESCRIPTION
@@ -42,7 +42,7 @@ from datetime import datetime
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from sluice.pipeline import expressions as X
+from sluice.pipeline.bounces import classify_failures
 from sluice.pipeline.events import utc_instant
 from sluice.pipeline.schema import SUPPRESSION_SCHEMA
 
@@ -73,19 +73,28 @@ def suppressions(
     soft_days: float = 7.0,
     soft_ttl_days: float = 30.0,
     until: datetime | None = None,
+    classified: DataFrame | None = None,
 ) -> DataFrame:
-    """EVENT_SCHEMA -> SUPPRESSION_SCHEMA, one row per suppressed address."""
+    """EVENT_SCHEMA -> SUPPRESSION_SCHEMA, one row per suppressed address.
+
+    ``classified`` may hand in classify_failures(events) when it has been
+    computed already; it is derived from ``events`` otherwise.
+    """
     if soft_count < 1:
         raise ValueError("soft_count must be at least 1")
     if soft_days <= 0:
         raise ValueError("soft_days must be greater than 0")
-    outcomes = events.where(F.col("event").isin("delivered", "bounced", "expired"))
+    if classified is None:
+        classified = classify_failures(events.where(F.col("event").isin("bounced", "expired")))
+    failed = classified.where(F.col("event").isin("bounced", "expired")).drop("reason")
+    delivered = (
+        events.where(F.col("event") == "delivered")
+        .withColumn("category", F.lit(None).cast("string"))
+        .withColumn("hard", F.lit(False))
+    )
+    outcomes = delivered.unionByName(failed)
     outcomes = outcomes.withColumn("address", address(F.col("recipient")))
     outcomes = outcomes.where(F.col("address").contains("@"))
-    category = X.category(F.col("event"), F.col("enhanced"), F.col("response"))
-    outcomes = outcomes.withColumn(
-        "category", F.when(F.col("event") != "delivered", category)
-    ).withColumn("hard", X.hard(F.col("event"), F.col("category")))
 
     if until is None:
         bound = outcomes.agg(F.max("time").alias("_until"))
