@@ -43,6 +43,8 @@ def dns() -> Iterator[AuthoritativeDns]:
         z.servfail.add("broken.example.test")
         z.servfail.add("servfail.example.test")
         z.silent.add("silent.example.test")
+        # One MX fails for now, the other works.
+        z.add("partial.example.test", "MX", "10 broken.example.test.", "20 mx-b.example.test.")
         # One MX good, one missing: skip the missing one.
         z.add("half.example.test", "MX", "10 gone.example.test.", "20 mx-a.example.test.")
         # Short TTL for the cache test.
@@ -166,6 +168,15 @@ def test_answers_are_cached_for_their_ttl(dns: AuthoritativeDns) -> None:
     assert dns.count("nowhere2.example.test", "MX") == before_nx + 1
 
 
+def test_a_host_that_failed_for_now_is_asked_again(dns: AuthoritativeDns) -> None:
+    r = router(dns)
+    before = dns.count("broken.example.test", "A")
+    for _ in range(2):
+        hop = run(r.route("partial.example.test"))
+        assert isinstance(hop, NextHop) and [h.name for h in hop.hosts] == ["mx-b.example.test"]
+    assert dns.count("broken.example.test", "A") == before + 2
+
+
 def test_servfail_is_not_cached(dns: AuthoritativeDns) -> None:
     r = router(dns)
     before = dns.count("servfail.example.test", "MX")
@@ -180,6 +191,7 @@ def test_cache_size_bounds_the_cache(dns: AuthoritativeDns) -> None:
         run(r.route(name))
     cache = r.resolver.cache
     assert cache is not None and len(cache.data) <= 2
+    assert len(r._cache.data) <= 2
     assert router(dns, resolver={"cache_size": 0}).resolver.cache is None
 
 

@@ -71,17 +71,18 @@ class DnsFailure:
 class MxRecords:
     """MX records as (preference, exchange) with the exchange lower case, no final dot.
 
-    A null MX (RFC 7505) appears as the exchange "".
+    A null MX (RFC 7505) appears as the exchange "".  ``expires_at``: when
+    the answer's TTL runs out (POSIX time).
     """
 
     records: tuple[tuple[int, str], ...]
-    ttl: int
+    expires_at: float
 
 
 @dataclass(frozen=True, slots=True)
 class Addresses:
     ips: tuple[str, ...]
-    ttl: int
+    expires_at: float
 
 
 _TYPE = {"ipv4": dns.rdatatype.A, "ipv6": dns.rdatatype.AAAA}
@@ -145,7 +146,7 @@ class Resolver:
              if rr.exchange != dns.name.root else "")
             for rr in rrset
         )
-        return MxRecords(records, rrset.ttl)
+        return MxRecords(records, answer.expiration)
 
     async def addresses(self, name: str, families: Sequence[str]
                         ) -> Addresses | _NoRecords | DnsFailure:
@@ -156,7 +157,7 @@ class Resolver:
         (temporary before permanent: "try again" beats "no such host").
         """
         ips: list[str] = []
-        ttl: int | None = None
+        expires_at = float("inf")
         failures: list[DnsFailure] = []
         for family in families:
             answer = await self._query(name, _TYPE[family])
@@ -168,9 +169,9 @@ class Resolver:
             if answer is NO_RECORDS or answer.rrset is None:
                 continue
             ips.extend(rr.address for rr in answer.rrset)
-            ttl = answer.rrset.ttl if ttl is None else min(ttl, answer.rrset.ttl)
+            expires_at = min(expires_at, answer.expiration)
         if ips:
-            return Addresses(tuple(ips), ttl or 0)
+            return Addresses(tuple(ips), expires_at)
         if failures:
             temporary = [f for f in failures if not f.permanent]
             return (temporary or failures)[0]

@@ -34,6 +34,14 @@ STRATEGIES
     Parse once.  Transport map values are parsed when the router is built;
     a value that names IP literals yields a NextHop built once and shared.
 
+    Cache the resolved hosts.  A domain's MX hosts with their addresses are
+    kept until the shortest TTL among the records used (bounded, least
+    recently used out, by ``resolver.cache_size``), so a routed domain
+    costs a dictionary lookup and a shuffle, not seven resolver calls.  A
+    result in which some MX host failed only for now is not kept, so that
+    host is asked again on the next route.  Negative answers are left to
+    the resolver's own cache (sluice.delivery.resolver).
+
 INVARIANTS
     A NextHop has at least one host.  Its destination is the domain for
     DNS routes and the transport map value (``smtp:[192.0.2.1]:25``) for
@@ -47,6 +55,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from sluice.config import Config, ConfigError, DeliveryConfig
@@ -135,6 +145,7 @@ class Router:
             if hop is not None:
                 self._static[entry] = hop
         self._parsed: dict[str, TransportEntry] = {}
+        self._cache = _HostCache(config.resolver.cache_size)
 
     def _static_hop(self, entry: TransportEntry) -> NextHop | None:
         if entry.service not in (Service.SMTP, Service.LMTP) or not entry.gateways:
@@ -202,59 +213,124 @@ class Router:
             if isinstance(routed, NextHop):
                 return list(routed.hosts)
             return DnsFailure(isinstance(routed, PermFail), routed.reply.text)
-        got = await self.resolver.addresses(gw.host, self.families)
-        if isinstance(got, DnsFailure):
-            return got
-        if got is NO_RECORDS:
-            return DnsFailure(True, f"{gw.host}: host has no address record")
-        return [Host(gw.host, ip, port) for ip in got.ips]
+        key = f"[{gw.host}]"
+        levels = self._cache.get(key, time.time())
+        if levels is None:
+            got = await self.resolver.addresses(gw.host, self.families)
+            if isinstance(got, DnsFailure):
+                return got
+            if got is NO_RECORDS:
+                return DnsFailure(True, f"{gw.host}: host has no address record")
+            assert isinstance(got, Addresses)
+            levels = ((0, ((gw.host, got.ips),)),)
+            self._cache.put(key, got.expires_at, levels)
+        return self._hosts(levels, port)
 
     async def _route_mx(self, domain: str, destination: str, transport: Transport,
                         port: int) -> Routing:
+        levels = self._cache.get(domain, time.time())
+        if levels is None:
+            resolved = await self._resolve_mx(domain)
+            if not isinstance(resolved, tuple):
+                return resolved
+            levels, expires_at = resolved
+            self._cache.put(domain, expires_at, levels)
+        return NextHop(transport, tuple(self._hosts(levels, port)), destination)
+
+    async def _resolve_mx(self, domain: str) -> tuple[_Levels, float] | TempFail | PermFail:
+        """The domain's MX hosts with their addresses, grouped by preference,
+        and when that answer expires; or why there is none."""
         mx = await self.resolver.mx(domain)
         if isinstance(mx, DnsFailure):
             if mx.permanent:
                 return PermFail(Reply(550, "5.1.2", f"domain {domain} not found: {mx.reason}"))
             return TempFail(Reply(451, "4.4.3", f"DNS lookup of {domain} failed: {mx.reason}"))
         if mx is NO_RECORDS:
-            exchanges: list[tuple[int, str]] = [(0, domain)]  # implicit MX, RFC 5321 5.1
+            records: tuple[tuple[int, str], ...] = ((0, domain),)  # implicit MX, RFC 5321 5.1
+            expires_at = float("inf")
         else:
             assert isinstance(mx, MxRecords)
             if any(name == "" for _, name in mx.records):
                 code, enhanced = NULL_MX_REPLY_CODE
                 return PermFail(Reply(code, enhanced,
                                       f"domain {domain} accepts no mail (null MX, RFC 7505)"))
-            exchanges = self._order(mx.records)
-        lookups = await asyncio.gather(
-            *(self.resolver.addresses(name, self.families) for _, name in exchanges))
-        hosts: list[Host] = []
+            records = tuple(sorted(set(mx.records)))
+            expires_at = mx.expires_at
+        names = list(dict.fromkeys(name for _, name in records))
+        lookups = dict(zip(names, await asyncio.gather(
+            *(self.resolver.addresses(name, self.families) for name in names)), strict=True))
+        levels: dict[int, list[tuple[str, tuple[str, ...]]]] = {}
         failures: list[DnsFailure] = []
-        for (pref, name), got in zip(exchanges, lookups, strict=True):
+        placed: set[str] = set()
+        for pref, name in records:
+            got = lookups[name]
             if isinstance(got, DnsFailure):
                 failures.append(got)
             elif isinstance(got, Addresses):
-                hosts.extend(Host(name, ip, port, pref) for ip in got.ips)
+                if name not in placed:  # listed twice: keep the better preference
+                    placed.add(name)
+                    levels.setdefault(pref, []).append((name, got.ips))
+                    expires_at = min(expires_at, got.expires_at)
             else:
                 failures.append(DnsFailure(True, f"{name}: host has no address record"))
-        if hosts:
-            return NextHop(transport, tuple(hosts[: max(self.address_limit, 1)]), destination)
+        if levels:
+            if any(not f.permanent for f in failures):
+                # A host that failed for now must be tried again soon: don't
+                # let the cache hide it for the whole TTL.
+                expires_at = 0.0
+            return tuple((pref, tuple(hosts)) for pref, hosts in sorted(levels.items())), \
+                expires_at
         if mx is NO_RECORDS and all(f.permanent for f in failures):
             return PermFail(Reply(550, "5.1.2",
                                   f"domain {domain} has no MX and no address record"))
         return _lookup_failed(failures, f"MX hosts of {domain}")
 
-    def _order(self, records: tuple[tuple[int, str], ...]) -> list[tuple[int, str]]:
-        """By preference; equal preferences shuffled (RFC 5321 5.1)."""
-        shuffled = list(records)
-        self._rng.shuffle(shuffled)
-        shuffled.sort(key=lambda r: r[0])  # stable: the shuffle survives within a preference
-        seen: set[str] = set()
-        out = []
-        for pref, name in shuffled:
-            if name not in seen:
-                seen.add(name)
-                out.append((pref, name))
+    def _hosts(self, levels: _Levels, port: int) -> list[Host]:
+        """Hosts by preference; equal preferences in random order (RFC 5321 5.1);
+        at most mx_address_limit addresses."""
+        out: list[Host] = []
+        limit = max(self.address_limit, 1)
+        for pref, names in levels:
+            if len(names) > 1:
+                shuffled = list(names)
+                self._rng.shuffle(shuffled)
+                names = tuple(shuffled)
+            for name, ips in names:
+                out.extend(Host(name, ip, port, pref) for ip in ips)
+                if len(out) >= limit:
+                    return out[:limit]
         return out
+
+
+#: MX hosts with their addresses, grouped by preference, best first.
+_Levels = tuple[tuple[int, tuple[tuple[str, tuple[str, ...]], ...]], ...]
+
+
+class _HostCache:
+    """Resolved MX hosts per domain until the shortest TTL among the records
+    used; least recently used first out beyond ``size`` domains."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.data: OrderedDict[str, tuple[float, _Levels]] = OrderedDict()
+
+    def get(self, key: str, now: float) -> _Levels | None:
+        item = self.data.get(key)
+        if item is None:
+            return None
+        if item[0] <= now:
+            del self.data[key]
+            return None
+        self.data.move_to_end(key)
+        return item[1]
+
+    def put(self, key: str, expires_at: float, levels: _Levels) -> None:
+        if self.size <= 0:
+            return
+        self.data[key] = (expires_at, levels)
+        self.data.move_to_end(key)
+        while len(self.data) > self.size:
+            self.data.popitem(last=False)
 
 
 def _lookup_failed(failures: list[DnsFailure], what: str) -> TempFail | PermFail:
