@@ -19,6 +19,14 @@ def register(sub: Any) -> None:
                    choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
+    p = sub.add_parser("demo", help="show the whole flow locally: Sluice, a sink, 1000 messages")
+    p.add_argument("--messages", type=int, default=1000)
+    p.add_argument("--domains", type=int, default=50)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--keep", action="store_true", help="keep the demo's queue and logs")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("sink", help="run a programmable SMTP sink (a test next hop)")
     p.add_argument("--listen", default="127.0.0.1:2526", help="address:port (default %(default)s)")
     p.add_argument("--default", default="accept", metavar="BEHAVIOUR",
@@ -46,6 +54,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CommandError(f"policy error: {exc}", status=2) from None
     except (ServeError, ReceiverError) as exc:
         raise CommandError(str(exc)) from None
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from sluice.runtime.demo import run_demo
+
+    if args.messages < 1 or args.domains < 5:
+        raise CommandError("the demo needs at least 1 message and 5 domains", status=2)
+    return run_demo(args.messages, args.domains, args.seed, args.keep, args.timeout)
 
 
 def _behaviours(args: argparse.Namespace) -> dict[str, Behaviour]:

@@ -1,0 +1,33 @@
+"""`sluice demo` runs the whole flow and ends with what it promises."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import pytest
+
+from sluice.runtime.demo import plan_domains
+from tests.conftest import SLUICE, subprocess_env
+
+pytestmark = pytest.mark.integration
+
+
+def test_domain_plan_has_every_behaviour() -> None:
+    plan = plan_domains(50, random.Random(1))
+    assert len(plan.behaviours) == 50
+    assert (len(plan.of("greylist")), len(plan.of("reject")), len(plan.of("slow")),
+            len(plan.of("tempfail"))) == (8, 4, 2, 1)
+    assert len(plan.of("accept")) == 35
+
+
+def test_demo_delivers_greylisted_mail_and_bounces_rejected_mail() -> None:
+    proc = subprocess.run([SLUICE, "demo", "--messages", "200", "--domains", "20"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Done in" in out
+    assert "qshape" in out and "TOTAL" in out
+    summary = out[out.index("Done in"):].replace("\n", " ")
+    assert "200 messages accepted" in summary
+    assert "rejected and answered with" in summary
