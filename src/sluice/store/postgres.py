@@ -1,0 +1,933 @@
+"""The SQL meta queue on PostgreSQL, for several delivery nodes sharing one queue.
+
+SUMMARY
+    PgStore(dsn, node_id=..., pool_size=...) implements sluice.store.Store
+    with psycopg 3.  The DSN comes from ``queue.postgres.dsn`` or, when set,
+    the environment variable SLUICE_PG_DSN.
+
+DESCRIPTION
+    Mailismus's SQL queue (seeds/000 section 4.3.3) keeps one row per
+    message per recipient in a table it creates itself (MMTA_SMTPQUEUE).
+    So does this flavour, in ``sluice_queue``, created on first use with
+    the other tables:
+
+    sluice_queue     one row per recipient entry, keyed by (spid, idx):
+                     state, next attempt, attempts, last reply, priority,
+                     the policy fields, and ``owner``: the node id of the
+                     queue manager that claimed it while it is in flight.
+    sluice_content   message content in chunks of at most 64 KB, keyed by
+                     (spid, chunk).  Chunk 0 is an empty row that reserves
+                     the SPID across nodes.
+    sluice_changes   the operator change feed.
+    sluice_meta      schema version.
+
+    Why the content is in PostgreSQL too: the nodes that share the queue
+    must all be able to deliver every message, and a spool on one node's
+    disk is not reachable from the others (a shared network filesystem
+    would bring back exactly the remote-spool problems Mailismus warns
+    against).  Keeping content in the database also makes "content exists
+    while its rows do" a property of one system, and removing the last row
+    and the content happen without a filesystem in between.
+
+STRATEGIES
+    Claims across nodes.  A refill selects candidates with
+    ``FOR UPDATE SKIP LOCKED`` and marks them active with its node id in
+    the same transaction, so two nodes never take the same recipient; a
+    node only waits for rows nobody else is using.  recover() returns to
+    the queue only the in-flight entries that carry this node's id: the
+    other nodes are still delivering theirs.
+
+    Group commit.  One committer thread per process runs every write that
+    queued up in one transaction, committed with synchronous_commit on: one
+    WAL flush for the batch.  If the batch fails (a deadlock with another
+    node, a bad operation), it is retried once, then each operation runs in
+    its own transaction so that only the failing one fails.
+
+    Content first.  A submitter streams its content with COPY in its own
+    transaction, committed with synchronous_commit off (no flush), then
+    hands the rows to the committer.  The committer's synchronous commit
+    flushes the WAL up to its own commit record, which comes after the
+    content's: one flush makes both durable, content first.
+
+    Content is deleted in the transaction that removes its message's last
+    row, by a statement that checks no row is left.  When two nodes remove
+    the last two rows of a message at the same moment, each may still see
+    the other's row; so the messages that kept rows are checked again after
+    the commit, and whichever node commits last sees none and deletes the
+    content.  A crash in between leaves content without rows, which
+    recover() removes once it is an hour old.
+
+INVARIANTS
+    Every row is in exactly one state; in-flight rows have an owner.
+    Content exists for every spid that has a row.
+
+LIMITATIONS
+    A node that never comes back leaves its claims in flight; an operator
+    puts them back with ``sluice hold`` and ``sluice release``.  qcount
+    counts rows (an index scan; about a second per million recipients).
+
+SEE ALSO
+    sluice.store (the interface), sluice.store.sqlite (the same schema,
+    embedded), seeds/000 section 4.3.3, docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import math
+import os
+import queue as queuelib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors as pgerrors
+
+from sluice.model import (
+    IN_FLIGHT_STATES,
+    Accepted,
+    QueueEntry,
+    QueueState,
+    Reply,
+    Selector,
+    Submission,
+    format_qid,
+    parse_qid,
+    recipient_domain,
+)
+from sluice.spool import Content, iter_chunks, new_spid
+from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError, Transition
+from sluice.store._commit import GroupCommitter, Op
+from sluice.store._refill import interleave, split_quota
+
+if TYPE_CHECKING:
+    from sluice.config import Config
+
+__all__ = ["CHUNK_SIZE", "ENV_DSN", "PgStore"]
+
+ENV_DSN = "SLUICE_PG_DSN"
+SCHEMA_VERSION = 1
+
+#: Content rows hold at most this many bytes.
+CHUNK_SIZE = 65536
+
+#: Content rows fetched per query when reading (8 x 64 KB: memory stays bounded).
+READ_CHUNKS = 8
+
+#: Content without rows older than this is removed by recover(): younger
+#: content may belong to a submission another node has not committed yet.
+ORPHAN_AGE_S = 3600.0
+
+#: Operator changes are kept this long in the change feed.
+CHANGES_KEEP_S = 3600.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sluice_queue (
+    spid            text COLLATE "C" NOT NULL,
+    idx             integer NOT NULL,
+    sender          text NOT NULL,
+    recipient       text NOT NULL,
+    domain          text NOT NULL,
+    state           text NOT NULL,
+    arrival_at      double precision NOT NULL,
+    next_attempt_at double precision NOT NULL,
+    attempts        integer NOT NULL DEFAULT 0,
+    last_code       integer,
+    last_enhanced   text,
+    last_text       text,
+    priority        smallint NOT NULL DEFAULT 0,
+    tenantid        text NOT NULL DEFAULT '',
+    jobid           text NOT NULL DEFAULT '',
+    transportid     text NOT NULL DEFAULT '',
+    localip         text NOT NULL DEFAULT '',
+    is_report       boolean NOT NULL DEFAULT false,
+    size            bigint NOT NULL DEFAULT 0,
+    owner           text,
+    PRIMARY KEY (spid, idx)
+);
+CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
+CREATE INDEX IF NOT EXISTS sluice_queue_domain ON sluice_queue (domain);
+CREATE INDEX IF NOT EXISTS sluice_queue_tenant ON sluice_queue (tenantid, jobid);
+CREATE INDEX IF NOT EXISTS sluice_queue_owner ON sluice_queue (owner) WHERE owner IS NOT NULL;
+CREATE TABLE IF NOT EXISTS sluice_content (
+    spid       text COLLATE "C" NOT NULL,
+    chunk      integer NOT NULL,
+    data       bytea NOT NULL,
+    created_at double precision NOT NULL,
+    PRIMARY KEY (spid, chunk)
+);
+CREATE TABLE IF NOT EXISTS sluice_changes (
+    seq    bigserial PRIMARY KEY,
+    at     double precision NOT NULL,
+    qid    text NOT NULL,
+    action text NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sluice_meta (key text PRIMARY KEY, value text);
+"""
+
+_COLUMNS = (
+    "spid, idx, sender, recipient, domain, state, arrival_at, next_attempt_at, attempts, "
+    "last_code, last_enhanced, last_text, priority, tenantid, jobid, transportid, localip, "
+    "is_report, size"
+)
+
+_TRANSIENT = (pgerrors.DeadlockDetected, pgerrors.SerializationFailure,
+              pgerrors.LockNotAvailable)
+
+
+def _entry(row: Sequence[Any]) -> QueueEntry:
+    reply = None
+    if row[9] is not None:
+        reply = Reply(int(row[9]), row[10] or "", row[11] or "")
+    return QueueEntry(
+        spid=row[0], idx=row[1], sender=row[2], recipient=row[3], domain=row[4],
+        state=QueueState(row[5]), arrival_at=row[6], next_attempt_at=row[7],
+        attempts=row[8], last_reply=reply, priority=row[12], tenantid=row[13],
+        jobid=row[14], transportid=row[15],
+        localip=tuple(row[16].split(",")) if row[16] else (),
+        is_report=bool(row[17]), size=row[18],
+    )
+
+
+def _where(selector: Selector) -> tuple[str, list[Any]]:
+    """SQL condition and parameters for a selector."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    if selector.qids:
+        ors = []
+        for qid in selector.qids:
+            spid, idx = parse_qid(qid)
+            if idx is None:
+                ors.append("spid = %s")
+                params.append(spid)
+            else:
+                ors.append("(spid = %s AND idx = %s)")
+                params.extend((spid, idx))
+        clauses.append("(" + " OR ".join(ors) + ")")
+    if selector.states:
+        clauses.append("state = ANY(%s)")
+        params.append([str(s) for s in selector.states])
+    for column, value in (("domain", selector.domain), ("tenantid", selector.tenantid),
+                          ("jobid", selector.jobid), ("transportid", selector.transportid)):
+        if value is not None:
+            clauses.append(f"{column} = %s")
+            params.append(value)
+    for column, value in (("sender", selector.sender), ("recipient", selector.recipient)):
+        if value is not None:
+            clauses.append(f"lower({column}) = lower(%s)")
+            params.append(value)
+    return (" AND ".join(clauses) or "true"), params
+
+
+def _storage_error(exc: BaseException, what: str) -> StorageError:
+    if isinstance(exc, StorageError):
+        return exc
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return StorageError(f"{what}: {text}")
+
+
+# --------------------------------------------------------------------------
+# Connections
+
+
+class _Pool:
+    """A few autocommit connections for readers and content writers."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], size: int) -> None:
+        self._connect = connect
+        self._idle: queuelib.LifoQueue[psycopg.Connection[Any]] = queuelib.LifoQueue()
+        self._slots = threading.BoundedSemaphore(size)
+        self._all: list[psycopg.Connection[Any]] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        self._slots.acquire()
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            try:
+                conn = self._idle.get_nowait()
+            except queuelib.Empty:
+                conn = None
+            if conn is None or conn.closed or conn.broken:
+                conn = self._connect()
+                with self._lock:
+                    self._all.append(conn)
+            yield conn
+        finally:
+            if conn is not None:
+                if conn.closed or conn.broken:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.close()
+                else:
+                    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                        with contextlib.suppress(psycopg.Error):
+                            conn.rollback()
+                    self._idle.put(conn)
+            self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+            self._all.clear()
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What the operations of one transaction leave to do after its commit."""
+
+    conn: psycopg.Connection[Any]
+    gone: set[str] = field(default_factory=set)
+
+
+class _ContentReader(io.RawIOBase):
+    """A message's content, a few chunk rows per query (at most READ_CHUNKS)."""
+
+    def __init__(self, store: PgStore, spid: str, chunks: int, first: list[bytes]) -> None:
+        self._store = store
+        self._spid = spid
+        self._chunks = chunks
+        self._next = 1 + len(first)
+        self._pending = first
+        self._buf = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def _fetch(self) -> None:
+        last = min(self._chunks, self._next + READ_CHUNKS - 1)
+        try:
+            with self._store._pool.connection() as conn:
+                rows = conn.execute(
+                    "SELECT chunk, data FROM sluice_content WHERE spid = %s "
+                    "AND chunk BETWEEN %s AND %s ORDER BY chunk",
+                    (self._spid, self._next, last)).fetchall()
+        except psycopg.Error as exc:
+            raise OSError(f"reading {self._spid} failed: {exc}") from exc
+        if [r[0] for r in rows] != list(range(self._next, last + 1)):
+            raise OSError(f"chunks {self._next}-{last} of {self._spid} are missing")
+        self._pending = [bytes(r[1]) for r in rows]
+        self._next = last + 1
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if not self._buf:
+            if not self._pending:
+                if self._next > self._chunks:
+                    return 0
+                self._fetch()
+            self._buf = memoryview(self._pending.pop(0))
+        n = min(len(view), len(self._buf))
+        view[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+# --------------------------------------------------------------------------
+# The store
+
+
+class PgStore:
+    """Meta queue and content on PostgreSQL; see the module doc."""
+
+    flavour = "postgres"
+    shared_access = True
+
+    def __init__(self, dsn: str, *, node_id: str = "local", pool_size: int = 4,
+                 max_batch: int = 2000, connect_timeout_s: float = 10.0) -> None:
+        self.dsn = dsn
+        self.node_id = node_id
+        self._connect_timeout = max(1, math.ceil(connect_timeout_s))
+        self._closed = False
+        self._writer: psycopg.Connection[Any] | None = None
+        self._pool = _Pool(lambda: self._connect(autocommit=True), max(1, pool_size))
+        try:
+            conn = self._connect(autocommit=False)
+            with conn.transaction():
+                # Two nodes starting at once must not race on CREATE TABLE.
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('sluice schema'))")
+                conn.execute(_SCHEMA)
+                conn.execute(
+                    "INSERT INTO sluice_meta (key, value) VALUES ('schema_version', %s) "
+                    "ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
+        except psycopg.Error as exc:
+            raise _storage_error(exc, "cannot open the postgres queue") from exc
+        self._writer = conn
+        self._committer = GroupCommitter(self._commit, max_batch=max_batch,
+                                         name="sluice-pg-commit")
+
+    @classmethod
+    def from_config(cls, config: Config) -> PgStore:
+        from sluice.config import ConfigError
+
+        q = config.queue
+        dsn = os.environ.get(ENV_DSN) or q.postgres.dsn
+        if not dsn:
+            raise ConfigError(config.source, "queue.postgres.dsn",
+                              f"the postgres store needs a connection string (or ${ENV_DSN})")
+        return cls(dsn, node_id=config.node.id, pool_size=q.postgres.pool_size,
+                   max_batch=q.commit_max_batch)
+
+    # -- connections --------------------------------------------------------------------
+
+    def _connect(self, *, autocommit: bool) -> psycopg.Connection[Any]:
+        try:
+            conn = psycopg.connect(self.dsn, autocommit=autocommit,
+                                   connect_timeout=self._connect_timeout,
+                                   application_name=f"sluice {self.node_id}")
+        except psycopg.Error as exc:
+            raise _storage_error(exc, "cannot connect to the postgres queue") from exc
+        # Durable on return, whatever the server's default says.
+        conn.execute("SET synchronous_commit = on")
+        if not autocommit:
+            conn.commit()
+        return conn
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[psycopg.Connection[Any]]:
+        if self._closed:
+            raise StorageError("the store is closed")
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except psycopg.Error as exc:
+            raise _storage_error(exc, "reading the postgres queue failed") from exc
+
+    # -- the committer ------------------------------------------------------------------
+
+    def _writer_conn(self) -> psycopg.Connection[Any]:
+        conn = self._writer
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+            self._writer = None
+            conn = self._connect(autocommit=False)
+            self._writer = conn
+        return conn
+
+    def _run(self, ops: Sequence[Op]) -> tuple[list[Any], set[str]]:
+        """Run ``ops`` in one transaction; raises if any of them fails."""
+        conn = self._writer_conn()
+        batch = _Batch(conn)
+        values = []
+        try:
+            with conn.transaction():
+                for op in ops:
+                    values.append(op.work(batch))
+                if batch.gone:
+                    # Content goes in the same commit as its message's last row.
+                    done = conn.execute(
+                        "DELETE FROM sluice_content c WHERE c.spid = ANY(%s) AND c.chunk = 0 "
+                        "AND NOT EXISTS (SELECT 1 FROM sluice_queue q WHERE q.spid = c.spid) "
+                        "RETURNING c.spid", (sorted(batch.gone),)).fetchall()
+                    emptied = [r[0] for r in done]
+                    if emptied:
+                        conn.execute("DELETE FROM sluice_content WHERE spid = ANY(%s)",
+                                     (emptied,))
+                    # Rows another node is deleting right now may still have been
+                    # visible: look again after the commit.
+                    batch.gone.difference_update(emptied)
+        except BaseException:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                with contextlib.suppress(psycopg.Error):
+                    conn.rollback()
+            raise
+        return values, batch.gone
+
+    def _commit(self, batch: list[Op]) -> None:
+        gone: set[str] = set()
+        try:
+            try:
+                values, gone = self._run(batch)
+            except _TRANSIENT:
+                values, gone = self._run(batch)  # a deadlock with another node: once more
+        except Exception:
+            # One transaction per operation, so that only the failing one fails.
+            for op in batch:
+                try:
+                    (value,), op_gone = self._run([op])
+                except _TRANSIENT:
+                    try:
+                        (value,), op_gone = self._run([op])
+                    except Exception as exc:
+                        op.future.set_exception(_fail(exc))
+                        continue
+                except Exception as exc:
+                    op.future.set_exception(_fail(exc))
+                    continue
+                gone |= op_gone
+                op.future.set_result(value)
+        else:
+            for op, value in zip(batch, values, strict=True):
+                op.future.set_result(value)
+        if gone:
+            self._collect_content(gone)
+
+    def _collect_content(self, spids: set[str]) -> None:
+        """Delete the content of messages whose last row is gone (after the commit)."""
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                conn.execute("SET LOCAL synchronous_commit = off")
+                conn.execute(
+                    "DELETE FROM sluice_content c WHERE c.spid = ANY(%s) AND NOT EXISTS "
+                    "(SELECT 1 FROM sluice_queue q WHERE q.spid = c.spid)",
+                    (sorted(spids),))
+        except (psycopg.Error, StorageError):
+            pass  # recover() removes what is left
+
+    def _op(self, work: Callable[[_Batch], Any]) -> concurrent.futures.Future[Any]:
+        if self._closed:
+            raise StorageError("the store is closed")
+        return self._committer.submit(work)
+
+    def _call(self, work: Callable[[_Batch], Any]) -> Any:
+        return self._op(work).result()
+
+    # -- submission ---------------------------------------------------------------------
+
+    def _write_content(self, content: Content) -> tuple[str, int]:
+        """Stream the content into chunk rows under a fresh SPID; (spid, size)."""
+        created = time.time()
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                # Flushed by the committer's synchronous commit that follows.
+                conn.execute("SET LOCAL synchronous_commit = off")
+                for _ in range(100):
+                    spid = new_spid()
+                    row = conn.execute(
+                        "INSERT INTO sluice_content (spid, chunk, data, created_at) "
+                        "VALUES (%s, 0, '', %s) ON CONFLICT DO NOTHING RETURNING 1",
+                        (spid, created)).fetchone()
+                    if row is not None:
+                        break
+                else:  # pragma: no cover - 100 collisions in a row
+                    raise RuntimeError("could not allocate a unique SPID")
+                size = 0
+                n = 0
+                buf = bytearray()
+                with conn.cursor().copy(
+                        "COPY sluice_content (spid, chunk, data, created_at) FROM STDIN"
+                ) as copy:
+                    for piece in iter_chunks(content, CHUNK_SIZE):
+                        buf += piece
+                        while len(buf) >= CHUNK_SIZE:
+                            n += 1
+                            copy.write_row((spid, n, bytes(buf[:CHUNK_SIZE]), created))
+                            del buf[:CHUNK_SIZE]
+                            size += CHUNK_SIZE
+                    if buf:
+                        n += 1
+                        copy.write_row((spid, n, bytes(buf), created))
+                        size += len(buf)
+        except psycopg.Error as exc:
+            raise _storage_error(exc, "writing the content failed") from exc
+        return spid, size
+
+    def submit_future(self, submission: Submission, content: Content, now: float
+                      ) -> concurrent.futures.Future[Accepted]:
+        if self._closed:
+            raise StorageError("the store is closed")
+        spid, size = self._write_content(content)
+        state = QueueState.INCOMING
+        next_at = now
+        if submission.hold:
+            state = QueueState.HOLD
+        elif submission.delay_s > 0:
+            state = QueueState.DEFERRED
+            next_at = now + submission.delay_s
+        localip = ",".join(submission.localip)
+        rows = [
+            (spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,
+             next_at, submission.priority, submission.tenantid, submission.jobid,
+             submission.transportid, localip, submission.is_report, size)
+            for i, rcpt in enumerate(submission.recipients)
+        ]
+        accepted = Accepted(spid=spid, qids=tuple(format_qid(spid, i) for i in range(len(rows))),
+                            size=size)
+
+        def work(batch: _Batch) -> Accepted:
+            with batch.conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO sluice_queue (spid, idx, sender, recipient, domain, state, "
+                    "arrival_at, next_attempt_at, priority, tenantid, jobid, transportid, "
+                    "localip, is_report, size) "
+                    "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)", rows)
+            return accepted
+
+        try:
+            fut: concurrent.futures.Future[Accepted] = self._op(work)
+        except BaseException:
+            self._collect_content({spid})
+            raise
+
+        def cleanup(done: concurrent.futures.Future[Accepted]) -> None:
+            if done.exception() is not None:
+                self._collect_content({spid})  # the rows never came: drop the content
+
+        fut.add_done_callback(cleanup)
+        return fut
+
+    def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
+        result: Accepted = self.submit_future(submission, content, now).result()
+        return result
+
+    # -- the queue manager's side -------------------------------------------------------
+
+    def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
+        if limit <= 0:
+            return []
+        # A queue manager polls often; answer "nothing" from a reader.
+        with self._reading() as conn:
+            found = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM sluice_queue WHERE state = 'incoming') OR "
+                "EXISTS (SELECT 1 FROM sluice_queue WHERE state = 'deferred' AND priority = 1 "
+                "AND next_attempt_at <= %s) OR "
+                "EXISTS (SELECT 1 FROM sluice_queue WHERE state = 'deferred' AND priority = 0 "
+                "AND next_attempt_at <= %s)", (now, now)).fetchone()
+        if not found or not found[0]:
+            return []
+        node = self.node_id
+
+        def pick(conn: psycopg.Connection[Any], state: QueueState, due: bool, n: int
+                 ) -> list[tuple[Any, ...]]:
+            out: list[tuple[Any, ...]] = []
+            for prio in (1, 0):
+                if len(out) >= n:
+                    break
+                sql = f"SELECT {_COLUMNS} FROM sluice_queue WHERE state = %s AND priority = %s"
+                params: list[Any] = [str(state), prio]
+                if due:
+                    sql += " AND next_attempt_at <= %s"
+                    params.append(now)
+                sql += " ORDER BY next_attempt_at, spid, idx LIMIT %s FOR UPDATE SKIP LOCKED"
+                params.append(n - len(out))
+                out.extend(conn.execute(sql, params).fetchall())
+            return out
+
+        def work(batch: _Batch) -> list[QueueEntry]:
+            conn = batch.conn
+            incoming = pick(conn, QueueState.INCOMING, False, limit)
+            deferred = pick(conn, QueueState.DEFERRED, True, limit)
+            take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
+            chosen = interleave(incoming[:take_i], deferred[:take_d])
+            if chosen:
+                conn.execute(
+                    "UPDATE sluice_queue SET state = 'active', owner = %s "
+                    "WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
+                    (node, [r[0] for r in chosen], [r[1] for r in chosen]))
+            return [_entry((*row[:5], "active", *row[6:])) for row in chosen]
+
+        result: list[QueueEntry] = self._call(work)
+        return result
+
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+        if not transitions:
+            return set()
+        items = []
+        for t in transitions:
+            spid, idx = parse_qid(t.qid)
+            if idx is None:
+                raise ValueError(f"a transition needs a full queue id, not {t.qid!r}")
+            items.append((spid, idx, t))
+        node = self.node_id
+
+        def work(batch: _Batch) -> set[str]:
+            applied: set[str] = set()
+            conn = batch.conn
+            # Runs of the same kind keep their order and go in one round trip each.
+            run: list[tuple[str, int, Transition]] = []
+            for item in [*items, None]:
+                if run and (item is None or (item[2].state is None) != (run[0][2].state is None)):
+                    applied |= self._apply_run(conn, run, node, batch.gone)
+                    run = []
+                if item is not None:
+                    run.append(item)
+            return applied
+
+        fut = self._op(work)
+        if not wait:
+            return set()
+        result: set[str] = fut.result()
+        return result
+
+    @staticmethod
+    def _apply_run(conn: psycopg.Connection[Any], run: list[tuple[str, int, Transition]],
+                   node: str, gone: set[str]) -> set[str]:
+        applied: set[str] = set()
+        with conn.cursor() as cur:
+            if run[0][2].state is None:
+                cur.executemany(
+                    "DELETE FROM sluice_queue WHERE spid = %s AND idx = %s "
+                    "AND (cardinality(%s::text[]) = 0 OR state = ANY(%s::text[])) "
+                    "RETURNING spid, idx",
+                    [(spid, idx, [str(s) for s in t.expect], [str(s) for s in t.expect])
+                     for spid, idx, t in run], returning=True)
+            else:
+                params = []
+                for spid, idx, t in run:
+                    assert t.state is not None
+                    reply = t.reply
+                    params.append((
+                        str(t.state), t.next_attempt_at,
+                        None if reply is None else reply.code,
+                        None if reply is None else reply.enhanced,
+                        None if reply is None else reply.text,
+                        1 if t.attempted else 0,
+                        node if t.state in IN_FLIGHT_STATES else None,
+                        spid, idx, [str(s) for s in t.expect], [str(s) for s in t.expect]))
+                cur.executemany(
+                    "UPDATE sluice_queue SET state = %s, "
+                    "next_attempt_at = COALESCE(%s, next_attempt_at), "
+                    "last_code = COALESCE(%s, last_code), "
+                    "last_enhanced = COALESCE(%s, last_enhanced), "
+                    "last_text = COALESCE(%s, last_text), "
+                    "attempts = attempts + %s, owner = %s "
+                    "WHERE spid = %s AND idx = %s "
+                    "AND (cardinality(%s::text[]) = 0 OR state = ANY(%s::text[])) "
+                    "RETURNING spid, idx", params, returning=True)
+            while True:
+                for spid, idx in cur.fetchall():
+                    applied.add(format_qid(spid, idx))
+                    if run[0][2].state is None:
+                        gone.add(spid)
+                if not cur.nextset():
+                    break
+        return applied
+
+    def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
+        if limit <= 0:
+            return []
+        until = now + lease_s
+
+        def work(batch: _Batch) -> list[QueueEntry]:
+            conn = batch.conn
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM sluice_queue WHERE state = 'bounce' "
+                "AND next_attempt_at <= %s ORDER BY spid, idx LIMIT %s FOR UPDATE SKIP LOCKED",
+                (now, limit)).fetchall()
+            if rows:
+                conn.execute(
+                    "UPDATE sluice_queue SET next_attempt_at = %s "
+                    "WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
+                    (until, [r[0] for r in rows], [r[1] for r in rows]))
+            return [_entry((*r[:7], until, *r[8:])) for r in rows]
+
+        result: list[QueueEntry] = self._call(work)
+        return result
+
+    def recover(self, now: float) -> int:
+        node = self.node_id
+
+        def work(batch: _Batch) -> int:
+            conn = batch.conn
+            # Only this node's claims: the other nodes are delivering theirs.
+            cur = conn.execute(
+                "UPDATE sluice_queue SET state = 'deferred', next_attempt_at = %s, owner = NULL "
+                "WHERE owner = %s AND state IN ('active', 'delivering')", (now, node))
+            conn.execute("DELETE FROM sluice_changes WHERE at < %s", (now - CHANGES_KEEP_S,))
+            conn.execute(
+                "DELETE FROM sluice_content c WHERE c.created_at < %s AND NOT EXISTS "
+                "(SELECT 1 FROM sluice_queue q WHERE q.spid = c.spid)",
+                (now - ORPHAN_AGE_S,))
+            return int(cur.rowcount)
+
+        result: int = self._call(work)
+        return result
+
+    def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
+                ) -> list[QueueEntry]:
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM sluice_queue WHERE state = 'deferred' AND "
+                "((NOT is_report AND arrival_at <= %s) OR (is_report AND arrival_at <= %s)) "
+                "LIMIT %s", (cutoff_at, reports_cutoff_at, limit)).fetchall()
+        return [_entry(r) for r in rows]
+
+    def due_at(self) -> float | None:
+        with self._reading() as conn:
+            row = conn.execute(
+                "SELECT min(next_attempt_at) FROM sluice_queue WHERE state = 'deferred'"
+            ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    # -- operator side ------------------------------------------------------------------
+
+    def modify(self, selector: Selector, action: Action, now: float,
+               priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
+        if action is Action.PRIORITY and priority not in (0, 1):
+            raise ValueError("priority must be 0 or 1")
+        where, params = _where(selector)
+        where += " AND state = ANY(%s)"
+        params.append([str(s) for s in ACTION_STATES[action]])
+        bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
+
+        def work(batch: _Batch) -> list[QueueEntry]:
+            conn = batch.conn
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM sluice_queue WHERE {where} ORDER BY spid, idx "
+                "FOR UPDATE", params).fetchall()
+            entries = [_entry(r) for r in rows]
+            if not entries:
+                return []
+            keys = ([e.spid for e in entries], [e.idx for e in entries])
+            target = "(spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))"
+            if action is Action.HOLD:
+                conn.execute(f"UPDATE sluice_queue SET state = 'hold', owner = NULL "
+                             f"WHERE {target}", keys)
+            elif action is Action.RELEASE:
+                # Never tried: back to incoming; tried before: due now.
+                conn.execute(
+                    "UPDATE sluice_queue SET state = CASE WHEN attempts = 0 THEN 'incoming' "
+                    f"ELSE 'deferred' END, next_attempt_at = %s WHERE {target}", (now, *keys))
+            elif action is Action.RETRY:
+                conn.execute(f"UPDATE sluice_queue SET next_attempt_at = %s WHERE {target}",
+                             (now, *keys))
+            elif action is Action.PRIORITY:
+                conn.execute(f"UPDATE sluice_queue SET priority = %s WHERE {target}",
+                             (priority, *keys))
+            elif action is Action.BOUNCE:
+                conn.execute(
+                    "UPDATE sluice_queue SET state = 'bounce', owner = NULL, "
+                    "next_attempt_at = %s, last_code = %s, last_enhanced = %s, last_text = %s "
+                    f"WHERE {target}", (now, bounce.code, bounce.enhanced, bounce.text, *keys))
+            elif action is Action.DELETE:
+                conn.execute(f"DELETE FROM sluice_queue WHERE {target}", keys)
+                batch.gone.update(keys[0])
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO sluice_changes (at, qid, action) VALUES (%s, %s, %s)",
+                    [(now, e.qid, str(action)) for e in entries])
+            return entries
+
+        result: list[QueueEntry] = self._call(work)
+        return result
+
+    def changes_since(self, seq: int) -> tuple[int, list[Change]]:
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT seq, qid, action FROM sluice_changes WHERE seq > %s ORDER BY seq",
+                (seq,)).fetchall()
+            if not rows:
+                top = conn.execute("SELECT max(seq) FROM sluice_changes").fetchone()
+                return max(seq, int(top[0] or 0) if top else 0), []
+        changes = [Change(int(r[0]), r[1], Action(r[2])) for r in rows]
+        return changes[-1].seq, changes
+
+    # -- reading ------------------------------------------------------------------------
+
+    def get(self, qid: str) -> QueueEntry | None:
+        spid, idx = parse_qid(qid)
+        if idx is None:
+            raise ValueError(f"get() needs a full queue id, not a SPID: {qid!r}")
+        with self._reading() as conn:
+            row = conn.execute(f"SELECT {_COLUMNS} FROM sluice_queue WHERE spid = %s AND idx = %s",
+                               (spid, idx)).fetchone()
+        return None if row is None else _entry(row)
+
+    def entries(self, selector: Selector, *, after: str | None = None,
+                limit: int | None = None) -> Iterator[QueueEntry]:
+        where, params = _where(selector)
+        page = 5000 if limit is None else min(limit, 5000)
+        remaining = limit
+        cursor: tuple[str, int] | None = None
+        if after is not None:
+            spid, idx = parse_qid(after)
+            cursor = (spid, -1 if idx is None else idx)
+        while remaining is None or remaining > 0:
+            n = page if remaining is None else min(page, remaining)
+            sql = f"SELECT {_COLUMNS} FROM sluice_queue WHERE {where}"
+            p = list(params)
+            if cursor is not None:
+                sql += " AND (spid, idx) > (%s, %s)"
+                p += list(cursor)
+            sql += " ORDER BY spid, idx LIMIT %s"
+            p.append(n)
+            with self._reading() as conn:
+                rows = conn.execute(sql, p).fetchall()
+            for row in rows:
+                yield _entry(row)
+            if len(rows) < n:
+                return
+            cursor = (rows[-1][0], rows[-1][1])
+            if remaining is not None:
+                remaining -= len(rows)
+
+    def count(self, selector: Selector | None = None) -> Counts:
+        where, params = _where(selector or Selector())
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT state, count(*) FROM sluice_queue WHERE {where} GROUP BY state",
+                params).fetchall()
+            messages = conn.execute(
+                f"SELECT count(DISTINCT spid) FROM sluice_queue WHERE {where}", params
+            ).fetchone()
+        by_state = {s: 0 for s in QueueState}
+        for state, n in rows:
+            by_state[QueueState(state)] = int(n)
+        return Counts(by_state=by_state, messages=int(messages[0]) if messages else 0)
+
+    def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
+              ) -> dict[str, list[int]]:
+        where, params = _where(selector)
+        edges = [float(e) for e in edges_s]
+        out: dict[str, list[int]] = {}
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT domain, width_bucket(%s - arrival_at, %s::double precision[]), count(*) "
+                f"FROM sluice_queue WHERE {where} GROUP BY 1, 2", [now, edges, *params]
+            ).fetchall() if edges else conn.execute(
+                f"SELECT domain, 0, count(*) FROM sluice_queue WHERE {where} GROUP BY 1",
+                params).fetchall()
+        for domain, bucket, n in rows:
+            out.setdefault(domain, [0] * (len(edges) + 1))[int(bucket)] += int(n)
+        return out
+
+    def open_content(self, spid: str) -> IO[bytes]:
+        # One round trip for most messages: the chunk count and the first chunks.
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT m.n, c.chunk, c.data FROM "
+                "(SELECT max(chunk) AS n FROM sluice_content WHERE spid = %s) AS m "
+                "LEFT JOIN sluice_content c ON c.spid = %s "
+                "AND c.chunk BETWEEN 1 AND least(m.n, %s) ORDER BY c.chunk",
+                (spid, spid, READ_CHUNKS)).fetchall()
+        if not rows or rows[0][0] is None:
+            raise StorageError(f"no content for {spid}")
+        chunks = int(rows[0][0])
+        first = [bytes(r[2]) for r in rows if r[1] is not None]
+        if len(first) != min(chunks, READ_CHUNKS):
+            raise StorageError(f"the content of {spid} is incomplete")
+        return io.BufferedReader(_ContentReader(self, spid, chunks, first), CHUNK_SIZE)
+
+    # -- life ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._committer.close()
+        self._closed = True
+        if self._writer is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._writer.close()
+        self._pool.close()
+
+    def __enter__(self) -> PgStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fail(exc: BaseException) -> BaseException:
+    """What an operation's caller sees: driver errors become StorageError."""
+    if isinstance(exc, psycopg.Error):
+        return _storage_error(exc, "postgres queue")
+    return exc
