@@ -304,13 +304,15 @@ def main() -> int:
         for n, data in datasets.items():
             files = str(data / "*.json")
             out = work / f"out-{n}"
+            load_before = os.getloadavg()[0]
             started = time.monotonic()
             report, bounces = run_jobs(spark, [files], str(out), ["report", "bounces"])
             total = time.monotonic() - started
             assert report.counts["received"] is not None
             line = (f"spark n={n} mode=one-read (sluice analytics all --jobs report,bounces) "
                     f"report_s={report.elapsed_s:.1f} bounces_s={bounces.elapsed_s:.1f} "
-                    f"total_s={total:.1f} events_per_s={n / total:,.0f}")
+                    f"total_s={total:.1f} events_per_s={n / total:,.0f} "
+                    f"loadavg_before={load_before:.1f} loadavg_after={os.getloadavg()[0]:.1f}")
             print(line, flush=True)
             separate = None
             if args.separate:

@@ -116,6 +116,9 @@ def test_shape_job_writes_yaml(spark, tmp_path):
     assert text.startswith("# Pickup policy advised by `sluice analytics shape`")
     doc = yaml.safe_load(text)
     assert doc[0]["if"] == [{"remotemx": "#gsuite", "rate": "1/60"}]
+    from sluice.cli import main
+
+    assert main(["policy", "validate", result.outputs["policy"]]) == 0
     if POLICY_SCHEMA.exists():  # the policy validator's schema, when it is there
         import json
 
