@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 
 from sluice.model import QueueEntry, QueueState, Selector
 from sluice.queue import Queue
@@ -45,7 +46,7 @@ class Running:
                  **sections.pop("smtpd", {})}
         self.config = make_config(tmp, smtpd=smtpd, **sections)
         self.queue = Queue.open(self.config)
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()  # as the receiving processes run
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.receiver: Receiver = self.call(self._start(receiver_kw))
@@ -692,3 +693,22 @@ def test_graceful_stop_gives_up_after_the_grace_period(serve: Callable[..., Runn
         assert time.monotonic() - t0 < 5
         assert sock.recv(100) == b""
     assert run.entries() == []
+
+
+def test_a_client_that_leaves_at_once_leaves_no_session(serve: Callable[..., Running]) -> None:
+    # A client that connects and closes before the greeting (a port probe)
+    # must not hold a session until the idle timeout, nor delay a stop.
+    run = serve(smtpd={"max_connections_per_client": 1000})
+    # Many at once, so that some close before their session's first step runs.
+    probes = [socket.create_connection((HOST, run.port), timeout=5) for _ in range(200)]
+    for probe in probes:
+        probe.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (run.receiver.sessions
+                                           or run.receiver.stats().connections_total < 200):
+        time.sleep(0.02)
+    assert run.receiver.stats().connections_total == 200
+    assert run.receiver.sessions == 0
+    t0 = time.monotonic()
+    run.stop(20)
+    assert time.monotonic() - t0 < 2

@@ -416,10 +416,13 @@ class SmtpSession(SMTP):
         super().connection_lost(error)
 
     def eof_received(self) -> bool | None:
-        if not self._admitted:
-            return False
-        result: bool | None = super().eof_received()
-        return result
+        # aiosmtpd cancels its command loop and keeps the transport half
+        # open; a loop cancelled before it ever ran never closes it, so a
+        # client that connects and leaves at once would hold its session until
+        # the idle timeout.  The client will send nothing more: close.
+        if self._admitted:
+            super().eof_received()
+        return False
 
     def _reset_timeout(self, duration: float | None = None) -> None:
         # aiosmtpd calls this when a command starts: the session is busy.
