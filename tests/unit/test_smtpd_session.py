@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from collections.abc import Iterator
 from typing import cast
 
 import pytest
 from aiosmtpd.smtp import SMTP
 
-from sluice.model import Reply
+from sluice.model import Accepted, Reply, Submission
 from sluice.queue import Queue
 from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.handoff import Handoff
 from sluice.smtpd.policy import ReceivePolicy
 from sluice.smtpd.session import (
     Registry,
@@ -19,6 +22,7 @@ from sluice.smtpd.session import (
     SmtpSession,
     _parse_path,
 )
+from sluice.store import StorageError
 
 pytestmark = pytest.mark.unit
 
@@ -116,3 +120,63 @@ def test_replies_carry_enhanced_codes_only_for_esmtp(loop: asyncio.AbstractEvent
     assert session._render(reply) == b"452 4.5.3 Too many recipients\r\n"
     session.session.extended_smtp = False  # HELO: RFC 2034 codes are an ESMTP extension
     assert session._render(reply) == b"452 Too many recipients\r\n"
+
+
+class _FakeQueue:
+    """Stands in for Queue.submit_future: hands out futures the test resolves."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.futures: list[concurrent.futures.Future[Accepted]] = []
+        self.fail = fail
+        self.two = threading.Event()
+
+    def submit_future(self, submission: Submission, content: object
+                      ) -> concurrent.futures.Future[Accepted]:
+        if self.fail is not None:
+            raise self.fail
+        fut: concurrent.futures.Future[Accepted] = concurrent.futures.Future()
+        self.futures.append(fut)
+        if len(self.futures) == 2:
+            self.two.set()
+        return fut
+
+
+SUB = Submission(sender="a@x.test", recipients=("b@y.test",))
+DONE = Accepted(spid="1A2B3C4D5E6F7A8B", qids=("1A2B3C4D5E6F7A8B-0",), size=10)
+
+
+def test_handoff_relays_the_durable_result_and_never_cancels_it() -> None:
+    fake = _FakeQueue()
+    handoff = Handoff(cast(Queue, fake))
+
+    async def scenario() -> None:
+        first = handoff.submit(SUB, b"x")
+        second = handoff.submit(SUB, b"y")
+        assert await asyncio.to_thread(fake.two.wait, 5)
+        second.cancel()  # the client of the second message went away
+        fake.futures[0].set_result(DONE)
+        fake.futures[1].set_result(DONE)  # must not fail: nobody cancelled it
+        assert await first == DONE
+        assert not fake.futures[1].cancelled()
+
+    asyncio.run(scenario())
+    handoff.close()
+
+
+def test_handoff_relays_store_errors() -> None:
+    handoff = Handoff(cast(Queue, _FakeQueue(fail=StorageError("disk full"))))
+
+    async def scenario() -> None:
+        with pytest.raises(StorageError, match="disk full"):
+            await handoff.submit(SUB, b"x")
+        with pytest.raises(StorageError, match="disk full"):
+            await handoff.submit(SUB, b"x", big=True)
+
+    asyncio.run(scenario())
+    handoff.close()
+
+    async def after_close() -> None:
+        with pytest.raises(RuntimeError, match="closed"):
+            await handoff.submit(SUB, b"x")
+
+    asyncio.run(after_close())

@@ -21,6 +21,7 @@ MODULES
     content      DATA pieces: end detection, unstuffing, limits, spilling
     trace        the Received header
     session      the aiosmtpd adapter, one object per connection
+    handoff      submits to the queue off the event loop, relays the durable result
     server       Receiver: sockets, limits, graceful stop
     worker       receiving processes sharing the port (SO_REUSEPORT)
 """

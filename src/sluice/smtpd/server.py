@@ -42,7 +42,6 @@ SEE ALSO
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -56,6 +55,7 @@ from sluice.hooks import Hooks, load_hook
 from sluice.model import Accepted, Submission
 from sluice.queue import Queue
 from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.handoff import Handoff
 from sluice.smtpd.policy import ReceivePolicy
 from sluice.smtpd.session import ReceiverStats, Registry, Settings, SmtpSession
 from sluice.suppression import SuppressionFileError, SuppressionList
@@ -63,9 +63,6 @@ from sluice.suppression import SuppressionFileError, SuppressionList
 __all__ = ["Receiver", "ReceiverError", "ReceiverStats", "load_tls_context", "parse_listen"]
 
 log = logging.getLogger("sluice.smtpd")
-
-#: Threads that create and write spool files (see sluice.smtpd.session).
-SPOOL_THREADS = 8
 
 
 class ReceiverError(Exception):
@@ -189,8 +186,7 @@ class Receiver:
             spill_size=s.spill_size,
             spill_dir=spill_dir,
             on_accepted=on_accepted,
-            spool_executor=concurrent.futures.ThreadPoolExecutor(
-                max_workers=SPOOL_THREADS, thread_name_prefix="sluice-smtpd-spool"),
+            handoff=Handoff(queue),
         )
         return cls(settings, listen if listen is not None else s.listen,
                    reuse_port=reuse_port, backlog=s.backlog,
@@ -257,9 +253,9 @@ class Receiver:
                 session.abort()
             await asyncio.sleep(0)
         await self._close_servers()
-        if self.settings.spool_executor is not None:
+        if self.settings.handoff is not None:
             # Submissions already handed over finish (their sessions are gone).
-            await asyncio.to_thread(self.settings.spool_executor.shutdown, wait=True)
+            await asyncio.to_thread(self.settings.handoff.close)
 
     async def _close_servers(self) -> None:
         for server in self._servers:

@@ -42,9 +42,8 @@ STRATEGIES
 
     Spool writes off the loop.  Creating a spool file waits while the file
     system commits other messages' fsyncs; on the event loop that stalled
-    every session (half the loop's time at 20 sessions).  Submissions run
-    on a small thread pool (Settings.spool_executor), which also keeps a
-    big spilled message from stalling the others while it is copied.
+    every session.  Submissions go through a Handoff thread
+    (sluice.smtpd.handoff).
 
     Graceful stop.  A session knows when it waits for a command (idle).
     On stop, idle sessions get 421 4.3.2 at once; busy ones (in DATA,
@@ -63,8 +62,6 @@ SEE ALSO
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import os
 import re
@@ -89,6 +86,7 @@ from sluice.model import Accepted, QueueEntry, QueueState, Reply, Submission
 from sluice.queue import Queue
 from sluice.smtpd.content import MessageBuffer, Unstuffer
 from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.handoff import Handoff, await_durable
 from sluice.smtpd.policy import (
     NO_VALID_RECIPIENTS,
     QUEUE_FAILED,
@@ -182,10 +180,9 @@ class Settings:
     spill_dir: str | None = None
     on_accepted: Callable[[Accepted, Submission], None] | None = None
     ident: str = "ESMTP Sluice"
-    #: Where Queue.submit_future runs: it creates and writes the spool file,
-    #: which blocks while the file system commits other messages' fsyncs.
-    #: None runs it on the event loop (tests of the pure adapter).
-    spool_executor: concurrent.futures.Executor | None = None
+    #: Runs Queue.submit_future off the event loop (sluice.smtpd.handoff);
+    #: None runs it on the loop.
+    handoff: Handoff | None = None
 
     def ehlo_reply(self, tls_active: bool) -> bytes:
         """The whole multi-line EHLO reply, as one write."""
@@ -258,33 +255,6 @@ class _Transaction:
     recipients: list[str] = field(default_factory=list)
     dropped: list[tuple[str, SuppressionEntry]] = field(default_factory=list)
     attempts: int = 0  # RCPT commands, also the refused ones
-
-
-def _await_durable(fut: concurrent.futures.Future[Accepted]) -> asyncio.Future[Accepted]:
-    """An asyncio future for a queue future, without ever cancelling the latter.
-
-    asyncio.wrap_future would cancel the queue's future when the session
-    goes away; the store's committer may have committed it already, and
-    setting the result of a cancelled future would fail its whole batch.
-    """
-    loop = asyncio.get_running_loop()
-    out: asyncio.Future[Accepted] = loop.create_future()
-
-    def settle(src: asyncio.Future[Accepted], done: concurrent.futures.Future[Accepted]) -> None:
-        if src.done():
-            return
-        exc = done.exception()
-        if exc is not None:
-            src.set_exception(exc)
-        else:
-            src.set_result(done.result())
-
-    def done_cb(done: concurrent.futures.Future[Accepted]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-            loop.call_soon_threadsafe(settle, out, done)
-
-    fut.add_done_callback(done_cb)
-    return out
 
 
 def _parse_path(arg: str) -> tuple[str | None, str]:
@@ -725,12 +695,10 @@ class SmtpSession(SMTP):
             at=queue.clock())
         content = buf.content(header)
         try:
-            if settings.spool_executor is not None:
-                fut = await self.loop.run_in_executor(settings.spool_executor,
-                                                      queue.submit_future, submission, content)
+            if settings.handoff is not None:
+                accepted = await settings.handoff.submit(submission, content, big=buf.spilled)
             else:
-                fut = queue.submit_future(submission, content)
-            accepted = await _await_durable(fut)
+                accepted = await await_durable(queue.submit_future(submission, content))
         except (StorageError, OSError) as exc:
             registry.bump("queue_failures")
             registry.bump("messages_refused")
