@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.config import Config
-from sluice.store import Store, open_store
+from sluice.store import Action, Store, open_store
 from tests.conftest import make_config
 
 FLAVOURS: list[str] = ["sqlite", "fs", "postgres", "kv"]
@@ -41,3 +41,136 @@ def flavour_config(flavour: str, tmp: Path, **sections: dict[str, Any]) -> Confi
 
 def open_flavour(flavour: str, tmp: Path, **sections: dict[str, Any]) -> Store:
     return open_store(flavour_config(flavour, tmp, **sections))
+
+
+# --------------------------------------------------------------------------
+# A full disk, in a child process inside a private mount namespace.
+#
+#   unshare -m sh -c 'mount -t tmpfs -o size=4m tmpfs DIR && \
+#       exec python -m tests.integration.stores diskfull FLAVOUR DIR'
+#
+# The child fills a small tmpfs through the store until it refuses, and
+# prints one JSON line: what it saw, checked from inside (the parent cannot
+# see the tmpfs).
+
+
+def diskfull_scenario(flavour: str, mount: Path, ballast_mb: int = 1) -> dict[str, Any]:
+    """Fill ``mount`` through a store; free space; check; returns the findings."""
+    import hashlib
+    import os
+    import time
+
+    from sluice.model import Selector, Submission
+    from sluice.store import StorageError
+
+    ballast = mount / "ballast"
+    ballast.write_bytes(b"\0" * (ballast_mb << 20))  # freed later, as an operator would
+    server = None
+    if flavour == "postgres":
+        import pwd
+
+        import psycopg
+        from psycopg.conninfo import make_conninfo
+
+        from sluice.store._pgserver import PgServer
+        from sluice.store.postgres import PgStore
+
+        ts = mount / "ts"
+        ts.mkdir()
+        pw = pwd.getpwnam("postgres")
+        os.chown(ts, pw.pw_uid, pw.pw_gid)
+        server = PgServer.start()
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE TABLESPACE small LOCATION '{ts}'")
+        store: Store = PgStore(make_conninfo(server.dsn, options="-c default_tablespace=small"),
+                               node_id="full")
+    else:
+        store = open_flavour(flavour, mount)
+    out: dict[str, Any] = {"accepted": 0, "error": None, "other_error": None}
+    digests: dict[str, str] = {}
+    try:
+        body = os.urandom(96 * 1024).hex().encode()  # 192 KB
+        for i in range(400):
+            content = b"Subject: %d\r\n\r\n" % i + body
+            try:
+                acc = store.submit(Submission("a@example.org", ("b@example.net",)), content,
+                                   time.time())
+            except StorageError as exc:
+                out["error"] = str(exc)
+                break
+            except Exception as exc:
+                out["other_error"] = f"{type(exc).__name__}: {exc}"
+                break
+            digests[acc.spid] = hashlib.sha256(content).hexdigest()
+        out["accepted"] = len(digests)
+        # A second attempt on the full disk fails the same way, and the
+        # store still answers readers.
+        try:
+            store.submit(Submission("a@example.org", ("b@example.net",)), body, time.time())
+            out["second_ok"] = True
+        except StorageError:
+            out["second_ok"] = False
+        listed = {e.spid for e in store.entries(Selector())}
+        out["all_listed"] = set(digests) <= listed and len(listed) == len(digests)
+        intact = True
+        for spid, digest in digests.items():
+            with store.open_content(spid) as stream:
+                intact &= hashlib.sha256(stream.read()).hexdigest() == digest
+        out["all_intact"] = intact
+        out["count"] = store.count().messages
+        # The operator frees space: the store works again, without a restart.
+        ballast.unlink()
+        for e in list(store.entries(Selector()))[:3]:
+            store.modify(Selector(qids=(e.spid,)), Action.DELETE, time.time())
+        acc = None
+        for _ in range(20):
+            try:
+                acc = store.submit(Submission("a@example.org", ("b@example.net",)),
+                                   b"Subject: after\r\n\r\nsmall\r\n", time.time())
+                break
+            except StorageError as exc:
+                out["after_error"] = str(exc)
+                time.sleep(0.2)
+        out["after_ok"] = acc is not None
+        out["count_after"] = store.count().messages
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:2] == ["diskfull"]:
+        print(json.dumps(diskfull_scenario(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))),
+              flush=True)
+
+
+def run_diskfull(flavour: str, size: str = "4m", ballast_mb: int = 1) -> dict[str, Any]:
+    """Run diskfull_scenario in a child with a tmpfs of ``size`` of its own."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.conftest import ROOT, subprocess_env
+
+    # Not under pytest's tmp_path: the postgres user must reach the mount point.
+    mount = Path(tempfile.mkdtemp(prefix="sluice-full-"))
+    mount.chmod(0o755)
+    script = ('mount -t tmpfs -o size="$4",mode=0755 tmpfs "$1" && '
+              'exec "$2" -m tests.integration.stores diskfull "$3" "$1" "$5"')
+    try:
+        proc = subprocess.run(
+            ["unshare", "-m", "sh", "-c", script, "sh", str(mount), sys.executable, flavour,
+             size, str(ballast_mb)],
+            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    finally:
+        shutil.rmtree(mount, ignore_errors=True)
+    assert proc.returncode == 0, f"the child failed: {proc.stderr[-3000:]}"
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result

@@ -139,6 +139,10 @@ CHUNK_SIZE = 65536
 #: Operator changes are kept this long in the change feed.
 CHANGES_KEEP_S = 3600.0
 
+#: Room needed on the disk, besides the size of LevelDB's logs, before the
+#: database is reopened after a write error.
+REOPEN_MARGIN = 1 << 20
+
 #: Selections by state use the state index keys when the selected states
 #: hold at most this many recipients; otherwise one scan of the rcpt keys
 #: costs less than sorting that many index keys.
@@ -458,6 +462,7 @@ class KvStore:
         self.dir = Path(path)
         self.node_id = node_id
         self._rw = RWLock()
+        self._wlock = threading.Lock()
         self._broken = False
         self._reopened = False
         self._inflight: set[str] = set()
@@ -467,9 +472,9 @@ class KvStore:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create the queue directory {self.dir}: {exc}") from exc
-        self._db: Any = self._open_db()
+        self._db: Any | None = self._open_db()
         try:
-            last = next(self._db.iterator(prefix=_CHANGE_PREFIX, reverse=True,
+            last = next(self._open_handle().iterator(prefix=_CHANGE_PREFIX, reverse=True,
                                           include_value=False), None)
         except plyvel.Error as exc:
             raise StorageError(f"cannot read the queue at {self.dir}: {exc}") from exc
@@ -499,24 +504,72 @@ class KvStore:
         except plyvel.Error as exc:
             raise StorageError(f"cannot open the kv queue at {self.dir}: {exc}") from exc
 
-    def _reopen(self) -> None:
-        """Close and reopen LevelDB after a write error (replays its log)."""
+    def _try_reopen(self) -> None:
+        """After a write error: close LevelDB and reopen it, replaying its log.
+
+        A write that fails part way leaves a torn record in LevelDB's log,
+        and on the next open LevelDB drops everything after it -- even
+        synchronous writes that were acknowledged (ZoneMTA's data loss on
+        recovery).  So nothing is written after an error until the
+        database has been reopened, and it is reopened only when the disk
+        has room for the log to be replayed into a table.
+        """
+        logs = 0
+        with contextlib.suppress(OSError):
+            logs = sum(p.stat().st_size for p in self.dir.glob("*.log"))
+        need = logs + REOPEN_MARGIN
+        try:
+            st = os.statvfs(self.dir)
+            free = st.f_bavail * st.f_frsize
+        except OSError as exc:
+            raise StorageError(f"cannot check the disk of {self.dir}: {exc}") from exc
+        if free < need:
+            raise StorageError(
+                f"the disk holding {self.dir} is full: {free} bytes free, about {need} "
+                "needed to reopen the queue after a write error")
         with self._rw.writing():
-            with contextlib.suppress(plyvel.Error, RuntimeError):
-                self._db.close()
+            if not self._broken and self._db is not None:
+                return
+            if self._db is not None:
+                with contextlib.suppress(plyvel.Error, RuntimeError):
+                    self._db.close()
+                self._db = None
             self._db = self._open_db()
             self._broken = False
             self._reopened = True
 
-    def _failed(self, exc: BaseException, what: str) -> StorageError:
-        self._broken = True
-        return StorageError(f"{what} failed: {exc}")
+    def _write(self, what: str, fn: Callable[[Any], None]) -> None:
+        """Every write to LevelDB goes through here, one at a time (see _try_reopen).
+
+        The caller holds ``self._rw`` for reading.
+        """
+        with self._wlock:
+            if self._broken or self._db is None:
+                raise StorageError(f"{what}: the queue had a write error and is waiting "
+                                   "to be reopened")
+            try:
+                fn(self._db)
+            except (plyvel.Error, RuntimeError) as exc:
+                self._broken = True
+                raise StorageError(f"{what} failed: {exc}") from exc
+
+    def _open_handle(self) -> Any:
+        if self._db is None:
+            raise StorageError("the queue is not open")
+        return self._db
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise StorageError("the store is closed")
+        if self._db is None:
+            self._try_reopen()
 
     @contextlib.contextmanager
     def _snapshot(self) -> Iterator[_Loader]:
-        if self._closed:
-            raise StorageError("the store is closed")
+        self._ensure_open()
         with self._rw.reading():
+            if self._db is None:
+                raise StorageError("the queue is not open")
             try:
                 snap = self._db.snapshot()
             except (plyvel.Error, RuntimeError) as exc:
@@ -542,9 +595,9 @@ class KvStore:
     # -- the committer ------------------------------------------------------------------
 
     def _commit(self, batch: list[Op]) -> None:
-        if self._broken:
+        if self._broken or self._db is None:
             try:
-                self._reopen()
+                self._try_reopen()
             except StorageError as exc:
                 self._fail(batch, exc)
                 return
@@ -556,7 +609,7 @@ class KvStore:
                 self._fail(submits, StorageError(f"making the content durable failed: {exc}"))
                 batch = [op for op in batch if not isinstance(op.extra, _Submit)]
         if self._reopened:
-            # The content of a submission may have been in a torn log record.
+            # Content written before an error may have been in the dropped tail.
             self._reopened = False
             lost = [op for op in batch
                     if isinstance(op.extra, _Submit) and not self._content_intact(op.extra)]
@@ -574,16 +627,17 @@ class KvStore:
                     value = op.work(view)
                 except plyvel.Error as exc:
                     view.rollback(mark)
-                    results.append((op, None, self._failed(exc, "reading the queue")))
+                    results.append((op, None, StorageError(f"reading the queue failed: {exc}")))
                 except Exception as exc:
                     view.rollback(mark)
                     results.append((op, None, exc))
                 else:
                     results.append((op, value, None))
-            try:
+
+            def write(db: Any) -> None:
                 stats = {name: delta for name, delta in view.stats.items() if delta}
-                current = self._read_stats(self._db) if stats else {}
-                with self._db.write_batch(sync=True) as wb:
+                current = self._read_stats(db) if stats else {}
+                with db.write_batch(sync=True) as wb:
                     for key, value in view.pending.items():
                         if value is None:
                             wb.delete(key)
@@ -591,8 +645,11 @@ class KvStore:
                             wb.put(key, value)
                     for name, delta in stats.items():
                         wb.put(_stat_key(name), str(current.get(name, 0) + delta).encode())
-            except (plyvel.Error, RuntimeError) as exc:
-                write_error = self._failed(exc, "writing the queue")
+
+            try:
+                self._write("writing the queue", write)
+            except StorageError as exc:
+                write_error = exc
         for op, value, failure in results:
             if write_error is not None and failure is None:
                 failure = write_error
@@ -617,8 +674,9 @@ class KvStore:
     def _content_intact(self, sub: _Submit) -> bool:
         with self._rw.reading():
             try:
-                return all(self._db.get(_chunk_key(sub.spid, n)) is not None
-                           for n in range(1, sub.chunks + 1))
+                return self._db is not None and all(
+                    self._db.get(_chunk_key(sub.spid, n)) is not None
+                    for n in range(1, sub.chunks + 1))
             except plyvel.Error:
                 return False
 
@@ -626,13 +684,15 @@ class KvStore:
         """Best effort: remove the chunks of a submission that was not committed."""
         with self._inflight_lock:
             self._inflight.discard(sub.spid)
-        try:
-            with self._rw.reading(), self._db.write_batch() as wb:
+
+        def drop(db: Any) -> None:
+            with db.write_batch() as wb:
                 for n in range(1, sub.chunks + 1):
                     wb.delete(_chunk_key(sub.spid, n))
                 wb.delete(_PENDING_PREFIX + _b(sub.spid))
-        except (plyvel.Error, RuntimeError):
-            self._broken = True  # recover() sweeps the leftovers
+
+        with contextlib.suppress(StorageError), self._rw.reading():
+            self._write("removing content", drop)  # else recover() sweeps it
 
     @staticmethod
     def _read_stats(db: Any) -> dict[str, int]:
@@ -657,10 +717,11 @@ class KvStore:
         # The lock is held per write, not per message: a slow client must
         # not keep the committer from reopening the database.
         with self._rw.reading():
-            self._db.put(key, value)
+            self._write("writing the content", lambda db: db.put(key, value))
 
     def _write_content(self, content: Content) -> _Submit:
         """Stream content into 64 KB chunk keys under a fresh SPID."""
+        self._ensure_open()
         for _ in range(100):
             spid = new_spid()
             with self._inflight_lock:
@@ -668,10 +729,13 @@ class KvStore:
                     continue
             try:
                 with self._rw.reading():
-                    taken = (self._db.get(_exists_key(spid)) is not None
-                             or self._db.get(_PENDING_PREFIX + _b(spid)) is not None)
+                    db = self._db
+                    if db is None:
+                        raise StorageError("the queue is not open")
+                    taken = (db.get(_exists_key(spid)) is not None
+                             or db.get(_PENDING_PREFIX + _b(spid)) is not None)
             except (plyvel.Error, RuntimeError) as exc:
-                raise self._failed(exc, "reading the queue") from exc
+                raise StorageError(f"reading the queue failed: {exc}") from exc
             if not taken:
                 break
         else:  # pragma: no cover - 100 collisions in a row means a broken clock
@@ -693,11 +757,10 @@ class KvStore:
                 sub.chunks += 1
                 sub.size += len(buf)
                 self._put(_chunk_key(spid, sub.chunks), bytes(buf))
-        except (plyvel.Error, RuntimeError) as exc:
-            err = self._failed(exc, "writing the content")
+        except StorageError:
             self._drop_content(sub)
             self._kick()
-            raise err from exc
+            raise
         except BaseException:
             self._drop_content(sub)
             raise
@@ -953,7 +1016,7 @@ class KvStore:
                 if spid != last:
                     counts["messages"] += 1
                     last = spid
-            current = self._read_stats(self._db)
+            current = self._read_stats(view.db)
             for name in _STAT_NAMES:
                 view.count(name, counts[name] - current.get(name, 0) - view.stats.get(name, 0))
             return moved
@@ -1041,10 +1104,10 @@ class KvStore:
             return
         if selector.transportid is not None:
             found2 = []
-            for _, dz in reader.items(_b(f"delivery-zone {_zone(selector.transportid)} ")):
-                rec = loader.record(dz)
+            for dz, raw in reader.items(_b(f"delivery-zone {_zone(selector.transportid)} ")):
+                rec = json.loads(raw)
                 spid = dz.decode().split(" ")[2]
-                if rec is not None and after_cursor(spid, rec["i"]):
+                if after_cursor(spid, rec["i"]):
                     found2.append((spid, rec["i"], dz))
             for spid, _, dz in sorted(found2):
                 yield from emit(spid, dz)
@@ -1068,7 +1131,7 @@ class KvStore:
 
         def work(view: _View) -> list[QueueEntry]:
             loader = _Loader(view)
-            counts = self._read_stats(self._db)
+            counts = self._read_stats(view.db)
             for name, delta in view.stats.items():
                 counts[name] = counts.get(name, 0) + delta
             found = list(self._candidates(loader, selector, states, counts))
@@ -1191,10 +1254,11 @@ class KvStore:
         return out
 
     def open_content(self, spid: str) -> IO[bytes]:
-        if self._closed:
-            raise StorageError("the store is closed")
+        self._ensure_open()
         with self._rw.reading():
             try:
+                if self._db is None:
+                    raise RuntimeError("the queue is not open")
                 snap = self._db.snapshot()
                 raw = snap.get(_meta_key(spid))
             except (plyvel.Error, RuntimeError) as exc:
@@ -1214,7 +1278,8 @@ class KvStore:
         self._committer.close()
         self._closed = True
         with self._rw.writing(), contextlib.suppress(plyvel.Error, RuntimeError):
-            self._db.close()
+            if self._db is not None:
+                self._db.close()
 
     def __enter__(self) -> KvStore:
         return self

@@ -443,7 +443,6 @@ class PgStore:
         return values, batch.gone
 
     def _commit(self, batch: list[Op]) -> None:
-        gone: set[str] = set()
         try:
             try:
                 values, gone = self._run(batch)
@@ -453,23 +452,21 @@ class PgStore:
             # One transaction per operation, so that only the failing one fails.
             for op in batch:
                 try:
-                    (value,), op_gone = self._run([op])
-                except _TRANSIENT:
                     try:
                         (value,), op_gone = self._run([op])
-                    except Exception as exc:
-                        op.future.set_exception(_fail(exc))
-                        continue
+                    except _TRANSIENT:
+                        (value,), op_gone = self._run([op])
                 except Exception as exc:
                     op.future.set_exception(_fail(exc))
                     continue
-                gone |= op_gone
+                if op_gone:
+                    self._collect_content(op_gone)
                 op.future.set_result(value)
-        else:
-            for op, value in zip(batch, values, strict=True):
-                op.future.set_result(value)
+            return
         if gone:
             self._collect_content(gone)
+        for op, value in zip(batch, values, strict=True):
+            op.future.set_result(value)
 
     def _collect_content(self, spids: set[str]) -> None:
         """Delete the content of messages whose last row is gone (after the commit)."""

@@ -1,0 +1,268 @@
+"""The fs flavour's own promises: Mailismus's layout, claims across processes,
+journal replay after a crash at the worst moment, content links, a full disk.
+
+The shared contract (tests/integration/test_store_contract.py) runs against
+this flavour too; these tests look at the files themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.store import Action, Transition
+from sluice.store.fs import FsStore
+from sluice.store.fs import _Name as Name
+from tests.conftest import ROOT, subprocess_env
+from tests.integration.stores import flavour_config, open_flavour, run_diskfull
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_800_000_000.0  # on the 15-minute grid
+S = QueueState
+
+
+def open_fs(tmp: Path, **queue: object) -> FsStore:
+    store = open_flavour("fs", tmp, queue=dict(queue))
+    assert isinstance(store, FsStore)
+    return store
+
+
+def tree(store: FsStore) -> dict[str, list[str]]:
+    """Control file names per directory, relative to the queue root."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(store.root.rglob("*.mmq")):
+        out.setdefault(str(path.parent.relative_to(store.root)), []).append(path.name)
+    return out
+
+
+def test_control_files_per_message_and_domain_named_by_spid_and_domain(tmp_path: Path
+                                                                       ) -> None:
+    store = open_fs(tmp_path)
+    try:
+        acc = store.submit(Submission("alice@example.org",
+                                      ("a@one.example", "b@two.example", "c@ONE.example"),
+                                      priority=1), b"Subject: x\r\n\r\nbody\r\n", T0)
+        names = tree(store)
+        assert names == {"incoming": [f"{acc.spid}-0+2p1@one.example.mmq",
+                                      f"{acc.spid}-1+1p1@two.example.mmq"]}
+        doc = json.loads((store.root / "incoming" / names["incoming"][0]).read_text())
+        assert [r[:2] for r in doc["rcpts"]] == [[0, "a@one.example"], [2, "c@ONE.example"]]
+        assert doc["sender"] == "alice@example.org" and doc["domain"] == "one.example"
+        # Each control file holds one hard link to the content.
+        spool = store.spool
+        assert os.stat(spool.path(acc.spid)).st_nlink == 3
+        assert sorted(p.name for p in spool.directory(acc.spid).glob(f"{acc.spid}-*.ref")) == [
+            f"{acc.spid}-0.ref", f"{acc.spid}-1.ref"]
+        # qcount answers from names alone.
+        assert store.count().by_state[S.INCOMING] == 3 and store.count().messages == 1
+        assert store.count(Selector(domain="one.example")).recipients == 2
+    finally:
+        store.close()
+
+
+def test_deferred_directories_are_named_by_the_rounded_due_time(tmp_path: Path) -> None:
+    store = open_fs(tmp_path)  # retry_granularity 15m
+    try:
+        acc = store.submit(Submission("a@example.org", ("x@d.example", "y@d.example")),
+                           b"body", T0)
+        e0, e1 = store.claim(10, T0, 10)
+        reply = Reply(451, "4.7.1", "later")
+        store.apply([Transition(e0.qid, S.DEFERRED, next_attempt_at=T0 + 100, reply=reply,
+                                attempted=True),
+                     Transition(e1.qid, S.DEFERRED, next_attempt_at=T0 + 2000, reply=reply,
+                                attempted=True)])
+        assert tree(store) == {
+            f"deferred/{int(T0 + 900)}": [f"{acc.spid}-0+1p0@d.example.mmq"],
+            f"deferred/{int(T0 + 2700)}": [f"{acc.spid}-1+1p0@d.example.mmq"],
+        }
+        assert store.due_at() == T0 + 100
+        assert store.claim(10, T0 + 99, 10) == []  # in the directory's window, not due yet
+        assert [e.qid for e in store.claim(10, T0 + 100, 10)] == [e0.qid]
+        # The directory emptied by the claim is gone.
+        assert not (store.root / "deferred" / str(int(T0 + 900))).exists()
+    finally:
+        store.close()
+
+
+def test_recipients_that_part_ways_split_the_file_and_content_waits_for_the_last(
+        tmp_path: Path) -> None:
+    store = open_fs(tmp_path)
+    try:
+        acc = store.submit(Submission("a@example.org", ("x@d.example", "y@d.example",
+                                                        "z@d.example")), b"body", T0)
+        claimed = store.claim(2, T0, 10)  # the limit splits the file
+        assert [e.idx for e in claimed] == [0, 1]
+        assert tree(store) == {"active": [f"{acc.spid}-0+2p0@d.example.mmq"],
+                               "incoming": [f"{acc.spid}-2+1p0@d.example.mmq"]}
+        store.apply([Transition(claimed[0].qid, None, reply=Reply(250, "2.0.0", "ok"))])
+        assert tree(store) == {"active": [f"{acc.spid}-1+1p0@d.example.mmq"],
+                               "incoming": [f"{acc.spid}-2+1p0@d.example.mmq"]}
+        assert store.spool.exists(acc.spid)
+        store.modify(Selector(qids=(acc.spid,)), Action.DELETE, T0)
+        assert tree(store) == {}
+        assert list(store.spool.directory(acc.spid).glob(f"{acc.spid}*")) == []
+        assert list((store.root / "journal").iterdir()) == []
+        assert list((store.root / "tmp").iterdir()) == []
+    finally:
+        store.close()
+
+
+_CLAIMER = """
+import json, sys, time
+from sluice.config import load_config
+from sluice.store import open_store
+store = open_store(load_config(sys.argv[1]))
+got = []
+idle = 0
+while idle < 3:
+    batch = store.claim(7, time.time() + 10, 10)
+    got += [e.qid for e in batch]
+    idle = 0 if batch else idle + 1
+store.close()
+print(json.dumps(got))
+"""
+
+
+def test_two_processes_never_claim_the_same_recipient(tmp_path: Path) -> None:
+    cfg = flavour_config("fs", tmp_path)
+    store = open_fs(tmp_path)
+    qids: list[str] = []
+    for i in range(150):
+        acc = store.submit(Submission("a@example.org",
+                                      (f"u{i}@d{i % 3}.example", f"v{i}@d{i % 3}.example",
+                                       f"w{i}@e.example")), b"body", T0)
+        qids += acc.qids
+    store.close()
+    path = tmp_path / "sluice.yaml"
+    path.write_text(json.dumps(cfg.to_dict(readable=True)))
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, str(path)], cwd=ROOT,
+                              env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    first, second = results
+    assert first and second, "both processes should have claimed something"
+    assert not set(first) & set(second)
+    assert sorted(first + second) == sorted(qids)
+    store = open_fs(tmp_path)
+    try:
+        assert store.count()[S.ACTIVE] == len(qids)
+    finally:
+        store.close()
+
+
+_CRASHER = """
+import os, sys, time
+from sluice.config import load_config
+from sluice.model import Submission
+from sluice.store import open_store
+import sluice.store.fs as fs
+real_rename = os.rename
+renames = 0
+def crash_after_first_rename(src, dst):
+    global renames
+    real_rename(src, dst)
+    renames += 1
+    if "tmp" in str(src) and renames == 1:
+        os._exit(9)  # the process dies in the middle of putting the batch in place
+fs.os.rename = crash_after_first_rename
+store = open_store(load_config(sys.argv[1]))
+store.submit(Submission("a@example.org", ("x@one.example", "y@two.example", "z@three.example")),
+             b"Subject: journal\\r\\n\\r\\nbody\\r\\n", time.time())
+"""
+
+
+def test_a_crash_while_a_batch_goes_into_place_is_completed_from_the_journal(
+        tmp_path: Path) -> None:
+    cfg = flavour_config("fs", tmp_path)
+    path = tmp_path / "sluice.yaml"
+    path.write_text(json.dumps(cfg.to_dict(readable=True)))
+    open_fs(tmp_path).close()
+    proc = subprocess.run([sys.executable, "-c", _CRASHER, str(path)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 9, proc.stderr
+    root = tmp_path / "queue"
+    # The crash left one control file of three in place, the rest in tmp/.
+    assert len(list((root / "incoming").iterdir())) == 1
+    assert len(list((root / "journal").iterdir())) == 1
+    store = open_fs(tmp_path)  # the next writer replays the journal
+    try:
+        entries = list(store.entries(Selector()))
+        assert [e.recipient for e in entries] == ["x@one.example", "y@two.example",
+                                                  "z@three.example"]
+        with store.open_content(entries[0].spid) as stream:
+            assert stream.read() == b"Subject: journal\r\n\r\nbody\r\n"
+        assert list((root / "journal").iterdir()) == []
+        assert list((root / "tmp").iterdir()) == []
+    finally:
+        store.close()
+
+
+def test_a_crash_before_the_journal_leaves_nothing_half_done(tmp_path: Path) -> None:
+    crasher = _CRASHER.replace('os._exit(9)', 'pass').replace(
+        "fs.os.rename = crash_after_first_rename",
+        "real_write = fs._write_file\n"
+        "def die_at_journal(path, data):\n"
+        "    if 'journal' in str(path): os._exit(9)\n"
+        "    return real_write(path, data)\n"
+        "fs._write_file = die_at_journal")
+    cfg = flavour_config("fs", tmp_path)
+    path = tmp_path / "sluice.yaml"
+    path.write_text(json.dumps(cfg.to_dict(readable=True)))
+    open_fs(tmp_path).close()
+    proc = subprocess.run([sys.executable, "-c", crasher, str(path)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 9, proc.stderr
+    store = open_fs(tmp_path)
+    try:
+        # The journal never reached its end: no recipient of the message is queued.
+        assert list(store.entries(Selector())) == []
+        assert list((tmp_path / "queue" / "tmp").iterdir()) == []
+        assert list((tmp_path / "queue" / "journal").iterdir()) == []
+        # Its content is an orphan; recover() removes it once it is old enough.
+        store.recover(time.time() + 7200)
+        assert list(store.spool.spids()) == []
+        assert list(store.spool.root.rglob("*.ref")) == []
+    finally:
+        store.close()
+
+
+def test_a_new_granularity_refiles_the_deferred_tree(tmp_path: Path) -> None:
+    store = open_fs(tmp_path)
+    try:
+        acc = store.submit(Submission("a@example.org", ("x@d.example",), delay_s=100), b"b", T0)
+        assert tree(store) == {f"deferred/{int(T0 + 900)}": [f"{acc.spid}-0+1p0@d.example.mmq"]}
+    finally:
+        store.close()
+    store = open_fs(tmp_path, retry_granularity="1m")
+    try:
+        assert tree(store) == {f"deferred/{int(T0 + 120)}": [f"{acc.spid}-0+1p0@d.example.mmq"]}
+        assert [e.qid for e in store.claim(5, T0 + 100, 10)] == list(acc.qids)
+        layout = json.loads((store.root / "layout.json").read_text())
+        assert layout == {"layout": 1, "granularity_s": 60.0}
+    finally:
+        store.close()
+
+
+def test_names_parse_back() -> None:
+    parsed = Name.parse("018C2F3A1B7E4D20-3+12p1@example.net.mmq")
+    assert parsed == Name("018C2F3A1B7E4D20", 3, 12, 1, "example.net")
+    assert Name.parse("notes.txt") is None
+
+
+def test_a_full_disk_is_a_temporary_failure_and_passes() -> None:
+    found = run_diskfull("fs", size="4m", ballast_mb=1)
+    assert found["other_error"] is None
+    assert found["error"] and "No space left" in found["error"]
+    assert found["accepted"] > 0 and found["second_ok"] is False
+    assert found["all_listed"] and found["all_intact"] and found["count"] == found["accepted"]
+    assert found["after_ok"], found.get("after_error")
+    assert found["count_after"] == found["accepted"] - 3 + 1

@@ -1,0 +1,182 @@
+"""The kv flavour's own promises: ZoneMTA's keys in LevelDB, every key gone
+after the last recipient, one process only, leftovers swept, a full disk.
+
+The shared contract (tests/integration/test_store_contract.py) runs against
+this flavour too; these tests open the LevelDB directory itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import plyvel
+import pytest
+
+from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.store import Action, StorageError, Transition
+from sluice.store.kv import CHUNK_SIZE, KvStore
+from tests.conftest import ROOT, subprocess_env
+from tests.integration.stores import flavour_config, open_flavour, run_diskfull
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_800_000_000.0
+S = QueueState
+
+
+def open_kv(tmp: Path) -> KvStore:
+    store = open_flavour("kv", tmp)
+    assert isinstance(store, KvStore)
+    return store
+
+
+def keys(tmp: Path) -> dict[bytes, bytes]:
+    db = plyvel.DB(str(tmp / "queue"))
+    try:
+        return dict(db.iterator())
+    finally:
+        db.close()
+
+
+def test_zonemta_keys_for_content_message_and_recipients(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+    body = bytes(range(256)) * 600  # 153,600 bytes: three chunks
+    try:
+        acc = store.submit(Submission("alice@example.org", ("b@one.example", "c@two.example"),
+                                      transportid="bulk"), body, T0)
+        plain = store.submit(Submission("alice@example.org", ("d@one.example",)), b"hi", T0 + 1)
+    finally:
+        store.close()
+    kv = keys(tmp_path)
+    spid = acc.spid
+    chunks = [kv[f"message {spid} {n:06d}".encode()] for n in (1, 2, 3)]
+    assert [len(c) for c in chunks] == [CHUNK_SIZE, CHUNK_SIZE, len(body) - 2 * CHUNK_SIZE]
+    assert b"".join(chunks) == body
+    assert f"message {spid} 000004".encode() not in kv
+    assert float(kv[f"message {spid} #".encode()]) == T0
+    meta = json.loads(kv[f"message {spid} *".encode()])
+    assert meta["sender"] == "alice@example.org" and meta["rcpts"] == ["b@one.example",
+                                                                       "c@two.example"]
+    assert meta["size"] == len(body) and meta["chunks"] == 3
+    # One delivery-zone key per recipient; the zone is the transport.
+    rec = json.loads(kv[f"delivery-zone bulk {spid} b@one.example".encode()])
+    assert (rec["i"], rec["s"]) == (0, "incoming")
+    assert f"delivery-zone bulk {spid} c@two.example".encode() in kv
+    assert f"delivery-zone default {plain.spid} d@one.example".encode() in kv
+    # Iterating a zone walks its recipients from the oldest message on.
+    zone = [k for k in kv if k.startswith(b"delivery-zone bulk ")]
+    assert zone == sorted(zone) and len(zone) == 2
+    # The extra keys that index the states.
+    assert kv[f"sluice queue incoming 1 {spid} 000000".encode()] == \
+        f"delivery-zone bulk {spid} b@one.example".encode()
+    assert kv[b"sluice stat incoming"] == b"3" and kv[b"sluice stat messages"] == b"2"
+
+
+def test_selection_by_transport_iterates_the_zone(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+    try:
+        a = store.submit(Submission("s@example.org", ("x@d.example",), transportid="bulk"),
+                         b"1", T0)
+        store.submit(Submission("s@example.org", ("y@d.example",)), b"2", T0)
+        c = store.submit(Submission("s@example.org", ("z@d.example", "z@d.example"),
+                                    transportid="bulk"), b"3", T0)
+        assert [e.qid for e in store.entries(Selector(transportid="bulk"))] == [
+            a.qids[0], *c.qids]
+        # A repeated address in one envelope still gets a key of its own.
+        assert {e.idx for e in store.entries(Selector(qids=(c.spid,)))} == {0, 1}
+    finally:
+        store.close()
+
+
+def test_every_key_of_a_message_goes_after_its_last_recipient(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+    try:
+        acc = store.submit(Submission("a@example.org", ("x@one.example", "y@two.example")),
+                           b"x" * 200_000, T0)
+        e0, e1 = store.claim(10, T0, 10)
+        store.apply([Transition(e0.qid, None, reply=Reply(250, "2.0.0", "ok"))])
+        store.apply([Transition(e1.qid, S.DEFERRED, next_attempt_at=T0 + 60, attempted=True)])
+        store.modify(Selector(qids=(acc.spid,)), Action.HOLD, T0 + 1)
+        store.modify(Selector(qids=(acc.spid,)), Action.DELETE, T0 + 2)
+    finally:
+        store.close()
+    left = [k for k in keys(tmp_path) if acc.spid.encode() in k
+            and not k.startswith(b"sluice change ")]
+    assert left == []
+    assert keys(tmp_path)[b"sluice stat messages"] == b"0"
+
+
+def test_a_second_process_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+    try:
+        cfg = flavour_config("kv", tmp_path)
+        path = tmp_path / "sluice.yaml"
+        path.write_text(json.dumps(cfg.to_dict(readable=True)))
+        proc = subprocess.run(
+            [sys.executable, "-c",
+             "import sys\nfrom sluice.config import load_config\n"
+             "from sluice.store import StorageError, open_store\n"
+             "try:\n    open_store(load_config(sys.argv[1]))\n"
+             "except StorageError as exc:\n    print(exc)\n    sys.exit(3)\n",
+             str(path)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+            timeout=60)
+        assert proc.returncode == 3, proc.stderr
+        assert "open in another process" in proc.stdout
+        assert store.shared_access is False
+    finally:
+        store.close()
+
+
+def test_content_of_a_submission_that_never_committed_is_swept(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+    store.close()
+    db = plyvel.DB(str(tmp_path / "queue"))
+    db.put(b"sluice pending 1A2016772261AA74", b"")  # as a crash mid-stream leaves it
+    db.put(b"message 1A2016772261AA74 000001", b"half a message")
+    db.close()
+    store = open_kv(tmp_path)
+    try:
+        assert store.count().messages == 0
+        store.recover(T0)
+    finally:
+        store.close()
+    assert [k for k in keys(tmp_path) if b"1A2016772261AA74" in k] == []
+
+
+def test_a_failing_content_source_leaves_no_chunks(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+
+    def broken():  # type: ignore[no-untyped-def]
+        yield b"x" * (CHUNK_SIZE * 2 + 10)
+        raise ConnectionResetError("client went away")
+
+    try:
+        with pytest.raises(ConnectionResetError):
+            store.submit(Submission("a@example.org", ("b@example.net",)), broken(), T0)
+    finally:
+        store.close()
+    assert [k for k in keys(tmp_path) if k.startswith((b"message ", b"sluice pending"))] == []
+
+
+def test_reading_a_missing_message_is_a_storage_error(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+    try:
+        with pytest.raises(StorageError):
+            store.open_content("1A2016772261AA74")
+    finally:
+        store.close()
+
+
+def test_a_full_disk_is_a_temporary_failure_and_passes() -> None:
+    # LevelDB needs room to replay its log when it is reopened after the
+    # error, so the operator frees more here than for the other flavours.
+    found = run_diskfull("kv", size="12m", ballast_mb=8)
+    assert found["other_error"] is None
+    assert found["error"] and "No space left" in found["error"]
+    assert found["accepted"] > 0 and found["second_ok"] is False
+    assert found["all_listed"] and found["all_intact"] and found["count"] == found["accepted"]
+    assert found["after_ok"], found.get("after_error")
+    assert found["count_after"] == found["accepted"] - 3 + 1
