@@ -14,14 +14,16 @@ DESCRIPTION
                         queued.  It may set the queue fields (tenantid, jobid,
                         transportid, localip, priority), hold the message or
                         delay its first attempt, or reject it with a reply.
-    delivery.pre_hook   once per recipient entry and attempt, before routing.
+    delivery.pre_hook   once per recipient entry and attempt, before routing
+                        (sluice.delivery.Planner.plan calls it).
                         It may reroute (a transport(5) nexthop such as
                         ``smtp:[10.0.0.5]:25``), choose the source IPs, change
                         the transportid, or hold, defer, drop or bounce the
                         entry instead of delivering it.
     delivery.post_hook  once per recipient entry and attempt, after the
                         outcome is known -- also when no connection was made
-                        (routing failed, dead destination).  It sees the
+                        (routing failed, dead destination); Planner.finish
+                        and Planner.settle call it.  It sees the
                         outcome and may replace it, e.g. treat a 5xx as 4xx.
 
     A hook is named as ``package.module:function`` (imported from sys.path)

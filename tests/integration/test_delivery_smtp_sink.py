@@ -132,9 +132,11 @@ def test_many_messages_over_few_pipelined_connections(dump: Path) -> None:
 def test_lmtp_mode_answers_each_recipient() -> None:
     async def scenario(port: int) -> list[int]:
         route = NextHop(Transport.LMTP, (Host("sink.test", "127.0.0.1", port),), "lmtp")
-        res = await agent().deliver(DeliveryRequest(
+        a = agent()
+        res = await a.deliver(DeliveryRequest(
             route, entries(1, "a@d.test", "b@d.test", "c@d.test"),
             lambda: io.BytesIO(body(1))))
+        await a.close()
         return [o.reply.code for _, o in res.outcomes if isinstance(o, Delivered)]
 
     with smtp_sink("-L") as port:
@@ -144,8 +146,10 @@ def test_lmtp_mode_answers_each_recipient() -> None:
 def test_soft_rejected_recipients_are_deferred() -> None:
     async def scenario(port: int) -> list[tuple[type, int, str]]:
         route = NextHop(Transport.SMTP, (Host("sink.test", "127.0.0.1", port),), "soft")
-        res = await agent().deliver(DeliveryRequest(
+        a = agent()
+        res = await a.deliver(DeliveryRequest(
             route, entries(2, "a@d.test", "b@d.test"), lambda: io.BytesIO(body(2))))
+        await a.close()
         return [(type(o), o.reply.code, o.reply.enhanced) for _, o in res.outcomes]
 
     with smtp_sink("-r", "RCPT") as port:

@@ -306,7 +306,8 @@ class DeliveryAgent:
 
     async def close(self) -> None:
         """Say QUIT on every idle connection; later deliveries still work but
-        their connections are not kept."""
+        their connections are not kept.  Call it before the event loop
+        closes: uvloop waits for connections left open."""
         self._pool.close()
         await asyncio.sleep(0)  # let the transports flush QUIT
 
