@@ -66,8 +66,9 @@ import yaml
 
 from sluice.config import Config
 from sluice.delivery.agent import DeliveryAgent, DeliveryRequest
+from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
-from sluice.hooks import Bounce, Defer, Drop, Hold, Hooks, PostDelivery, Proceed
+from sluice.hooks import Drop, Hold, Hooks
 from sluice.model import PermFail, QueueEntry, QueueState, Reply, TempFail
 from sluice.queue import AttemptResult, Queue
 from sluice.scheduler import (
@@ -159,6 +160,7 @@ class QueueManager:
         self.router = router
         self.agent = agent
         self.hooks = hooks or Hooks()
+        self.planner = Planner(router, self.hooks)
         self.clock = clock
         self.grace_s = grace_s
         self.change_poll_s = change_poll_s
@@ -182,7 +184,7 @@ class QueueManager:
         self._deliveries: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sluice-io")
-        self._route_cache: dict[tuple[Any, ...], Route] = {}
+        self._route_cache: dict[Route, Route] = {}
         self._policy_mtime = self._mtime(self.policy_path)
         self._change_seq = 0
         self._bounce_pending = False
@@ -333,90 +335,53 @@ class QueueManager:
         self.post(JobsQueued(tuple(jobs), unrouted=unrouted))
 
     async def _route_all(self, entries: Sequence[QueueEntry]) -> tuple[list[DeliveryJob], int]:
-        """Pre-delivery hook, routing, grouping into jobs; failures recorded."""
-        cache: dict[tuple[str, str, str | None], Any] = {}
-        groups: dict[tuple[Any, ...], tuple[NextHop, Route, list[QueueEntry]]] = {}
-        failed: list[AttemptResult] = []
+        """Pre-delivery hook, routing and grouping into jobs (the Planner);
+        what is not delivered now is held, dropped or recorded."""
+        try:
+            plan = await self.planner.plan(entries)
+        except Exception:
+            log.exception("planning %d entries failed; giving their claims back", len(entries))
+            await self._release(entries)
+            return [], len(entries)
         hold: list[QueueEntry] = []
         drop: list[tuple[QueueEntry, str]] = []
-        run_pre = self.hooks.pre_delivery is not None
-        for entry in entries:
-            nexthop: str | None = None
-            localip = entry.localip
-            transportid = entry.transportid
-            if run_pre:
-                decision = await self.hooks.run_pre_delivery(entry)
-                match decision:
-                    case Proceed():
-                        nexthop = decision.nexthop
-                        localip = decision.localip if decision.localip is not None else localip
-                        if decision.transportid is not None:
-                            transportid = decision.transportid
-                    case Hold():
-                        hold.append(entry)
-                        continue
-                    case Drop(reason=reason):
-                        drop.append((entry, reason))
-                        continue
-                    case Defer(reply=reply):
-                        failed.append(AttemptResult(entry, TempFail(reply), attempted=False))
-                        continue
-                    case Bounce(reply=reply):
-                        failed.append(AttemptResult(entry, PermFail(reply), attempted=False))
-                        continue
-            key = (entry.domain, transportid, nexthop)
-            hop = cache.get(key)
-            if hop is None:
-                try:
-                    hop = await self.router.route(entry.domain, transportid, nexthop)
-                except Exception:
-                    log.exception("routing %s failed", entry.domain)
-                    hop = TempFail(Reply(451, "4.4.3", "routing failed, will retry"))
-                cache[key] = hop
-            if not isinstance(hop, NextHop):
-                failed.append(AttemptResult(entry, hop, attempted=False))
-                continue
-            route = self._route(entry, hop, localip, transportid)
-            gkey = (entry.spid, route)
-            group = groups.get(gkey)
-            if group is None:
-                groups[gkey] = (hop, route, [entry])
-            else:
-                group[2].append(entry)
+        failed: list[AttemptResult] = []
+        for item in plan.settled:
+            match item.decision:
+                case Hold():
+                    hold.append(item.entry)
+                case Drop(reason=reason):
+                    drop.append((item.entry, reason))
+                case _:
+                    failed.append(item.attempt_result())
         if hold:
             await self._io(self.queue.hold_claimed, hold)
         for entry, reason in drop:
             await self._io(self.queue.drop_claimed, [entry], reason)
         if failed:
-            await self._finish_unattempted(failed)
+            self._record(failed)
         jobs = []
-        for hop, route, members in groups.values():
+        for planned in plan.jobs:
             ref = f"j{next(self._ref)}"
-            first = members[0]
-            job = DeliveryJob(ref, first.spid, tuple(e.qid for e in members), route,
-                              priority=max(e.priority for e in members),
-                              arrival_at=first.arrival_at)
-            self._jobs[ref] = _Job(job, hop, {e.qid: e for e in members})
+            first = planned.entries[0]
+            job = DeliveryJob(ref, first.spid, tuple(e.qid for e in planned.entries),
+                              self._intern(planned.scheduler_route()),
+                              priority=planned.priority, arrival_at=first.arrival_at)
+            self._jobs[ref] = _Job(job, planned.route, {e.qid: e for e in planned.entries})
             jobs.append(job)
-        unrouted = len(failed) + len(hold) + len(drop)
+        unrouted = len(plan.settled)
         self.stats.unrouted += unrouted
         return jobs, unrouted
 
-    def _route(self, entry: QueueEntry, hop: NextHop, localip: tuple[str, ...],
-               transportid: str) -> Route:
-        """The scheduler's Route for a delivery; equal routes are one object."""
-        key = (entry.domain, entry.tenantid, entry.jobid, transportid, localip,
-               hop.remoteip, hop.remotemx, hop.destination, hop.transport)
-        route = self._route_cache.get(key)
-        if route is None:
+    def _intern(self, route: Route) -> Route:
+        """Equal routes as one object: the scheduler keys its sub-queues on them."""
+        known = self._route_cache.get(route)
+        if known is None:
             if len(self._route_cache) > 100_000:
                 self._route_cache.clear()
-            route = Route(recipientdomain=entry.domain, tenantid=entry.tenantid,
-                          jobid=entry.jobid, transportid=transportid, localip=localip,
-                          remoteip=hop.remoteip, remotemx=hop.remotemx,
-                          destination=hop.destination, transport=hop.transport)
-            self._route_cache[key] = route
-        return route
+            self._route_cache[route] = route
+            known = route
+        return known
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -445,9 +410,7 @@ class QueueManager:
                 content=functools.partial(self.queue.store.open_content, entries[0].spid),
                 localip=localip)
             result = await self.agent.deliver(request)
-            results = result.attempt_results()
-            if self.hooks.post_delivery is not None:
-                results = [await self._post_hook(r) for r in results]
+            results = await self.planner.finish(result)
             self.post(DeliveryFinished(
                 ref, tuple((r.entry.qid, r.outcome) for r in results),
                 connection_failed=result.connection_failed,
@@ -468,28 +431,19 @@ class QueueManager:
             self._jobs.pop(ref, None)
         self._record(results)
 
-    async def _post_hook(self, r: AttemptResult) -> AttemptResult:
-        outcome = await self.hooks.run_post_delivery(PostDelivery(
-            r.entry, r.outcome, attempted=r.attempted, localip=r.localip or "",
-            remotemx=r.remotemx or "", remoteip=r.remoteip or "",
-            duration_s=r.duration_s or 0.0))
-        if outcome is r.outcome:
-            return r
-        return AttemptResult(r.entry, outcome, r.attempted, r.localip, r.remotemx,
-                             r.remoteip, r.duration_s)
-
     def _defer_dead(self, job: DeliveryJob, qids: tuple[str, ...], reply: Reply) -> None:
         info = self._jobs.pop(job.ref, None)
         if info is None:
             return
-        results = [AttemptResult(info.entries[q], TempFail(reply), attempted=False,
-                                 remotemx=info.hop.remotemx, remoteip=info.hop.remoteip)
-                   for q in qids if q in info.entries]
-        self._spawn(self._finish_unattempted(results))
+        entries = [info.entries[q] for q in qids if q in info.entries]
+        self._spawn(self._settle_dead(entries, info.hop, reply))
 
-    async def _finish_unattempted(self, results: list[AttemptResult]) -> None:
-        if self.hooks.post_delivery is not None:
-            results = [await self._post_hook(r) for r in results]
+    async def _settle_dead(self, entries: list[QueueEntry], hop: NextHop, reply: Reply) -> None:
+        results = []
+        for entry in entries:
+            outcome = await self.planner.settle(entry, TempFail(reply))
+            results.append(AttemptResult(entry, outcome, attempted=False,
+                                         remotemx=hop.remotemx, remoteip=hop.remoteip))
         self._record(results)
 
     # -- recording -----------------------------------------------------------------------
