@@ -228,7 +228,9 @@ def test_replies_carry_enhanced_codes(serve: Callable[..., Running]) -> None:
 
 
 def test_pipelined_transaction(serve: Callable[..., Running]) -> None:
-    run = serve()
+    told: list[tuple[str, tuple[str, ...]]] = []
+    run = serve(receiver_kw={"on_accepted": lambda acc, sub: told.append((acc.spid,
+                                                                          sub.recipients))})
     sock = Raw(run.port)
     with sock:
         sock.reply()
@@ -242,6 +244,7 @@ def test_pipelined_transaction(serve: Callable[..., Running]) -> None:
         assert sock.reply().startswith("221 2.0.0")
     (entries,) = run.messages().values()
     assert [e.recipient for e in entries] == ["b@y.test", "c@y.test"]
+    assert told == [(entries[0].spid, ("b@y.test", "c@y.test"))]  # the scheduler's cue
 
 
 # -- size, recipients, lines --------------------------------------------------------------

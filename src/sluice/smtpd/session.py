@@ -183,9 +183,17 @@ class Settings:
     #: Runs Queue.submit_future off the event loop (sluice.smtpd.handoff);
     #: None runs it on the loop.
     handoff: Handoff | None = None
+    _ehlo: tuple[bytes, bytes] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Built once: with a connection per message, EHLO is on the hot path.
+        object.__setattr__(self, "_ehlo", (self._build_ehlo(False), self._build_ehlo(True)))
 
     def ehlo_reply(self, tls_active: bool) -> bytes:
         """The whole multi-line EHLO reply, as one write."""
+        return self._ehlo[tls_active]
+
+    def _build_ehlo(self, tls_active: bool) -> bytes:
         lines = [
             self.hostname, "PIPELINING", f"SIZE {self.policy.max_message_size}", "8BITMIME",
             "SMTPUTF8", "ENHANCEDSTATUSCODES",
