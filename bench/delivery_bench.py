@@ -9,7 +9,8 @@ SMTP.sendmail() on C long-lived clients.  smtp-sink advertises PIPELINING,
 which Sluice uses and aiosmtplib does not.
 
 Runs alternate between the clients (--repeat times) and the medians are
-printed, then one machine-readable line:
+printed -- throughput, and the client process's CPU time per message, which
+a busy machine disturbs less -- then one machine-readable line:
 
     delivery_bench sluice_msgs_per_s=X aiosmtplib_msgs_per_s=Y ratio=X/Y ...
 
@@ -160,26 +161,35 @@ def main() -> None:
     port = free_port()
     sink = start_sink(args.smtp_sink, port)
     figures: dict[str, list[float]] = {"sluice": [], "aiosmtplib": []}
+    cpu: dict[str, list[float]] = {"sluice": [], "aiosmtplib": []}
     try:
         # Warm up both code paths once (imports, first connections).
         run_one(run_sluice, args.uvloop, port, 200, args.connections, data)
         run_one(run_aiosmtplib, args.uvloop, port, 200, args.connections, data)
         for r in range(args.repeat):
             for name, fn in (("sluice", run_sluice), ("aiosmtplib", run_aiosmtplib)):
+                cpu_before = time.process_time()
                 rate = run_one(fn, args.uvloop, port, args.messages, args.connections, data)
+                cpu_us = (time.process_time() - cpu_before) / args.messages * 1e6
                 figures[name].append(rate)
-                print(f"run {r + 1}: {name:10s} {rate:8.0f} msg/s", flush=True)
+                cpu[name].append(cpu_us)
+                print(f"run {r + 1}: {name:10s} {rate:8.0f} msg/s  {cpu_us:6.0f} us CPU/msg",
+                      flush=True)
     finally:
         sink.terminate()
         sink.wait()
     ours = statistics.median(figures["sluice"])
     theirs = statistics.median(figures["aiosmtplib"])
+    ours_cpu = statistics.median(cpu["sluice"])
+    theirs_cpu = statistics.median(cpu["aiosmtplib"])
     loop = "uvloop" if args.uvloop else "asyncio"
     print(f"median: sluice {ours:.0f} msg/s, aiosmtplib {theirs:.0f} msg/s, "
           f"ratio {ours / theirs:.2f} ({args.messages} x {len(data)} B, "
-          f"{args.connections} connections, {loop})")
+          f"{args.connections} connections, {loop}); client CPU per message: "
+          f"sluice {ours_cpu:.0f} us, aiosmtplib {theirs_cpu:.0f} us")
     print(f"delivery_bench sluice_msgs_per_s={ours:.0f} aiosmtplib_msgs_per_s={theirs:.0f} "
-          f"ratio={ours / theirs:.2f} n={args.messages} connections={args.connections} "
+          f"ratio={ours / theirs:.2f} sluice_cpu_us={ours_cpu:.0f} "
+          f"aiosmtplib_cpu_us={theirs_cpu:.0f} n={args.messages} connections={args.connections} "
           f"size={len(data)} loop={loop} repeat={args.repeat} "
           f"reconnects_sluice={RECONNECTS['sluice']} "
           f"reconnects_aiosmtplib={RECONNECTS['aiosmtplib']}")

@@ -523,6 +523,24 @@ def test_utf8_addresses_with_smtputf8() -> None:
     run(scenario())
 
 
+def test_addresses_that_could_smuggle_commands_never_reach_the_wire() -> None:
+    async def scenario() -> None:
+        handler = SinkHandler()
+        async with sink(handler) as s:
+            agent = make_agent()
+            res = await agent.deliver(request(
+                hop(s.port), "ok@dest.test", "x@dest.test>\r\nRCPT TO:<evil@dest.test"))
+            assert outcomes(res) == [("ok@dest.test", Delivered, 250, "2.0.0"),
+                                     ("x@dest.test>\r\nRCPT TO:<evil@dest.test", PermFail, 553,
+                                      "5.1.3")]
+            res = await agent.deliver(request(hop(s.port), "ok@dest.test",
+                                              sender="a@src.test>\r\nDATA"))
+            assert outcomes(res) == [("ok@dest.test", PermFail, 553, "5.1.7")]
+        assert [m.recipients for m in handler.messages] == [("ok@dest.test",)]
+
+    run(scenario())
+
+
 def test_message_larger_than_the_servers_size() -> None:
     async def scenario() -> None:
         handler = SinkHandler()

@@ -69,6 +69,7 @@ SEE ALSO
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import ssl
 import time
@@ -77,7 +78,14 @@ from dataclasses import dataclass
 from typing import IO
 
 from sluice.config import Config, DeliveryConfig
-from sluice.delivery.client import Envelope, ServerReply, Session, SessionError, StartTls
+from sluice.delivery.client import (
+    Envelope,
+    ServerReply,
+    Session,
+    SessionError,
+    StartTls,
+    default_ssl_context,
+)
 from sluice.delivery.router import Host, NextHop
 from sluice.model import Delivered, Outcome, PermFail, QueueEntry, Reply, TempFail
 from sluice.queue import AttemptResult
@@ -189,6 +197,10 @@ def _peer_outcome(reply: ServerReply, host: Host) -> Outcome:
 _Key = tuple[Transport, str, str]
 
 
+def _wire_safe(address: str) -> bool:
+    return not any(c in address for c in "\r\n\0<>")
+
+
 def _open(request: DeliveryRequest) -> IO[bytes] | Reply:
     try:
         return request.content()
@@ -279,7 +291,8 @@ class DeliveryAgent:
         self.hostname = hostname
         self.timeouts = config.timeouts
         self.starttls = config.starttls
-        self.ssl_context = ssl_context
+        # One context for every session: building one per STARTTLS is costly.
+        self.ssl_context = ssl_context or default_ssl_context()
         self._pool = _Pool(config.max_messages_per_connection, config.timeouts.idle,
                            config.max_connections)
         self._opened = 0
@@ -315,6 +328,9 @@ class DeliveryAgent:
 
     async def deliver(self, request: DeliveryRequest) -> DeliveryResult:
         """Deliver ``request``; every entry gets an outcome (see DESCRIPTION)."""
+        if not all(_wire_safe(e.recipient) for e in request.entries) \
+                or not _wire_safe(request.entries[0].sender):
+            return await self._deliver_safe_part(request)
         started = time.monotonic()
         route = request.route
         key: _Key = (route.transport, route.destination, request.localip)
@@ -367,6 +383,26 @@ class DeliveryAgent:
         finally:
             if not isinstance(content, Reply):
                 content.close()
+
+    async def _deliver_safe_part(self, request: DeliveryRequest) -> DeliveryResult:
+        """Addresses with CR, LF, NUL or angle brackets never reach the wire,
+        where they could smuggle in commands; they fail for good, the rest
+        is delivered as usual."""
+        started = time.monotonic()
+        host = request.route.hosts[0]
+        if not _wire_safe(request.entries[0].sender):
+            reply = Reply(553, "5.1.7", "the sender address cannot be sent over SMTP")
+            return self._result(request, [PermFail(reply)] * len(request.entries), host,
+                                started, new=False, failed=False)
+        good = tuple(e for e in request.entries if _wire_safe(e.recipient))
+        bad = PermFail(Reply(553, "5.1.3", "the recipient address cannot be sent over SMTP"))
+        if not good:
+            return self._result(request, [bad] * len(request.entries), host, started,
+                                new=False, failed=False)
+        part = await self.deliver(dataclasses.replace(request, entries=good))
+        done = dict(part.outcomes)
+        return dataclasses.replace(part, outcomes=tuple(
+            (e, done.get(e, bad)) for e in request.entries))
 
     def _refuse_before_mail(self, session: Session, env: Envelope) -> Outcome | None:
         """Outcomes known from the EHLO reply alone (RFC 6531, RFC 1870)."""

@@ -292,18 +292,27 @@ def _expire(fut: asyncio.Future[None]) -> None:
         fut.set_exception(_Timeout())
 
 
-def _client_context() -> ssl.SSLContext:
-    # Opportunistic TLS (Postfix's "may" and "encrypt" levels): encrypt
-    # against passive listeners; MX names are not authenticated (no DANE).
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+def default_ssl_context() -> ssl.SSLContext:
+    """The client TLS context delivery uses unless given another.
+
+    Opportunistic TLS (Postfix's "may" and "encrypt" levels): it protects
+    against passive listeners; MX names are not authenticated (there is no
+    DANE here), so no CA store is loaded.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     return ctx
 
 
-def default_ssl_context() -> ssl.SSLContext:
-    """The client TLS context delivery uses unless given another."""
-    return _client_context()
+def _soft(reply: Reply, host: Host, what: str) -> Reply:
+    """A refusal to talk, recorded as temporary whatever its code: another
+    MX, or the same one later, may well accept (Postfix's
+    smtp_skip_5xx_greeting)."""
+    enhanced = reply.enhanced if reply.enhanced.startswith("4") else "4.4.2"
+    code = reply.code if reply.is_transient else 451
+    return Reply(code, enhanced, f"host {host} {what}: {reply.code} {reply.text}")
 
 
 class Session:
@@ -383,8 +392,8 @@ class Session:
         if reply.code != 220:
             if starttls == StartTls.REQUIRE:
                 self.quit()
-                raise SessionError(reply.to_reply(
-                    f"TLS is required, but host {self.host} refused STARTTLS: "))
+                raise SessionError(_soft(reply.to_reply(), self.host,
+                                         "refused STARTTLS, which is required, with"))
             # Opportunistic: carry on in plain text (RFC 3207 allows it).
             return
         reader = self._reader
@@ -393,7 +402,7 @@ class Session:
         assert transport is not None
         try:
             new = await loop.start_tls(
-                transport, reader, ssl_context or _client_context(),
+                transport, reader, ssl_context or default_ssl_context(),
                 server_hostname=None if self.host.name == self.host.ip else self.host.name,
                 ssl_handshake_timeout=self.timeouts.starttls)
         except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
@@ -424,13 +433,7 @@ class Session:
     def _refused(self, reply: ServerReply, what: str) -> None:
         """The server will not talk to us: try the next host (SessionError)."""
         self.quit()
-        said = reply.to_reply()
-        # Recorded as a temporary failure whatever the code: another MX, or
-        # the same one later, may well accept (Postfix's smtp_skip_5xx_greeting).
-        enhanced = said.enhanced if said.enhanced.startswith("4") else "4.4.2"
-        code = said.code if said.is_transient else 451
-        raise SessionError(Reply(code, enhanced,
-                                 f"host {self.host} {what}: {said.code} {said.text}"))
+        raise SessionError(_soft(reply.to_reply(), self.host, what))
 
     # -- I/O ---------------------------------------------------------------------
 
