@@ -32,6 +32,11 @@ _server: PgServer | None = None
 _schemas: list[str] = []
 
 
+def external_dsn() -> str | None:
+    """$SLUICE_PG_DSN as it was when the tests started, if it was set."""
+    return _EXTERNAL
+
+
 def base_dsn() -> str:
     """The server's connection string; starts the throwaway server on first use."""
     global _server
