@@ -100,3 +100,27 @@ def test_encode_stream_reads_in_pieces(content: bytes, bufsize: int) -> None:
     out = b"".join(encode_stream(CountingReader(content), bufsize))
     assert out == reference(content)
     assert CountingReader.biggest <= bufsize
+
+
+@pytest.mark.property
+@settings(max_examples=300, deadline=None)
+@given(
+    lines=st.lists(st.sampled_from([b"", b"a", b".", b"..x", b"x.y", b"\xc3\xa9t\xc3\xa9"]),
+                   max_size=30),
+    final_break=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=120), max_size=6),
+)
+def test_crlf_content_passes_through_unchanged_unless_dotted(
+        lines: list[bytes], final_break: bool, cuts: list[int]) -> None:
+    # The shape our own SMTP server spools: CRLF everywhere.
+    content = b"\r\n".join(lines) + (b"\r\n" if final_break and lines else b"")
+    points = sorted({c for c in cuts if c <= len(content)})
+    bounds = [0, *points, len(content)]
+    chunks = [content[a:b] for a, b in itertools.pairwise(bounds)]
+    enc = DataEncoder()
+    pieces = [enc.feed(c) for c in chunks]
+    assert b"".join(pieces) + enc.finish() == reference(content)
+    for chunk, piece in zip(chunks, pieces, strict=True):
+        if chunk and b"." not in chunk and not chunk.endswith(b"\r") \
+                and not chunk.startswith(b"\n"):
+            assert piece is chunk  # clean pieces are not copied

@@ -18,9 +18,13 @@ DESCRIPTION
     spool, so a message is never held whole in memory.
 
 STRATEGIES
-    Work in C.  Each chunk is normalised with bytes.replace (CRLF and CR to
-    LF, stuff "\\n.", LF to CRLF), not a Python loop per byte: a 64 KiB
-    chunk costs a few passes at memory speed.
+    Pass clean chunks through.  Content received over SMTP already has CRLF
+    line ends; a chunk in which every CR and LF pair up and no line starts
+    with "." is returned as it is, found by counting (no copy).
+
+    Work in C otherwise.  A chunk that needs changes is normalised with
+    bytes.replace (CRLF and CR to LF, stuff "\\n.", LF to CRLF), not a
+    Python loop per byte.
 
     Two bits of state carry across chunk boundaries: whether the last byte
     was a CR (so an LF at the start of the next chunk completes that CRLF
@@ -65,12 +69,24 @@ class DataEncoder:
             if not data:
                 self._pending_cr = False
                 return b""
+        last = data[-1]
+        lead_dot = self._at_line_start and data[0] == 0x2E
+        if last != 0x0D and not lead_dot and b"\n." not in data:
+            # Content received over SMTP is CRLF already: when every CR and
+            # every LF belongs to a CRLF, the chunk goes out as it is.
+            crlf = data.count(b"\r\n")
+            if data.count(b"\n") == crlf and data.count(b"\r") == crlf:
+                self._pending_cr = False
+                self._at_line_start = last == 0x0A
+                return data
         # A trailing CR is a line break either way (bare CR or the start of
         # CRLF); remember it so a leading LF in the next chunk is swallowed.
-        self._pending_cr = data[-1] == 0x0D
-        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        self._pending_cr = last == 0x0D
+        data = data.replace(b"\r\n", b"\n")
+        if b"\r" in data:
+            data = data.replace(b"\r", b"\n")
         data = data.replace(b"\n.", b"\n..")
-        if self._at_line_start and data[0] == 0x2E:
+        if lead_dot:
             data = b"." + data
         self._at_line_start = data[-1] == 0x0A
         return data.replace(b"\n", b"\r\n")
