@@ -290,7 +290,7 @@ class DeliveryAgent:
         self.config = config
         self.hostname = hostname
         self.timeouts = config.timeouts
-        self.starttls = config.starttls
+        self.starttls = StartTls(config.starttls)
         # One context for every session: building one per STARTTLS is costly.
         self.ssl_context = ssl_context or default_ssl_context()
         self._pool = _Pool(config.max_messages_per_connection, config.timeouts.idle,

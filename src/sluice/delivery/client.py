@@ -70,6 +70,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import IO, cast
 
 from sluice.config import DeliveryTimeouts
@@ -90,8 +91,8 @@ MAX_REPLY_LINES = 256
 _ENHANCED_RE = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?: |$)")
 
 
-class StartTls:
-    """delivery.starttls values."""
+class StartTls(StrEnum):
+    """delivery.starttls: when to ask for TLS."""
 
     OPPORTUNISTIC = "opportunistic"
     NONE = "none"
@@ -337,7 +338,7 @@ class Session:
 
     @classmethod
     async def open(cls, host: Host, *, helo: str, localip: str = "", lmtp: bool = False,
-                   starttls: str = StartTls.OPPORTUNISTIC, timeouts: DeliveryTimeouts,
+                   starttls: StartTls = StartTls.OPPORTUNISTIC, timeouts: DeliveryTimeouts,
                    ssl_context: ssl.SSLContext | None = None) -> Session:
         """Connect, read the greeting, EHLO/LHLO, STARTTLS per policy.
 
@@ -373,7 +374,7 @@ class Session:
             raise
         return self
 
-    async def _handshake(self, helo: str, starttls: str,
+    async def _handshake(self, helo: str, starttls: StartTls,
                          ssl_context: ssl.SSLContext | None) -> None:
         greeting = await self._read(self.timeouts.greeting, "the initial server greeting")
         if greeting.code != 220:
