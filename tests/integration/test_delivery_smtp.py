@@ -350,14 +350,17 @@ def test_idle_connections_are_closed() -> None:
 
 def test_max_connections_closes_the_longest_idle() -> None:
     async def scenario() -> None:
-        one, two = SinkHandler(), SinkHandler()
-        async with sink(one) as s1, sink(two) as s2:
-            agent = make_agent(max_connections=1)
-            await agent.deliver(request(hop(s1.port, dest="one"), "a@dest.test"))
-            await agent.deliver(request(hop(s2.port, dest="two"), "a@dest.test"))
+        a, b, c = SinkHandler(), SinkHandler(), SinkHandler()
+        async with sink(a) as sa, sink(b) as sb, sink(c) as sc:
+            agent = make_agent(max_connections=2)
+            await agent.deliver(request(hop(sa.port, dest="a"), "x@dest.test"))
+            await agent.deliver(request(hop(sb.port, dest="b"), "x@dest.test"))
+            again = await agent.deliver(request(hop(sa.port, dest="a"), "y@dest.test"))
+            assert not again.new_connection  # a was opened first but used last
+            await agent.deliver(request(hop(sc.port, dest="c"), "x@dest.test"))
             await asyncio.sleep(0.05)
-            assert agent.stats.open == 1
-            assert one.closed == 1 and two.closed == 0
+            assert agent.stats.open == 2
+            assert (a.closed, b.closed, c.closed) == (0, 1, 0)
 
     run(scenario())
 

@@ -228,7 +228,7 @@ class _Pool:
         stack = self.idle.get(key)
         while stack:
             session = stack.pop()
-            session._cancel_idle()
+            session.stop_idle_timer()
             if session.alive:
                 return session
             self.drop(session)
@@ -245,6 +245,7 @@ class _Pool:
             return
         self.idle.setdefault(key, []).append(session)
         loop = asyncio.get_running_loop()
+        session.idle_since = loop.time()
         session.idle_handle = loop.call_later(self.idle_s, self._expire, key, session)
 
     def drop(self, session: Session, polite: bool = False) -> None:
@@ -265,19 +266,19 @@ class _Pool:
 
     def _evict_one(self) -> None:
         oldest: tuple[float, _Key, Session] | None = None
-        for key, stack in self.idle.items():
-            if stack and (oldest is None or stack[0].opened_at < oldest[0]):
-                oldest = (stack[0].opened_at, key, stack[0])
+        for key, stack in self.idle.items():  # the bottom of each stack waited longest
+            if stack and (oldest is None or stack[0].idle_since < oldest[0]):
+                oldest = (stack[0].idle_since, key, stack[0])
         if oldest is not None:
             _, key, session = oldest
-            session._cancel_idle()
+            session.stop_idle_timer()
             self._expire(key, session)
 
     def close(self) -> None:
         self.closing = True
         for stack in list(self.idle.values()):
             for session in stack:
-                session._cancel_idle()
+                session.stop_idle_timer()
                 self.drop(session, polite=True)
         self.idle.clear()
 

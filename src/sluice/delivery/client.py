@@ -66,7 +66,6 @@ import os
 import re
 import socket
 import ssl
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -331,7 +330,7 @@ class Session:
         self.messages = 0
         self.answers = 0  # replies read in the current transaction
         self.usable = True
-        self.opened_at = time.monotonic()
+        self.idle_since = 0.0  # loop time when it last went back to the idle pool
         self.idle_handle: asyncio.TimerHandle | None = None
 
     # -- opening -------------------------------------------------------------------
@@ -483,7 +482,7 @@ class Session:
     def quit(self) -> None:
         """Say QUIT and close without waiting for the 221 (nothing depends on it)."""
         self.usable = False
-        self._cancel_idle()
+        self.stop_idle_timer()
         transport = self._reader.transport
         if transport is not None and not transport.is_closing():
             if self._reader.lost is None:
@@ -492,12 +491,12 @@ class Session:
 
     def abort(self) -> None:
         self.usable = False
-        self._cancel_idle()
+        self.stop_idle_timer()
         transport = self._reader.transport
         if transport is not None:
             transport.abort()
 
-    def _cancel_idle(self) -> None:
+    def stop_idle_timer(self) -> None:
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
