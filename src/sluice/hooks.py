@@ -60,6 +60,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import re
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -346,18 +347,24 @@ def load_hook(spec: str, *, keypath: str, source: str = "<config>",
         path = (Path(base_dir) / Path(target).expanduser()).resolve()
         if not path.is_file():
             raise _hook_error(source, keypath, f"no such file: {path}")
-        name = f"sluice_hook_{abs(hash(str(path))):x}"
-        spec_ = importlib.util.spec_from_file_location(name, path)
-        if spec_ is None or spec_.loader is None:
-            raise _hook_error(source, keypath, f"cannot load {path} as Python")
-        module = importlib.util.module_from_spec(spec_)
-        sys.modules[name] = module  # dataclasses and pickling look modules up by name
-        try:
-            spec_.loader.exec_module(module)
-        except Exception as exc:
-            sys.modules.pop(name, None)
-            raise _hook_error(source, keypath,
-                              f"{path} failed to load: {type(exc).__name__}: {exc}") from None
+        # One module per file, under a name derived from its path: the pre-
+        # and post-delivery hooks of one file share its globals, and a
+        # process that loads the file again finds the same name.
+        name = "sluice_hook_" + re.sub(r"\W", "_", str(path))
+        module = sys.modules.get(name)
+        if module is None:
+            spec_ = importlib.util.spec_from_file_location(name, path)
+            if spec_ is None or spec_.loader is None:
+                raise _hook_error(source, keypath, f"cannot load {path} as Python")
+            module = importlib.util.module_from_spec(spec_)
+            sys.modules[name] = module  # dataclasses and pickling look modules up by name
+            try:
+                spec_.loader.exec_module(module)
+            except Exception as exc:
+                sys.modules.pop(name, None)
+                raise _hook_error(source, keypath,
+                                  f"{path} failed to load: {type(exc).__name__}: {exc}"
+                                  ) from None
     else:
         try:
             module = importlib.import_module(target)

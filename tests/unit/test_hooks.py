@@ -99,6 +99,12 @@ def test_from_config_loads_file_hooks_relative_to_config(hook_dir: Path) -> None
     assert hooks.post_delivery is not None and hooks.post_delivery.__name__ == "post"
 
 
+def test_hooks_of_one_file_share_its_module(hook_dir: Path) -> None:
+    hooks = hooks_for(hook_dir, pre_hook="myhooks.py:pre", post_hook="myhooks.py:post")
+    assert hooks.pre_delivery is not None and hooks.post_delivery is not None
+    assert hooks.pre_delivery.__globals__ is hooks.post_delivery.__globals__
+
+
 def test_no_hooks_configured() -> None:
     hooks = Hooks.from_config(config_from_dict({}))
     assert hooks == Hooks()
