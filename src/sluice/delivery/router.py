@@ -138,23 +138,11 @@ class Router:
         self.transport_map = TransportMap.parse(config.transport)
         self.resolver = Resolver(config.resolver)
         self._rng = rng or random.Random()
-        # Values whose hosts are all IP literals need no DNS: build them once.
+        # Values whose hosts are all IP literals need no DNS: each NextHop is
+        # built once, for the map's values and the hooks' nexthops alike.
         self._static: dict[TransportEntry, NextHop] = {}
-        for entry in self.transport_map.entries.values():
-            hop = self._static_hop(entry)
-            if hop is not None:
-                self._static[entry] = hop
         self._parsed: dict[str, TransportEntry] = {}
         self._cache = _HostCache(config.resolver.cache_size)
-
-    def _static_hop(self, entry: TransportEntry) -> NextHop | None:
-        if entry.service not in (Service.SMTP, Service.LMTP) or not entry.gateways:
-            return None
-        if not all(g.is_ip for g in entry.gateways):
-            return None
-        return NextHop(Transport(entry.service.value),
-                       tuple(Host(g.host, g.host, g.port or self.port) for g in entry.gateways),
-                       str(entry))
 
     async def route(self, domain: str, transportid: str = "",
                     nexthop: str | None = None) -> Routing:
@@ -191,6 +179,12 @@ class Router:
         destination = str(entry)
         if not entry.gateways:  # "smtp:" -- the recipient domain, by MX
             return await self._route_mx(domain, domain, transport, self.port)
+        if all(g.is_ip for g in entry.gateways):
+            hop = NextHop(transport, tuple(Host(g.host, g.host, g.port or self.port)
+                                           for g in entry.gateways), destination)
+            if len(self._static) < 1024:  # the map's values and the few a hook uses
+                self._static[entry] = hop
+            return hop
         hosts: list[Host] = []
         failures: list[DnsFailure] = []
         for gw in entry.gateways:
