@@ -20,6 +20,7 @@ SECTION_DOCS = {
     "accounting": "configuration.md",
     "bounce": "configuration.md",
     "node": "configuration.md",
+    "delivery": "delivery.md",
 }
 
 

@@ -101,7 +101,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self.queue = await loop.run_in_executor(None, Queue.open, cfg)
         hooks = Hooks.from_config(cfg)
-        self.manager = QueueManager(cfg, self.queue, router=Router(cfg.delivery),
+        self.manager = QueueManager(cfg, self.queue, router=Router.from_config(cfg),
                                     agent=DeliveryAgent.from_config(cfg), hooks=hooks)
         nproc = receiver_processes(cfg, self.queue.store.shared_access)
         if nproc:
