@@ -71,14 +71,15 @@ def test_reference_classification(kind, code, enhanced, text, category, hard):
     assert classify(kind, code, enhanced, text) == (category, hard)
 
 
-def test_spark_agrees_with_the_reference(spark):
+@pytest.mark.parametrize("driver_keys_max", [0, 10_000], ids=["spark-rules", "driver-rules"])
+def test_spark_agrees_with_the_reference(spark, driver_keys_max):
     rows = [
         event(kind, f"r{i}@example.com", i, code=code, enhanced=enhanced, response=text)
         for i, (kind, code, enhanced, text, _, _) in enumerate(CASES)
     ]
     rows.append(event("delivered", "ok@example.com", 99))
     df = spark.createDataFrame([tuple(r[f] for f in EVENT_FIELDS) for r in rows], EVENT_SCHEMA)
-    classified = classify_failures(df)
+    classified = classify_failures(df, driver_keys_max=driver_keys_max)
     assert shape(classified.schema) == shape(CLASSIFIED_SCHEMA)
     got = {r.recipient: (r.category, r.hard, r.reason) for r in classified.collect()}
     assert "ok@example.com" not in got  # deliveries are not failures

@@ -160,3 +160,25 @@ def test_all_runs_several_jobs_over_one_read(spark, tmp_path, capsys):
     assert not (out / "report.html").exists()
     assert main(["analytics", "all", "--jobs", "report,nonsense", "-i",
                  str(tmp_path / "log" / "*.jsonl"), "-o", str(out)]) == 2
+
+
+@pytest.mark.spark
+def test_progress_bar_draws_each_step(spark):
+    import io
+
+    from rich.console import Console
+
+    from sluice.pipeline.progress import SparkProgress
+
+    sink = io.StringIO()
+    console = Console(file=sink, force_terminal=True, width=100)
+    with SparkProgress(spark, enabled=True, console=console, interval_s=0.05) as progress:
+        progress.step("first step")
+        spark.range(0, 200_000, numPartitions=6).selectExpr("sum(id)").collect()
+        progress.step("second step")
+    text = sink.getvalue()
+    assert "first step" in text and "second step" in text
+    quiet = io.StringIO()
+    with SparkProgress(spark, enabled=False, console=Console(file=quiet)) as progress:
+        progress.step("hidden")
+    assert quiet.getvalue() == ""

@@ -143,3 +143,38 @@ def test_html_report_shows_the_numbers(sample):
     assert page.count('<polyline class="series') == 5
     assert page.count("<rect class=\"seg delivered\"") == 1  # example.org delivered nothing
     assert 'class="pct p99"' in page
+
+
+@pytest.mark.integration
+def test_html_report_renders_in_chromium(sample, tmp_path):
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from sluice.pipeline.load import rows
+
+    _, out = sample
+    page_file = tmp_path / "report.html"
+    page_file.write_text(render_report(ReportData(
+        generated_at="2026-11-22T00:00:00.000Z",
+        totals=rows(level(out, Level.TOTAL))[0],
+        by_hour=rows(level(out, Level.HOUR)),
+        by_domain=rows(level(out, Level.DOMAIN)),
+    )))
+    errors: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(page_file.as_uri())
+            assert page.title() == "Sluice delivery report"
+            assert page.locator("svg.chart").count() == 3
+            box = page.locator("#mix svg").bounding_box()
+            assert box is not None and box["width"] > 300 and box["height"] > 20
+            assert page.locator(".total-received").inner_text() == "5"
+        finally:
+            browser.close()
+    assert errors == []

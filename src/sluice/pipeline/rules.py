@@ -4,6 +4,7 @@ SUMMARY
     BounceCategory                      PowerMTA's bounce categories
     BOUNCE_RULES, HARD_CATEGORIES       ordered rules: first match wins
     classify(event, code, enhanced, text) -> (BounceCategory, hard)
+    category_of(event, enhanced, masked_text) -> BounceCategory
     mask(text) -> str                   variable parts of a reply masked
     throttle_kind(code, enhanced, text) -> ThrottleKind | None
     PROVIDER_GROUPS, mx_group(host) -> (groupid, patterns)
@@ -68,6 +69,7 @@ __all__ = [
     "BounceCategory",
     "BounceRule",
     "ThrottleKind",
+    "category_of",
     "classify",
     "glob_to_regex",
     "mask",
@@ -242,20 +244,23 @@ def classify(
     reply never decides its category ("<spam.lover@example.com>: user
     unknown" is a bad mailbox), and equal reasons get equal categories.
     """
-    reply_text = mask(text)
+    category = category_of(event, enhanced, mask(text))
+    hard = event == "bounced" and category in HARD_CATEGORIES
+    return category, hard
+
+
+def category_of(event: str, enhanced: str | None, masked_text: str) -> BounceCategory:
+    """The first matching rule's category for an already masked reply text."""
     status = enhanced or ""
-    category = BounceCategory.OTHER
     for rule in BOUNCE_RULES:
         if rule.event is not None and rule.event != event:
             continue
         if rule.enhanced is not None and re.fullmatch(rule.enhanced, status) is None:
             continue
-        if rule.text is not None and not _search(rule.text, reply_text):
+        if rule.text is not None and not _search(rule.text, masked_text):
             continue
-        category = rule.category
-        break
-    hard = event == "bounced" and category in HARD_CATEGORIES
-    return category, hard
+        return rule.category
+    return BounceCategory.OTHER
 
 
 # --------------------------------------------------------------------------
