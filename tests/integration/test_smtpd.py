@@ -715,3 +715,17 @@ def test_a_client_that_leaves_at_once_leaves_no_session(serve: Callable[..., Run
     t0 = time.monotonic()
     run.stop(20)
     assert time.monotonic() - t0 < 2
+
+
+def test_stop_reaches_a_session_right_after_starttls(serve: Callable[..., Running],
+                                                     certificate: tuple[str, str]) -> None:
+    cert, key = certificate
+    run = serve(smtpd={"tls": {"cert": cert, "key": key}})
+    with run.smtp() as c:
+        c.ehlo()
+        c.starttls(context=no_verify())  # encrypted, waiting for the new EHLO: idle
+        t0 = time.monotonic()
+        run.stop(10)
+        assert time.monotonic() - t0 < 3
+        code, text = c.getreply()
+        assert (code, text[:5]) == (421, b"4.3.2")

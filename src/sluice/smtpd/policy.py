@@ -151,6 +151,8 @@ def normalise_ip(text: str) -> str:
 
     An unparsable string is returned unchanged (it then matches no network).
     """
+    if ":" not in text:
+        return text  # IPv4 from the kernel is already in its canonical form
     try:
         addr = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:

@@ -365,6 +365,7 @@ class SmtpSession(SMTP):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._original_transport is not None:  # the TLS layer after STARTTLS
             super().connection_made(transport)
+            self._idle = True  # waiting for the new EHLO
             return
         peer = transport.get_extra_info("peername")
         ip = normalise_ip(str(peer[0])) if peer else "unknown"
@@ -419,9 +420,12 @@ class SmtpSession(SMTP):
 
     def _close_with(self, reply: Reply) -> None:
         transport = self.transport
-        if transport is not None:
+        if transport is not None and not transport.is_closing():
             cast(asyncio.WriteTransport, transport).write(self._render(reply))
             transport.close()
+        # Done from our side.  A TLS transport is lost only after the client
+        # answers close_notify (or a 30 s timeout); a stop must not wait for it.
+        self._registry.leave(self, self._ip)
 
     def abort(self) -> None:
         """The end of the grace period: close whatever the session is doing."""
