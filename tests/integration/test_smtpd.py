@@ -729,3 +729,16 @@ def test_stop_reaches_a_session_right_after_starttls(serve: Callable[..., Runnin
         assert time.monotonic() - t0 < 3
         code, text = c.getreply()
         assert (code, text[:5]) == (421, b"4.3.2")
+
+
+def test_a_big_message_goes_through_a_temporary_file(serve: Callable[..., Running]) -> None:
+    run = serve(smtpd={"max_message_size": 16 << 20})  # spill_size: 1 MiB by default
+    line = b"".join(b"%07d " % i for i in range(100)) + b"\r\n"  # 800 octets
+    body = b"Subject: big\r\n\r\n" + line * 10000 + b".starts with a dot\r\n"  # 8 MB
+    with run.smtp() as c:
+        c.ehlo()
+        c.sendmail("a@x.test", ["b@y.test"], body)
+    (entry,) = run.entries()
+    stored = run.content(entry.spid)
+    assert after_received(stored) == body
+    assert entry.size == len(stored)
