@@ -32,7 +32,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -295,10 +295,27 @@ class SuppressionConfig:
 
 @dataclass(frozen=True, slots=True)
 class ApiConfig:
+    """The REST API, web page and /metrics (docs/api.md).
+
+    ``tokens`` is a list (named token-1, token-2, ... in order) or a mapping
+    of name to token; ``named_tokens`` gives both as (name, token) pairs.
+    """
+
     enabled: bool = True
     listen: str = "127.0.0.1:8025"
-    tokens: tuple[str, ...] = ()
+    tokens: tuple[str, ...] | Mapping[str, str] = ()
     audit_path: str | None = _path(None)
+    metrics_domains: int = 20
+    metrics_tenants: int = 20
+    metrics_min_count: int = 10
+    metrics_domain_groups: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    history_max_bytes: int = 1 << 30
+
+    @property
+    def named_tokens(self) -> tuple[tuple[str, str], ...]:
+        if isinstance(self.tokens, Mapping):
+            return tuple((str(k), str(v)) for k, v in self.tokens.items())
+        return tuple((f"token-{i}", t) for i, t in enumerate(self.tokens, 1))
 
 
 @dataclass(frozen=True, slots=True)
