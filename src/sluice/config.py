@@ -162,6 +162,7 @@ class SpoolConfig:
     rootpath: str = _path("var/spool")
     partitiondepth: int = 2
     bufsize: int = 8192
+    sync_method: str = "fsync"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import email
 import email.policy
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,7 +102,11 @@ def test_delivery_removes_entries_and_content(queue: Queue, cfg: Config) -> None
     acc = queue.submit(Submission("alice@example.org", ("bob@example.net",)), message())
     attempt(queue, {"bob@example.net": OK})
     assert queue.store.count().recipients == 0
-    assert not list(Path(cfg.queue.spool.rootpath).rglob(f"{acc.spid}*"))
+    spool = Path(cfg.queue.spool.rootpath)
+    deadline = time.monotonic() + 5  # content is unlinked just after the commit
+    while list(spool.rglob(f"{acc.spid}*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not list(spool.rglob(f"{acc.spid}*"))
     events = [(e["event"], e["qid"]) for e in log_lines(cfg)]
     assert events == [("received", acc.qids[0]), ("delivered", acc.qids[0])]
 

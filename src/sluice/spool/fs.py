@@ -28,12 +28,15 @@ INVARIANTS
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import queue
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from sluice.spool import Content, SpoolFile, SpoolIOError, iter_chunks, new_spid
 
@@ -66,14 +69,22 @@ class FsSpool:
     """Message content as files under ``rootpath``."""
 
     def __init__(self, rootpath: str | os.PathLike[str], partitiondepth: int = 2,
-                 bufsize: int = 8192) -> None:
+                 bufsize: int = 8192, sync_method: str = "fsync") -> None:
         if not 0 <= partitiondepth <= 4:
             raise ValueError("partitiondepth must be between 0 and 4")
         if bufsize < 1:
             raise ValueError("bufsize must be positive")
+        if sync_method not in ("fsync", "syncfs"):
+            raise ValueError(f"sync_method must be fsync or syncfs, not {sync_method!r}")
+        if sync_method == "syncfs" and _syncfs is None:
+            raise ValueError("syncfs(2) is not available on this system")
         self.root = Path(rootpath)
         self.partitiondepth = partitiondepth
         self.bufsize = bufsize
+        self.sync_method = sync_method
+        self._doomed: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._janitor: threading.Thread | None = None
+        self._janitor_lock = threading.Lock()
         self._make_tree()
 
     # -- layout --------------------------------------------------------------
@@ -146,6 +157,15 @@ class FsSpool:
         return SpoolFile(spid=candidate, path=str(path), size=size, fd=fd)
 
     def sync(self, files: Sequence[SpoolFile]) -> None:
+        if self.sync_method == "syncfs" and files:
+            try:
+                _call_syncfs(files[0].fd if files[0].fd >= 0 else None, str(self.root))
+            finally:
+                for f in files:
+                    if f.fd >= 0:
+                        os.close(f.fd)
+                        f.fd = -1
+            return
         dirs = {os.path.dirname(f.path) for f in files}
         jobs: list[tuple[str, int | str]] = [("f", f.fd) for f in files if f.fd >= 0]
         jobs += [("d", d) for d in dirs]
@@ -176,6 +196,36 @@ class FsSpool:
     def delete(self, spid: str) -> None:
         _unlink(self.path(spid))
 
+    def delete_soon(self, spids: Sequence[str]) -> None:
+        """Delete content on a background thread, so a committer is not held
+        up by unlinks.  Safe to defer: a crash before the unlink leaves an
+        orphan that the store's start-up sweep removes."""
+        if not spids:
+            return
+        with self._janitor_lock:
+            if self._janitor is None:
+                self._janitor = threading.Thread(target=self._sweep, name="sluice-spool-gc",
+                                                 daemon=True)
+                self._janitor.start()
+        for spid in spids:
+            self._doomed.put(spid)
+
+    def _sweep(self) -> None:
+        while True:
+            spid = self._doomed.get()
+            if spid is None:
+                return
+            with contextlib.suppress(OSError):
+                self.delete(spid)
+
+    def close(self) -> None:
+        """Finish pending deletions."""
+        with self._janitor_lock:
+            janitor, self._janitor = self._janitor, None
+        if janitor is not None:
+            self._doomed.put(None)
+            janitor.join()
+
     def exists(self, spid: str) -> bool:
         return self.path(spid).exists()
 
@@ -199,6 +249,32 @@ class FsSpool:
                             yield entry.name[: -len(_SUFFIX)], mtime
             except FileNotFoundError:
                 continue
+
+
+def _load_syncfs() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _load_syncfs()
+
+
+def _call_syncfs(fd: int | None, path: str) -> None:
+    """syncfs(2): write back and wait for every dirty page and inode of the
+    file system holding ``fd`` (or ``path``) -- one call for a whole batch."""
+    handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY) if fd is None else fd
+    try:
+        if _syncfs(handle) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        if fd is None:
+            os.close(handle)
 
 
 def _sync_one(job: tuple[str, int | str]) -> None:

@@ -290,7 +290,8 @@ class SqliteStore:
     @classmethod
     def from_config(cls, config: Config) -> SqliteStore:
         q = config.queue
-        spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize)
+        spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
+                        q.spool.sync_method)
         return cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch)
 
     # -- connections ---------------------------------------------------------------
@@ -414,10 +415,9 @@ class SqliteStore:
                     self.spool.discard(f)
                 op.future.set_exception(err)
             return
-        # 3. After the commit: content whose last row is gone may go too.
-        for spid in after.unlink:
-            with contextlib.suppress(OSError):
-                self.spool.delete(spid)
+        # 3. After the commit: content whose last row is gone may go too
+        #    (on the spool's own thread: unlinks must not delay the next commit).
+        self.spool.delete_soon(after.unlink)
         for op, value, failure in results:
             if failure is None:
                 op.future.set_result(value)
@@ -814,6 +814,7 @@ class SqliteStore:
         self._closed = True
         self._ops.put(_STOP)
         self._thread.join()
+        self.spool.close()
         with contextlib.suppress(sqlite3.Error):
             self._writer.close()
         with self._readers_lock:
