@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Queue core benchmark: durable submissions, refill cycles, listing at 1M recipients.
 
-    .venv/bin/python bench/store_bench.py [--store sqlite] [--seconds 5]
+    .venv/bin/python bench/store_bench.py [--store sqlite|fs|postgres|kv] [--seconds 5]
         [--million-messages 100000 --million-rcpts 10] [--dir /var/tmp/x]
 
 Prints, for the chosen store flavour:
@@ -12,6 +12,9 @@ Prints, for the chosen store flavour:
     record it delivered -- content removed);
   * with 1M queued recipients: `sluice qlist` wall time and peak RSS,
     `sluice qcount` wall time, and a claim of 1,000 from the full queue.
+
+The postgres flavour uses $SLUICE_PG_DSN (a schema of its own per queue) or
+starts a throwaway server with the machine's PostgreSQL binaries.
 
 Numbers are from this machine's disk at this moment: the disk is shared and
 noisy (about +-15 %), so compare runs made back to back.
@@ -38,13 +41,55 @@ sys.path.insert(0, str(ROOT / "src"))
 from sluice.config import config_from_dict  # noqa: E402
 from sluice.model import Selector, Submission  # noqa: E402
 from sluice.store import Store, Transition, open_store  # noqa: E402
+from sluice.store._pgserver import PgServer  # noqa: E402
+
+
+class Postgres:
+    """The postgres flavour's database: $SLUICE_PG_DSN, or a throwaway server
+    (initdb + pg_ctl on loopback, as the tests do).  One schema per queue."""
+
+    def __init__(self) -> None:
+        self.server: PgServer | None = None
+        self.dsn = os.environ.pop("SLUICE_PG_DSN", None)  # each queue gets its own schema
+        self.schemas: list[str] = []
+
+    def dsn_for(self, base: Path) -> str:
+        import psycopg
+        from psycopg.conninfo import make_conninfo
+
+        if self.dsn is None:
+            self.server = PgServer.start()
+            self.dsn = self.server.dsn
+        schema = "sluice_bench_" + base.name.replace("-", "_")
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            conn.execute(f'CREATE SCHEMA "{schema}"')
+        self.schemas.append(schema)
+        return make_conninfo(self.dsn, options=f"-c search_path={schema}")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            return
+        if self.dsn is not None and self.schemas:
+            import psycopg
+
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                for schema in self.schemas:
+                    conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+PG = Postgres()
 
 
 def make_config(base: Path, flavour: str) -> dict[str, object]:
+    queue: dict[str, object] = {"store": flavour, "path": str(base / "queue"),
+                                "spool": {"rootpath": str(base / "spool")}}
+    if flavour == "postgres":
+        queue["postgres"] = {"dsn": PG.dsn_for(base)}
     return {
         "node": {"hostname": "bench.sluice.test", "id": "bench"},
-        "queue": {"store": flavour, "path": str(base / "queue"),
-                  "spool": {"rootpath": str(base / "spool")}},
+        "queue": queue,
         "accounting": {"path": str(base / "log")},
     }
 
@@ -53,7 +98,9 @@ def open_fresh(base: Path, flavour: str) -> Store:
     if base.exists():
         shutil.rmtree(base)
     base.mkdir(parents=True)
-    return open_store(config_from_dict(make_config(base, flavour), base_dir=base))
+    cfg = make_config(base, flavour)
+    (base / "sluice.yaml").write_text(yaml.safe_dump(cfg))
+    return open_store(config_from_dict(cfg, base_dir=base))
 
 
 def submissions(store: Store, threads: int, size: int, seconds: float) -> tuple[float, int]:
@@ -139,6 +186,7 @@ def main() -> None:
     ap.add_argument("--skip-million", action="store_true")
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="sluice-bench-", dir="/var/tmp"))
+    base.chmod(0o755)  # a throwaway PostgreSQL server's user must reach it
     print(f"store={args.store} dir={base} cpus={os.cpu_count()}")
 
     results: dict[str, float] = {}
@@ -182,8 +230,7 @@ def main() -> None:
         claim_ms = (time.monotonic() - t0) * 1000
         store.apply([Transition(e.qid, None) for e in claimed])
         store.close()
-        cfg_path = big / "sluice.yaml"
-        cfg_path.write_text(yaml.safe_dump(make_config(big, args.store)))
+        cfg_path = big / "sluice.yaml"  # written by open_fresh, with the same schema
         qlist_s, qlist_rss = timed_cli(cfg_path, "qlist")
         qcount_s, _ = timed_cli(cfg_path, "qcount")
         print(f"qlist_1M: {qlist_s:.1f} s wall, peak RSS {qlist_rss / 1024:.0f} MB "
@@ -194,6 +241,7 @@ def main() -> None:
         print(f"claim_1000_at_1M: {claim_ms:.1f} ms")
         results.update(qlist_1m_s=qlist_s, qlist_1m_rss_mb=qlist_rss / 1024)
 
+    PG.close()
     shutil.rmtree(base, ignore_errors=True)
     print(" ".join(f"{k}={v:.1f}" for k, v in results.items()))
 

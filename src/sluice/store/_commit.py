@@ -49,7 +49,7 @@ from typing import Any
 from sluice.spool import SpoolFile
 from sluice.store import StorageError
 
-__all__ = ["GroupCommitter", "Op", "RWLock", "fsync_fds", "fsync_paths"]
+__all__ = ["GroupCommitter", "Op", "RWLock", "fsync_fds", "fsync_paths", "in_parallel"]
 
 
 @dataclass(slots=True)
@@ -234,6 +234,23 @@ def fsync_fds(fds: Iterable[int]) -> None:
             os.fsync(fd)
         return
     futures = [_sync_pool().submit(os.fsync, fd) for fd in todo]
+    errors = [f.exception() for f in futures]
+    for exc in errors:
+        if exc is not None:
+            raise exc
+
+
+def in_parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> None:
+    """Call ``fn`` on every item from the worker pool; raises the first error.
+
+    For metadata calls (unlink) that wait on the filesystem's journal: issued
+    together, they wait for one journal commit instead of one each.
+    """
+    if len(items) <= 2:
+        for item in items:
+            fn(item)
+        return
+    futures = [_sync_pool().submit(fn, item) for item in items]
     errors = [f.exception() for f in futures]
     for exc in errors:
         if exc is not None:

@@ -96,6 +96,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
+import heapq
 import itertools
 import json
 import math
@@ -110,6 +112,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from sluice.model import (
+    IN_FLIGHT_STATES,
     Accepted,
     QueueEntry,
     QueueState,
@@ -124,7 +127,7 @@ from sluice.retry import RetryPolicy
 from sluice.spool import Content, SpoolFile, SpoolIOError
 from sluice.spool.fs import FsSpool
 from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError, Transition
-from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths
+from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths, in_parallel
 from sluice.store._refill import interleave, split_quota
 
 if TYPE_CHECKING:
@@ -173,10 +176,16 @@ class _Name:
 
     @classmethod
     def parse(cls, name: str) -> _Name | None:
-        m = _NAME_RE.match(name)
-        if m is None:
-            return None
-        return cls(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5))
+        return _parse_name(name)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _parse_name(name: str) -> _Name | None:
+    # Cached: a refill lists the same directory names batch after batch.
+    m = _NAME_RE.match(name)
+    if m is None:
+        return None
+    return _Name(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5))
 
 
 @dataclass(frozen=True, slots=True)
@@ -887,26 +896,17 @@ class FsStore:
                     dirs.add(str(target.parent.parent))
                 os.rename(root / src, target)
                 dirs.update((str(target.parent), str((root / src).parent)))
-            for rel, _ in fx.unlinks:
-                _unlink(root / rel)
-                dirs.add(str((root / rel).parent))
+            in_parallel(_unlink, [root / rel for rel, _ in fx.unlinks])
+            dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
         # 4. Every directory touched.
         fsync_paths(dirs)
         # 5. Done: the journal may go; so may links and content of what left.
         if journal is not None:
             _unlink(journal)
         with self._rw.writing():
-            gone = set()
-            for spid, idx0 in fx.ref_drops:
-                _unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
-                gone.add(spid)
-            for spid in gone:
-                try:
-                    links = os.stat(self.spool.path(spid)).st_nlink
-                except FileNotFoundError:
-                    continue
-                if links <= 1:
-                    self.spool.delete(spid)
+            in_parallel(_unlink, [self.spool.directory(spid) / f"{spid}-{idx0}.ref"
+                                  for spid, idx0 in fx.ref_drops])
+            in_parallel(self._drop_if_unused, sorted({spid for spid, _ in fx.ref_drops}))
             emptied = {rel.split("/")[1] for rel, _ in fx.unlinks if rel.startswith("deferred/")}
             emptied |= {src.split("/")[1] for src, _ in fx.moves if src.startswith("deferred/")}
             for t in emptied:
@@ -914,6 +914,15 @@ class FsStore:
                     os.rmdir(root / "deferred" / t)
             for hook in view.after:
                 hook()
+
+    def _drop_if_unused(self, spid: str) -> None:
+        """Delete a message's content once no control file links to it."""
+        try:
+            links = os.stat(self.spool.path(spid)).st_nlink
+        except FileNotFoundError:
+            return
+        if links <= 1:
+            self.spool.delete(spid)
 
     def _add_ref(self, spid: str, idx0: int) -> None:
         ref = self.spool.directory(spid) / f"{spid}-{idx0}.ref"
@@ -1033,7 +1042,6 @@ class FsStore:
                         continue
                 out.append(((-parsed.priority, t, parsed.spid, parsed.idx0, parsed.n),
                             f"{rel_dir}/{name}"))
-        out.sort()
         return out
 
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
@@ -1065,16 +1073,16 @@ class FsStore:
             return out
 
         def work(view: _View) -> list[QueueEntry]:
-            inc = []
-            for name, parsed in view.names("incoming"):
-                inc.append(((-parsed.priority, parsed.spid, parsed.idx0, parsed.n),
-                            f"incoming/{name}"))
-            inc.sort()
+            inc = [((-parsed.priority, parsed.spid, parsed.idx0, parsed.n), f"incoming/{name}")
+                   for name, parsed in view.names("incoming")]
             dfr = self._due_candidates(view, now)
             n_inc = sum(key[-1] for key, _ in inc)
             n_dfr = sum(key[-1] for key, _ in dfr)
             take_d, take_i = split_quota(limit, n_inc, n_dfr, quota_deferred)
-            return interleave(take(view, inc, take_i), take(view, dfr, take_d))
+            # Every file holds at least one recipient: the first ``limit`` files
+            # in order are all a refill can need, whatever the backlog.
+            return interleave(take(view, heapq.nsmallest(take_i, inc), take_i),
+                              take(view, heapq.nsmallest(take_d, dfr), take_d))
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -1100,7 +1108,17 @@ class FsStore:
 
         def work(view: _View) -> set[str]:
             applied: set[str] = set()
-            found = view.locate(set(by_spid), states)
+            # Most results are for entries in flight: look there first, and
+            # in the other directories only for what was not found.
+            first = [s for s in states if s in IN_FLIGHT_STATES]
+            found = view.locate(set(by_spid), first) if first else {}
+            missing = {spid for spid, items in by_spid.items()
+                       if {idx for idx, _ in items} - {r.idx for c in found.get(spid, ())
+                                                       for r in c.rcpts}}
+            rest = [s for s in states if s not in IN_FLIGHT_STATES]
+            if missing and rest:
+                for spid, ctrls in view.locate(missing, rest).items():
+                    found.setdefault(spid, []).extend(ctrls)
             for spid, ctrls in found.items():
                 recs = _recs(ctrls)
                 changed = False
