@@ -13,8 +13,9 @@ DESCRIPTION
     will count them), this job finds those replies (rules.throttle_kind)
     and estimates what the destination accepted:
 
-    rate         for replies about volume: the deliveries per minute it still
-                 accepted in the minutes in which it throttled (median over
+    rate         for replies about volume: the attempts per minute it still
+                 answered without throttling (deliveries, bounces, ordinary
+                 deferrals) in the minutes in which it throttled (median over
                  those minutes); the advice is 90 % of that, at least 1 per
                  minute.
     concurrency  how many attempts were in flight when a throttling reply
@@ -117,7 +118,9 @@ def throttle_findings(events: DataFrame) -> DataFrame:
     minute = (
         tried.groupBy(*keys, F.date_trunc("minute", F.col("time")).alias("minute"))
         .agg(
-            F.count_if(F.col("event") == "delivered").alias("ok"),
+            # Everything the destination answered without a throttle counts
+            # against its limit: bounces and ordinary deferrals too.
+            F.count_if(F.col("throttle").isNull()).alias("ok"),
             F.count_if(F.col("throttle").isNotNull()).alias("thr"),
         )
         .groupBy(*keys)
