@@ -212,6 +212,19 @@ def test_a_pool_spreads_pickups_over_its_source_ips() -> None:
     assert [s.localip for s in sent] == [IP1, IP2] * 3
 
 
+def test_a_pool_keeps_sending_from_whichever_source_ip_frees() -> None:
+    # Found by the state machine: after a pickup from one IP, the sub-queue
+    # must still wait for the other IP too, not only for the one it used.
+    sched = sched_for([{"fields": ["localip"], "concurrency": 1}])
+    route = Route("example.com", localip=(IP1, IP2))
+    j1, j2 = starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(4))), 0))
+    assert (j1.localip, j2.localip) == (IP1, IP2)
+    (j3,) = starts(finish(sched, j1, 1))
+    assert j3.localip == IP1
+    (j4,) = starts(finish(sched, j2, 2))
+    assert j4.localip == IP2
+
+
 def test_a_global_counter_limits_everything() -> None:
     sched = sched_for([{"concurrency": 3}])
     sent = starts(sched.handle(JobsQueued(tuple(job(Route(f"d{i}.example")) for i in range(9))),

@@ -226,22 +226,32 @@ class _Blocker:
 
 
 class _Entry(_Blocker):
-    """One counter entry: the counter's fields with one combination of values."""
+    """One counter entry: the counter's fields with one combination of values.
 
-    __slots__ = (
+    While only one sub-queue (from one source IP) uses it, an entry is
+    *private* (``priv`` set): its in-flight count, pickup times and last
+    pickup are that sub-queue's, kept once in the _Private they share, so
+    that a pickup does not touch it at all.
+    """
+
+    # The fields a pickup reads come first: with a hundred thousand
+    # sub-queues an entry is rarely in the CPU cache, and one line is
+    # cheaper than three.
+    __slots__ = (  # noqa: RUF023
         "conc",
-        "condition",
-        "counter",
         "inflight",
-        "interval",
-        "key",
-        "last_at",
-        "log",
-        "rate_n",
-        "rate_s",
-        "refs",
-        "thresholds",
         "timed",
+        "refs",
+        "rate_n",
+        "log",
+        "rate_s",
+        "interval",
+        "last_at",
+        "priv",
+        "counter",
+        "key",
+        "thresholds",
+        "condition",
     )
 
     def __init__(self, counter: _CCounter, key: tuple[str, ...], thresholds: Thresholds,
@@ -250,9 +260,10 @@ class _Entry(_Blocker):
         self.counter = counter
         self.key = key
         self.inflight = 0
-        self.refs = 0  # sub-queues that count against it
+        self.refs = 0  # sub-queue references (one per source IP that uses it)
         self.log: deque[float] = deque()
         self.last_at = -_NEVER
+        self.priv: _Private | None = None
         self.set_thresholds(thresholds, condition)
 
     def set_thresholds(self, thresholds: Thresholds, condition: Condition | None) -> None:
@@ -264,43 +275,84 @@ class _Entry(_Blocker):
         self.interval = thresholds.connectinterval_s or None
         self.timed = self.rate_n is not None or self.interval is not None
 
+    def state(self, now: float) -> tuple[int, deque[float], float]:
+        """In flight, pickup times (oldest first), last pickup: its own or its
+        sub-queue's.  Its own pickup times are pruned to its window."""
+        pv = self.priv
+        if pv is not None:
+            pv.prune(now)
+            return pv.inflight, pv.log, pv.last_at
+        if self.rate_n is not None:
+            # "log[0] + rate_s <= now", not "log[0] <= now - rate_s": the
+            # same sum free_at() gives the timer, so that the timer's time
+            # always finds the slot free (floats do not round both alike).
+            log = self.log
+            per = self.rate_s
+            while log and log[0] + per <= now:
+                log.popleft()
+        return self.inflight, self.log, self.last_at
+
+    def holds(self, now: float) -> bool:
+        """Whether a shared entry holds the next delivery back: the pickup's
+        check, cheap in the common case (a log shorter than the rate cannot
+        be full, whatever its times: it never grows past the rate)."""
+        conc = self.conc
+        if conc is not None and self.inflight >= conc:
+            return True
+        n = self.rate_n
+        if n is not None and len(self.log) >= n and self.free(now) <= 0:
+            return True
+        interval = self.interval
+        return interval is not None and now < self.last_at + interval
+
+    def rate_full(self, log: deque[float], now: float) -> bool:
+        n = self.rate_n
+        return n is not None and (n == 0 or (len(log) >= n and log[-n] + self.rate_s > now))
+
     def free(self, now: float) -> int:
+        inflight, log, last_at = self.state(now)
         free = _BIG
         if self.conc is not None:
-            free = self.conc - self.inflight
+            free = self.conc - inflight
         if self.rate_n is not None:
-            log = self.log
-            horizon = now - self.rate_s
-            while log and log[0] <= horizon:
-                log.popleft()
-            room = self.rate_n - len(log)
-            if room < free:
-                free = room
-        if self.interval is not None and now < self.last_at + self.interval and free > 0:
+            if self.rate_full(log, now):
+                free = 0
+            elif self.priv is None:
+                free = min(free, self.rate_n - len(log))
+            else:
+                free = min(free, 1)  # a private entry has one sub-queue to wake
+        if self.interval is not None and now < last_at + self.interval and free > 0:
             free = 0
         return free
 
     def free_at(self, now: float) -> float | None:
-        if self.conc is not None and self.inflight >= self.conc:
+        inflight, log, last_at = self.state(now)
+        if self.conc is not None and inflight >= self.conc:
             return None  # a finishing delivery will say
         at = now
         if self.rate_n is not None:
-            if self.rate_n == 0:
+            n = self.rate_n
+            if n == 0:
                 return None
-            if len(self.log) >= self.rate_n:
-                at = max(at, self.log[len(self.log) - self.rate_n] + self.rate_s)
+            if len(log) >= n:
+                at = max(at, log[-n] + self.rate_s)
         if self.interval is not None:
-            at = max(at, self.last_at + self.interval)
+            at = max(at, last_at + self.interval)
         return at if at > now else None
 
     def blocking_kind(self, now: float) -> Waiting | None:
-        if self.conc is not None and self.inflight >= self.conc:
+        inflight, log, last_at = self.state(now)
+        if self.conc is not None and inflight >= self.conc:
             return Waiting.CONCURRENCY
-        if self.rate_n is not None and self.free(now) <= 0 and len(self.log) >= self.rate_n:
+        if self.rate_full(log, now):
             return Waiting.RATE
-        if self.interval is not None and now < self.last_at + self.interval:
+        if self.interval is not None and now < last_at + self.interval:
             return Waiting.CONNECTINTERVAL
         return None
+
+    def rate_used(self, now: float) -> int:
+        _, log, _ = self.state(now)
+        return sum(1 for t in log if t + self.rate_s > now)
 
     def keep_until(self) -> float:
         """Until when an idle entry must be remembered (its windows)."""
@@ -310,6 +362,67 @@ class _Entry(_Blocker):
         if self.interval is not None:
             at = max(at, self.last_at + self.interval)
         return at
+
+
+class _Private:
+    """The private entries of one sub-queue from one source IP, counted once.
+
+    Every delivery of the sub-queue from that IP counts in all of them, so
+    they share one in-flight count, one list of pickup times and one last
+    pickup; a pickup checks their tightest limits here instead of each.
+    """
+
+    __slots__ = ("conc", "conc_entry", "entries", "flights", "inflight", "interval",
+                 "interval_entry", "ip", "last_at", "log", "max_s", "min_n", "rates", "sq")
+
+    def __init__(self, sq: _SubQueue, ip: int, entries: list[_Entry]) -> None:
+        self.sq = sq
+        self.ip = ip
+        self.entries = entries
+        self.inflight = 0
+        self.log: deque[float] = deque()
+        self.last_at = -_NEVER
+        self.flights: set[_Flight] = set()
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.conc: int | None = None
+        self.conc_entry: _Entry | None = None
+        self.interval: float | None = None
+        self.interval_entry: _Entry | None = None
+        rates: list[tuple[int, float, _Entry]] = []
+        for entry in self.entries:
+            if entry.conc is not None and (self.conc is None or entry.conc < self.conc):
+                self.conc, self.conc_entry = entry.conc, entry
+            if entry.rate_n is not None:
+                rates.append((entry.rate_n, entry.rate_s, entry))
+            if entry.interval is not None and (self.interval is None
+                                               or entry.interval > self.interval):
+                self.interval, self.interval_entry = entry.interval, entry
+        self.rates = tuple(rates)
+        self.max_s = max((per for _, per, _ in rates), default=0.0)
+        # Fewer pickups logged than the smallest rate allows: none is full.
+        self.min_n = min((n for n, _, _ in rates), default=0)
+
+    def prune(self, now: float) -> None:
+        log = self.log
+        per = self.max_s
+        while log and log[0] + per <= now:
+            log.popleft()
+
+    def blocker(self, now: float) -> _Entry | None:
+        """The first private entry that holds the next delivery, if any."""
+        if self.conc is not None and self.inflight >= self.conc:
+            return self.conc_entry
+        if self.rates and len(self.log) >= self.min_n:
+            self.prune(now)
+            log = self.log
+            for n, per, entry in self.rates:
+                if n == 0 or (len(log) >= n and log[-n] + per > now):
+                    return entry
+        if self.interval is not None and now < self.last_at + self.interval:
+            return self.interval_entry
+        return None
 
 
 class _Susp(_Blocker):
@@ -376,9 +489,9 @@ class _Dest(_Blocker):
 
 
 class _SubQueue:
-    __slots__ = ("dest", "dropped", "entries", "in_ring", "ips", "jobs", "live",
-                 "parked_on", "priority", "route", "rr", "susp", "susp_version", "version",
-                 "woken_by")
+    __slots__ = ("checks", "counted", "dest", "dropped", "entries", "in_ring", "ips", "jobs",
+                 "live", "parked_on", "priority", "priv", "route", "rr", "susp", "susp_version",
+                 "timed", "version", "woken_by")
 
     def __init__(self, route: Route, priority: int, dest: _Dest) -> None:
         self.route = route
@@ -388,7 +501,13 @@ class _SubQueue:
         self.live = 0
         self.dropped = 0
         self.ips: tuple[str, ...] = route.localip or ("",)
+        # Per source IP: every tracked entry; the shared ones to check, to
+        # count in flight, to log pickups in; and the private ones, together.
         self.entries: list[tuple[_Entry, ...]] = []
+        self.checks: list[tuple[_Entry, ...]] = []
+        self.counted: list[tuple[_Entry, ...]] = []
+        self.timed: list[tuple[_Entry, ...]] = []
+        self.priv: list[_Private | None] = []
         self.version = -1
         self.susp: list[_Susp | None] = []
         self.susp_version = -1
@@ -410,14 +529,17 @@ class _Job:
 
 
 class _Flight:
-    __slots__ = ("dest", "entries", "ip", "job", "qids", "started_at")
+    __slots__ = ("dest", "entries", "extra", "ip", "job", "priv", "qids", "started_at")
 
     def __init__(self, job: DeliveryJob, qids: tuple[str, ...], ip: str,
-                 entries: tuple[_Entry, ...], dest: _Dest, now: float) -> None:
+                 entries: tuple[_Entry, ...], priv: _Private | None, dest: _Dest,
+                 now: float) -> None:
         self.job = job
         self.qids = qids
         self.ip = ip
-        self.entries = entries
+        self.entries = entries  # shared entries it counts in
+        self.priv = priv  # and the private ones, through their sub-queue
+        self.extra: list[_Entry] = []  # private when it started, shared since
         self.dest = dest
         self.started_at = now
 
@@ -499,9 +621,11 @@ class Scheduler:
         # Policy.
         self._policy = Policy()
         self._ccounters: tuple[_CCounter, ...] = ()
+        self._max_inflight = self.settings.max_deliveries
         self._version = 0
         self._entries: dict[tuple[str, str, tuple[str, ...]], _Entry] = {}
         self._reuse: dict[tuple[str, str, tuple[str, ...]], _Entry] = {}
+        self._fresh: set[_Entry] | None = None  # entries created by the current _resolve
         # Suspensions: by id, and indexed by the fields they name.
         self._susps: dict[str, _Susp] = {}
         self._susp_index: dict[tuple[str, ...], dict[tuple[str, ...], _Susp]] = {}
@@ -742,9 +866,17 @@ class Scheduler:
 
     # ----------------------------------------------------------- policies
 
-    def _set_policy(self, policy: Policy, now: float) -> None:
+    def _compile(self, policy: Policy) -> None:
         self._policy = policy
         self._ccounters = tuple(_CCounter(c) for c in policy.counters)
+        limit = self.settings.max_deliveries
+        for counter in policy.counters:
+            if not counter.fields and counter.default.concurrency is not None:
+                limit = min(limit, counter.default.concurrency)
+        self._max_inflight = limit
+
+    def _set_policy(self, policy: Policy, now: float) -> None:
+        self._compile(policy)
         # Suspensions from the file replace the file's old ones; run-time ones stay.
         file_ids = {s.id for s in policy.suspensions}
         for sid, blocker in list(self._susps.items()):
@@ -780,9 +912,7 @@ class Scheduler:
             if remove is not None:
                 conditions = [c for c in conditions if c.id != remove]
             counters[i] = Counter(counter.fields, tuple(conditions), counter.default, counter.id)
-        policy = Policy(tuple(counters), self._policy.suspensions, self._policy.source)
-        self._policy = policy
-        self._ccounters = tuple(_CCounter(c) for c in policy.counters)
+        self._compile(Policy(tuple(counters), self._policy.suspensions, self._policy.source))
         self._rebuild()
 
     def _expire_condition(self, counter_id: str, cond_id: str, now: float) -> None:
@@ -807,6 +937,10 @@ class Scheduler:
         self._reuse = self._entries
         self._entries = {}
         for entry in self._reuse.values():
+            if entry.priv is not None:
+                entry.log = deque(entry.priv.log)
+                entry.last_at = entry.priv.last_at
+                entry.priv = None
             entry.inflight = 0
             entry.refs = 0
             entry.timer_at = None
@@ -824,7 +958,10 @@ class Scheduler:
             susp.waiters[1].clear()
             susp.pending = 0
         for flight in self._flights.values():
-            flight.entries = self._resolve_ip(flight.job.route, flight.ip)[0]
+            found = self._resolve_ip(flight.job.route, flight.ip)[0]
+            flight.entries = tuple(e for e in found if e.conc is not None)
+            flight.priv = None
+            flight.extra = []
             for entry in flight.entries:
                 entry.inflight += 1
         for sq in self._subqueues.values():
@@ -848,46 +985,89 @@ class Scheduler:
         if entry is not None:
             return entry
         thresholds, cond = cc.thresholds(key)
-        if thresholds.is_empty:
+        if thresholds.is_empty or self._cannot_bind(thresholds, not cc.names):
             return None
         entry = self._reuse.pop(ident, None)
         if entry is None:
             entry = _Entry(cc, key, thresholds, cond)
+            if self._fresh is not None:
+                self._fresh.add(entry)
         else:
             entry.counter = cc
             entry.set_thresholds(thresholds, cond)
         self._entries[ident] = entry
         return entry
 
+    def _cannot_bind(self, thresholds: Thresholds, is_global: bool) -> bool:
+        """A concurrency no lower than what can ever be in flight (the
+        smaller of max_deliveries and a global counter's concurrency), with
+        no rate or interval, never holds a delivery back: such entries are
+        not tracked, so that a pickup does not pay for them."""
+        limit = self.settings.max_deliveries if is_global else self._max_inflight
+        return (thresholds.rate is None and not thresholds.connectinterval_s
+                and thresholds.concurrency is not None
+                and thresholds.concurrency >= limit)
+
     def _resolve_ip(self, route: Route, ip: str) -> tuple[tuple[_Entry, ...], int]:
         """The tracked entries of ``route`` from ``ip``, and the tightest
-        concurrency among those that limit the destination (0: none)."""
+        concurrency among the counters that limit the destination (0: none)."""
         found: list[_Entry] = []
         dest_limit = 0
         for cc in self._ccounters:
-            entry = self._entry(cc, cc.key(route, ip))
-            if entry is None:
+            key = cc.key(route, ip)
+            entry = self._entry(cc, key)
+            if entry is not None:
+                found.append(entry)
+                conc = entry.conc
+            elif cc.dest:
+                conc = cc.thresholds(key)[0].concurrency  # untracked, but still the policy
+            else:
                 continue
-            found.append(entry)
-            if cc.dest and entry.conc is not None:
-                dest_limit = entry.conc if not dest_limit else min(dest_limit, entry.conc)
+            if cc.dest and conc is not None:
+                dest_limit = conc if not dest_limit else min(dest_limit, conc)
         return tuple(found), dest_limit
 
     def _resolve(self, sq: _SubQueue) -> None:
         """Look up a sub-queue's counter entries, per source IP.
 
         Called for a new sub-queue, or by _rebuild after it zeroed every
-        reference count, so the old entries are not released here.
+        reference count, so the old entries are not released here.  Entries
+        this call creates, that no other source IP of the sub-queue shares
+        and that nothing counts yet, become private to the sub-queue.
         """
+        self._fresh = set()
         entries: list[tuple[_Entry, ...]] = []
         limits: list[int] = []
-        for ip in sq.ips:
-            found, limit = self._resolve_ip(sq.route, ip)
-            entries.append(found)
-            limits.append(limit)
+        try:
+            for ip in sq.ips:
+                found, limit = self._resolve_ip(sq.route, ip)
+                entries.append(found)
+                limits.append(limit)
+            fresh = self._fresh
+        finally:
+            self._fresh = None
+        uses: dict[_Entry, int] = {}
+        for found in entries:
+            for entry in found:
+                uses[entry] = uses.get(entry, 0) + 1
+        sq.entries = entries
+        sq.priv = []
+        sq.checks, sq.counted, sq.timed = [], [], []
+        for i, found in enumerate(entries):
+            private = [e for e in found
+                       if e in fresh and uses[e] == 1 and e.inflight == 0 and e.priv is None]
             for entry in found:
                 entry.refs += 1
-        sq.entries = entries
+                if entry.priv is not None and entry.priv.sq is not sq:
+                    self._materialize(entry)  # shared from now on
+            pv = _Private(sq, i, private) if private else None
+            for entry in private:
+                entry.priv = pv
+            sq.priv.append(pv)
+            sq.checks.append(())
+            sq.counted.append(())
+            sq.timed.append(())
+            self._set_lists(sq, i)
         sq.version = self._version
         dest = sq.dest
         changed = False
@@ -904,6 +1084,39 @@ class Scheduler:
                 dest.set_cap(sum(v or default for v in dest.ip_limits.values()))
             else:
                 dest.set_cap(default)
+
+    @staticmethod
+    def _set_lists(sq: _SubQueue, i: int) -> None:
+        shared = tuple(e for e in sq.entries[i] if e.priv is None)
+        sq.checks[i] = shared
+        sq.counted[i] = tuple(e for e in shared if e.conc is not None)
+        sq.timed[i] = tuple(e for e in shared if e.timed)
+
+    def _materialize(self, entry: _Entry) -> None:
+        """A private entry becomes shared: it takes its own counts.
+
+        The deliveries of its sub-queue in flight were not counted in it;
+        they are now, and each will uncount it when it finishes.
+        """
+        pv = entry.priv
+        if pv is None:
+            return
+        now = self._now
+        entry.inflight = pv.inflight
+        if entry.rate_n is not None:
+            entry.log = deque(t for t in pv.log if t + entry.rate_s > now)
+        entry.last_at = pv.last_at
+        if entry.conc is not None:
+            for flight in pv.flights:
+                flight.extra.append(entry)
+        entry.priv = None
+        pv.entries.remove(entry)
+        pv.refresh()
+        sq = pv.sq
+        if pv.ip < len(sq.priv) and sq.priv[pv.ip] is pv:
+            if not pv.entries:
+                sq.priv[pv.ip] = None
+            self._set_lists(sq, pv.ip)
 
     def _dest_cap(self, dest: _Dest) -> int:
         return dest.cap
@@ -1068,11 +1281,19 @@ class Scheduler:
         key = (sq.route, sq.priority)
         if self._subqueues.get(key) is sq:
             del self._subqueues[key]
+        # Its deliveries may still be in flight: their private counts become
+        # the entries' own before anyone else can find those entries.
+        privs, sq.priv = sq.priv, []
+        for pv in privs:
+            if pv is not None:
+                for entry in list(pv.entries):
+                    self._materialize(entry)
         for entries in sq.entries:
             for entry in entries:
                 entry.refs -= 1
                 self._maybe_forget(entry)
         sq.entries = []
+        sq.checks, sq.counted, sq.timed = [], [], []
         sq.version = -1
         dest = sq.dest
         dest.subqueues.discard(sq)
@@ -1195,17 +1416,29 @@ class Scheduler:
             # The common case, without the bookkeeping of a pool.
             held: _Blocker | None = susps[0]
             if held is None:
-                for entry in sq.entries[0]:
-                    conc = entry.conc
-                    if conc is not None and entry.inflight >= conc:
-                        held = entry
-                        break
-                    if entry.timed and entry.free(now) <= 0:
-                        held = entry
-                        break
-                else:
-                    self._start(sq, 0, now, out)
-                    return
+                pv = sq.priv[0]
+                if pv is not None:
+                    held = pv.blocker(now)
+                if held is None:
+                    for entry in sq.checks[0]:
+                        # Entry.holds(), inlined: the loop a pickup spends its time in.
+                        conc = entry.conc
+                        if conc is not None and entry.inflight >= conc:
+                            held = entry
+                            break
+                        rate_n = entry.rate_n
+                        if rate_n is not None and len(entry.log) >= rate_n \
+                                and entry.free(now) <= 0:
+                            held = entry
+                            break
+                        interval = entry.interval
+                        if interval is not None and now < entry.last_at + interval:
+                            held = entry
+                            break
+                    else:
+                        self._start(sq, 0, now, out)
+                        self._requeue(sq, woken, now)
+                        return
             self._park(sq, [held], woken, now)
             return
         blockers: list[_Blocker] = []
@@ -1216,13 +1449,10 @@ class Scheduler:
                 if susp not in blockers:
                     blockers.append(susp)
                 continue
-            held = None
-            for entry in sq.entries[i]:
-                conc = entry.conc
-                if conc is not None and entry.inflight >= conc:
-                    held = entry
-                    break
-                if entry.timed and entry.free(now) <= 0:
+            pv = sq.priv[i]
+            held = pv.blocker(now) if pv is not None else None
+            for entry in () if held is not None else sq.checks[i]:
+                if entry.holds(now):
                     held = entry
                     break
             if held is not None:
@@ -1231,26 +1461,53 @@ class Scheduler:
                 continue
             sq.rr = (i + 1) % n
             self._start(sq, i, now, out)
+            self._requeue(sq, woken, now)
             return
         self._park(sq, blockers, woken, now)
+
+    def _requeue(self, sq: _SubQueue, woken: _Blocker | None, now: float) -> None:
+        """After a pickup: the sub-queue goes to the back of the line.
+
+        If a blocker woke it for the slot it just took and has no other
+        free slot, that line is the blocker's: looking at the sub-queue
+        again now would only find it full.  Not so for a pool of source
+        IPs, whose next delivery may leave from another IP (unless the
+        blocker is the destination, which all of them share).
+        """
+        if not sq.live:
+            self._retire(sq)
+        elif woken is not None and (len(sq.ips) == 1 or woken is sq.dest) \
+                and woken.free(now) - woken.pending <= 0:
+            self._park(sq, [woken], None, now)
+        else:
+            self._ring[sq.priority].append(sq)
+            sq.in_ring = True
 
     def _start(self, sq: _SubQueue, i: int, now: float, out: list[Command]) -> None:
         rec = sq.jobs.popleft()
         sq.live -= 1
         ip = sq.ips[i]
-        entries = sq.entries[i]
-        for entry in entries:
+        counted = sq.counted[i]
+        for entry in counted:
             entry.inflight += 1
-            if entry.timed:
-                if entry.rate_n is not None:
-                    entry.log.append(now)
-                if entry.interval is not None:
-                    entry.last_at = now
+        for entry in sq.timed[i]:
+            if entry.rate_n is not None:
+                entry.log.append(now)
+            if entry.interval is not None:
+                entry.last_at = now
         dest = sq.dest
         dest.inflight += 1
         job = rec.job
         qids = rec.qids
-        flight = _Flight(job, qids, ip, entries, dest, now)
+        pv = sq.priv[i]
+        flight = _Flight(job, qids, ip, counted, pv, dest, now)
+        if pv is not None:
+            pv.inflight += 1
+            if pv.rates:
+                pv.log.append(now)
+            if pv.interval is not None:
+                pv.last_at = now
+            pv.flights.add(flight)
         self._flights[job.ref] = flight
         index = self._qids
         for qid in qids:
@@ -1260,11 +1517,6 @@ class Scheduler:
         self._inflight_entries += n
         self.pickups += 1
         out.append(StartDelivery(job, ip, qids))
-        if sq.live:
-            self._ring[sq.priority].append(sq)
-            sq.in_ring = True
-        else:
-            self._retire(sq)
 
     # ------------------------------------------------------------ results
 
@@ -1275,12 +1527,20 @@ class Scheduler:
             if index.get(qid) is flight:
                 del index[qid]
         self._inflight_entries -= len(flight.qids)
-        for entry in flight.entries:
-            entry.inflight -= 1
-            if entry.waiters is not _NO_WAITERS:
-                self._release(entry, now)
-            if not entry.refs and not entry.inflight:
-                self._forget_later(entry)
+        for entries in (flight.entries, flight.extra):
+            for entry in entries:
+                entry.inflight -= 1
+                if entry.waiters is not _NO_WAITERS:
+                    self._release(entry, now)
+                if not entry.inflight and not entry.refs:
+                    self._forget_later(entry)
+        pv = flight.priv
+        if pv is not None:
+            pv.inflight -= 1
+            pv.flights.discard(flight)
+            for blocker in pv.sq.parked_on:
+                if isinstance(blocker, _Entry) and blocker.priv is pv:
+                    self._release(blocker, now)
         dest = flight.dest
         dest.inflight -= 1
         if event.connection_failed:
@@ -1369,19 +1629,18 @@ class Scheduler:
         now = self._now if now is None else now
         out = []
         for entry in self._entries.values():
-            if entry.rate_n is not None:
-                entry.free(now)  # prunes the window
+            inflight, _, last_at = entry.state(now)
             kind = entry.blocking_kind(now)
             out.append(CounterView(
                 counter=entry.counter.id,
                 key=tuple(zip(entry.counter.names, entry.key, strict=True)),
-                inflight=entry.inflight,
+                inflight=inflight,
                 concurrency=entry.conc,
                 rate=str(entry.thresholds.rate) if entry.thresholds.rate else None,
-                rate_used=len(entry.log) if entry.rate_n is not None else 0,
+                rate_used=entry.rate_used(now) if entry.rate_n is not None else 0,
                 connectinterval_s=entry.interval,
-                next_connect_at=(entry.last_at + entry.interval
-                                 if entry.interval is not None and entry.last_at > -_NEVER
+                next_connect_at=(last_at + entry.interval
+                                 if entry.interval is not None and last_at > -_NEVER
                                  else None),
                 exceeded=kind is not None,
                 waiting_subqueues=len(entry.waiters[0]) + len(entry.waiters[1]),
@@ -1440,9 +1699,9 @@ class Scheduler:
             if entry.condition is not None else ""
         name = f"counter {entry.counter.id} [{key}]{cond}"
         if kind is Waiting.CONCURRENCY:
-            return f"{name}: {entry.inflight} in flight, concurrency {entry.conc}"
+            return f"{name}: {entry.state(now)[0]} in flight, concurrency {entry.conc}"
         if kind is Waiting.RATE:
-            return (f"{name}: {len(entry.log)} pickups in the last "
+            return (f"{name}: {entry.rate_used(now)} pickups in the last "
                     f"{entry.rate_s:g}s, rate {entry.thresholds.rate}")
         return f"{name}: connectinterval {entry.interval:g}s since the last pickup"
 
@@ -1521,7 +1780,7 @@ class Scheduler:
                     kind, self._entry_text(entry, kind, now), localip=shown_ip,
                     counter=entry.counter.id,
                     key=tuple(zip(entry.counter.names, entry.key, strict=True)),
-                    threshold=str(entry.thresholds), current=str(entry.inflight),
+                    threshold=str(entry.thresholds), current=str(entry.state(now)[0]),
                     until_at=free_at))
                 if free_at is None:
                     at_ip = None
