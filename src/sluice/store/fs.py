@@ -62,8 +62,10 @@ STRATEGIES
     Content lifetime by link count.  Every control file of a message has a
     hard link ``<SPID>-<first index>.ref`` to the message's spool file,
     created and synced before the control file is.  When a control file
-    goes, its link goes after the commit, and when the spool file's link
-    count drops to one, the content is deleted.  So content is never
+    goes, its link goes right after the commit (before the next batch: a
+    later batch may link the same name again), and when the spool file's
+    link count drops to one, the content is deleted -- on the spool's own
+    thread, since nothing can link to it any more.  So content is never
     deleted while a control file exists, in any process; a crash can only
     leave an extra link, which recover() reconciles.
 
@@ -648,7 +650,8 @@ class FsStore:
     @classmethod
     def from_config(cls, config: Config) -> FsStore:
         q = config.queue
-        spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize)
+        spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
+                        q.spool.sync_method)
         granularity = RetryPolicy.from_config(q).granularity_s
         return cls(q.path, spool, granularity_s=granularity, node_id=config.node.id,
                    max_batch=q.commit_max_batch)
@@ -922,7 +925,9 @@ class FsStore:
         except FileNotFoundError:
             return
         if links <= 1:
-            self.spool.delete(spid)
+            # Nothing links to it any more, so nothing can again: the unlink
+            # itself may come a moment later, on the spool's own thread.
+            self.spool.delete_soon([spid])
 
     def _add_ref(self, spid: str, idx0: int) -> None:
         ref = self.spool.directory(spid) / f"{spid}-{idx0}.ref"
@@ -1496,6 +1501,7 @@ class FsStore:
             return
         self._committer.close()
         self._closed = True
+        self.spool.close()
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
 
