@@ -19,7 +19,10 @@ STRATEGIES
     while it is busy, new ones wait in the queue without waking anything,
     so a burst costs one wake-up, not one per message (a thread pool paid
     for locks, a future and a wake-up per message, and a second hop back to
-    the loop).  The only hop back is the durable result.
+    the loop).  The only hop back is the durable result.  Four threads
+    instead of one made each submission slower on a busy disk (2.6 ms
+    against 1.0 ms on average): they only contend for the GIL and for the
+    file system's locks.
 
     Big messages on the side.  A message spilled to a temporary file is
     copied into the spool on a separate worker thread, so a 50 MB copy does

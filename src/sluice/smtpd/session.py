@@ -432,10 +432,6 @@ class SmtpSession(SMTP):
         if self.transport is not None:
             self.transport.close()
 
-    @property
-    def idle(self) -> bool:
-        return self._idle
-
     # -- replies -------------------------------------------------------------------
 
     def _render(self, reply: Reply) -> bytes:
