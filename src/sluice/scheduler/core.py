@@ -36,6 +36,13 @@ STRATEGIES
     keeps its place in line.  Pickup cost therefore does not depend on the
     number of queued jobs or parked sub-queues.
 
+    Private counting.  A counter entry that only one sub-queue uses, from
+    one source IP, is counted together with the sub-queue's other private
+    entries (_Private): one in-flight count, one list of pickup times, and
+    their tightest limits checked at once.  A second user makes it shared,
+    with its own counts.  Thresholds nothing can reach (a concurrency at or
+    above max_deliveries, or a global counter's) are not tracked at all.
+
     Source IP pools (Halon).  A job may use any of its route's source IPs;
     the IPs are tried in turn from where the sub-queue's last pickup left
     off, and a suspended IP is skipped.
@@ -68,8 +75,11 @@ LIMITATIONS
     connectinterval spaces pickups, each of which may open a connection; a
     runtime that reuses a connection still waits for the interval.  Rate
     windows are kept per entry as the last X pickup times: memory grows
-    with X.  Counter entries with no threshold are not tracked (the views
-    do not list them).  A reload starts new counters' rate windows empty.
+    with X.  Counter entries with no threshold, or none reachable, are not
+    tracked (the views do not list them).  A reload starts new counters'
+    rate windows empty.  A pickup checks every shared entry of its
+    sub-queue one by one: its cost grows with the counters over shared
+    fields, not with the number of sub-queues or jobs.
 
 SEE ALSO
     sluice.scheduler.policy, sluice.scheduler.events, docs/scheduler.md,
@@ -225,6 +235,16 @@ class _Blocker:
         return None
 
 
+class _NoLog(deque[float]):
+    """The pickup times of every entry that keeps none of its own."""
+
+    def append(self, value: float) -> None:
+        raise RuntimeError("broken invariant: a pickup logged in an entry without a log")
+
+
+_NO_LOG: deque[float] = _NoLog()
+
+
 class _Entry(_Blocker):
     """One counter entry: the counter's fields with one combination of values.
 
@@ -261,7 +281,9 @@ class _Entry(_Blocker):
         self.key = key
         self.inflight = 0
         self.refs = 0  # sub-queue references (one per source IP that uses it)
-        self.log: deque[float] = deque()
+        # Its own pickup times, once it is shared and has a rate (an empty
+        # deque costs half a kilobyte, and most entries never need one).
+        self.log: deque[float] = _NO_LOG
         self.last_at = -_NEVER
         self.priv: _Private | None = None
         self.set_thresholds(thresholds, condition)
@@ -372,7 +394,7 @@ class _Private:
     pickup; a pickup checks their tightest limits here instead of each.
     """
 
-    __slots__ = ("conc", "conc_entry", "entries", "flights", "inflight", "interval",
+    __slots__ = ("conc", "conc_entry", "entries", "inflight", "interval",
                  "interval_entry", "ip", "last_at", "log", "max_s", "min_n", "rates", "sq")
 
     def __init__(self, sq: _SubQueue, ip: int, entries: list[_Entry]) -> None:
@@ -382,7 +404,6 @@ class _Private:
         self.inflight = 0
         self.log: deque[float] = deque()
         self.last_at = -_NEVER
-        self.flights: set[_Flight] = set()
         self.refresh()
 
     def refresh(self) -> None:
@@ -938,7 +959,8 @@ class Scheduler:
         self._entries = {}
         for entry in self._reuse.values():
             if entry.priv is not None:
-                entry.log = deque(entry.priv.log)
+                if entry.rate_n is not None:
+                    entry.log = deque(entry.priv.log)
                 entry.last_at = entry.priv.last_at
                 entry.priv = None
             entry.inflight = 0
@@ -1091,6 +1113,9 @@ class Scheduler:
         sq.checks[i] = shared
         sq.counted[i] = tuple(e for e in shared if e.conc is not None)
         sq.timed[i] = tuple(e for e in shared if e.timed)
+        for entry in sq.timed[i]:
+            if entry.rate_n is not None and entry.log is _NO_LOG:
+                entry.log = deque()
 
     def _materialize(self, entry: _Entry) -> None:
         """A private entry becomes shared: it takes its own counts.
@@ -1106,9 +1131,12 @@ class Scheduler:
         if entry.rate_n is not None:
             entry.log = deque(t for t in pv.log if t + entry.rate_s > now)
         entry.last_at = pv.last_at
-        if entry.conc is not None:
-            for flight in pv.flights:
-                flight.extra.append(entry)
+        if entry.conc is not None and pv.inflight:
+            # Rare (a second user, or the sub-queue forgotten with deliveries
+            # out): cheaper to look for them than to index every delivery.
+            for flight in self._flights.values():
+                if flight.priv is pv:
+                    flight.extra.append(entry)
         entry.priv = None
         pv.entries.remove(entry)
         pv.refresh()
@@ -1507,7 +1535,6 @@ class Scheduler:
                 pv.log.append(now)
             if pv.interval is not None:
                 pv.last_at = now
-            pv.flights.add(flight)
         self._flights[job.ref] = flight
         index = self._qids
         for qid in qids:
@@ -1537,7 +1564,6 @@ class Scheduler:
         pv = flight.priv
         if pv is not None:
             pv.inflight -= 1
-            pv.flights.discard(flight)
             for blocker in pv.sq.parked_on:
                 if isinstance(blocker, _Entry) and blocker.priv is pv:
                     self._release(blocker, now)
