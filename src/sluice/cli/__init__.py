@@ -32,6 +32,7 @@ COMMAND_MODULES = (
     "sluice.cli.queue_cmds",
     "sluice.cli.config_cmds",
     "sluice.cli.policy_cmds",
+    "sluice.cli.api_cmds",
     "sluice.cli.serve_cmds",
     "sluice.cli.bench_cmds",
     "sluice.cli.analytics_cmds",
