@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-import warnings
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-with warnings.catch_warnings():
-    # pyspark.testing checks the pandas version on import and warns about
-    # pandas 3; nothing here uses pandas.
-    warnings.simplefilter("ignore", FutureWarning)
-    from pyspark.sql import DataFrame
-    from pyspark.testing import assertDataFrameEqual
+from pyspark.sql import DataFrame
+from pyspark.testing import assertDataFrameEqual
 
 from sluice.accounting import EVENT_FIELDS
 
@@ -21,22 +15,9 @@ T0 = datetime(2026, 11, 20, 10, 0, 0, tzinfo=UTC)
 
 def assert_df_equal(actual: DataFrame | list[Any], expected: DataFrame | list[Any],
                     **kwargs: Any) -> None:
-    """assertDataFrameEqual for Spark frames.
-
-    With pandas and pyarrow installed, assertDataFrameEqual imports
-    pyspark.pandas, which does not import under pandas 3 (pyspark 4.3 needs
-    pandas < 3).  Hiding pandas for the call keeps it on its Spark path.
-    """
+    """assertDataFrameEqual for Spark frames (pyspark.testing)."""
     __tracebackhide__ = True
-    saved = sys.modules.get("pandas")
-    sys.modules["pandas"] = None  # type: ignore[assignment]
-    try:
-        assertDataFrameEqual(actual, expected, **kwargs)
-    finally:
-        if saved is None:
-            del sys.modules["pandas"]
-        else:
-            sys.modules["pandas"] = saved
+    assertDataFrameEqual(actual, expected, **kwargs)
 
 
 def event(kind: str, recipient: str = "bob@example.com", at: float = 0.0,
