@@ -10,8 +10,8 @@ import pytest
 from sluice.pipeline.maillog import maillog_events, parse_lines
 from sluice.pipeline.report import Level, level, outcomes
 from sluice.pipeline.schema import EVENT_SCHEMA
+from tests.postfix_run import postfix_instance, postfix_missing
 from tests.spark.frames import shape
-from tests.spark.postfix_run import postfix_instance, postfix_missing
 
 pytestmark = pytest.mark.spark
 

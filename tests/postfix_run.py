@@ -1,4 +1,4 @@
-"""A private Postfix instance on loopback, for the maillog test.
+"""A private Postfix instance on loopback, for the maillog and round-trip tests.
 
 Postfix 3.7 (the distribution package) runs from a temporary directory:
 its own main.cf/master.cf, queue, and ``maillog_file`` written by
@@ -6,7 +6,9 @@ postlogd, an smtpd on 127.0.0.1 and the relay host an aiosmtpd sink in
 this process that answers per recipient: ``bad*`` 550 5.1.1, ``full*``
 452 4.2.2, anything else 250.  Mail for dead.test goes to a port nobody
 listens on.  Queue lifetimes are seconds, so deferred mail expires (and
-its NDR is sent) while the test waits.  Everything is removed at the end.
+its NDR is sent) while the test waits.  With ``mailbox_domain``, mail for
+that domain is delivered by Postfix's virtual(8) agent into one mbox file
+(``PostfixRun.mailbox``).  Everything is removed at the end.
 """
 
 from __future__ import annotations
@@ -109,6 +111,15 @@ maillog_file = {root}/maillog
 maillog_file_prefixes = {root}
 """
 
+MAILBOX_CF = """\
+virtual_mailbox_domains = {domain}
+virtual_mailbox_base = {root}/mail
+virtual_mailbox_maps = static:mbox
+virtual_uid_maps = static:{uid}
+virtual_gid_maps = static:{gid}
+virtual_transport = virtual
+"""
+
 MASTER_CF = """\
 127.0.0.1:{smtpd_port} inet n - n - - smtpd
 pickup    unix  n       -       n       60      1       pickup
@@ -130,6 +141,7 @@ discard   unix  -       -       n       -       -       discard
 anvil     unix  -       -       n       -       1       anvil
 scache    unix  -       -       n       -       1       scache
 postlog   unix-dgram n  -       n       -       1       postlogd
+virtual   unix  -       n       n       -       -       virtual
 """
 
 
@@ -142,6 +154,11 @@ class PostfixRun:
     @property
     def maillog(self) -> Path:
         return self.root / "maillog"
+
+    @property
+    def mailbox(self) -> Path:
+        """The mbox file of ``mailbox_domain`` (all its recipients share it)."""
+        return self.root / "mail" / "mbox"
 
     def send(self, sender: str, recipients: list[str], subject: str) -> None:
         msg = EmailMessage()
@@ -191,7 +208,7 @@ def _wait_gone(pid_file: Path, timeout_s: float = 10.0) -> None:
 
 
 @contextmanager
-def postfix_instance() -> Iterator[PostfixRun]:
+def postfix_instance(mailbox_domain: str | None = None) -> Iterator[PostfixRun]:
     from aiosmtpd.controller import Controller
 
     root = Path(tempfile.mkdtemp(prefix="sluice-pf-"))  # short: socket paths are limited
@@ -210,8 +227,14 @@ def postfix_instance() -> Iterator[PostfixRun]:
         pw = pwd.getpwnam("postfix")
         os.chown(data, pw.pw_uid, pw.pw_gid)
         os.chmod(root, 0o755)
-        (root / "etc" / "main.cf").write_text(MAIN_CF.format(
-            root=root, sink_port=sink_port, dead_port=dead_port))
+        main_cf = MAIN_CF.format(root=root, sink_port=sink_port, dead_port=dead_port)
+        if mailbox_domain:
+            nobody = pwd.getpwnam("nobody")
+            (root / "mail").mkdir(mode=0o755)
+            os.chown(root / "mail", nobody.pw_uid, nobody.pw_gid)
+            main_cf += MAILBOX_CF.format(domain=mailbox_domain, root=root, uid=nobody.pw_uid,
+                                         gid=nobody.pw_gid)
+        (root / "etc" / "main.cf").write_text(main_cf)
         (root / "etc" / "master.cf").write_text(MASTER_CF.format(smtpd_port=smtpd_port))
         check = run.postfix("check")
         if check.returncode != 0:
