@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -230,12 +231,13 @@ def test_a_crash_before_the_journal_leaves_nothing_half_done(tmp_path: Path) -> 
     try:
         # The journal never reached its end: no recipient of the message is queued.
         assert list(store.entries(Selector())) == []
-        assert list((tmp_path / "queue" / "tmp").iterdir()) == []
         assert list((tmp_path / "queue" / "journal").iterdir()) == []
-        # Its content is an orphan; recover() removes it once it is old enough.
+        # Its content and control files are orphans; recover() removes them
+        # once they are old enough not to belong to a submission in flight.
         store.recover(time.time() + 7200)
         assert list(store.spool.spids()) == []
         assert list(store.spool.root.rglob("*.ref")) == []
+        assert list((tmp_path / "queue" / "tmp").iterdir()) == []
     finally:
         store.close()
 
@@ -271,3 +273,42 @@ def test_a_full_disk_is_a_temporary_failure_and_passes() -> None:
     assert found["all_listed"] and found["all_intact"] and found["count"] == found["accepted"]
     assert found["after_ok"], found.get("after_error")
     assert found["count_after"] == found["accepted"] - 3 + 1
+
+
+def test_a_submission_changed_in_its_own_batch_is_written_as_changed(tmp_path: Path) -> None:
+    # Submitters write their control files before the batch; a refill that
+    # splits the message in the same batch must not rename that now stale
+    # file into place.
+    store = open_fs(tmp_path)
+    try:
+        first = store.submit(Submission("a@example.org", ("w@c.example",)), b"one", T0)
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold(view: object) -> None:  # keeps the committer busy meanwhile
+            holding.set()
+            gate.wait(10)
+
+        store._committer.submit(hold)
+        assert holding.wait(10)
+        fut = store.submit_future(Submission("a@example.org", ("x@d.example", "y@d.example",
+                                                               "z@d.example")), b"two", T0)
+        claimed: list[str] = []
+        op = threading.Thread(target=lambda: claimed.extend(
+            e.qid for e in store.claim(2, T0, 0)))
+        op.start()
+        deadline = time.monotonic() + 10
+        while store._committer._ops.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store._committer._ops.qsize() == 2  # the next batch: both together
+        gate.set()
+        acc = fut.result(timeout=10)
+        op.join(10)
+        assert claimed == [first.qids[0], acc.qids[0]]
+        assert tree(store) == {"active": [f"{first.spid}-0+1p0@c.example.mmq",
+                                          f"{acc.spid}-0+1p0@d.example.mmq"],
+                               "incoming": [f"{acc.spid}-1+2p0@d.example.mmq"]}
+        assert [(e.qid, e.state) for e in store.entries(Selector(qids=(acc.spid,)))] == [
+            (acc.qids[0], S.ACTIVE), (acc.qids[1], S.INCOMING), (acc.qids[2], S.INCOMING)]
+        assert list((store.root / "tmp").iterdir()) == []
+    finally:
+        store.close()

@@ -41,15 +41,18 @@ STRATEGIES
     that queued up and runs them under an exclusive flock on ``lock`` (so
     several processes may share the queue, as with SQLite).  Operations see
     each other's changes through an overlay of the batch's files.  Then:
-    (1) new control files are written to tmp/ and fsynced in parallel with
-    the batch's spool files and the change feed; (2) if any operation
+    (1) new control files are in tmp/ -- a submitter writes its own, like
+    its content, before it queues; the committer writes the others, all at
+    once -- and are fsynced in parallel with the batch's spool files and
+    the change feed; (2) if any operation
     changes more than one file (a split, a rewrite into another directory,
     a message for several domains), a journal of the batch's creations and
     removals is written and fsynced -- the commit point; (3) files are
     renamed into place, moved and removed; (4) every directory touched is
     fsynced; (5) the journal is removed.  A batch of claims is only
-    renames.  A crash before (2) leaves temporary files that the next
-    writer removes; after it, the next writer (any process) replays the
+    renames.  A crash before (2) leaves temporary files that recover()
+    removes once they are an hour old; after it, the next writer (any
+    process) replays the
     journal before doing anything else.  Replay is idempotent and a stale
     journal is harmless: a temporary file is renamed only if it still
     exists, a removal happens only if the file still has the generation the
@@ -106,6 +109,7 @@ import math
 import os
 import re
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -225,6 +229,7 @@ class _Control:
     rcpts: list[_Rcpt]
     gen: str = ""
     path: str = ""  # relative to the root, "" while not yet placed
+    prepared: str = ""  # a temporary file already holding dump(), relative to the root
 
     def name(self) -> str:
         return (f"{self.spid}-{self.rcpts[0].idx}+{len(self.rcpts)}p{self.priority}"
@@ -489,8 +494,12 @@ class _View:
         self._set(ctrl.path, None, dirty=False)
         self._touched.add(ctrl.path)
 
-    def write(self, ctrl: _Control) -> None:
-        ctrl.gen = _new_gen()
+    def write(self, ctrl: _Control, *, prepared: bool = False) -> None:
+        """Place a new or changed control file.  ``prepared``: its temporary
+        file was written (with its generation) by the submitter."""
+        if not prepared:
+            ctrl.prepared = ""
+            ctrl.gen = _new_gen()
         ctrl.path = self._place(ctrl)
         self._set(ctrl.path, ctrl, dirty=True)
         self._touched.add(ctrl.path)
@@ -639,7 +648,6 @@ class FsStore:
             raise StorageError(f"cannot open the queue at {self.root}: {exc}") from exc
         try:
             with self._locked():
-                self._clean_tmp()
                 self._check_layout()
         except BaseException:
             os.close(self._lock_fd)
@@ -684,10 +692,17 @@ class FsStore:
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def _clean_tmp(self) -> None:
-        """Remove temporary files of batches that never reached their commit point."""
+    def _clean_tmp(self, now: float) -> None:
+        """Remove temporary files of batches that never reached their commit point.
+
+        Only old ones: submitters of any process write theirs before they
+        queue for the lock.
+        """
         for name in _listdir(self.root / "tmp"):
-            _unlink(self.root / "tmp" / name)
+            path = self.root / "tmp" / name
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime < now - ORPHAN_AGE_S:
+                    _unlink(path)
 
     def _check_layout(self) -> None:
         path = self.root / "layout.json"
@@ -767,15 +782,14 @@ class FsStore:
             fsync_paths(dirs)
             _unlink(path)
         fsync_paths([str(self.root / "journal")])
-        self._clean_tmp()
 
     # -- the committer --------------------------------------------------------------------
 
-    def _op(self, work: Callable[[_View], Any], files: Sequence[SpoolFile] = ()
-            ) -> concurrent.futures.Future[Any]:
+    def _op(self, work: Callable[[_View], Any], files: Sequence[SpoolFile] = (),
+            prepared: Sequence[str] = ()) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
-        return self._committer.submit(work, files)
+        return self._committer.submit(work, files, extra=list(prepared))
 
     def _call(self, work: Callable[[_View], Any]) -> Any:
         return self._op(work).result()
@@ -794,6 +808,8 @@ class FsStore:
             if not op.future.done():
                 for f in op.files:
                     self.spool.discard(f)
+                for tmp in op.extra or ():
+                    _unlink(self.root / tmp)
                 op.future.set_exception(err)
 
     def _commit_locked(self, batch: list[Op]) -> None:
@@ -829,6 +845,11 @@ class FsStore:
         for op in failed:
             for f in op.files:
                 self.spool.discard(f)
+        # Files submitters wrote that the batch did not use (failed, or changed
+        # again within the batch).
+        used = {ctrl.prepared for ctrl, _ in fx.creates if ctrl.prepared}
+        in_parallel(_unlink, [self.root / tmp for op in batch for tmp in op.extra or ()
+                              if tmp not in used])
         for op, value, failure in results:
             if failure is None:
                 op.future.set_result(value)
@@ -842,12 +863,18 @@ class FsStore:
         temps: list[tuple[str, str]] = []
         written: list[str] = []
         try:
-            # 1. Temporary files, content links, change feed; then one fsync round.
+            # 1. Temporary files (submitters wrote theirs already; the rest are
+            #    written together), content links, change feed; one fsync round.
+            todo: list[tuple[Path, bytes]] = []
             for k, (ctrl, final) in enumerate(fx.creates):
+                if ctrl.prepared:
+                    temps.append((ctrl.prepared, final))
+                    continue
                 tmp = f"tmp/{batch_id}.{k}.tmp"
-                _write_file(root / tmp, ctrl.dump())
+                todo.append((root / tmp, ctrl.dump()))
                 written.append(tmp)
                 temps.append((tmp, final))
+            in_parallel(lambda job: _write_file(*job), todo)
             sync: list[str] = [str(root / t) for t, _ in temps]
             if temps:
                 sync.append(str(root / "tmp"))
@@ -873,6 +900,9 @@ class FsStore:
         except OSError:
             for tmp in written:
                 _unlink(root / tmp)
+            for ctrl, _ in fx.creates:
+                if ctrl.prepared:
+                    _unlink(root / ctrl.prepared)
             raise
         try:
             self._into_place(view, fx, temps, journal)
@@ -1004,16 +1034,34 @@ class FsStore:
             size=sf.size,
         )
 
+        # The control files are written here, in the submitter's thread, like
+        # the content; the committer only makes them durable and renames them.
+        ctrls = [_Control(sf.spid, domain, state, next_at, submission.priority, meta, rcpts,
+                          gen=_new_gen()) for domain, rcpts in by_domain.items()]
+        prepared: list[str] = []
+        try:
+            for ctrl in ctrls:
+                ctrl.prepared = f"tmp/{os.getpid()}.{uuid.uuid4().hex}.tmp"
+                _write_file(self.root / ctrl.prepared, ctrl.dump())
+                prepared.append(ctrl.prepared)
+        except OSError as exc:
+            for tmp in prepared:
+                _unlink(self.root / tmp)
+            self.spool.discard(sf)
+            raise StorageError(f"writing the control file failed: {exc.strerror or exc}"
+                               ) from exc
+
         def work(view: _View) -> Accepted:
-            for domain, rcpts in by_domain.items():
-                view.write(_Control(sf.spid, domain, state, next_at, submission.priority, meta,
-                                    rcpts))
+            for ctrl in ctrls:
+                view.write(_copy(ctrl), prepared=True)
             return accepted
 
         try:
-            return self._op(work, [sf])
+            return self._op(work, [sf], prepared)
         except BaseException:
             self.spool.discard(sf)
+            for tmp in prepared:
+                _unlink(self.root / tmp)
             raise
 
     def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
@@ -1198,6 +1246,7 @@ class FsStore:
                     view.swap([ctrl], [new])
                     moved += len(ctrl.rcpts)
             view.after.append(lambda: self._prune_changes(now))
+            view.after.append(lambda: self._clean_tmp(now))
             view.after.append(lambda: self._reconcile(now))
             return moved
 
