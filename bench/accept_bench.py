@@ -17,7 +17,10 @@ connection per message (smtp-source's default, the harder case).
     .venv/bin/python bench/accept_bench.py --profile /tmp/prof  # py-spy flame graphs
 
 Needs /usr/sbin/smtp-source (Debian package postfix).  Numbers on a shared
-2-core machine move by +-15 %; compare medians of --repeat runs.
+2-core machine move by +-15 % and more when other programs run: each run
+prints ``foreign_cpu``, the CPU other processes used meanwhile (kernel
+threads included), as a share of one core; compare medians of --repeat
+runs with little of it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Run:
     source_cpu_s: float
     box_busy: float  # fraction of all cores busy during the run
     queued: int
+    foreign_cpu_s: float  # CPU used by other programs meanwhile (noise)
 
     @property
     def rate(self) -> float:
@@ -74,6 +78,18 @@ def proc_cpu_s(pid: int) -> float:
         data = f.read().decode("ascii", "replace")
     fields = data[data.rfind(")") + 2 :].split()
     return sum(int(x) for x in fields[11:15]) / CLK
+
+
+def all_cpu_s() -> dict[int, float]:
+    """CPU seconds (including reaped children) of every process on the box."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                out[int(name)] = proc_cpu_s(int(name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
 
 
 def box_ticks() -> tuple[int, int]:
@@ -132,6 +148,7 @@ def run_once(args: argparse.Namespace, processes: int, mode: str, profile: Path 
         if mode == "reuse":
             cmd.insert(1, "-d")
         cmd.append(f"127.0.0.1:{port}")
+        everyone0 = all_cpu_s()
         cpu0 = sum(proc_cpu_s(p) for p in pids)
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         box0 = box_ticks()
@@ -141,6 +158,7 @@ def run_once(args: argparse.Namespace, processes: int, mode: str, profile: Path 
         box1 = box_ticks()
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu1 = sum(proc_cpu_s(p) for p in pids)
+        everyone1 = all_cpu_s()
         for spy_proc in spies:
             spy_proc.send_signal(signal.SIGINT)
         for spy_proc in spies:
@@ -153,7 +171,11 @@ def run_once(args: argparse.Namespace, processes: int, mode: str, profile: Path 
     total = box1[0] - box0[0]
     busy = (total - (box1[1] - box0[1])) / total if total else 0.0
     source_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-    return Run(processes, mode, args.messages, seconds, cpu1 - cpu0, source_cpu, busy, queued)
+    ours = {os.getpid(), *pids}
+    foreign = sum(cpu - everyone0.get(pid, 0.0) for pid, cpu in everyone1.items()
+                  if pid not in ours) - source_cpu  # smtp-source is our reaped child
+    return Run(processes, mode, args.messages, seconds, cpu1 - cpu0, source_cpu, busy, queued,
+               max(0.0, foreign))
 
 
 def main() -> int:
@@ -184,7 +206,9 @@ def main() -> int:
                       f"time={run.seconds:6.2f}s rate={run.rate:7.0f} msg/s "
                       f"cpu={run.cpu_ms_per_msg:.3f} ms/msg (receivers) "
                       f"source_cpu={run.source_cpu_s * 1000 / run.messages:.3f} ms/msg "
-                      f"box_busy={run.box_busy * 100:.0f}% queue={ok}", flush=True)
+                      f"box_busy={run.box_busy * 100:.0f}% "
+                      f"foreign_cpu={run.foreign_cpu_s / run.seconds * 100:.0f}% of a core "
+                      f"queue={ok}", flush=True)
                 runs.append(run)
                 if run.queued != run.messages:
                     return 1
