@@ -36,6 +36,7 @@ SEE ALSO
 # No "from __future__ import annotations" here: FastAPI reads the annotations
 # of the route functions, which name dependencies local to build_app().
 import logging
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -44,7 +45,6 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request, Security
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
-from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -129,10 +129,13 @@ def _loc(parts: tuple[Any, ...] | list[Any]) -> str:
 
 
 def _methods(app: FastAPI, path: str) -> list[str]:
+    """The methods the OpenAPI document gives ``path`` (for Allow)."""
     methods: set[str] = set()
-    for route in app.routes:
-        if isinstance(route, APIRoute) and route.path_regex.match(path):
-            methods |= route.methods or set()
+    for template, ops in app.openapi()["paths"].items():
+        parts = re.split(r"(\{[^}]+\})", template)
+        pattern = "".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts)
+        if re.fullmatch(pattern, path):
+            methods |= {m.upper() for m in ops}
     return sorted(methods)
 
 

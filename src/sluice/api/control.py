@@ -783,8 +783,16 @@ class Control:
         return {"source": policy.source, "policy": policy.to_data()}
 
     async def _install(self, policy: Policy) -> None:
+        # The same content counts as installed: the policy file watcher may
+        # have read the same file meanwhile.
+        want = _canonical(policy.to_data())
+
+        def applied() -> bool:
+            running = self.scheduler.policy
+            return running is policy or _canonical(running.to_data()) == want
+
         self.manager.post(PolicyReloaded(policy))
-        await self._settle(lambda: self.scheduler.policy is policy, "the policy")
+        await self._settle(applied, "the policy")
 
     async def reload(self, who: str, reason: str) -> dict[str, Any]:
         path = self.manager.policy_path
