@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,9 +48,8 @@ def config(tmp_path: Path) -> Config:
 
 
 @pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLUICE_CONFIG", raising=False)
-    return
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

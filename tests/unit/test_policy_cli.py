@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sluice.cli import main
-from sluice.cli.policy_cmds import load_policy_file
+from sluice.policyfile import load_policy_file
 from sluice.model import Reply, Selector, Submission, TempFail
 from sluice.queue import AttemptResult, Queue
 from sluice.store import Action

@@ -59,10 +59,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
-
-import yaml
 
 from sluice.config import Config
 from sluice.delivery.agent import DeliveryAgent, DeliveryRequest
@@ -70,6 +67,7 @@ from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
 from sluice.hooks import Drop, Hold, Hooks
 from sluice.model import PermFail, QueueEntry, QueueState, Reply, TempFail
+from sluice.policyfile import load_policy_file, load_suspensions_file
 from sluice.queue import AttemptResult, Queue
 from sluice.scheduler import (
     Command,
@@ -90,41 +88,25 @@ from sluice.scheduler import (
     Settings,
     StartDelivery,
     Suspension,
-    parse_policy,
-    parse_suspensions,
 )
 
-__all__ = ["QueueManager", "load_policy_file", "load_suspensions_file"]
+__all__ = ["ManagerStats", "QueueManager"]
 
 log = logging.getLogger("sluice.manager")
 
 T = TypeVar("T")
 
 
-def load_policy_file(path: str | None) -> Policy:
-    """The pickup policy in ``path`` (Halon's YAML format); empty if None."""
-    if not path:
-        return Policy()
-    try:
-        text = Path(path).read_text("utf-8")
-    except OSError as exc:
-        raise PolicyError(path, [("", exc.strerror or str(exc))]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PolicyError(path, [("", f"invalid YAML: {exc}".splitlines()[0])]) from None
-    return parse_policy(data, source=path)
+def _policy(path: str | None) -> Policy:
+    return load_policy_file(path) if path else Policy()
 
 
-def load_suspensions_file(path: str | None) -> tuple[Suspension, ...]:
-    """Manual suspensions kept across restarts (a YAML list); none if absent."""
+def _suspensions(path: str | None) -> tuple[Suspension, ...]:
+    # The manual suspension file is created by the first suspension added at
+    # run time; until then there is none.
     if not path or not os.path.exists(path):
         return ()
-    try:
-        data = yaml.safe_load(Path(path).read_text("utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise PolicyError(path, [("", str(exc).splitlines()[0])]) from None
-    return parse_suspensions(data, source=path)
+    return load_suspensions_file(path)
 
 
 @dataclass(slots=True)
@@ -166,8 +148,8 @@ class QueueManager:
         self.change_poll_s = change_poll_s
         self.policy_poll_s = policy_poll_s
         self.policy_path = config.scheduler.policy
-        policy = load_policy_file(self.policy_path)
-        suspensions = load_suspensions_file(config.scheduler.suspensions)
+        policy = _policy(self.policy_path)
+        suspensions = _suspensions(config.scheduler.suspensions)
         self._last_now = clock()
         self.scheduler = Scheduler(Settings.from_config(config), policy, suspensions,
                                    now=self._last_now)
@@ -569,7 +551,7 @@ class QueueManager:
     def reload_policy(self) -> Policy | None:
         """Read the policy file again; on error keep the running policy."""
         try:
-            policy = load_policy_file(self.policy_path)
+            policy = _policy(self.policy_path)
         except PolicyError as exc:
             log.error("policy not reloaded, keeping the running one:\n%s", exc)
             return None
