@@ -89,7 +89,7 @@ from sluice.config import Config, parse_duration
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.retry import RetryPolicy
-from sluice.runtime.manager import QueueManager, load_policy_file
+from sluice.runtime.manager import QueueManager
 from sluice.scheduler import (
     Condition,
     ConditionAdded,
@@ -110,6 +110,13 @@ from sluice.scheduler import (
     parse_suspension,
 )
 from sluice.store import ACTION_STATES, Action, StorageError
+
+try:  # the schema-checked reader `sluice policy validate` uses too
+    from sluice.policyfile import load_policy_file
+except ImportError:  # pragma: no cover - before the reader left the manager
+    from sluice.runtime.manager import (  # type: ignore[attr-defined,no-redef,unused-ignore]
+        load_policy_file,
+    )
 
 __all__ = ["ApiError", "Control"]
 
@@ -798,7 +805,7 @@ class Control:
         path = self.manager.policy_path
         async with self._lock:
             try:
-                policy = await self.io(load_policy_file, path)
+                policy = await self.io(load_policy_file, path) if path else Policy()
             except PolicyError as exc:
                 raise ApiError(422, "invalid policy", _problems(exc)) from None
             old: Policy = self.scheduler.policy
