@@ -878,9 +878,8 @@ class FsStore:
             sync: list[str] = [str(root / t) for t, _ in temps]
             if temps:
                 sync.append(str(root / "tmp"))
-            for spid, idx0 in fx.ref_adds:
-                self._add_ref(spid, idx0)
-                sync.append(str(self.spool.directory(spid)))
+            in_parallel(lambda ref: self._add_ref(*ref), sorted(fx.ref_adds))
+            sync += sorted({str(self.spool.directory(spid)) for spid, _ in fx.ref_adds})
             if view.changes:
                 sync.append(self._append_changes(view.changes))
             if files:
@@ -914,23 +913,19 @@ class FsStore:
         root = self.root
         # 3. Into place.  Readers of this process wait; other processes see files move.
         dirs: set[str] = set()
+        renames = [(root / tmp, root / final) for tmp, final in temps]
+        renames += [(root / src, root / dst) for src, dst in fx.moves]
         with self._rw.writing():
-            for tmp, final in temps:
-                target = root / final
-                if not target.parent.is_dir():
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    dirs.add(str(target.parent.parent))
-                os.rename(root / tmp, target)
-                dirs.add(str(target.parent))
-            for src, dst in fx.moves:
-                target = root / dst
-                if not target.parent.is_dir():
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    dirs.add(str(target.parent.parent))
-                os.rename(root / src, target)
-                dirs.update((str(target.parent), str((root / src).parent)))
+            for target_dir in {dst.parent for _, dst in renames}:
+                if not target_dir.is_dir():
+                    target_dir.mkdir(parents=True, exist_ok=True)
+                    dirs.add(str(target_dir.parent))
+            # Independent renames: issued together, they share journal commits.
+            in_parallel(lambda pair: os.rename(*pair), renames)
             in_parallel(_unlink, [root / rel for rel, _ in fx.unlinks])
-            dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
+        dirs.update(str(dst.parent) for _, dst in renames)
+        dirs.update(str(src.parent) for src, _ in renames[len(temps):])
+        dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
         # 4. Every directory touched.
         fsync_paths(dirs)
         # 5. Done: the journal may go; so may links and content of what left.
