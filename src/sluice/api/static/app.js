@@ -292,8 +292,11 @@ function drawAudit(p) {
       last.type = "button";
       last.addEventListener("click", () => rollback(r.id));
     }
-    return row([r.id, fmtTime(r.at), r.who, r.action + (r.rollback_of ? " #" + r.rollback_of : ""),
-                r.target, r.reason, last]);
+    const tr = row([r.id, fmtTime(r.at), r.who,
+                    r.action + (r.rollback_of ? " #" + r.rollback_of : ""), r.target, r.reason,
+                    last]);
+    tr.cells[1].className = "nowrap";
+    return tr;
   }));
 }
 
