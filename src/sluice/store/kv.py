@@ -97,6 +97,7 @@ SEE ALSO
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import io
@@ -109,7 +110,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
-import plyvel
+from sluice.store import StorageError
+
+try:
+    import plyvel
+except ImportError as exc:  # an optional extra: say which
+    raise StorageError("the kv store needs plyvel: pip install 'sluice-mta[kv]'") from exc
 
 from sluice.model import (
     IN_FLIGHT_STATES,
@@ -268,6 +274,7 @@ class _View:
     def __init__(self, db: Any) -> None:
         self.db = db
         self.pending: dict[bytes, bytes | None] = {}
+        self._keys: list[bytes] = []  # the pending keys, sorted, for range lookups
         self.stats: dict[str, int] = {}
         self._undo: list[tuple[bytes, bool, bytes | None]] = []
         self._stats_undo: list[tuple[str, int]] = []
@@ -282,6 +289,9 @@ class _View:
                 self.pending[key] = old
             else:
                 self.pending.pop(key, None)
+                i = bisect.bisect_left(self._keys, key)
+                if i < len(self._keys) and self._keys[i] == key:
+                    del self._keys[i]
         while len(self._stats_undo) > mark[1]:
             name, delta = self._stats_undo.pop()
             self.stats[name] -= delta
@@ -293,8 +303,11 @@ class _View:
         return value
 
     def _set(self, key: bytes, value: bytes | None) -> None:
-        self._undo.append((key, key in self.pending, self.pending.get(key)))
+        had = key in self.pending
+        self._undo.append((key, had, self.pending.get(key)))
         self.pending[key] = value
+        if not had:
+            bisect.insort(self._keys, key)
 
     def put(self, key: bytes, value: bytes) -> None:
         self._set(key, value)
@@ -310,7 +323,7 @@ class _View:
               ) -> Iterator[tuple[bytes, bytes]]:
         lo = start or prefix
         hi = stop or prefix + _TOP
-        extra = sorted(k for k, v in self.pending.items() if v is not None and lo <= k < hi)
+        extra = self._keys[bisect.bisect_left(self._keys, lo):bisect.bisect_left(self._keys, hi)]
         it = self.db.iterator(start=lo, stop=hi)
         try:
             i = 0

@@ -85,8 +85,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
-import psycopg
-from psycopg import errors as pgerrors
+from sluice.store import StorageError
+
+try:
+    import psycopg
+    from psycopg import errors as pgerrors
+except ImportError as exc:  # an optional extra: say which
+    raise StorageError(
+        "the postgres store needs psycopg: pip install 'sluice-mta[postgres]'") from exc
 
 from sluice.model import (
     IN_FLIGHT_STATES,
