@@ -21,6 +21,7 @@ SECTION_DOCS = {
     "bounce": "configuration.md",
     "node": "configuration.md",
     "delivery": "delivery.md",
+    "api": "api.md",
     "scheduler": "scheduler.md",
     "analytics": "analytics.md",
     "suppression": "analytics.md",

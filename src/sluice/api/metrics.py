@@ -371,11 +371,13 @@ class Metrics:
         #: (at, accepted, delivered, deferred, bounced), one per poll, 5 minutes' worth.
         self.samples: deque[tuple[float, int, int, int, int]] = deque(maxlen=301)
         self.snapshot: Snapshot | None = None
+        self._pending: dict[tuple[str, str, str], int] = {}
+        self._lines = 0
 
     # -- the accounting log ---------------------------------------------------------
 
     def observe_line(self, line: bytes) -> None:
-        self.lines.inc()
+        self._lines += 1
         try:
             event = json.loads(line)
         except ValueError:
@@ -385,13 +387,15 @@ class Metrics:
         self.observe(event)
 
     def observe(self, event: Mapping[str, Any]) -> None:
-        """Count one accounting event (if it is this node's and one we count)."""
+        """Count one accounting event (if it is this node's and one we count);
+        the counters see it at the next flush()."""
         name = EVENT_NAMES.get(str(event.get("event")))
         if name is None or (event.get("node") or self.node) != self.node:
             return
         domain = self.domains.label(str(event.get("domain") or ""))
         tenant = self.tenants.label(str(event.get("tenantid") or ""))
-        self.recipients.labels(name, domain, tenant).inc()
+        key = (name, domain, tenant)
+        self._pending[key] = self._pending.get(key, 0) + 1
         self.totals[name] += 1
         duration = event.get("duration_s")
         if name != "accepted" and isinstance(duration, int | float):
@@ -400,9 +404,20 @@ class Metrics:
         if name == "delivered" and isinstance(age, int | float):
             self.latency_seconds.observe(float(age))
 
+    def flush(self) -> None:
+        """Add what observe() counted to the Prometheus counters: one
+        increment per label set and poll, not one per line."""
+        pending, self._pending = self._pending, {}
+        for (name, domain, tenant), n in pending.items():
+            self.recipients.labels(name, domain, tenant).inc(n)
+        if self._lines:
+            self.lines.inc(self._lines)
+            self._lines = 0
+
     def poll(self, now: float) -> int:
         """Read new accounting lines and take a throughput sample (blocking I/O)."""
         read = self.tail.poll(self.observe_line)
+        self.flush()
         t = self.totals
         self.samples.append((now, t["accepted"], t["delivered"], t["deferred"], t["bounced"]))
         return read
