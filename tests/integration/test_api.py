@@ -209,6 +209,13 @@ def test_one_message_with_its_recipients_and_history(srv: ApiServer) -> None:
     assert msg["history_files"] >= 1 and msg["history_truncated"] is False
     # A qid names the message too; an unknown SPID is a 404, a malformed one a 422.
     assert srv.ok("GET", f"/api/v1/messages/{acc.qids[0]}")["spid"] == acc.spid
+    # A line edited by hand with values of the wrong type is left out, not a 500.
+    log_file = max((srv.serving.dir / "log").glob("sluice-acct-*.jsonl"))
+    with log_file.open("a") as f:
+        f.write(json.dumps({**msg["history"][0], "size": "big", "event": "edited"},
+                           separators=(",", ":")) + "\n")
+    again = srv.ok("GET", f"/api/v1/messages/{acc.spid}")
+    assert [h["event"] for h in again["history"]] == ["received", "received", "priority"]
     assert srv.call("GET", "/api/v1/messages/0123456789ABCDEF").status_code == 404
     bad = srv.call("GET", "/api/v1/messages/not-an-id")
     assert bad.status_code == 422 and bad.json()["error"] == "invalid request"
@@ -361,6 +368,11 @@ def test_errors_are_json_with_the_right_status(srv: ApiServer) -> None:
     huge = srv.call("POST", "/api/v1/suspensions",
                     json={"fields": {"recipientdomain": "x"}, "reason": "x" * (2 << 20)})
     assert huge.status_code == 413 and huge.json()["error"] == "too large"
+    chunked = srv.http.post("/api/v1/suspensions", content=iter([b"[" * 65536] * 40),
+                            headers={"Authorization": f"Bearer {ALICE}",
+                                     "Content-Type": "application/json"})
+    assert "content-length" not in chunked.request.headers
+    assert chunked.status_code == 413 and chunked.json()["error"] == "too large"
     limit = srv.call("GET", "/api/v1/queue/entries", params={"limit": 5000})
     assert limit.status_code == 422 and limit.json()["detail"][0]["path"] == "query.limit"
     # The server is still well.

@@ -264,6 +264,10 @@ def build_app(control: Control, tokens: Tokens) -> FastAPI:
             text = "method not allowed"
         elif exc.status_code == 404:
             text = "not found"
+        elif exc.status_code == 400 and isinstance(exc.__cause__, _TooLarge):
+            # FastAPI turns any failure while reading the body into a 400.
+            return JSONResponse({"error": "too large", "detail": "the request body exceeds "
+                                 f"{MAX_BODY} bytes"}, status_code=413)
         elif exc.status_code == 400:
             text, detail = "invalid JSON", "the body is not a JSON document"
         else:

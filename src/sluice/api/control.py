@@ -78,10 +78,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from pydantic import ValidationError
 
 from sluice.api.audit import AuditAction, AuditLog, AuditRecord
 from sluice.api.history import message_history, spid_arrival_at
 from sluice.api.metrics import Metrics, Snapshot
+from sluice.api.models import HistoryEvent
 from sluice.cli.queue_cmds import _as_json as entry_json
 from sluice.cli.queue_cmds import _counts_json as counts_json
 from sluice.cli.queue_cmds import shape_table
@@ -338,11 +340,19 @@ class Control:
         since = None if arrival is None else arrival - 3600.0
         history = await self.io(message_history, self.config.accounting.path, spid, since,
                                 self.config.api.history_max_bytes)
-        if not entries and not history.events:
+        # A line edited by hand may not have the documented types: leave it out
+        # rather than answer with something the OpenAPI document does not promise.
+        events = []
+        for event in history.events:
+            try:
+                events.append(HistoryEvent.model_validate(event).model_dump())
+            except ValidationError:
+                log.warning("accounting line of %s with unexpected values skipped", spid)
+        if not entries and not events:
             raise ApiError(404, "not found", f"no message {spid} in the queue or in the "
                                              "accounting log")
         return {"spid": spid, "arrival_at": arrival,
-                "recipients": [entry_json(e) for e in entries], "history": history.events,
+                "recipients": [entry_json(e) for e in entries], "history": events,
                 "history_files": history.files, "history_bytes": history.bytes_scanned,
                 "history_truncated": history.truncated}
 

@@ -120,7 +120,7 @@ class ErrorBody(BaseModel):
 
 
 class Health(BaseModel):
-    status: str = Field(description="'ok', or 'stopping' while the server shuts down")
+    status: str = Field(description="'ok' while the server runs")
     node: str
 
 
