@@ -580,6 +580,42 @@ def test_audit_history_pages_newest_first(srv: ApiServer) -> None:
     assert srv.call("GET", "/api/v1/audit/99999999").status_code == 404
 
 
+def test_views_show_what_holds_mail(srv: ApiServer) -> None:
+    domain = unique("zero")
+    cond = srv.ok("POST", "/api/v1/policy/conditions", json={
+        "counter": "recipientdomain", "if": {"recipientdomain": domain}, "concurrency": 0,
+        "reason": "stop everything for " + domain})
+    live = srv.submit("s@sender.example", [f"a@{domain}", f"b@{domain}"])
+
+    def parked() -> list[dict[str, object]]:
+        items = srv.ok("GET", "/api/v1/scheduler/subqueues", params={"limit": 1000})["items"]
+        return [q for q in items if q["route"]["recipientdomain"] == domain]
+
+    assert wait_until(lambda: bool(parked()) and parked()[0]["parked"] is True, 15)
+    (sub,) = parked()
+    assert sub["entries"] == 2 and sub["jobs"] == 1
+    assert "concurrency 0" in sub["held_by"][0]
+    over = srv.ok("GET", "/api/v1/scheduler/counters",
+                  params={"exceeded": "true", "limit": 1000})["items"]
+    mine = [c for c in over if c["key"] == {"recipientdomain": domain}]
+    assert mine and mine[0]["concurrency"] == 0 and mine[0]["exceeded"] is True
+    assert mine[0]["condition"] == cond["condition"]["id"] and mine[0]["waiting_subqueues"] == 1
+    auto = srv.ok("GET", "/api/v1/suspensions", params={"limit": 1000})
+    assert any(s["fields"] == {"recipientdomain": domain} and s["automatic"]
+               for s in auto["automatic"])
+    why = srv.ok("GET", f"/api/v1/queue/entries/{live.spid}/why")["explanations"]
+    assert len(why) == 2 and all(e["source"] == "memory" for e in why)
+    assert "concurrency" in [r["kind"] for r in why[0]["reasons"]]
+    stats = srv.ok("GET", "/api/v1/scheduler/stats")["active_queue"]
+    assert stats["parked_subqueues"] >= 1 and stats["queued_entries"] >= 2
+    dests = srv.ok("GET", "/api/v1/scheduler/destinations", params={"limit": 1000})["items"]
+    assert any(d["destination"] == sub["route"]["destination"] and d["queued_jobs"] >= 1
+               for d in dests), (dests, sub)
+    # Lift the limit: both go.
+    srv.ok("POST", f"/api/v1/audit/{cond['audit_id']}/rollback", json={"reason": "enough"})
+    assert wait_until(lambda: srv.sink.snapshot().delivered[domain] == 2, 20)
+
+
 def test_scheduler_views(srv: ApiServer) -> None:
     stats = srv.ok("GET", "/api/v1/scheduler/stats")
     assert stats["node"] == "test-node" and stats["uptime_s"] > 0
