@@ -250,7 +250,16 @@ def in_parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> None:
         for item in items:
             fn(item)
         return
-    futures = [_sync_pool().submit(fn, item) for item in items]
+
+    def run(part: Sequence[Any]) -> None:
+        for item in part:
+            fn(item)
+
+    # One job per worker rather than per item: a thousand renames should
+    # not cost a thousand futures.
+    workers = min(len(items), 16)
+    parts = [items[i::workers] for i in range(workers)]
+    futures = [_sync_pool().submit(run, part) for part in parts]
     errors = [f.exception() for f in futures]
     for exc in errors:
         if exc is not None:

@@ -164,7 +164,6 @@ CHANGES_KEEP_S = 3600.0
 
 _SUFFIX = ".mmq"
 _DOMAIN_MAX = 160
-_NAME_RE = re.compile(r"^([0-9A-F]{8,32})-(\d{1,6})\+(\d{1,6})p([01])@(.*)\.mmq$")
 _REF_RE = re.compile(r"^([0-9A-F]{8,32})-(\d{1,6})\.ref$")
 
 
@@ -185,13 +184,26 @@ class _Name:
         return _parse_name(name)
 
 
+_HEXUP = frozenset("0123456789ABCDEF")
+
+
 @functools.lru_cache(maxsize=1 << 18)
 def _parse_name(name: str) -> _Name | None:
-    # Cached: a refill lists the same directory names batch after batch.
-    m = _NAME_RE.match(name)
-    if m is None:
+    # String operations rather than a regular expression, and cached: a
+    # refill lists the same names batch after batch, qcount lists them all.
+    if not name.endswith(_SUFFIX):
         return None
-    return _Name(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5))
+    head, at, domain = name[:-len(_SUFFIX)].partition("@")
+    spid, dash, rest = head.partition("-")
+    idx0, plus, rest = rest.partition("+")
+    n, p, prio = rest.partition("p")
+    if not (at and dash and plus and p) or prio not in ("0", "1"):
+        return None
+    if not (8 <= len(spid) <= 32 and _HEXUP.issuperset(spid)):
+        return None
+    if not (idx0.isdigit() and n.isdigit() and len(idx0) <= 6 and len(n) <= 6):
+        return None
+    return _Name(spid, int(idx0), int(n), int(prio), domain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,20 +384,26 @@ class _View:
     def _dir(self, rel_dir: str) -> dict[str, _Name]:
         cur = self._cur.get(rel_dir)
         if cur is None:
-            names = [n for n in _listdir(self.root / rel_dir) if n.endswith(_SUFFIX)]
-            self._disk[rel_dir] = set(names)
             cur = {}
-            by_spid: dict[str, set[str]] = defaultdict(set)
-            for n in names:
-                parsed = _Name.parse(n)
+            for n in _listdir(self.root / rel_dir):
+                parsed = _parse_name(n)
                 if parsed is not None:
                     cur[n] = parsed
-                    by_spid[parsed.spid].add(n)
+            self._disk[rel_dir] = set(cur)
             self._cur[rel_dir] = cur
-            self._spids[rel_dir] = by_spid
             if rel_dir.startswith("deferred/") and self._deferred is not None:
                 self._deferred.add(int(rel_dir.split("/")[1]))
         return cur
+
+    def _spid_index(self, rel_dir: str) -> dict[str, set[str]]:
+        """Names of a directory by SPID (built when first needed)."""
+        by_spid = self._spids.get(rel_dir)
+        if by_spid is None:
+            by_spid = defaultdict(set)
+            for name, parsed in self._dir(rel_dir).items():
+                by_spid[parsed.spid].add(name)
+            self._spids[rel_dir] = by_spid
+        return by_spid
 
     def _sync(self, path: str) -> None:
         """Bring the directory model in line with ``files`` for one path."""
@@ -395,18 +413,21 @@ class _View:
             present = self.files[path] is not None
         else:
             present = name in self._disk[rel_dir]
+        by_spid = self._spids.get(rel_dir)
         if present and name not in cur:
-            parsed = _Name.parse(name)
+            parsed = _parse_name(name)
             if parsed is not None:
                 cur[name] = parsed
-                self._spids[rel_dir][parsed.spid].add(name)
+                if by_spid is not None:
+                    by_spid[parsed.spid].add(name)
                 if rel_dir.startswith("deferred/"):
                     self.deferred_dirs()  # make sure the set exists
                     assert self._deferred is not None
                     self._deferred.add(int(rel_dir.split("/")[1]))
         elif not present and name in cur:
             parsed = cur.pop(name)
-            self._spids[rel_dir][parsed.spid].discard(name)
+            if by_spid is not None:
+                by_spid[parsed.spid].discard(name)
 
     def _set(self, path: str, ctrl: _Control | None, *, dirty: bool,
              origin: str | None = None) -> None:
@@ -448,6 +469,10 @@ class _View:
         """Control files of a directory (name, parsed name), with the batch's changes."""
         return list(self._dir(rel_dir).items())
 
+    def live_names(self, rel_dir: str) -> Iterable[tuple[str, _Name]]:
+        """As names(), without a copy: the caller must not change the view meanwhile."""
+        return self._dir(rel_dir).items()
+
     def deferred_dirs(self) -> list[int]:
         """Due times of deferred/<T> directories, ascending."""
         if self._deferred is None:
@@ -476,8 +501,7 @@ class _View:
         """The control files of ``spids`` in the directories of ``states``."""
         out: dict[str, list[_Control]] = defaultdict(list)
         for rel_dir in self.state_dirs(states):
-            self._dir(rel_dir)
-            by_spid = self._spids[rel_dir]
+            by_spid = self._spid_index(rel_dir)
             for spid in spids:
                 for name in sorted(by_spid.get(spid, ())):
                     ctrl = self.load(f"{rel_dir}/{name}")
@@ -1122,7 +1146,7 @@ class FsStore:
 
         def work(view: _View) -> list[QueueEntry]:
             inc = [((-parsed.priority, parsed.spid, parsed.idx0, parsed.n), f"incoming/{name}")
-                   for name, parsed in view.names("incoming")]
+                   for name, parsed in view.live_names("incoming")]
             dfr = self._due_candidates(view, now)
             n_inc = sum(key[-1] for key, _ in inc)
             n_dfr = sum(key[-1] for key, _ in dfr)
@@ -1507,9 +1531,16 @@ class FsStore:
             states = tuple(QueueState) if selector is None or not selector.states \
                 else selector.states
             with self._rw.reading():
-                for parsed, rel in self._names(states, selector):
-                    by_state[_state_of(rel)] += parsed.n
-                    spids.add(parsed.spid)
+                for rel_dir in self._dirs(states):
+                    state = _state_of(rel_dir)
+                    n = 0
+                    for name in _listdir(self.root / rel_dir):
+                        parsed = _parse_name(name)
+                        if parsed is not None and (selector is None
+                                                   or _name_may_match(parsed, selector)):
+                            n += parsed.n
+                            spids.add(parsed.spid)
+                    by_state[state] += n
             return Counts(by_state=by_state, messages=len(spids))
         states = selector.states or tuple(QueueState)
         for ctrl in self._controls(states, selector):
