@@ -73,20 +73,22 @@ class Run:
         return self.receiver_cpu_s * 1000 / self.messages
 
 
-def proc_cpu_s(pid: int) -> float:
+def proc_cpu_s(pid: int, children: bool = True) -> float:
+    """utime + stime of ``pid``, with its reaped children's unless told not to."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         data = f.read().decode("ascii", "replace")
     fields = data[data.rfind(")") + 2 :].split()
-    return sum(int(x) for x in fields[11:15]) / CLK
+    return sum(int(x) for x in fields[11 : 15 if children else 13]) / CLK
 
 
 def all_cpu_s() -> dict[int, float]:
-    """CPU seconds (including reaped children) of every process on the box."""
+    """CPU seconds of every process on the box (its own, not its reaped children's:
+    those would count a child's whole life when it ends during the run)."""
     out = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                out[int(name)] = proc_cpu_s(int(name))
+                out[int(name)] = proc_cpu_s(int(name), children=False)
             except (OSError, IndexError, ValueError):
                 continue
     return out
@@ -173,7 +175,7 @@ def run_once(args: argparse.Namespace, processes: int, mode: str, profile: Path 
     source_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     ours = {os.getpid(), *pids}
     foreign = sum(cpu - everyone0.get(pid, 0.0) for pid, cpu in everyone1.items()
-                  if pid not in ours) - source_cpu  # smtp-source is our reaped child
+                  if pid not in ours)  # smtp-source ended before the second look
     return Run(processes, mode, args.messages, seconds, cpu1 - cpu0, source_cpu, busy, queued,
                max(0.0, foreign))
 
