@@ -429,3 +429,12 @@ def test_bounce_leases_keep_concurrent_ndr_runs_apart(store: Store) -> None:
     again = store.claim_bounces(10, T0 + 601, 600)
     assert [e.qid for e in again] == [q for a in accs[:2] for q in a.qids]
     assert store.count()[S.BOUNCE] == 6
+
+
+def test_cancelled_futures_never_fail_a_committed_batch(store: Store) -> None:
+    futs = [store.submit_future(sub(), body(i), T0) for i in range(200)]
+    cancelled = [f.cancel() for f in futs]  # some are taken already: those cannot be
+    kept = [f for f, c in zip(futs, cancelled, strict=True) if not c]
+    results = [f.result(timeout=30) for f in kept]  # no StorageError from a neighbour
+    assert store.count().messages == len(results)
+    assert {a.spid for a in results} == {e.spid for e in store.entries(Selector())}

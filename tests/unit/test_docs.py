@@ -25,6 +25,7 @@ SECTION_DOCS = {
     "scheduler": "scheduler.md",
     "analytics": "analytics.md",
     "suppression": "analytics.md",
+    "smtpd": "smtpd.md",
 }
 
 

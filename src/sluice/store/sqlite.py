@@ -30,8 +30,14 @@ STRATEGIES
     content.
 
     Readers use one connection per thread and never block the writer (WAL).
-    Several processes may open the same queue; SQLite's lock serialises
-    their commits (busy_timeout).
+    Several processes may open the same queue; their commits take turns on
+    an flock(2) lock beside the database, which wakes the next committer as
+    soon as the previous one is done (SQLite's own busy handler would poll
+    with sleeps of growing length).
+
+    Cancellation.  An operation's future is marked running when the
+    committer takes it, so a caller that cancels afterwards (asyncio's
+    wrap_future does) cannot make a committed batch report failure.
 
 INVARIANTS
     A row is in exactly one state.  ``qstats`` equals COUNT(*) per state.
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import fcntl
 import os
 import queue as queuelib
 import sqlite3
@@ -284,6 +291,8 @@ class SqliteStore:
             )
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
+        self._lock_fd = os.open(self.dir / "queue.db.writelock",
+                                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
         self._thread = threading.Thread(target=self._run, name="sluice-commit", daemon=True)
         self._thread.start()
 
@@ -345,13 +354,25 @@ class SqliteStore:
     def _call(self, work: _Work) -> Any:
         return self._submit_op(work).result()
 
+    def _take(self, op: _Op, batch: list[_Op]) -> None:
+        # A caller may cancel its future (asyncio.wrap_future does when its
+        # task is cancelled).  Once running it cannot be cancelled any more,
+        # so the result of a committed batch always reaches every caller;
+        # an op cancelled before that is dropped, its content discarded.
+        if op.future.set_running_or_notify_cancel():
+            batch.append(op)
+        else:
+            for f in op.files:
+                self.spool.discard(f)
+
     def _run(self) -> None:
         while True:
             first = self._ops.get()
             if first is _STOP:
                 return
             assert isinstance(first, _Op)
-            batch = [first]
+            batch: list[_Op] = []
+            self._take(first, batch)
             stop = False
             while len(batch) < self.max_batch:
                 try:
@@ -362,7 +383,11 @@ class SqliteStore:
                     stop = True
                     break
                 assert isinstance(nxt, _Op)
-                batch.append(nxt)
+                self._take(nxt, batch)
+            if not batch:
+                if stop:
+                    return
+                continue
             try:
                 self._commit(batch)
             except BaseException as exc:  # never leave a submitter waiting
@@ -392,20 +417,13 @@ class SqliteStore:
         conn = self._writer
         after = _Batch()
         results: list[tuple[_Op, Any, BaseException | None]] = []
+        # Several processes (receivers, the queue manager) commit to one
+        # database.  SQLite's busy handler sleeps 1, 2, 5, 10 ms between
+        # tries; a kernel lock around the transaction wakes the next
+        # committer the moment the current one is done.
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for op in batch:
-                conn.execute("SAVEPOINT op")
-                try:
-                    value = op.work(conn, after)
-                except Exception as exc:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    results.append((op, None, exc))
-                else:
-                    conn.execute("RELEASE op")
-                    results.append((op, value, None))
-            conn.execute("COMMIT")
+            self._transaction(conn, batch, after, results)
         except sqlite3.Error as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
@@ -415,6 +433,8 @@ class SqliteStore:
                     self.spool.discard(f)
                 op.future.set_exception(err)
             return
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         # 3. After the commit: content whose last row is gone may go too
         #    (on the spool's own thread: unlinks must not delay the next commit).
         self.spool.delete_soon(after.unlink)
@@ -427,6 +447,24 @@ class SqliteStore:
                 if isinstance(failure, sqlite3.Error):
                     failure = StorageError(str(failure))
                 op.future.set_exception(failure)
+
+    @staticmethod
+    def _transaction(conn: sqlite3.Connection, batch: list[_Op], after: _Batch,
+                     results: list[tuple[_Op, Any, BaseException | None]]) -> None:
+        """The whole batch in one transaction, one savepoint per operation."""
+        conn.execute("BEGIN IMMEDIATE")
+        for op in batch:
+            conn.execute("SAVEPOINT op")
+            try:
+                value = op.work(conn, after)
+            except Exception as exc:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                results.append((op, None, exc))
+            else:
+                conn.execute("RELEASE op")
+                results.append((op, value, None))
+        conn.execute("COMMIT")
 
     # -- submission --------------------------------------------------------------
 
@@ -815,6 +853,7 @@ class SqliteStore:
         self._ops.put(_STOP)
         self._thread.join()
         self.spool.close()
+        os.close(self._lock_fd)
         with contextlib.suppress(sqlite3.Error):
             self._writer.close()
         with self._readers_lock:
