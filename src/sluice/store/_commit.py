@@ -23,6 +23,11 @@ STRATEGIES
     Never leave a caller waiting: if ``commit`` raises, every op of the
     batch that is still unresolved fails with StorageError.
 
+    Cancellation: an op's future is marked running when the committer takes
+    it, so a caller that cancels later cannot make a committed batch report
+    failure; an op cancelled before that is dropped (``dropped`` undoes
+    what the caller had written for it, e.g. its content).
+
     Parallel fsync: the kernel merges concurrent fsyncs into few journal
     commits, so a batch of files costs little more than one of them.
 
@@ -38,11 +43,11 @@ SEE ALSO
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import queue as queuelib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +75,12 @@ class GroupCommitter:
     """One thread that commits whatever queued up, as one batch."""
 
     def __init__(self, commit: Callable[[list[Op]], None], *, max_batch: int = 2000,
-                 name: str = "sluice-commit") -> None:
+                 name: str = "sluice-commit",
+                 dropped: Callable[[Op], None] | None = None) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self._commit = commit
+        self._dropped = dropped
         self.max_batch = max_batch
         self._ops: queuelib.SimpleQueue[Op | object] = queuelib.SimpleQueue()
         self._closed = False
@@ -92,13 +99,26 @@ class GroupCommitter:
         """Run ``work`` in the next batch and wait for the batch to be durable."""
         return self.submit(work).result()
 
+    def _take(self, op: Op, batch: list[Op]) -> None:
+        # A caller may cancel its future (asyncio.wrap_future does when its
+        # task is cancelled).  Once running it cannot be cancelled any more,
+        # so a committed batch's results reach every caller; an operation
+        # cancelled before that is dropped, and the flavour removes what it
+        # had written for it.
+        if op.future.set_running_or_notify_cancel():
+            batch.append(op)
+        elif self._dropped is not None:
+            with contextlib.suppress(Exception):  # best effort: recover() sweeps the rest
+                self._dropped(op)
+
     def _run(self) -> None:
         while True:
             first = self._ops.get()
             if first is _STOP:
                 return
             assert isinstance(first, Op)
-            batch = [first]
+            batch: list[Op] = []
+            self._take(first, batch)
             stop = False
             while len(batch) < self.max_batch:
                 try:
@@ -109,7 +129,11 @@ class GroupCommitter:
                     stop = True
                     break
                 assert isinstance(nxt, Op)
-                batch.append(nxt)
+                self._take(nxt, batch)
+            if not batch:
+                if stop:
+                    return
+                continue
             try:
                 self._commit(batch)
             except BaseException as exc:  # never leave a caller waiting
@@ -144,7 +168,7 @@ class RWLock:
         self._writer = False
         self._waiting_writers = 0
 
-    @contextmanager
+    @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         with self._cond:
             while self._writer or self._waiting_writers:
@@ -158,7 +182,7 @@ class RWLock:
                 if not self._readers:
                     self._cond.notify_all()
 
-    @contextmanager
+    @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
         with self._cond:
             self._waiting_writers += 1

@@ -677,7 +677,7 @@ class FsStore:
             os.close(self._lock_fd)
             raise
         self._committer = GroupCommitter(self._commit, max_batch=max_batch,
-                                         name="sluice-fs-commit")
+                                         name="sluice-fs-commit", dropped=self._dropped)
 
     @classmethod
     def from_config(cls, config: Config) -> FsStore:
@@ -826,6 +826,13 @@ class FsStore:
             self._fail(batch, exc)
         except OSError as exc:
             self._fail(batch, StorageError(f"queue commit failed: {exc}"))
+
+    def _dropped(self, op: Op) -> None:
+        """A submission cancelled before its batch: forget what it wrote."""
+        for f in op.files:
+            self.spool.discard(f)
+        for tmp in op.extra or ():
+            _unlink(self.root / tmp)
 
     def _fail(self, batch: Sequence[Op], err: BaseException) -> None:
         for op in batch:

@@ -492,8 +492,10 @@ class KvStore:
         except plyvel.Error as exc:
             raise StorageError(f"cannot read the queue at {self.dir}: {exc}") from exc
         self._seq = int(last.rsplit(b" ", 1)[1]) if last else 0
-        self._committer = GroupCommitter(self._commit, max_batch=max_batch,
-                                         name="sluice-kv-commit")
+        self._committer = GroupCommitter(
+            self._commit, max_batch=max_batch, name="sluice-kv-commit",
+            dropped=lambda op: self._drop_content(op.extra)
+            if isinstance(op.extra, _Submit) else None)
 
     @classmethod
     def from_config(cls, config: Config) -> KvStore:

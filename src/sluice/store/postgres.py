@@ -314,7 +314,7 @@ class _ContentReader(io.RawIOBase):
                 rows = conn.execute(
                     "SELECT chunk, data FROM sluice_content WHERE spid = %s "
                     "AND chunk BETWEEN %s AND %s ORDER BY chunk",
-                    (self._spid, self._next, last)).fetchall()
+                    (self._spid, self._next, last), binary=True).fetchall()
         except psycopg.Error as exc:
             raise OSError(f"reading {self._spid} failed: {exc}") from exc
         if [r[0] for r in rows] != list(range(self._next, last + 1)):
@@ -366,8 +366,9 @@ class PgStore:
         except psycopg.Error as exc:
             raise _storage_error(exc, "cannot open the postgres queue") from exc
         self._writer = conn
-        self._committer = GroupCommitter(self._commit, max_batch=max_batch,
-                                         name="sluice-pg-commit")
+        self._committer = GroupCommitter(
+            self._commit, max_batch=max_batch, name="sluice-pg-commit",
+            dropped=lambda op: self._collect_content({op.extra}) if op.extra else None)
 
     @classmethod
     def from_config(cls, config: Config) -> PgStore:
@@ -486,10 +487,11 @@ class PgStore:
         except (psycopg.Error, StorageError):
             pass  # recover() removes what is left
 
-    def _op(self, work: Callable[[_Batch], Any]) -> concurrent.futures.Future[Any]:
+    def _op(self, work: Callable[[_Batch], Any], spid: str | None = None
+            ) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
-        return self._committer.submit(work)
+        return self._committer.submit(work, extra=spid)
 
     def _call(self, work: Callable[[_Batch], Any]) -> Any:
         return self._op(work).result()
@@ -516,9 +518,12 @@ class PgStore:
                 size = 0
                 n = 0
                 buf = bytearray()
+                # Binary COPY: the bytes go as they are, not as escaped text.
                 with conn.cursor().copy(
-                        "COPY sluice_content (spid, chunk, data, created_at) FROM STDIN"
+                        "COPY sluice_content (spid, chunk, data, created_at) "
+                        "FROM STDIN (FORMAT BINARY)"
                 ) as copy:
+                    copy.set_types(["text", "int4", "bytea", "float8"])
                     for piece in iter_chunks(content, CHUNK_SIZE):
                         buf += piece
                         while len(buf) >= CHUNK_SIZE:
@@ -566,13 +571,13 @@ class PgStore:
             return accepted
 
         try:
-            fut: concurrent.futures.Future[Accepted] = self._op(work)
+            fut: concurrent.futures.Future[Accepted] = self._op(work, spid)
         except BaseException:
             self._collect_content({spid})
             raise
 
         def cleanup(done: concurrent.futures.Future[Accepted]) -> None:
-            if done.exception() is not None:
+            if not done.cancelled() and done.exception() is not None:
                 self._collect_content({spid})  # the rows never came: drop the content
 
         fut.add_done_callback(cleanup)
@@ -901,7 +906,7 @@ class PgStore:
                 "(SELECT max(chunk) AS n FROM sluice_content WHERE spid = %s) AS m "
                 "LEFT JOIN sluice_content c ON c.spid = %s "
                 "AND c.chunk BETWEEN 1 AND least(m.n, %s) ORDER BY c.chunk",
-                (spid, spid, READ_CHUNKS)).fetchall()
+                (spid, spid, READ_CHUNKS), binary=True).fetchall()
         if not rows or rows[0][0] is None:
             raise StorageError(f"no content for {spid}")
         chunks = int(rows[0][0])
