@@ -89,6 +89,7 @@ from sluice.cli.queue_cmds import _counts_json as counts_json
 from sluice.cli.queue_cmds import shape_table
 from sluice.config import Config, parse_duration
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
+from sluice.policyfile import load_policy_file
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.retry import RetryPolicy
 from sluice.runtime.manager import QueueManager
@@ -112,13 +113,6 @@ from sluice.scheduler import (
     parse_suspension,
 )
 from sluice.store import ACTION_STATES, Action, StorageError
-
-try:  # the schema-checked reader `sluice policy validate` uses too
-    from sluice.policyfile import load_policy_file
-except ImportError:  # pragma: no cover - before the reader left the manager
-    from sluice.runtime.manager import (  # type: ignore[attr-defined,no-redef,unused-ignore]
-        load_policy_file,
-    )
 
 __all__ = ["ApiError", "Control"]
 
