@@ -616,6 +616,13 @@ class Control:
                                              f"written, so a restart would lose it: {exc}"
                            ) from None
 
+    def _change(self, event: Any) -> None:
+        """Hand an operator change to the manager, which checks it first."""
+        try:
+            self.manager.change(event)
+        except ValueError as exc:
+            raise ApiError(409, "conflict", str(exc)) from None
+
     async def _post_suspension(self, susp: Suspension) -> SuspensionView:
         manual = self._manual()
         same = next((v for v in manual.values() if v.fields == susp.fields), None)
@@ -629,12 +636,12 @@ class Control:
             return (view is not None and view.expires_at == susp.expires_at
                     and view.reason == (susp.reason or view.reason))
 
-        self.manager.post(SuspensionAdded(susp))
+        self._change(SuspensionAdded(susp))
         await self._settle(applied, f"suspension {target}")
         return self._manual()[target]
 
     async def _drop_suspension(self, sid: str) -> None:
-        self.manager.post(SuspensionRemoved(sid))
+        self._change(SuspensionRemoved(sid))
         await self._settle(lambda: sid not in self._manual(), f"the removal of {sid}")
 
     async def add_suspension(self, who: str, fields: Mapping[str, str], *, ttl: str | None,
@@ -724,7 +731,7 @@ class Control:
             found = self._condition_at(now_counter, cond.id)
             return found is not None and found[1] == cond
 
-        self.manager.post(ConditionAdded(counter.id, cond, position))
+        self._change(ConditionAdded(counter.id, cond, position))
         await self._settle(applied, f"condition {cond.id}")
         return position
 
@@ -736,7 +743,7 @@ class Control:
             except KeyError:
                 return True
 
-        self.manager.post(ConditionRemoved(counter.id, cond_id))
+        self._change(ConditionRemoved(counter.id, cond_id))
         await self._settle(applied, f"the removal of condition {cond_id}")
 
     @staticmethod
@@ -802,7 +809,7 @@ class Control:
             running = self.scheduler.policy
             return running is policy or _canonical(running.to_data()) == want
 
-        self.manager.post(PolicyReloaded(policy))
+        self._change(PolicyReloaded(policy))
         await self._settle(applied, "the policy")
 
     async def reload(self, who: str, reason: str) -> dict[str, Any]:

@@ -71,6 +71,8 @@ from sluice.policyfile import load_policy_file, load_suspensions_file
 from sluice.queue import AttemptResult, Queue
 from sluice.scheduler import (
     Command,
+    ConditionAdded,
+    ConditionRemoved,
     DeferJob,
     DeliveryFinished,
     DeliveryJob,
@@ -88,6 +90,8 @@ from sluice.scheduler import (
     Settings,
     StartDelivery,
     Suspension,
+    SuspensionAdded,
+    SuspensionRemoved,
 )
 
 __all__ = ["ManagerStats", "QueueManager"]
@@ -107,6 +111,12 @@ def _suspensions(path: str | None) -> tuple[Suspension, ...]:
     if not path or not os.path.exists(path):
         return ()
     return load_suspensions_file(path)
+
+
+#: Events an operator sends (through the API or a signal), as opposed to the
+#: ones the loop itself produces.
+_OPERATOR_EVENTS = (PolicyReloaded, ConditionAdded, ConditionRemoved, SuspensionAdded,
+                    SuspensionRemoved)
 
 
 @dataclass(slots=True)
@@ -186,6 +196,15 @@ class QueueManager:
         self._events.append(event)
         self._wake.set()
 
+    def change(self, event: Event) -> None:
+        """An operator's change (a policy reload, a condition or suspension
+        added or removed): checked now -- ValueError says what is wrong, and
+        nothing changes -- then applied by the loop."""
+        if not isinstance(event, _OPERATOR_EVENTS):
+            raise TypeError(f"{type(event).__name__} is not an operator change")
+        self.scheduler.check(event)
+        self.post(event)
+
     def notify_mail(self, count: int = 1) -> None:
         """New mail was queued: refill soon (receivers call this)."""
         self.post(MailArrived(count))
@@ -249,6 +268,20 @@ class QueueManager:
     def _step(self) -> None:
         events, self._events = self._events, []
         now = self._now()
+        if any(isinstance(e, _OPERATOR_EVENTS) for e in events):
+            # Operator changes one at a time: one that is refused (it was
+            # valid when posted, but an earlier change made it wrong) is
+            # logged and dropped, never taking the deliveries' events with it.
+            rest: list[Event] = []
+            for event in events:
+                if not isinstance(event, _OPERATOR_EVENTS):
+                    rest.append(event)
+                    continue
+                try:
+                    self._execute(self.scheduler.handle(event, now))
+                except ValueError as exc:
+                    log.error("operator change %s refused: %s", type(event).__name__, exc)
+            events = rest
         if events:
             commands = self.scheduler.handle_all(events, now)
         else:
@@ -548,12 +581,15 @@ class QueueManager:
             self._policy_mtime = mtime
             self.reload_policy()
 
-    def reload_policy(self) -> Policy | None:
-        """Read the policy file again; on error keep the running policy."""
+    def reload_policy(self, *, raise_errors: bool = False) -> Policy | None:
+        """Read the policy file again; on error keep the running policy (and
+        return None, or raise the PolicyError when ``raise_errors``)."""
         try:
             policy = _policy(self.policy_path)
         except PolicyError as exc:
             log.error("policy not reloaded, keeping the running one:\n%s", exc)
+            if raise_errors:
+                raise
             return None
         self.post(PolicyReloaded(policy))
         log.info("policy reloaded from %s", self.policy_path)

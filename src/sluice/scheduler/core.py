@@ -694,6 +694,14 @@ class Scheduler:
         """Recipients held or asked for (claimed, routing, queued, in flight)."""
         return self._memory_used()
 
+    def check(self, event: Event) -> None:
+        """Raise ValueError if ``event`` would be refused, changing nothing.
+
+        For callers that accept operator changes (an API) and want to answer
+        a bad request at once, before posting the event to the loop.
+        """
+        self._check(event)
+
     def handle(self, event: Event, now: float) -> list[Command]:
         """Take one event at ``now``; return what to do."""
         return self.handle_all((event,), now)
@@ -776,9 +784,17 @@ class Scheduler:
                 for name, _ in cond.match:
                     if name not in counter.field_names:
                         raise ValueError(f"counter {cid} does not count {name!r}")
-            case ConditionRemoved(counter_id=cid):
+            case ConditionRemoved(counter_id=cid, condition_id=cond_id):
                 if cid not in {c.id for c in self._policy.counters}:
                     raise ValueError(f"no counter {cid!r} in the policy")
+                if not cond_id:
+                    # "" would match every condition that has no id of its own.
+                    raise ValueError("name the condition to remove by its id")
+            case SuspensionAdded(suspension=susp):
+                known = self._susps.get(susp.id)
+                same = self._susp_index.get(susp.field_names, {}).get(susp.values)
+                if known is not None and known is not same:
+                    raise ValueError(f"a suspension with id {susp.id!r} exists with other fields")
             case _:
                 pass
 
@@ -1684,6 +1700,7 @@ class Scheduler:
                 id=s.id, fields=s.fields, automatic=False, expires_at=s.expires_at,
                 tag=s.tag, reason=s.reason,
                 waiting_subqueues=len(blocker.waiters[0]) + len(blocker.waiters[1]),
+                from_file=blocker.from_file,
             ))
         for entry in self._entries.values():
             kind = entry.blocking_kind(now)

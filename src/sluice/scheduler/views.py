@@ -77,6 +77,7 @@ class SuspensionView:
     tag: str
     reason: str
     waiting_subqueues: int
+    from_file: bool = False  # listed in the policy file (a reload may lift it)
 
 
 @dataclass(frozen=True, slots=True)
