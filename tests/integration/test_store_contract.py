@@ -438,3 +438,13 @@ def test_cancelled_futures_never_fail_a_committed_batch(store: Store) -> None:
     results = [f.result(timeout=30) for f in kept]  # no StorageError from a neighbour
     assert store.count().messages == len(results)
     assert {a.spid for a in results} == {e.spid for e in store.entries(Selector())}
+
+
+def test_a_selection_of_thousands_of_ids(store: Store) -> None:
+    accs = [store.submit(sub("a@x.org", "b@x.org"), body(i), T0) for i in range(60)]
+    qids = tuple(q for a in accs for q in a.qids) + tuple(
+        f"{i:016X}-{n}" for i in range(1, 1500) for n in (0,))  # many that match nothing
+    spids = tuple(a.spid for a in accs[:10])
+    assert store.count(Selector(qids=qids)).recipients == 120
+    assert len(store.modify(Selector(qids=qids + spids), Action.HOLD, T0)) == 120
+    assert store.count(Selector(states=(S.HOLD,))).recipients == 120

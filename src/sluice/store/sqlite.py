@@ -198,15 +198,23 @@ def _where(selector: Selector) -> tuple[str, list[Any]]:
     clauses: list[str] = []
     params: list[Any] = []
     if selector.qids:
-        ors = []
+        # IN lists, not a chain of ORs: SQLite refuses expression trees
+        # deeper than 1000, which a selection of many ids would build.
+        spids: list[str] = []
+        pairs: list[tuple[str, int]] = []
         for qid in selector.qids:
             spid, idx = parse_qid(qid)
             if idx is None:
-                ors.append("spid = ?")
-                params.append(spid)
+                spids.append(spid)
             else:
-                ors.append("(spid = ? AND idx = ?)")
-                params.extend((spid, idx))
+                pairs.append((spid, idx))
+        ors = []
+        if spids:
+            ors.append(f"spid IN ({','.join('?' * len(spids))})")
+            params.extend(spids)
+        if pairs:
+            ors.append(f"(spid, idx) IN (VALUES {','.join(['(?,?)'] * len(pairs))})")
+            params.extend(v for pair in pairs for v in pair)
         clauses.append("(" + " OR ".join(ors) + ")")
     if selector.states:
         clauses.append(f"state IN ({','.join('?' * len(selector.states))})")
