@@ -204,3 +204,13 @@ def test_cli_works_while_another_process_uses_the_queue(cfg: Path) -> None:
         writer.wait()
         if writer.stdout:
             writer.stdout.close()
+
+
+def test_dry_run_counts_only_what_the_action_would_touch(cfg: Path) -> None:
+    run(cfg, "sendmail", "-f", "a@example.org", "x@gmail.com", "--hold", stdin=MSG)
+    run(cfg, "sendmail", "-f", "a@example.org", "y@gmail.com", stdin=MSG)
+    # release touches held entries only: selecting incoming ones leaves nothing
+    out = run(cfg, "release", "--state", "incoming", "--dry-run").stdout.strip()
+    assert out == "release: would change 0 recipient(s)"
+    out = run(cfg, "release", "--domain", "gmail.com", "--dry-run").stdout.strip()
+    assert out == "release: would change 1 recipient(s)"

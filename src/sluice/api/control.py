@@ -84,13 +84,11 @@ from sluice.api.audit import AuditAction, AuditLog, AuditRecord
 from sluice.api.history import message_history, spid_arrival_at
 from sluice.api.metrics import Metrics, Snapshot
 from sluice.api.models import HistoryEvent
-from sluice.cli.queue_cmds import _as_json as entry_json
-from sluice.cli.queue_cmds import _counts_json as counts_json
-from sluice.cli.queue_cmds import shape_table
 from sluice.config import Config, parse_duration
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
 from sluice.policyfile import load_policy_file
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
+from sluice.render import counts_json, entry_json, shape_table
 from sluice.retry import RetryPolicy
 from sluice.runtime.manager import QueueManager
 from sluice.scheduler import (
@@ -112,7 +110,7 @@ from sluice.scheduler import (
     parse_policy,
     parse_suspension,
 )
-from sluice.store import ACTION_STATES, Action, StorageError
+from sluice.store import Action, StorageError, narrow
 
 __all__ = ["ApiError", "Control"]
 
@@ -411,16 +409,11 @@ class Control:
                 "audit_id": audit_id}
 
     async def _dry_run(self, action: Action, selector: Selector) -> dict[str, Any]:
-        states = tuple(s for s in ACTION_STATES[action]
-                       if not selector.states or s in selector.states)
-        if not states:
+        narrowed = narrow(selector, action)
+        if narrowed is None:
             # None of the selected states is one this action applies to.
             return {"action": action, "dry_run": True, "count": 0, "qids": [],
                     "qids_truncated": False, "audit_id": None}
-        narrowed = Selector(qids=selector.qids, states=states, domain=selector.domain,
-                            sender=selector.sender, recipient=selector.recipient,
-                            tenantid=selector.tenantid, jobid=selector.jobid,
-                            transportid=selector.transportid)
 
         def work() -> tuple[int, list[str]]:
             counts = self.queue.store.count(narrowed)

@@ -31,7 +31,8 @@ from sluice.cli import CommandError, load
 from sluice.config import parse_duration
 from sluice.model import QueueEntry, QueueState, Selector, Submission
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
-from sluice.store import Action, Counts, StorageError
+from sluice.render import counts_json, entry_json, shape_table, totals_line
+from sluice.store import Action, StorageError, narrow
 
 QLIST_FIELDS = (
     "QueueID", "SPID", "State", "Sender", "Recipient", "Domain", "Arrival", "NextAttempt",
@@ -222,30 +223,6 @@ def _row(e: QueueEntry) -> list[str]:
     ]
 
 
-def _as_json(e: QueueEntry) -> dict[str, Any]:
-    return {
-        "qid": e.qid, "spid": e.spid, "state": e.state.value, "sender": e.sender,
-        "recipient": e.recipient, "domain": e.domain, "arrival_at": e.arrival_at,
-        "next_attempt_at": e.next_attempt_at, "attempts": e.attempts, "priority": e.priority,
-        "tenantid": e.tenantid, "jobid": e.jobid, "transportid": e.transportid,
-        "localip": list(e.localip),
-        "last_reply": None if e.last_reply is None else {
-            "code": e.last_reply.code, "enhanced": e.last_reply.enhanced,
-            "text": e.last_reply.text},
-        "size": e.size, "dsn": e.is_report,
-    }
-
-
-def totals_line(c: Counts) -> str:
-    return (f"Total: {c.messages} messages, {c.recipients} recipients; "
-            f"new/incoming: {c[QueueState.INCOMING]}")
-
-
-def _counts_json(c: Counts) -> dict[str, Any]:
-    return {"messages": c.messages, "recipients": c.recipients,
-            "by_state": {s.value: c[s] for s in QueueState}}
-
-
 def cmd_qlist(args: argparse.Namespace) -> int:
     selector = selector_from_args(args)
     out = sys.stdout
@@ -254,9 +231,9 @@ def cmd_qlist(args: argparse.Namespace) -> int:
         if args.json:
             out.write('{"entries": [')
             for i, e in enumerate(store.entries(selector, limit=args.limit)):
-                out.write(("," if i else "") + "\n" + json.dumps(_as_json(e)))
+                out.write(("," if i else "") + "\n" + json.dumps(entry_json(e)))
             counts = store.count(selector)
-            out.write('\n], "totals": ' + json.dumps(_counts_json(counts)) + "}\n")
+            out.write('\n], "totals": ' + json.dumps(counts_json(counts)) + "}\n")
             return 0
         writer = csv.writer(out, delimiter=";", lineterminator="\n")
         writer.writerow(QLIST_FIELDS)
@@ -272,27 +249,11 @@ def cmd_qcount(args: argparse.Namespace) -> int:
     with _open(args) as queue:
         counts = queue.store.count(selector)
     if args.json:
-        print(json.dumps(_counts_json(counts)))
+        print(json.dumps(counts_json(counts)))
         return 0
     print(totals_line(counts))
     print("; ".join(f"{s.value}: {counts[s]}" for s in QueueState))
     return 0
-
-
-def shape_table(shape: dict[str, list[int]], top: int = 0) -> list[list[str]]:
-    """Rows of the qshape table, TOTAL first, then domains by size."""
-    width = len(QSHAPE_EDGES_MIN) + 1
-    total = [0] * width
-    for counts in shape.values():
-        total = [a + b for a, b in zip(total, counts, strict=True)]
-    domains = sorted(shape.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
-    if top:
-        domains = domains[:top]
-    header = ["", "T"] + [str(m) for m in QSHAPE_EDGES_MIN] + [f"{QSHAPE_EDGES_MIN[-1]}+"]
-    rows = [header, ["TOTAL", str(sum(total))] + [str(n) for n in total]]
-    for domain, counts in domains:
-        rows.append([domain or "<none>", str(sum(counts))] + [str(n) for n in counts])
-    return rows
 
 
 def cmd_qshape(args: argparse.Namespace) -> int:
@@ -321,16 +282,9 @@ def cmd_action(args: argparse.Namespace) -> int:
             "or --all for the whole queue", status=2)
     with _open(args) as queue:
         if args.dry_run:
-            from sluice.store import ACTION_STATES
-
-            states = tuple(s for s in ACTION_STATES[action]
-                           if not selector.states or s in selector.states)
-            counts = queue.store.count(Selector(
-                qids=selector.qids, states=states, domain=selector.domain,
-                sender=selector.sender, recipient=selector.recipient,
-                tenantid=selector.tenantid, jobid=selector.jobid,
-                transportid=selector.transportid))
-            print(f"{action.value}: would change {counts.recipients} recipient(s)")
+            touched_by = narrow(selector, action)
+            n = 0 if touched_by is None else queue.store.count(touched_by).recipients
+            print(f"{action.value}: would change {n} recipient(s)")
             return 0
         priority = getattr(args, "value", None)
         touched = queue.act(selector, action, priority=priority)

@@ -38,6 +38,7 @@ from rich.table import Table
 from sluice.config import Config, config_from_dict
 from sluice.model import QueueState, Selector
 from sluice.queue import QSHAPE_EDGES_MIN
+from sluice.render import shape_table
 from sluice.runtime.serve import Server
 from sluice.sink import Behaviour, Sink
 
@@ -210,8 +211,6 @@ async def _demo(messages: int, domains: int, seed: int, console: Console,
 
     console.print()
     console.print("[bold]qshape[/] of what is left in the queue (minutes):")
-    from sluice.cli.queue_cmds import shape_table
-
     rows = shape_table(shape)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:

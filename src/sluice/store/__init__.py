@@ -33,6 +33,7 @@ INVARIANTS
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -51,6 +52,7 @@ __all__ = [
     "StorageError",
     "Store",
     "Transition",
+    "narrow",
     "open_store",
 ]
 
@@ -85,6 +87,16 @@ ACTION_STATES: dict[Action, tuple[QueueState, ...]] = {
     Action.BOUNCE: (QueueState.HOLD, QueueState.INCOMING, QueueState.DEFERRED,
                     QueueState.ACTIVE, QueueState.DELIVERING),
 }
+
+
+def narrow(selector: Selector, action: Action) -> Selector | None:
+    """The entries ``action`` would touch: ``selector`` limited to the states
+    the action applies to; None when it can touch none (for dry runs)."""
+    states = tuple(s for s in ACTION_STATES[action]
+                   if not selector.states or s in selector.states)
+    if not states:
+        return None
+    return dataclasses.replace(selector, states=states)
 
 
 @dataclass(frozen=True, slots=True)
