@@ -214,3 +214,14 @@ def test_dry_run_counts_only_what_the_action_would_touch(cfg: Path) -> None:
     assert out == "release: would change 0 recipient(s)"
     out = run(cfg, "release", "--domain", "gmail.com", "--dry-run").stdout.strip()
     assert out == "release: would change 1 recipient(s)"
+
+
+def test_config_show_masks_secrets(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, api={"tokens": {"ops": "s3cret-token-0123456789"}},
+                       smtpd={"auth": {"users": {"alice": "hunter2"}}},
+                       queue={"postgres": {"dsn": "postgresql://sluice:pw123@db/sluice"}})
+    shown = run(cfg, "config", "show").stdout
+    for secret in ("s3cret-token-0123456789", "hunter2", "pw123"):
+        assert secret not in shown
+    assert "ops: '********'" in shown and "alice: '********'" in shown
+    assert "postgresql://sluice:********@db/sluice" in shown

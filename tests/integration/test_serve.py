@@ -226,3 +226,31 @@ def test_smtp_source_load_through_two_receivers_to_smtp_sink(tmp_path: Path) -> 
     finally:
         sink.terminate()
         sink.wait()
+
+
+def test_why_asks_the_running_server_then_the_store(tmp_path: Path,
+                                                    sink: tuple[Sink, int]) -> None:
+    _, sport = sink
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("- fields:\n    - recipientdomain\n  if:\n    recipientdomain: "
+                      "blocked.example\n    concurrency: 0\n  concurrency: 10\n")
+    api_port = free_port()
+    with serving(tmp_path, delivery=relay_to(sport), scheduler={"policy": str(policy)},
+                 api={"enabled": True, "listen": f"127.0.0.1:{api_port}",
+                      "tokens": {"ops": "0123456789abcdef0123"}}) as srv:
+        send(srv.port, "a@sender.example", ["u@blocked.example"], b"Subject: x\r\n\r\nx\r\n")
+        qid = ""
+
+        def queued() -> bool:
+            nonlocal qid
+            rows = srv.run("qlist").stdout.splitlines()[1:-1]
+            qid = rows[0].split(";")[0] if rows else ""
+            return bool(qid)
+
+        assert wait_until(queued, 20)
+        assert wait_until(lambda: "concurrency 0" in srv.run("why", qid).stdout, 20)
+        live = srv.run("why", qid).stdout
+        assert "counter recipientdomain [recipientdomain=blocked.example]" in live
+    stored = srv.run("why", qid).stdout  # no server now: the store's view
+    assert "waiting for the next refill" in stored  # its claim was given back at stop
+    assert "concurrency 0" not in stored

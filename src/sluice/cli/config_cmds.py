@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -32,9 +33,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _masked(data: dict[str, Any]) -> dict[str, Any]:
+    """Secrets stay out of a printed configuration."""
+    api = data.get("api", {})
+    tokens = api.get("tokens")
+    if isinstance(tokens, dict):
+        api["tokens"] = {name: "********" for name in tokens}
+    elif tokens:
+        api["tokens"] = ["********" for _ in tokens]
+    users = data.get("smtpd", {}).get("auth", {}).get("users")
+    if users:
+        data["smtpd"]["auth"]["users"] = {u: "********" for u in users}
+    pg = data.get("queue", {}).get("postgres", {})
+    if pg.get("dsn"):
+        pg["dsn"] = re.sub(r"(password=)\S+|(://[^:/@]+:)[^@]+@", _hide, pg["dsn"])
+    return data
+
+
+def _hide(m: re.Match[str]) -> str:
+    return f"{m.group(1)}********" if m.group(1) else f"{m.group(2)}********@"
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     cfg = load(args)
-    data = cfg.to_dict(readable=not args.json)
+    data = _masked(cfg.to_dict(readable=not args.json))
     if args.json:
         json.dump(data, sys.stdout, indent=2)
         print()

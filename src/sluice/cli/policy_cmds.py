@@ -244,6 +244,20 @@ def cmd_why(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(str(exc), status=2) from None
     cfg = load(args)
+    # A running server knows more (counters, suspensions, dead destinations):
+    # ask it first; without one, explain from the store.
+    from sluice.api.client import ApiRequestError, explain
+
+    try:
+        answered = explain(cfg, args.qid)
+    except ApiRequestError as exc:
+        raise CommandError(f"the running server refused: {exc}") from None
+    if answered is not None:
+        if not answered:
+            raise CommandError(f"no entry {args.qid} in the queue (delivered, or never queued)")
+        for item in answered:
+            print("\n".join(item["lines"]))
+        return 0
     try:
         store = open_store(cfg)
     except StorageError as exc:

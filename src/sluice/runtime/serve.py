@@ -124,8 +124,10 @@ class Server:
 
     async def _start_api(self) -> None:
         try:
-            from sluice.api.server import start_api  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
+            from sluice.api.server import start_api
+        except ImportError as exc:
+            log.error("api.enabled is true but the API cannot be loaded (%s); running without it",
+                      exc)
             return
         assert self.manager is not None
         assert self.queue is not None
