@@ -1383,11 +1383,13 @@ class FsStore:
             states = tuple(s for s in states if s in selector.states)
         bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
 
+        may_match = _NameFilter(selector)
+
         def work(view: _View) -> list[QueueEntry]:
             by_spid: dict[str, list[_Control]] = defaultdict(list)
             for rel_dir in view.state_dirs(states):
                 for name, parsed in view.names(rel_dir):
-                    if not _name_may_match(parsed, selector):
+                    if not may_match(parsed):
                         continue
                     ctrl = view.load(f"{rel_dir}/{name}")
                     if ctrl is not None:
@@ -1464,11 +1466,11 @@ class FsStore:
                ) -> list[tuple[_Name, str]]:
         """(parsed name, relative path) of every control file in ``states``."""
         out = []
+        may_match = _NameFilter(selector)
         for rel_dir in self._dirs(states):
             for name in _listdir(self.root / rel_dir):
-                parsed = _Name.parse(name)
-                if parsed is not None and (selector is None
-                                           or _name_may_match(parsed, selector)):
+                parsed = _parse_name(name)
+                if parsed is not None and may_match(parsed):
                     out.append((parsed, f"{rel_dir}/{name}"))
         return out
 
@@ -1537,14 +1539,14 @@ class FsStore:
         if selector is None or selector.is_empty or _names_suffice(selector):
             states = tuple(QueueState) if selector is None or not selector.states \
                 else selector.states
+            may_match = _NameFilter(selector)
             with self._rw.reading():
                 for rel_dir in self._dirs(states):
                     state = _state_of(rel_dir)
                     n = 0
                     for name in _listdir(self.root / rel_dir):
                         parsed = _parse_name(name)
-                        if parsed is not None and (selector is None
-                                                   or _name_may_match(parsed, selector)):
+                        if parsed is not None and may_match(parsed):
                             n += parsed.n
                             spids.add(parsed.spid)
                     by_state[state] += n
@@ -1594,13 +1596,28 @@ class FsStore:
         self.close()
 
 
-def _name_may_match(parsed: _Name, selector: Selector) -> bool:
-    """Whether a file of this name may hold entries the selector picks."""
-    if selector.qids and not any(parse_qid(q)[0] == parsed.spid for q in selector.qids):
-        return False
-    if selector.domain is not None:
-        return parsed.domain == _enc_domain(selector.domain)
-    return True
+class _NameFilter:
+    """Whether a file of a given name may hold entries a selector picks.
+
+    Built once per listing: a selection of thousands of queue ids is a set
+    lookup per name, not a scan of the ids.
+    """
+
+    __slots__ = ("domain", "spids")
+
+    def __init__(self, selector: Selector | None) -> None:
+        self.spids: frozenset[str] | None = None
+        self.domain: str | None = None
+        if selector is not None:
+            if selector.qids:
+                self.spids = frozenset(parse_qid(q)[0] for q in selector.qids)
+            if selector.domain is not None:
+                self.domain = _enc_domain(selector.domain)
+
+    def __call__(self, parsed: _Name) -> bool:
+        if self.spids is not None and parsed.spid not in self.spids:
+            return False
+        return self.domain is None or parsed.domain == self.domain
 
 
 def _names_suffice(selector: Selector) -> bool:

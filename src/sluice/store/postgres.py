@@ -205,15 +205,23 @@ def _where(selector: Selector) -> tuple[str, list[Any]]:
     clauses: list[str] = []
     params: list[Any] = []
     if selector.qids:
-        ors = []
+        # Arrays, not a chain of ORs: an operator may select thousands of ids.
+        whole: list[str] = []
+        keys: tuple[list[str], list[int]] = ([], [])
         for qid in selector.qids:
             spid, idx = parse_qid(qid)
             if idx is None:
-                ors.append("spid = %s")
-                params.append(spid)
+                whole.append(spid)
             else:
-                ors.append("(spid = %s AND idx = %s)")
-                params.extend((spid, idx))
+                keys[0].append(spid)
+                keys[1].append(idx)
+        ors = []
+        if whole:
+            ors.append("spid = ANY(%s)")
+            params.append(whole)
+        if keys[0]:
+            ors.append("(spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))")
+            params.extend(keys)
         clauses.append("(" + " OR ".join(ors) + ")")
     if selector.states:
         clauses.append("state = ANY(%s)")
