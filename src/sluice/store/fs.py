@@ -654,6 +654,8 @@ class FsStore:
         self._closed = False
         self._batch_no = itertools.count()
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
+        # Where the last changes_since() answer ended: (file, seq, offset).
+        self._feed_cursor: tuple[tuple[int, int], int, int] = ((0, 0), -1, 0)
         try:
             created = not self.root.exists()
             self.root.mkdir(parents=True, exist_ok=True)
@@ -1435,9 +1437,19 @@ class FsStore:
         out: list[Change] = []
         top = seq
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    parts = line.rstrip("\n").split("\t")
+            with open(path, "rb") as f:
+                # A queue manager polls with the seq we answered last time:
+                # start where that answer ended, unless the file was rewritten.
+                st = os.fstat(f.fileno())
+                inode, last_seq, offset = self._feed_cursor
+                if inode == (st.st_dev, st.st_ino) and seq == last_seq and offset <= st.st_size:
+                    f.seek(offset)
+                end = f.tell()
+                for raw in f:
+                    if not raw.endswith(b"\n"):
+                        break  # a line being written: next time
+                    end += len(raw)
+                    parts = raw.decode("utf-8", "replace").rstrip("\n").split("\t")
                     if len(parts) != 4 or not parts[0].isdigit():
                         continue
                     n = int(parts[0])
@@ -1446,6 +1458,7 @@ class FsStore:
                     with contextlib.suppress(ValueError):
                         out.append(Change(n, parts[2], Action(parts[3])))
                         top = max(top, n)
+                self._feed_cursor = ((st.st_dev, st.st_ino), top, end)
         except FileNotFoundError:
             pass
         return top, out
