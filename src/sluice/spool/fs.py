@@ -34,36 +34,16 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from sluice._fsync import fsync_fds, fsync_path, fsync_paths
 from sluice.spool import Content, SpoolFile, SpoolIOError, iter_chunks, new_spid
 
 __all__ = ["FsSpool"]
 
 _HEX = "0123456789ABCDEF"
 _SUFFIX = ".msg"
-
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def _sync_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluice-fsync")
-        return _pool
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 class FsSpool:
     """Message content as files under ``rootpath``."""
@@ -106,10 +86,10 @@ class FsSpool:
             for depth in range(self.partitiondepth, 0, -1):
                 level = {os.path.join(*Path(rel).parts[:depth]) for rel in dirs if rel}
                 for rel in level:
-                    _fsync_dir(str(self.root / rel))
-            _fsync_dir(str(self.root))
+                    fsync_path(str(self.root / rel))
+            fsync_path(str(self.root))
             if self.root.parent.exists():
-                _fsync_dir(str(self.root.parent))
+                fsync_path(str(self.root.parent))
 
     def directory(self, spid: str) -> Path:
         """The partition directory of ``spid`` (the last digits, backwards)."""
@@ -167,15 +147,10 @@ class FsSpool:
                         f.fd = -1
             return
         dirs = {os.path.dirname(f.path) for f in files}
-        jobs: list[tuple[str, int | str]] = [("f", f.fd) for f in files if f.fd >= 0]
-        jobs += [("d", d) for d in dirs]
+        fds = [f.fd for f in files if f.fd >= 0]
         try:
-            if len(jobs) <= 2:
-                for job in jobs:
-                    _sync_one(job)
-            else:
-                for _ in _sync_pool().map(_sync_one, jobs):
-                    pass
+            # Files and their directory entries, all in flight together.
+            fsync_paths(dirs, also=lambda: fsync_fds(fds))
         finally:
             for f in files:
                 if f.fd >= 0:
@@ -275,16 +250,6 @@ def _call_syncfs(fd: int | None, path: str) -> None:
     finally:
         if fd is None:
             os.close(handle)
-
-
-def _sync_one(job: tuple[str, int | str]) -> None:
-    kind, target = job
-    if kind == "f":
-        assert isinstance(target, int)
-        os.fsync(target)
-    else:
-        assert isinstance(target, str)
-        _fsync_dir(target)
 
 
 def _unlink(path: Path) -> None:

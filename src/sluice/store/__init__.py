@@ -251,17 +251,17 @@ def open_store(config: Config) -> Store:
 
         return SqliteStore.from_config(config)
     if flavour == "fs":
-        from sluice.store.fs import FsStore  # type: ignore[import-not-found,unused-ignore]
+        from sluice.store.fs import FsStore
 
         store: Store = FsStore.from_config(config)
         return store
     if flavour == "postgres":
-        from sluice.store.postgres import PgStore  # type: ignore[import-not-found,unused-ignore]
+        from sluice.store.postgres import PgStore
 
         store = PgStore.from_config(config)
         return store
     if flavour == "kv":
-        from sluice.store.kv import KvStore  # type: ignore[import-not-found,unused-ignore]
+        from sluice.store.kv import KvStore
 
         store = KvStore.from_config(config)
         return store

@@ -14,8 +14,8 @@ DESCRIPTION
     the operator change feed a running queue manager polls.
 
 STRATEGIES
-    Group commit.  Every write goes through one committer thread that owns
-    the only write connection.  It takes everything that queued up while
+    Group commit.  Every write goes through one committer thread (the
+    GroupCommitter every flavour shares) that owns the only write connection.  It takes everything that queued up while
     the previous commit was in flight -- no artificial wait -- makes the
     batch's spool files durable in one parallel sync, then runs the whole
     batch in one transaction with a savepoint per operation (one failing
@@ -56,7 +56,6 @@ import concurrent.futures
 import contextlib
 import fcntl
 import os
-import queue as queuelib
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -86,6 +85,7 @@ from sluice.store import (
     StorageError,
     Transition,
 )
+from sluice.store._commit import GroupCommitter, Op
 from sluice.store._refill import interleave, split_quota
 
 if TYPE_CHECKING:
@@ -243,24 +243,13 @@ def _where(selector: Selector) -> tuple[str, list[Any]]:
 # --------------------------------------------------------------------------
 # The committer
 
-_Work = Callable[[sqlite3.Connection, "_Batch"], Any]
-
-
-@dataclass(slots=True)
-class _Op:
-    work: _Work
-    future: concurrent.futures.Future[Any]
-    files: list[SpoolFile] = field(default_factory=list)
-
-
 @dataclass(slots=True)
 class _Batch:
-    """What the operations of one commit leave to do after it."""
+    """What the operations of one commit share: the connection, and the
+    content to delete once the commit is durable."""
 
+    conn: sqlite3.Connection
     unlink: list[str] = field(default_factory=list)
-
-
-_STOP = object()
 
 
 class SqliteStore:
@@ -288,7 +277,6 @@ class SqliteStore:
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
-        self._ops: queuelib.SimpleQueue[_Op | object] = queuelib.SimpleQueue()
         self._closed = False
         try:
             self._writer = self._connect()
@@ -301,8 +289,8 @@ class SqliteStore:
             raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
         self._lock_fd = os.open(self.dir / "queue.db.writelock",
                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        self._thread = threading.Thread(target=self._run, name="sluice-commit", daemon=True)
-        self._thread.start()
+        self._committer = GroupCommitter(self._commit, max_batch=max_batch, name="sluice-commit",
+                                         dropped=self._discard)
 
     @classmethod
     def from_config(cls, config: Config) -> SqliteStore:
@@ -351,61 +339,21 @@ class SqliteStore:
 
     # -- the committer thread -------------------------------------------------------
 
-    def _submit_op(self, work: _Work, files: list[SpoolFile] | None = None
-                   ) -> concurrent.futures.Future[Any]:
+    def _submit_op(self, work: Callable[[_Batch], Any],
+                   files: list[SpoolFile] | None = None) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._ops.put(_Op(work, fut, files or []))
-        return fut
+        return self._committer.submit(work, files or ())
 
-    def _call(self, work: _Work) -> Any:
+    def _call(self, work: Callable[[_Batch], Any]) -> Any:
         return self._submit_op(work).result()
 
-    def _take(self, op: _Op, batch: list[_Op]) -> None:
-        # A caller may cancel its future (asyncio.wrap_future does when its
-        # task is cancelled).  Once running it cannot be cancelled any more,
-        # so the result of a committed batch always reaches every caller;
-        # an op cancelled before that is dropped, its content discarded.
-        if op.future.set_running_or_notify_cancel():
-            batch.append(op)
-        else:
-            for f in op.files:
-                self.spool.discard(f)
+    def _discard(self, op: Op) -> None:
+        """An operation cancelled before its commit: its content goes."""
+        for f in op.files:
+            self.spool.discard(f)
 
-    def _run(self) -> None:
-        while True:
-            first = self._ops.get()
-            if first is _STOP:
-                return
-            assert isinstance(first, _Op)
-            batch: list[_Op] = []
-            self._take(first, batch)
-            stop = False
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self._ops.get_nowait()
-                except queuelib.Empty:
-                    break
-                if nxt is _STOP:
-                    stop = True
-                    break
-                assert isinstance(nxt, _Op)
-                self._take(nxt, batch)
-            if not batch:
-                if stop:
-                    return
-                continue
-            try:
-                self._commit(batch)
-            except BaseException as exc:  # never leave a submitter waiting
-                for op in batch:
-                    if not op.future.done():
-                        op.future.set_exception(StorageError(f"commit failed: {exc}"))
-            if stop:
-                return
-
-    def _commit(self, batch: list[_Op]) -> None:
+    def _commit(self, batch: list[Op]) -> None:
         # 1. Content first: sync every spool file of the batch in one go.
         files = [f for op in batch for f in op.files]
         if files:
@@ -423,15 +371,15 @@ class SqliteStore:
                     return
         # 2. Meta: the whole batch in one transaction, one savepoint per op.
         conn = self._writer
-        after = _Batch()
-        results: list[tuple[_Op, Any, BaseException | None]] = []
+        after = _Batch(conn)
+        results: list[tuple[Op, Any, BaseException | None]] = []
         # Several processes (receivers, the queue manager) commit to one
         # database.  SQLite's busy handler sleeps 1, 2, 5, 10 ms between
         # tries; a kernel lock around the transaction wakes the next
         # committer the moment the current one is done.
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            self._transaction(conn, batch, after, results)
+            self._transaction(batch, after, results)
         except sqlite3.Error as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
@@ -457,14 +405,15 @@ class SqliteStore:
                 op.future.set_exception(failure)
 
     @staticmethod
-    def _transaction(conn: sqlite3.Connection, batch: list[_Op], after: _Batch,
-                     results: list[tuple[_Op, Any, BaseException | None]]) -> None:
+    def _transaction(batch: list[Op], after: _Batch,
+                     results: list[tuple[Op, Any, BaseException | None]]) -> None:
         """The whole batch in one transaction, one savepoint per operation."""
+        conn = after.conn
         conn.execute("BEGIN IMMEDIATE")
         for op in batch:
             conn.execute("SAVEPOINT op")
             try:
-                value = op.work(conn, after)
+                value = op.work(after)
             except Exception as exc:
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
@@ -502,7 +451,8 @@ class SqliteStore:
             size=sf.size,
         )
 
-        def work(conn: sqlite3.Connection, after: _Batch) -> Accepted:
+        def work(after: _Batch) -> Accepted:
+            conn = after.conn
             conn.executemany(
                 "INSERT INTO queue (spid, idx, sender, recipient, domain, state, arrival_at, "
                 "next_attempt_at, priority, tenantid, jobid, transportid, localip, is_report, "
@@ -557,7 +507,8 @@ class SqliteStore:
                 out.extend(conn.execute(sql, params).fetchall())
             return out
 
-        def work(conn: sqlite3.Connection, after: _Batch) -> list[QueueEntry]:
+        def work(after: _Batch) -> list[QueueEntry]:
+            conn = after.conn
             incoming = pick(conn, QueueState.INCOMING, False, limit)
             deferred = pick(conn, QueueState.DEFERRED, True, limit)
             take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
@@ -580,7 +531,8 @@ class SqliteStore:
         items = list(transitions)
         node = self.node_id
 
-        def work(conn: sqlite3.Connection, after: _Batch) -> set[str]:
+        def work(after: _Batch) -> set[str]:
+            conn = after.conn
             applied: set[str] = set()
             touched: set[str] = set()
             for t in items:
@@ -635,7 +587,8 @@ class SqliteStore:
         if limit <= 0:
             return []
 
-        def work(conn: sqlite3.Connection, after: _Batch) -> list[QueueEntry]:
+        def work(after: _Batch) -> list[QueueEntry]:
+            conn = after.conn
             rows = conn.execute(
                 f"SELECT {_COLUMNS} FROM queue WHERE state = 'bounce' AND next_attempt_at <= ? "
                 "ORDER BY spid, idx LIMIT ?", (now, limit)).fetchall()
@@ -649,7 +602,8 @@ class SqliteStore:
         return result
 
     def recover(self, now: float) -> int:
-        def work(conn: sqlite3.Connection, after: _Batch) -> int:
+        def work(after: _Batch) -> int:
+            conn = after.conn
             # On the embedded store one queue manager owns the whole queue, so
             # every in-flight row is ours to return, whichever node id wrote it
             # (a renamed host, a copied queue directory).
@@ -714,7 +668,8 @@ class SqliteStore:
         params += [str(s) for s in states]
         bounce_reply = reply or Reply(550, "5.0.0", "bounced by the operator")
 
-        def work(conn: sqlite3.Connection, after: _Batch) -> list[QueueEntry]:
+        def work(after: _Batch) -> list[QueueEntry]:
+            conn = after.conn
             rows = conn.execute(f"SELECT {_COLUMNS} FROM queue WHERE {where}", params).fetchall()
             entries = [_entry(r) for r in rows]
             keys = [(e.spid, e.idx) for e in entries]
@@ -858,8 +813,7 @@ class SqliteStore:
         if self._closed:
             return
         self._closed = True
-        self._ops.put(_STOP)
-        self._thread.join()
+        self._committer.close()
         self.spool.close()
         os.close(self._lock_fd)
         with contextlib.suppress(sqlite3.Error):
