@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from sluice.cli import main
-from sluice.policyfile import load_policy_file
 from sluice.model import Reply, Selector, Submission, TempFail
+from sluice.policyfile import load_policy_file
 from sluice.queue import AttemptResult, Queue
 from sluice.store import Action
 from tests.conftest import ROOT, make_config, write_config

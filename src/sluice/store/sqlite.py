@@ -15,8 +15,9 @@ DESCRIPTION
 
 STRATEGIES
     Group commit.  Every write goes through one committer thread (the
-    GroupCommitter every flavour shares) that owns the only write connection.  It takes everything that queued up while
-    the previous commit was in flight -- no artificial wait -- makes the
+    GroupCommitter every flavour shares) that owns the only write
+    connection.  It takes everything that queued up while the previous
+    commit was in flight -- no artificial wait -- makes the
     batch's spool files durable in one parallel sync, then runs the whole
     batch in one transaction with a savepoint per operation (one failing
     operation does not fail its neighbours) and commits: one WAL fsync
