@@ -84,10 +84,21 @@ EVENT_FIELDS: tuple[str, ...] = (
 )
 
 
+_second: tuple[int, str] = (-1, "")  # the last whole second formatted, and its text
+
+
 def iso_time(at: float) -> str:
     """POSIX seconds as 2026-11-22T10:00:00.123Z."""
-    dt = datetime.fromtimestamp(at, UTC)
-    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+    # Every line carries a time; format the date part once per second.  The
+    # cache is one tuple, replaced whole, so threads never see half of it.
+    global _second
+    whole = int(at // 1)
+    ms = int((at - whole) * 1000)
+    cached = _second
+    if cached[0] != whole:
+        cached = (whole, datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S."))
+        _second = cached
+    return f"{cached[1]}{ms:03d}Z"
 
 
 def make_event(

@@ -180,3 +180,30 @@ def test_handoff_relays_store_errors() -> None:
             await handoff.submit(SUB, b"x")
 
     asyncio.run(after_close())
+
+
+def test_aiosmtpd_command_logging_is_skipped_when_off_and_still_masks_auth(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import aiosmtpd.smtp
+
+    import sluice.smtpd.session  # noqa: F401  (installs the lazy sanitiser)
+
+    mail_log = logging.getLogger("mail.log")
+    calls: list[object] = []
+    original = aiosmtpd.smtp.sanitize
+    aiosmtpd.smtp.sanitize = lambda text: calls.append(text) or original(text)  # type: ignore[assignment]
+    try:
+        mail_log.setLevel(logging.WARNING)
+        aiosmtpd.smtp.sanitized_log(mail_log.info, "%r >> %r", "peer", b"AUTH PLAIN c2VjcmV0\r\n")
+        assert calls == []  # dropped without the regular expression running
+        mail_log.setLevel(logging.INFO)
+        with caplog.at_level(logging.INFO, logger="mail.log"):
+            aiosmtpd.smtp.sanitized_log(mail_log.info, "%r >> %r", "peer",
+                                        b"AUTH PLAIN c2VjcmV0\r\n")
+        assert len(calls) == 1
+        assert "c2VjcmV0" not in caplog.text and "********" in caplog.text
+    finally:
+        aiosmtpd.smtp.sanitize = original  # type: ignore[assignment]
+        mail_log.setLevel(logging.NOTSET)

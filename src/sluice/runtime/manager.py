@@ -171,6 +171,7 @@ class QueueManager:
         self._routing: set[str] = set()  # qids claimed and being routed
         self._modified_while_routing: set[str] = set()
         self._pending: list[AttemptResult] = []
+        self._delivering: list[QueueEntry] = []
         self._recorder: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()
@@ -266,6 +267,16 @@ class QueueManager:
             await self._shutdown()
 
     def _step(self) -> None:
+        try:
+            self._decide()
+        finally:
+            if self._delivering:
+                # The "delivering" mark of every attempt started in this step,
+                # as one store operation (not waited for; see mark_delivering).
+                self.queue.mark_delivering(self._delivering)
+                self._delivering = []
+
+    def _decide(self) -> None:
         events, self._events = self._events, []
         now = self._now()
         if any(isinstance(e, _OPERATOR_EVENTS) for e in events):
@@ -413,7 +424,7 @@ class QueueManager:
             return
         info.started = True
         entries = [info.entries[q] for q in qids]
-        self.queue.mark_delivering(entries)
+        self._delivering.extend(entries)
         self.stats.deliveries += 1
         self._spawn(self._deliver(info, tuple(entries), localip), delivery=True)
 

@@ -59,6 +59,7 @@ class FsSpool:
         if sync_method == "syncfs" and _syncfs is None:
             raise ValueError("syncfs(2) is not available on this system")
         self.root = Path(rootpath)
+        self._root = str(self.root)
         self.partitiondepth = partitiondepth
         self.bufsize = bufsize
         self.sync_method = sync_method
@@ -99,7 +100,16 @@ class FsSpool:
         return self.root.joinpath(*parts) if parts else self.root
 
     def path(self, spid: str) -> Path:
-        return self.directory(spid) / f"{spid}{_SUFFIX}"
+        return Path(self._file(spid))
+
+    def _file(self, spid: str) -> str:
+        # The hot path (every write, read and delete): plain strings, because
+        # building pathlib objects cost more than the system calls they name.
+        depth = self.partitiondepth
+        if len(spid) < depth:
+            raise ValueError(f"SPID {spid!r} is shorter than the partition depth")
+        parts = "".join(f"/{spid[-1 - i]}" for i in range(depth))
+        return f"{self._root}{parts}/{spid}{_SUFFIX}"
 
     # -- writing -------------------------------------------------------------
 
@@ -107,7 +117,7 @@ class FsSpool:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         for _ in range(100):
             candidate = spid or new_spid()
-            path = self.path(candidate)
+            path = self._file(candidate)
             try:
                 fd = os.open(path, flags, 0o640)
             except FileExistsError:
@@ -166,10 +176,10 @@ class FsSpool:
     # -- reading and removal ----------------------------------------------------
 
     def open(self, spid: str) -> IO[bytes]:
-        return open(self.path(spid), "rb", buffering=self.bufsize)
+        return open(self._file(spid), "rb", buffering=self.bufsize)
 
     def delete(self, spid: str) -> None:
-        _unlink(self.path(spid))
+        _unlink(self._file(spid))
 
     def delete_soon(self, spids: Sequence[str]) -> None:
         """Delete content on a background thread, so a committer is not held
@@ -202,10 +212,10 @@ class FsSpool:
             janitor.join()
 
     def exists(self, spid: str) -> bool:
-        return self.path(spid).exists()
+        return os.path.exists(self._file(spid))
 
     def size(self, spid: str) -> int:
-        return self.path(spid).stat().st_size
+        return os.stat(self._file(spid)).st_size
 
     def spids(self) -> Iterator[tuple[str, float]]:
         stack = [str(self.root)]
@@ -252,6 +262,6 @@ def _call_syncfs(fd: int | None, path: str) -> None:
             os.close(handle)
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
