@@ -197,12 +197,13 @@ class Queue:
         return self.store.claim(limit, self.clock(), self.config.queue.quota_deferred)
 
     def mark_delivering(self, entries: Sequence[QueueEntry]) -> None:
-        """Note that attempts started.  Not waited for: recovery treats active
-        and delivering alike, so losing this in a crash changes nothing."""
+        """Note that attempts started.  Neither waited for nor flushed:
+        recovery treats active and delivering alike, so losing this in a
+        crash changes nothing."""
         self.store.apply(
             [Transition(e.qid, QueueState.DELIVERING, expect=(QueueState.ACTIVE,))
              for e in entries],
-            wait=False,
+            wait=False, durable=False,
         )
 
     def release_claims(self, entries: Sequence[QueueEntry]) -> None:
@@ -266,7 +267,10 @@ class Queue:
                             e.qid, QueueState.DEFERRED, next_attempt_at=at, reply=reply,
                             attempted=True, expect=IN_FLIGHT_STATES))
                         planned.append((res, QueueState.DEFERRED, EventKind.DEFERRED, reply))
-        applied = self.store.apply(transitions)
+        # Not flushed before returning (as Postfix does not fsync after a
+        # delivery): lost in a power cut, an outcome is only redone -- a
+        # duplicate delivery or an earlier retry, never a lost message.
+        applied = self.store.apply(transitions, durable=False)
         out: list[tuple[AttemptResult, QueueState | None]] = []
         events = []
         for res, state, kind, reply in planned:

@@ -170,18 +170,30 @@ def test_delivered_entries_leave_and_content_goes_with_the_last(store: Store) ->
     assert read(store, acc.spid) == body()  # one recipient left
     store.apply([Transition(e1.qid, None)])
     assert store.count().recipients == 0 and store.count().messages == 0
+    assert _content_goes(store, acc.spid)
 
-    def gone() -> bool:  # the unlink may run on a background thread after the commit
+
+def test_outcomes_applied_without_a_flush_still_apply_and_free_content(store: Store) -> None:
+    acc = store.submit(sub(), body(), T0)
+    (e,) = store.claim(10, T0, 10)
+    assert store.apply([Transition(e.qid, None, reply=Reply(250, "2.0.0", "ok"))],
+                       durable=False) == {e.qid}
+    assert store.count().recipients == 0
+    assert _content_goes(store, acc.spid)
+
+
+def _content_goes(store: Store, spid: str, within: float = 5) -> bool:
+    """True once the content of ``spid`` cannot be read (unlinks may run
+    on a background thread after the commit)."""
+    deadline = time.monotonic() + within
+    while True:
         try:
-            read(store, acc.spid)
+            read(store, spid)
         except (StorageError, FileNotFoundError):
             return True
-        return False
-
-    deadline = time.monotonic() + 5
-    while not gone() and time.monotonic() < deadline:
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.01)
-    assert gone()
 
 
 def test_deferral_records_reply_attempts_and_time(store: Store) -> None:

@@ -486,10 +486,12 @@ class TimedStore:
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
         return self.metrics.timed("claim", self.inner.claim, limit, now, quota_deferred)
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
+              durable: bool = True) -> set[str]:
         if not wait:
-            return self.inner.apply(transitions, wait=False)
-        return self.metrics.timed("apply", self.inner.apply, transitions, wait=True)
+            return self.inner.apply(transitions, wait=False, durable=durable)
+        return self.metrics.timed("apply", self.inner.apply, transitions, wait=True,
+                                  durable=durable)
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         return self.metrics.timed("claim_bounces", self.inner.claim_bounces, limit, now,

@@ -33,7 +33,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -44,6 +44,8 @@ __all__ = ["FsSpool"]
 
 _HEX = "0123456789ABCDEF"
 _SUFFIX = ".msg"
+#: Content to delete, and what must run before it may go.
+_Doomed = tuple[list[str], "Callable[[], None] | None"]
 
 class FsSpool:
     """Message content as files under ``rootpath``."""
@@ -63,7 +65,7 @@ class FsSpool:
         self.partitiondepth = partitiondepth
         self.bufsize = bufsize
         self.sync_method = sync_method
-        self._doomed: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._doomed: queue.SimpleQueue[_Doomed | None] = queue.SimpleQueue()
         self._janitor: threading.Thread | None = None
         self._janitor_lock = threading.Lock()
         self._make_tree()
@@ -181,10 +183,16 @@ class FsSpool:
     def delete(self, spid: str) -> None:
         _unlink(self._file(spid))
 
-    def delete_soon(self, spids: Sequence[str]) -> None:
+    def delete_soon(self, spids: Sequence[str],
+                    barrier: Callable[[], None] | None = None) -> None:
         """Delete content on a background thread, so a committer is not held
         up by unlinks.  Safe to defer: a crash before the unlink leaves an
-        orphan that the store's start-up sweep removes."""
+        orphan that the store's start-up sweep removes.
+
+        ``barrier``: called (once for everything queued so far) before these
+        files go -- a store that committed their removal without flushing
+        passes its flush, so no file disappears while a row may still
+        need it after a power cut."""
         if not spids:
             return
         with self._janitor_lock:
@@ -192,16 +200,34 @@ class FsSpool:
                 self._janitor = threading.Thread(target=self._sweep, name="sluice-spool-gc",
                                                  daemon=True)
                 self._janitor.start()
-        for spid in spids:
-            self._doomed.put(spid)
+        self._doomed.put((list(spids), barrier))
 
     def _sweep(self) -> None:
         while True:
-            spid = self._doomed.get()
-            if spid is None:
+            item = self._doomed.get()
+            stop = item is None
+            work: list[_Doomed] = [] if item is None else [item]
+            while not stop:  # take what else queued up: one barrier for all of it
+                try:
+                    nxt = self._doomed.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                else:
+                    work.append(nxt)
+            barriers = {id(b): b for _, b in work if b is not None}
+            try:
+                for b in barriers.values():
+                    b()
+            except Exception:  # keep the files; the start-up sweep decides
+                work = [(s, b) for s, b in work if b is None]
+            for spids, _ in work:
+                for spid in spids:
+                    with contextlib.suppress(OSError):
+                        self.delete(spid)
+            if stop:
                 return
-            with contextlib.suppress(OSError):
-                self.delete(spid)
 
     def close(self) -> None:
         """Finish pending deletions."""

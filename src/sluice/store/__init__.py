@@ -176,8 +176,16 @@ class Store(Protocol):
         """
         ...
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
-        """Apply state changes; returns the qids that were applied."""
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
+              durable: bool = True) -> set[str]:
+        """Apply state changes; returns the qids that were applied.
+
+        ``durable=False`` is for changes whose loss in a power cut only
+        repeats work -- attempt outcomes, which the queue manager would
+        otherwise redo -- never for operator actions or NDR bookkeeping.  A
+        flavour may then return before the change is flushed, but must not
+        delete content the change frees until it is.  Flavours that gain
+        nothing from it treat it as durable."""
         ...
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:

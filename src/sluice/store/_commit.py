@@ -66,6 +66,9 @@ class Op:
     files: list[SpoolFile] = field(default_factory=list)
     #: Flavour-specific data the commit needs besides ``work`` (e.g. content keys).
     extra: Any = None
+    #: False: losing this write in a power cut only repeats work (a delivery
+    #: outcome, a claim); a flavour may then skip the flush for the batch.
+    durable: bool = True
 
 
 _STOP = object()
@@ -88,11 +91,11 @@ class GroupCommitter:
         self._thread.start()
 
     def submit(self, work: Callable[[Any], Any], files: Sequence[SpoolFile] = (),
-               extra: Any = None) -> concurrent.futures.Future[Any]:
+               extra: Any = None, *, durable: bool = True) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._ops.put(Op(work, fut, list(files), extra))
+        self._ops.put(Op(work, fut, list(files), extra, durable))
         return fut
 
     def call(self, work: Callable[[Any], Any]) -> Any:

@@ -1176,7 +1176,8 @@ class FsStore:
             states.update(dict.fromkeys(t.expect))
         return tuple(states)
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
+              durable: bool = True) -> set[str]:
         if not transitions:
             return set()
         by_spid: dict[str, list[tuple[int, Transition]]] = defaultdict(list)

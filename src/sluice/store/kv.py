@@ -922,7 +922,8 @@ class KvStore:
             view.delete(_meta_key(spid))
             view.count("messages", -1)
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
+              durable: bool = True) -> set[str]:
         if not transitions:
             return set()
         items = []

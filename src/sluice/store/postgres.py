@@ -644,7 +644,8 @@ class PgStore:
         result: list[QueueEntry] = self._call(work)
         return result
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
+              durable: bool = True) -> set[str]:
         if not transitions:
             return set()
         items = []

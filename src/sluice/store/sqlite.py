@@ -290,6 +290,7 @@ class SqliteStore:
             raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
         self._lock_fd = os.open(self.dir / "queue.db.writelock",
                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self._sync_full = True  # the writer connection's PRAGMA synchronous
         self._committer = GroupCommitter(self._commit, max_batch=max_batch, name="sluice-commit",
                                          dropped=self._discard)
 
@@ -341,13 +342,36 @@ class SqliteStore:
     # -- the committer thread -------------------------------------------------------
 
     def _submit_op(self, work: Callable[[_Batch], Any],
-                   files: list[SpoolFile] | None = None) -> concurrent.futures.Future[Any]:
+                   files: list[SpoolFile] | None = None, *,
+                   durable: bool = True) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
-        return self._committer.submit(work, files or ())
+        return self._committer.submit(work, files or (), durable=durable)
 
-    def _call(self, work: Callable[[_Batch], Any]) -> Any:
-        return self._submit_op(work).result()
+    def _call(self, work: Callable[[_Batch], Any], *, durable: bool = True) -> Any:
+        return self._submit_op(work, durable=durable).result()
+
+    def _set_synchronous(self, durable: bool) -> None:
+        """FULL (the WAL is fsynced at COMMIT) for batches that hold a
+        submission or an operator's change; NORMAL (the WAL is written, and
+        fsynced by the next FULL commit of any process, or at checkpoint)
+        for batches of attempt outcomes and claims only.  WAL commits are
+        ordered, so a power cut loses a suffix of NORMAL commits at most."""
+        if durable != self._sync_full:
+            self._writer.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
+            self._sync_full = durable
+
+    def _flush_wal(self) -> None:
+        """Make every commit so far durable: fdatasync the WAL (called before
+        unlinking content that a NORMAL commit freed)."""
+        try:
+            fd = os.open(f"{self.db_path}-wal", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # no WAL: the last checkpoint synced the database file
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def _discard(self, op: Op) -> None:
         """An operation cancelled before its commit: its content goes."""
@@ -372,6 +396,7 @@ class SqliteStore:
                     return
         # 2. Meta: the whole batch in one transaction, one savepoint per op.
         conn = self._writer
+        durable = any(op.durable or op.files for op in batch)
         after = _Batch(conn)
         results: list[tuple[Op, Any, BaseException | None]] = []
         # Several processes (receivers, the queue manager) commit to one
@@ -380,6 +405,7 @@ class SqliteStore:
         # committer the moment the current one is done.
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
+            self._set_synchronous(durable)
             self._transaction(batch, after, results)
         except sqlite3.Error as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -394,7 +420,7 @@ class SqliteStore:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         # 3. After the commit: content whose last row is gone may go too
         #    (on the spool's own thread: unlinks must not delay the next commit).
-        self.spool.delete_soon(after.unlink)
+        self.spool.delete_soon(after.unlink, barrier=None if durable else self._flush_wal)
         for op, value, failure in results:
             if failure is None:
                 op.future.set_result(value)
@@ -523,10 +549,12 @@ class SqliteStore:
                 for row in chosen
             ]
 
-        result: list[QueueEntry] = self._call(work)
+        # A claim lost in a power cut leaves the entries where they were.
+        result: list[QueueEntry] = self._call(work, durable=False)
         return result
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True) -> set[str]:
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
+              durable: bool = True) -> set[str]:
         if not transitions:
             return set()
         items = list(transitions)
@@ -570,7 +598,7 @@ class SqliteStore:
             self._collect_gone(conn, touched, after)
             return applied
 
-        fut = self._submit_op(work)
+        fut = self._submit_op(work, durable=durable)
         if not wait:
             return set()
         result: set[str] = fut.result()
