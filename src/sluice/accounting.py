@@ -155,11 +155,17 @@ class AccountingLog:
         self._lock = threading.Lock()
         self._fd = -1
         self._name = ""
+        self._span = (0.0, 0.0)  # [start, end) of the period self._name covers
         self.path.mkdir(parents=True, exist_ok=True)
 
     def filename(self, at: float) -> str:
         fmt = "%Y%m%dT%H" if self.rotate == "hourly" else "%Y%m%d"
         return f"sluice-acct-{datetime.fromtimestamp(at, UTC).strftime(fmt)}.jsonl"
+
+    def _period(self, at: float) -> tuple[float, float]:
+        length = 3600.0 if self.rotate == "hourly" else 86400.0
+        start = at - at % length  # UTC periods: whole hours and days since the epoch
+        return start, start + length
 
     def record(self, events: Iterable[Mapping[str, Any]], now: float | None = None) -> int:
         """Append ``events`` (dicts from make_event); returns how many."""
@@ -180,6 +186,10 @@ class AccountingLog:
         return len(lines)
 
     def _file_for(self, at: float) -> int:
+        start, end = self._span
+        if self._fd >= 0 and start <= at < end:
+            return self._fd  # the common case: no date formatting per record
+        self._span = self._period(at)
         name = self.filename(at)
         if name != self._name or self._fd < 0:
             if self._fd >= 0:
