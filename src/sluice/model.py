@@ -167,6 +167,15 @@ class Submission:
         if self.delay_s < 0:
             raise ValueError("delay_s must not be negative")
 
+    def initial_state(self, now: float) -> tuple[QueueState, float]:
+        """The state and next_attempt_at its entries start with when queued at
+        ``now`` (every store flavour, and the accounting of a submission)."""
+        if self.hold:
+            return QueueState.HOLD, now
+        if self.delay_s > 0:
+            return QueueState.DEFERRED, now + self.delay_s
+        return QueueState.INCOMING, now
+
 
 @dataclass(frozen=True, slots=True)
 class Accepted:

@@ -148,16 +148,11 @@ class Queue:
     @staticmethod
     def entries_of(submission: Submission, accepted: Accepted, now: float) -> list[QueueEntry]:
         """The entries a submission created, as the store holds them."""
-        if submission.hold:
-            state = QueueState.HOLD
-        elif submission.delay_s > 0:
-            state = QueueState.DEFERRED
-        else:
-            state = QueueState.INCOMING
+        state, next_at = submission.initial_state(now)
         return [
             QueueEntry(
                 spid=accepted.spid, idx=i, sender=submission.sender, recipient=rcpt,
-                state=state, arrival_at=now, next_attempt_at=now + submission.delay_s,
+                state=state, arrival_at=now, next_attempt_at=next_at,
                 priority=submission.priority, tenantid=submission.tenantid,
                 jobid=submission.jobid, transportid=submission.transportid,
                 localip=submission.localip, is_report=submission.is_report,

@@ -67,3 +67,14 @@ def test_submission_checks() -> None:
         Submission("a@x.org", ("b@y.org",), priority=2)
     with pytest.raises(ValueError, match="delay"):
         Submission("a@x.org", ("b@y.org",), delay_s=-1)
+
+
+def test_submission_initial_state() -> None:
+    def sub(**kw: object) -> Submission:
+        return Submission("a@x.org", ("b@y.org",), **kw)  # type: ignore[arg-type]
+
+    assert sub().initial_state(100.0) == (QueueState.INCOMING, 100.0)
+    assert sub(delay_s=60).initial_state(100.0) == (QueueState.DEFERRED, 160.0)
+    assert sub(hold=True).initial_state(100.0) == (QueueState.HOLD, 100.0)
+    # hold wins over a delay
+    assert sub(hold=True, delay_s=60).initial_state(100.0) == (QueueState.HOLD, 100.0)

@@ -1043,13 +1043,7 @@ class FsStore:
             sf = self.spool.write(content)
         except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
-        state = QueueState.INCOMING
-        next_at = now
-        if submission.hold:
-            state = QueueState.HOLD
-        elif submission.delay_s > 0:
-            state = QueueState.DEFERRED
-            next_at = now + submission.delay_s
+        state, next_at = submission.initial_state(now)
         meta = _Meta(submission.sender, now, submission.tenantid, submission.jobid,
                      submission.transportid, tuple(submission.localip), submission.is_report,
                      sf.size)

@@ -792,13 +792,7 @@ class KvStore:
             raise StorageError("the store is closed")
         sub = self._write_content(content)
         spid = sub.spid
-        state = QueueState.INCOMING
-        next_at = now
-        if submission.hold:
-            state = QueueState.HOLD
-        elif submission.delay_s > 0:
-            state = QueueState.DEFERRED
-            next_at = now + submission.delay_s
+        state, next_at = submission.initial_state(now)
         rcpts = list(submission.recipients)
         zone = _zone(submission.transportid)
         keys = _rcpt_keys(rcpts)

@@ -552,13 +552,7 @@ class PgStore:
         if self._closed:
             raise StorageError("the store is closed")
         spid, size = self._write_content(content)
-        state = QueueState.INCOMING
-        next_at = now
-        if submission.hold:
-            state = QueueState.HOLD
-        elif submission.delay_s > 0:
-            state = QueueState.DEFERRED
-            next_at = now + submission.delay_s
+        state, next_at = submission.initial_state(now)
         localip = ",".join(submission.localip)
         rows = [
             (spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,

@@ -458,13 +458,7 @@ class SqliteStore:
             sf = self.spool.write(content)
         except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
-        state = QueueState.INCOMING
-        next_at = now
-        if submission.hold:
-            state = QueueState.HOLD
-        elif submission.delay_s > 0:
-            state = QueueState.DEFERRED
-            next_at = now + submission.delay_s
+        state, next_at = submission.initial_state(now)
         localip = ",".join(submission.localip)
         rows = [
             (sf.spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,
