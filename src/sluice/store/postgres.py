@@ -110,6 +110,7 @@ from sluice.spool import Content, iter_chunks, new_spid
 from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
 from sluice.store._refill import interleave, split_quota
+from sluice.store._sql import COLUMNS, Dialect, SqlQueue, entry
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -176,66 +177,29 @@ CREATE TABLE IF NOT EXISTS sluice_changes (
 CREATE TABLE IF NOT EXISTS sluice_meta (key text PRIMARY KEY, value text);
 """
 
-_COLUMNS = (
-    "spid, idx, sender, recipient, domain, state, arrival_at, next_attempt_at, attempts, "
-    "last_code, last_enhanced, last_text, priority, tenantid, jobid, transportid, localip, "
-    "is_report, size"
-)
-
 _TRANSIENT = (pgerrors.DeadlockDetected, pgerrors.SerializationFailure,
               pgerrors.LockNotAvailable)
 
 
-def _entry(row: Sequence[Any]) -> QueueEntry:
-    reply = None
-    if row[9] is not None:
-        reply = Reply(int(row[9]), row[10] or "", row[11] or "")
-    return QueueEntry(
-        spid=row[0], idx=row[1], sender=row[2], recipient=row[3], domain=row[4],
-        state=QueueState(row[5]), arrival_at=row[6], next_attempt_at=row[7],
-        attempts=row[8], last_reply=reply, priority=row[12], tenantid=row[13],
-        jobid=row[14], transportid=row[15],
-        localip=tuple(row[16].split(",")) if row[16] else (),
-        is_report=bool(row[17]), size=row[18],
-    )
+class _Postgres(Dialect):
+    p = "%s"
+    queue = "sluice_queue"
+    changes = "sluice_changes"
+    true = "true"
+    is_report = "is_report"
+    not_report = "NOT is_report"
 
+    # Arrays, not a chain of ORs or IN lists: an operator may select
+    # thousands of ids, and they go as one parameter.
 
-def _where(selector: Selector) -> tuple[str, list[Any]]:
-    """SQL condition and parameters for a selector."""
-    clauses: list[str] = []
-    params: list[Any] = []
-    if selector.qids:
-        # Arrays, not a chain of ORs: an operator may select thousands of ids.
-        whole: list[str] = []
-        keys: tuple[list[str], list[int]] = ([], [])
-        for qid in selector.qids:
-            spid, idx = parse_qid(qid)
-            if idx is None:
-                whole.append(spid)
-            else:
-                keys[0].append(spid)
-                keys[1].append(idx)
-        ors = []
-        if whole:
-            ors.append("spid = ANY(%s)")
-            params.append(whole)
-        if keys[0]:
-            ors.append("(spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))")
-            params.extend(keys)
-        clauses.append("(" + " OR ".join(ors) + ")")
-    if selector.states:
-        clauses.append("state = ANY(%s)")
-        params.append([str(s) for s in selector.states])
-    for column, value in (("domain", selector.domain), ("tenantid", selector.tenantid),
-                          ("jobid", selector.jobid), ("transportid", selector.transportid)):
-        if value is not None:
-            clauses.append(f"{column} = %s")
-            params.append(value)
-    for column, value in (("sender", selector.sender), ("recipient", selector.recipient)):
-        if value is not None:
-            clauses.append(f"lower({column}) = lower(%s)")
-            params.append(value)
-    return (" AND ".join(clauses) or "true"), params
+    def one_of(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
+        return f"{column} = ANY(%s)", [list(values)]
+
+    def keys_in(self, spids: list[str], idxs: list[int]) -> tuple[str, list[Any]]:
+        return "(spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))", [spids, idxs]
+
+    def equal_nocase(self, column: str) -> str:
+        return f"lower({column}) = lower(%s)"
 
 
 def _storage_error(exc: BaseException, what: str) -> StorageError:
@@ -362,6 +326,7 @@ class PgStore:
         self._closed = False
         self._writer: psycopg.Connection[Any] | None = None
         self._pool = _Pool(lambda: self._connect(autocommit=True), max(1, pool_size))
+        self._sql = SqlQueue(_Postgres(), self._reading)
         try:
             conn = self._connect(autocommit=False)
             with conn.transaction():
@@ -612,7 +577,7 @@ class PgStore:
             for prio in (1, 0):
                 if len(out) >= n:
                     break
-                sql = f"SELECT {_COLUMNS} FROM sluice_queue WHERE state = %s AND priority = %s"
+                sql = f"SELECT {COLUMNS} FROM sluice_queue WHERE state = %s AND priority = %s"
                 params: list[Any] = [str(state), prio]
                 if due:
                     sql += " AND next_attempt_at <= %s"
@@ -633,7 +598,7 @@ class PgStore:
                     "UPDATE sluice_queue SET state = 'active', owner = %s "
                     "WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
                     (node, [r[0] for r in chosen], [r[1] for r in chosen]))
-            return [_entry((*row[:5], "active", *row[6:])) for row in chosen]
+            return [entry((*row[:5], "active", *row[6:])) for row in chosen]
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -721,7 +686,7 @@ class PgStore:
         def work(batch: _Batch) -> list[QueueEntry]:
             conn = batch.conn
             rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM sluice_queue WHERE state = 'bounce' "
+                f"SELECT {COLUMNS} FROM sluice_queue WHERE state = 'bounce' "
                 "AND next_attempt_at <= %s ORDER BY spid, idx LIMIT %s FOR UPDATE SKIP LOCKED",
                 (now, limit)).fetchall()
             if rows:
@@ -729,7 +694,7 @@ class PgStore:
                     "UPDATE sluice_queue SET next_attempt_at = %s "
                     "WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
                     (until, [r[0] for r in rows], [r[1] for r in rows]))
-            return [_entry((*r[:7], until, *r[8:])) for r in rows]
+            return [entry((*r[:7], until, *r[8:])) for r in rows]
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -755,19 +720,10 @@ class PgStore:
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
-        with self._reading() as conn:
-            rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM sluice_queue WHERE state = 'deferred' AND "
-                "((NOT is_report AND arrival_at <= %s) OR (is_report AND arrival_at <= %s)) "
-                "LIMIT %s", (cutoff_at, reports_cutoff_at, limit)).fetchall()
-        return [_entry(r) for r in rows]
+        return self._sql.expired(cutoff_at, reports_cutoff_at, limit)
 
     def due_at(self) -> float | None:
-        with self._reading() as conn:
-            row = conn.execute(
-                "SELECT min(next_attempt_at) FROM sluice_queue WHERE state = 'deferred'"
-            ).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
+        return self._sql.due_at()
 
     # -- operator side ------------------------------------------------------------------
 
@@ -775,7 +731,7 @@ class PgStore:
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
         if action is Action.PRIORITY and priority not in (0, 1):
             raise ValueError("priority must be 0 or 1")
-        where, params = _where(selector)
+        where, params = self._sql.where(selector)
         where += " AND state = ANY(%s)"
         params.append([str(s) for s in ACTION_STATES[action]])
         bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
@@ -783,9 +739,9 @@ class PgStore:
         def work(batch: _Batch) -> list[QueueEntry]:
             conn = batch.conn
             rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM sluice_queue WHERE {where} ORDER BY spid, idx "
+                f"SELECT {COLUMNS} FROM sluice_queue WHERE {where} ORDER BY spid, idx "
                 "FOR UPDATE", params).fetchall()
-            entries = [_entry(r) for r in rows]
+            entries = [entry(r) for r in rows]
             if not entries:
                 return []
             keys = ([e.spid for e in entries], [e.idx for e in entries])
@@ -822,72 +778,23 @@ class PgStore:
         return result
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT seq, qid, action FROM sluice_changes WHERE seq > %s ORDER BY seq",
-                (seq,)).fetchall()
-            if not rows:
-                top = conn.execute("SELECT max(seq) FROM sluice_changes").fetchone()
-                return max(seq, int(top[0] or 0) if top else 0), []
-        changes = [Change(int(r[0]), r[1], Action(r[2])) for r in rows]
-        return changes[-1].seq, changes
+        return self._sql.changes_since(seq)
 
     # -- reading ------------------------------------------------------------------------
 
     def get(self, qid: str) -> QueueEntry | None:
-        spid, idx = parse_qid(qid)
-        if idx is None:
-            raise ValueError(f"get() needs a full queue id, not a SPID: {qid!r}")
-        with self._reading() as conn:
-            row = conn.execute(f"SELECT {_COLUMNS} FROM sluice_queue WHERE spid = %s AND idx = %s",
-                               (spid, idx)).fetchone()
-        return None if row is None else _entry(row)
+        return self._sql.get(qid)
 
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
-        where, params = _where(selector)
-        page = 5000 if limit is None else min(limit, 5000)
-        remaining = limit
-        cursor: tuple[str, int] | None = None
-        if after is not None:
-            spid, idx = parse_qid(after)
-            cursor = (spid, -1 if idx is None else idx)
-        while remaining is None or remaining > 0:
-            n = page if remaining is None else min(page, remaining)
-            sql = f"SELECT {_COLUMNS} FROM sluice_queue WHERE {where}"
-            p = list(params)
-            if cursor is not None:
-                sql += " AND (spid, idx) > (%s, %s)"
-                p += list(cursor)
-            sql += " ORDER BY spid, idx LIMIT %s"
-            p.append(n)
-            with self._reading() as conn:
-                rows = conn.execute(sql, p).fetchall()
-            for row in rows:
-                yield _entry(row)
-            if len(rows) < n:
-                return
-            cursor = (rows[-1][0], rows[-1][1])
-            if remaining is not None:
-                remaining -= len(rows)
+        return self._sql.entries(selector, after=after, limit=limit)
 
     def count(self, selector: Selector | None = None) -> Counts:
-        where, params = _where(selector or Selector())
-        with self._reading() as conn:
-            rows = conn.execute(
-                f"SELECT state, count(*) FROM sluice_queue WHERE {where} GROUP BY state",
-                params).fetchall()
-            messages = conn.execute(
-                f"SELECT count(DISTINCT spid) FROM sluice_queue WHERE {where}", params
-            ).fetchone()
-        by_state = {s: 0 for s in QueueState}
-        for state, n in rows:
-            by_state[QueueState(state)] = int(n)
-        return Counts(by_state=by_state, messages=int(messages[0]) if messages else 0)
+        return self._sql.count(selector or Selector())
 
     def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
               ) -> dict[str, list[int]]:
-        where, params = _where(selector)
+        where, params = self._sql.where(selector)
         edges = [float(e) for e in edges_s]
         out: dict[str, list[int]] = {}
         with self._reading() as conn:

@@ -88,6 +88,7 @@ from sluice.store import (
 )
 from sluice.store._commit import GroupCommitter, Op
 from sluice.store._refill import interleave, split_quota
+from sluice.store._sql import COLUMNS, Dialect, SqlQueue, entry
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -154,12 +155,6 @@ CREATE TABLE IF NOT EXISTS qchanges (
 CREATE TABLE IF NOT EXISTS qmeta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
 """
 
-_COLUMNS = (
-    "spid, idx, sender, recipient, domain, state, arrival_at, next_attempt_at, attempts, "
-    "last_code, last_enhanced, last_text, priority, tenantid, jobid, transportid, localip, "
-    "is_report, size"
-)
-
 #: How long an orphan spool file (content without rows) must have existed
 #: before recover() removes it: a submission in another process may be
 #: between its spool write and its commit.
@@ -169,76 +164,26 @@ ORPHAN_AGE_S = 3600.0
 CHANGES_KEEP_S = 3600.0
 
 
-def _entry(row: Sequence[Any]) -> QueueEntry:
-    reply = None
-    if row[9] is not None:
-        reply = Reply(int(row[9]), row[10] or "", row[11] or "")
-    return QueueEntry(
-        spid=row[0],
-        idx=row[1],
-        sender=row[2],
-        recipient=row[3],
-        domain=row[4],
-        state=QueueState(row[5]),
-        arrival_at=row[6],
-        next_attempt_at=row[7],
-        attempts=row[8],
-        last_reply=reply,
-        priority=row[12],
-        tenantid=row[13],
-        jobid=row[14],
-        transportid=row[15],
-        localip=tuple(row[16].split(",")) if row[16] else (),
-        is_report=bool(row[17]),
-        size=row[18],
-    )
+class _Sqlite(Dialect):
+    p = "?"
+    queue = "queue"
+    changes = "qchanges"
+    true = "1"
+    is_report = "is_report = 1"
+    not_report = "is_report = 0"
 
+    # IN lists, not a chain of ORs: SQLite refuses expression trees deeper
+    # than 1000, which a selection of many ids would build.
 
-def _where(selector: Selector) -> tuple[str, list[Any]]:
-    """SQL WHERE clause (without the keyword) and parameters for a selector."""
-    clauses: list[str] = []
-    params: list[Any] = []
-    if selector.qids:
-        # IN lists, not a chain of ORs: SQLite refuses expression trees
-        # deeper than 1000, which a selection of many ids would build.
-        spids: list[str] = []
-        pairs: list[tuple[str, int]] = []
-        for qid in selector.qids:
-            spid, idx = parse_qid(qid)
-            if idx is None:
-                spids.append(spid)
-            else:
-                pairs.append((spid, idx))
-        ors = []
-        if spids:
-            ors.append(f"spid IN ({','.join('?' * len(spids))})")
-            params.extend(spids)
-        if pairs:
-            ors.append(f"(spid, idx) IN (VALUES {','.join(['(?,?)'] * len(pairs))})")
-            params.extend(v for pair in pairs for v in pair)
-        clauses.append("(" + " OR ".join(ors) + ")")
-    if selector.states:
-        clauses.append(f"state IN ({','.join('?' * len(selector.states))})")
-        params.extend(str(s) for s in selector.states)
-    if selector.domain is not None:
-        clauses.append("domain = ?")
-        params.append(selector.domain)
-    if selector.sender is not None:
-        clauses.append("sender = ? COLLATE NOCASE")
-        params.append(selector.sender)
-    if selector.recipient is not None:
-        clauses.append("recipient = ? COLLATE NOCASE")
-        params.append(selector.recipient)
-    if selector.tenantid is not None:
-        clauses.append("tenantid = ?")
-        params.append(selector.tenantid)
-    if selector.jobid is not None:
-        clauses.append("jobid = ?")
-        params.append(selector.jobid)
-    if selector.transportid is not None:
-        clauses.append("transportid = ?")
-        params.append(selector.transportid)
-    return (" AND ".join(clauses) or "1"), params
+    def one_of(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
+        return f"{column} IN ({','.join('?' * len(values))})", list(values)
+
+    def keys_in(self, spids: list[str], idxs: list[int]) -> tuple[str, list[Any]]:
+        return (f"(spid, idx) IN (VALUES {','.join(['(?,?)'] * len(spids))})",
+                [v for key in zip(spids, idxs, strict=True) for v in key])
+
+    def equal_nocase(self, column: str) -> str:
+        return f"{column} = ? COLLATE NOCASE"
 
 
 # --------------------------------------------------------------------------
@@ -293,6 +238,7 @@ class SqliteStore:
         self._sync_full = True  # the writer connection's PRAGMA synchronous
         self._committer = GroupCommitter(self._commit, max_batch=max_batch, name="sluice-commit",
                                          dropped=self._discard)
+        self._sql = SqlQueue(_Sqlite(), self._reading)
 
     @classmethod
     def from_config(cls, config: Config) -> SqliteStore:
@@ -518,7 +464,7 @@ class SqliteStore:
             for prio in (1, 0):
                 if len(out) >= n:
                     break
-                sql = f"SELECT {_COLUMNS} FROM queue WHERE state = ? AND priority = ?"
+                sql = f"SELECT {COLUMNS} FROM queue WHERE state = ? AND priority = ?"
                 params: list[Any] = [str(state), prio]
                 if due:
                     sql += " AND next_attempt_at <= ?"
@@ -539,7 +485,7 @@ class SqliteStore:
                 [(node, row[0], row[1]) for row in chosen],
             )
             return [
-                _entry((*row[:5], "active", *row[6:]))
+                entry((*row[:5], "active", *row[6:]))
                 for row in chosen
             ]
 
@@ -613,13 +559,13 @@ class SqliteStore:
         def work(after: _Batch) -> list[QueueEntry]:
             conn = after.conn
             rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM queue WHERE state = 'bounce' AND next_attempt_at <= ? "
+                f"SELECT {COLUMNS} FROM queue WHERE state = 'bounce' AND next_attempt_at <= ? "
                 "ORDER BY spid, idx LIMIT ?", (now, limit)).fetchall()
             until = now + lease_s
             conn.executemany(
                 "UPDATE queue SET next_attempt_at = ? WHERE spid = ? AND idx = ?",
                 [(until, r[0], r[1]) for r in rows])
-            return [_entry((*r[:7], until, *r[8:])) for r in rows]
+            return [entry((*r[:7], until, *r[8:])) for r in rows]
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -663,21 +609,10 @@ class SqliteStore:
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
-        with self._reading() as conn:
-            rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM queue WHERE state = 'deferred' AND "
-                "((is_report = 0 AND arrival_at <= ?) OR (is_report = 1 AND arrival_at <= ?)) "
-                "LIMIT ?",
-                (cutoff_at, reports_cutoff_at, limit),
-            ).fetchall()
-        return [_entry(r) for r in rows]
+        return self._sql.expired(cutoff_at, reports_cutoff_at, limit)
 
     def due_at(self) -> float | None:
-        with self._reading() as conn:
-            row = conn.execute(
-                "SELECT MIN(next_attempt_at) FROM queue WHERE state = 'deferred'"
-            ).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
+        return self._sql.due_at()
 
     # -- operator side ------------------------------------------------------------------
 
@@ -685,7 +620,7 @@ class SqliteStore:
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
         if action is Action.PRIORITY and priority not in (0, 1):
             raise ValueError("priority must be 0 or 1")
-        where, params = _where(selector)
+        where, params = self._sql.where(selector)
         states = ACTION_STATES[action]
         where += f" AND state IN ({','.join('?' * len(states))})"
         params += [str(s) for s in states]
@@ -693,8 +628,8 @@ class SqliteStore:
 
         def work(after: _Batch) -> list[QueueEntry]:
             conn = after.conn
-            rows = conn.execute(f"SELECT {_COLUMNS} FROM queue WHERE {where}", params).fetchall()
-            entries = [_entry(r) for r in rows]
+            rows = conn.execute(f"SELECT {COLUMNS} FROM queue WHERE {where}", params).fetchall()
+            entries = [entry(r) for r in rows]
             keys = [(e.spid, e.idx) for e in entries]
             if action is Action.HOLD:
                 conn.executemany(
@@ -737,79 +672,29 @@ class SqliteStore:
         return result
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT seq, qid, action FROM qchanges WHERE seq > ? ORDER BY seq", (seq,)
-            ).fetchall()
-            if not rows:
-                top = conn.execute("SELECT MAX(seq) FROM qchanges").fetchone()[0]
-                return max(seq, int(top or 0)), []
-        changes = [Change(int(r[0]), r[1], Action(r[2])) for r in rows]
-        return changes[-1].seq, changes
+        return self._sql.changes_since(seq)
 
     # -- reading ----------------------------------------------------------------------
 
     def get(self, qid: str) -> QueueEntry | None:
-        spid, idx = parse_qid(qid)
-        if idx is None:
-            raise ValueError(f"get() needs a full queue id, not a SPID: {qid!r}")
-        with self._reading() as conn:
-            row = conn.execute(
-                f"SELECT {_COLUMNS} FROM queue WHERE spid = ? AND idx = ?", (spid, idx)
-            ).fetchone()
-        return None if row is None else _entry(row)
+        return self._sql.get(qid)
 
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
-        where, params = _where(selector)
-        page = 5000 if limit is None else min(limit, 5000)
-        remaining = limit
-        cursor: tuple[str, int] | None = None
-        if after is not None:
-            spid, idx = parse_qid(after)
-            cursor = (spid, -1 if idx is None else idx)
-        while remaining is None or remaining > 0:
-            n = page if remaining is None else min(page, remaining)
-            sql = f"SELECT {_COLUMNS} FROM queue WHERE {where}"
-            p = list(params)
-            if cursor is not None:
-                sql += " AND (spid, idx) > (?, ?)"
-                p += list(cursor)
-            sql += " ORDER BY spid, idx LIMIT ?"
-            p.append(n)
-            with self._reading() as conn:
-                rows = conn.execute(sql, p).fetchall()
-            for row in rows:
-                yield _entry(row)
-            if len(rows) < n:
-                return
-            cursor = (rows[-1][0], rows[-1][1])
-            if remaining is not None:
-                remaining -= len(rows)
+        return self._sql.entries(selector, after=after, limit=limit)
 
     def count(self, selector: Selector | None = None) -> Counts:
+        if selector is not None and not selector.is_empty:
+            return self._sql.count(selector)
+        # The whole queue: the counters the triggers keep, not a scan.
         with self._reading() as conn:
-            if selector is None or selector.is_empty:
-                rows = conn.execute("SELECT key, n FROM qstats").fetchall()
-                stats = dict(rows)
-                by_state = {s: int(stats.get(str(s), 0)) for s in QueueState}
-                return Counts(by_state=by_state, messages=int(stats.get("messages", 0)))
-            where, params = _where(selector)
-            rows = conn.execute(
-                f"SELECT state, COUNT(*) FROM queue WHERE {where} GROUP BY state",
-                params,
-            ).fetchall()
-            messages = conn.execute(
-                f"SELECT COUNT(DISTINCT spid) FROM queue WHERE {where}", params
-            ).fetchone()[0]
-        by_state = {s: 0 for s in QueueState}
-        for state, n in rows:
-            by_state[QueueState(state)] = int(n)
-        return Counts(by_state=by_state, messages=int(messages))
+            stats = dict(conn.execute("SELECT key, n FROM qstats").fetchall())
+        by_state = {s: int(stats.get(str(s), 0)) for s in QueueState}
+        return Counts(by_state=by_state, messages=int(stats.get("messages", 0)))
 
     def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
               ) -> dict[str, list[int]]:
-        where, params = _where(selector)
+        where, params = self._sql.where(selector)
         edges = list(edges_s)
         case = " ".join(
             f"WHEN ? - arrival_at < {float(e)!r} THEN {i}" for i, e in enumerate(edges)
