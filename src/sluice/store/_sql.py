@@ -1,6 +1,6 @@
 """What the two SQL flavours (sqlite, postgres) share: the queue table's
-columns, row mapping, selectors as WHERE clauses, and the reads that are
-the same in both.
+columns, row mapping, selectors as WHERE clauses, and the statements that
+read and change the queue the same way in both.
 
 SUMMARY
     COLUMNS, entry(row), Dialect, SqlQueue(dialect, reading)
@@ -11,15 +11,22 @@ DESCRIPTION
     statements differ only in details.  Those details are a Dialect's: the
     placeholder (``?`` or ``%s``), the table names, how a set of values or
     of (spid, idx) keys is matched (IN lists or arrays), case-insensitive
-    equality.  Each flavour defines its Dialect next to its driver.
+    equality, how rows are locked when read for a change, and how one
+    change is applied to many rows (one statement per row or one over an
+    array).  Each flavour defines its Dialect next to its driver.
 
     SqlQueue holds the statements of one dialect, built once.  Its reads
     (get, entries, count, expired, due_at, changes_since) borrow a
     connection from the flavour's ``reading`` context, which also turns
-    driver errors into StorageError.
+    driver errors into StorageError.  Its changes (claim, claim_bounces,
+    modifier) run on the connection of the flavour's write
+    transaction; when and how that commits stays the flavour's business,
+    as do the steps that really differ (the "anything to claim?" probe,
+    apply, recover, content, qshape).
 
     Per-row work is what the flavours did before: one tuple out of the
-    driver and one QueueEntry per row, no more.
+    driver and one QueueEntry per row, one parameter tuple per changed row
+    where the dialect runs a statement per row, no more.
 
 SEE ALSO
     sluice.store.sqlite, sluice.store.postgres, sluice.store (the interface).
@@ -27,12 +34,20 @@ SEE ALSO
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid
-from sluice.store import Action, Change, Counts
+from sluice.model import (
+    QueueEntry,
+    QueueState,
+    Reply,
+    Selector,
+    parse_qid,
+)
+from sluice.store import ACTION_STATES, Action, Change, Counts
+from sluice.store._refill import interleave, split_quota
 
 __all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry"]
 
@@ -74,7 +89,7 @@ def entry(row: Sequence[Any]) -> QueueEntry:
     )
 
 
-class Dialect:
+class Dialect(ABC):
     """What differs between the SQL flavours; subclasses set and define it."""
 
     #: The parameter placeholder.
@@ -87,20 +102,36 @@ class Dialect:
     #: Conditions on the is_report column.
     is_report: str
     not_report: str
+    #: Appended to a SELECT of rows about to be changed by an operator.
+    for_change: str
+    #: The ORDER BY of a refill's candidates within one state and priority,
+    #: and what follows the LIMIT of a refill's or a bounce lease's SELECT.
+    claim_order: str
+    claim_lock: str
 
+    @abstractmethod
     def one_of(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
         """A condition that ``column`` is one of ``values`` (not empty), and its
         parameters."""
-        raise NotImplementedError
 
+    @abstractmethod
     def keys_in(self, spids: list[str], idxs: list[int]) -> tuple[str, list[Any]]:
         """A condition that (spid, idx) is one of the pairs (not empty), and its
         parameters."""
-        raise NotImplementedError
 
+    @abstractmethod
     def equal_nocase(self, column: str) -> str:
         """A condition that ``column`` equals one parameter, ignoring case."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def change_rows(self, conn: Conn, head: str, params: Sequence[Any],
+                    rows: Sequence[Sequence[Any]]) -> None:
+        """Run the UPDATE or DELETE ``head`` (all but its WHERE), with ``params``,
+        on the rows whose spid and idx are ``row[0]`` and ``row[1]``."""
+
+    @abstractmethod
+    def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
+        """Run ``sql`` once for each parameter tuple, in one go."""
 
 
 class SqlQueue:
@@ -126,6 +157,16 @@ class SqlQueue:
         self._due_at = f"SELECT min(next_attempt_at) FROM {q} WHERE state = 'deferred'"
         self._changes = f"SELECT seq, qid, action FROM {d.changes} WHERE seq > {p} ORDER BY seq"
         self._top = f"SELECT max(seq) FROM {d.changes}"
+        self._log = f"INSERT INTO {d.changes} (at, qid, action) VALUES ({p}, {p}, {p})"
+        pick = f"SELECT {COLUMNS} FROM {q} WHERE state = {p} AND priority = {p}"
+        tail = f" ORDER BY {d.claim_order} LIMIT {p}{d.claim_lock}"
+        self._pick_new = pick + tail
+        self._pick_due = f"{pick} AND next_attempt_at <= {p}{tail}"
+        self._activate = f"UPDATE {q} SET state = 'active', owner = {p}"
+        self._bounces = (
+            f"SELECT {COLUMNS} FROM {q} WHERE state = 'bounce' AND next_attempt_at <= {p} "
+            f"ORDER BY spid, idx LIMIT {p}{d.claim_lock}")
+        self._lease = f"UPDATE {q} SET next_attempt_at = {p}"
 
     # -- selectors ---------------------------------------------------------------------
 
@@ -244,3 +285,96 @@ class SqlQueue:
                 return max(seq, int(top[0] or 0) if top else 0), []
         changes = [Change(int(r[0]), r[1], Action(r[2])) for r in rows]
         return changes[-1].seq, changes
+
+    # -- changing, on the write transaction's connection -----------------------------------
+
+    def _pick(self, conn: Conn, state: QueueState, due: bool, n: int, now: float
+              ) -> list[tuple[Any, ...]]:
+        """Up to ``n`` candidate rows in ``state``, priority 1 first."""
+        out: list[tuple[Any, ...]] = []
+        for prio in (1, 0):
+            if len(out) >= n:
+                break
+            if due:
+                rows = conn.execute(self._pick_due, (str(state), prio, now, n - len(out)))
+            else:
+                rows = conn.execute(self._pick_new, (str(state), prio, n - len(out)))
+            out.extend(rows.fetchall())
+        return out
+
+    def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str
+              ) -> list[QueueEntry]:
+        """Store.claim's selection and marking, on the write connection."""
+        incoming = self._pick(conn, QueueState.INCOMING, False, limit, now)
+        deferred = self._pick(conn, QueueState.DEFERRED, True, limit, now)
+        take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
+        chosen = interleave(incoming[:take_i], deferred[:take_d])
+        if chosen:
+            self.dialect.change_rows(conn, self._activate, (node,), chosen)
+        return [entry((*row[:5], "active", *row[6:])) for row in chosen]
+
+    def claim_bounces(self, conn: Conn, limit: int, now: float, lease_s: float
+                      ) -> list[QueueEntry]:
+        """Store.claim_bounces's selection and lease, on the write connection."""
+        rows = conn.execute(self._bounces, (now, limit)).fetchall()
+        until = now + lease_s
+        if rows:
+            self.dialect.change_rows(conn, self._lease, (until,), rows)
+        return [entry((*r[:7], until, *r[8:])) for r in rows]
+
+    def modifier(self, selector: Selector, action: Action, now: float,
+                 priority: int | None = None, reply: Reply | None = None
+                 ) -> Callable[[Conn, Callable[[set[str]], None]], list[QueueEntry]]:
+        """Store.modify as ``work(conn, deleted)`` for the write connection,
+        which calls ``deleted(spids)`` with the messages that lost rows.
+
+        Checked and prepared here, in the caller's thread."""
+        if action is Action.PRIORITY and priority not in (0, 1):
+            raise ValueError("priority must be 0 or 1")
+        d = self.dialect
+        p, q = d.p, d.queue
+        where, params = self.where(selector)
+        clause, more = d.one_of("state", [str(s) for s in ACTION_STATES[action]])
+        params += more
+        select = f"{self._select}{where} AND {clause}{d.for_change}"
+        if action is Action.DELETE:
+            head, values = f"DELETE FROM {q}", ()
+        else:
+            sets, values = _operator_set(action, p, now, priority, reply)
+            head = f"UPDATE {q} SET {sets}"
+        log = self._log
+        changed = str(action)
+
+        def work(conn: Conn, deleted: Callable[[set[str]], None]) -> list[QueueEntry]:
+            rows = conn.execute(select, params).fetchall()
+            if not rows:
+                return []
+            entries = [entry(r) for r in rows]
+            d.change_rows(conn, head, values, rows)
+            if action is Action.DELETE:
+                deleted({r[0] for r in rows})
+            d.executemany(conn, log, [(now, e.qid, changed) for e in entries])
+            return entries
+
+        return work
+
+
+def _operator_set(action: Action, p: str, now: float, priority: int | None,
+                  reply: Reply | None) -> tuple[str, tuple[Any, ...]]:
+    """The SET list of the UPDATE an operator action makes, and its parameters."""
+    if action is Action.HOLD:
+        return "state = 'hold', owner = NULL", ()
+    if action is Action.RELEASE:
+        # Never tried: back to incoming; tried before: due now.
+        return ("state = CASE WHEN attempts = 0 THEN 'incoming' ELSE 'deferred' END, "
+                f"next_attempt_at = {p}"), (now,)
+    if action is Action.RETRY:
+        return f"next_attempt_at = {p}", (now,)
+    if action is Action.PRIORITY:
+        return f"priority = {p}", (priority,)
+    if action is Action.BOUNCE:
+        bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
+        return (f"state = 'bounce', owner = NULL, next_attempt_at = {p}, last_code = {p}, "
+                f"last_enhanced = {p}, last_text = {p}"
+                ), (now, bounce.code, bounce.enhanced, bounce.text)
+    raise ValueError(f"{action} is not an UPDATE")

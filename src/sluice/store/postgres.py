@@ -83,7 +83,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from sluice.store import StorageError
 
@@ -98,7 +98,6 @@ from sluice.model import (
     IN_FLIGHT_STATES,
     Accepted,
     QueueEntry,
-    QueueState,
     Reply,
     Selector,
     Submission,
@@ -107,10 +106,9 @@ from sluice.model import (
     recipient_domain,
 )
 from sluice.spool import Content, iter_chunks, new_spid
-from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError, Transition
+from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._refill import interleave, split_quota
-from sluice.store._sql import COLUMNS, Dialect, SqlQueue, entry
+from sluice.store._sql import Conn, Dialect, SqlQueue
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -182,12 +180,20 @@ _TRANSIENT = (pgerrors.DeadlockDetected, pgerrors.SerializationFailure,
 
 
 class _Postgres(Dialect):
+    """PostgreSQL's side of the queue statements (sluice.store._sql)."""
+
     p = "%s"
     queue = "sluice_queue"
     changes = "sluice_changes"
     true = "true"
     is_report = "is_report"
     not_report = "NOT is_report"
+    # Rows an operator changes are locked, in key order so that nodes
+    # changing the same rows take their locks in the same order; a refill
+    # or a bounce lease skips the rows another node has locked.
+    for_change = " ORDER BY spid, idx FOR UPDATE"
+    claim_order = "next_attempt_at, spid, idx"
+    claim_lock = " FOR UPDATE SKIP LOCKED"
 
     # Arrays, not a chain of ORs or IN lists: an operator may select
     # thousands of ids, and they go as one parameter.
@@ -200,6 +206,16 @@ class _Postgres(Dialect):
 
     def equal_nocase(self, column: str) -> str:
         return f"lower({column}) = lower(%s)"
+
+    def change_rows(self, conn: Conn, head: str, params: Sequence[Any],
+                    rows: Sequence[Sequence[Any]]) -> None:
+        # One statement for all the rows: one round trip.
+        conn.execute(f"{head} WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
+                     (*params, [r[0] for r in rows], [r[1] for r in rows]))
+
+    def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
+        with cast("psycopg.Connection[Any]", conn).cursor() as cur:
+            cur.executemany(sql, params)
 
 
 def _storage_error(exc: BaseException, what: str) -> StorageError:
@@ -571,34 +587,8 @@ class PgStore:
             return []
         node = self.node_id
 
-        def pick(conn: psycopg.Connection[Any], state: QueueState, due: bool, n: int
-                 ) -> list[tuple[Any, ...]]:
-            out: list[tuple[Any, ...]] = []
-            for prio in (1, 0):
-                if len(out) >= n:
-                    break
-                sql = f"SELECT {COLUMNS} FROM sluice_queue WHERE state = %s AND priority = %s"
-                params: list[Any] = [str(state), prio]
-                if due:
-                    sql += " AND next_attempt_at <= %s"
-                    params.append(now)
-                sql += " ORDER BY next_attempt_at, spid, idx LIMIT %s FOR UPDATE SKIP LOCKED"
-                params.append(n - len(out))
-                out.extend(conn.execute(sql, params).fetchall())
-            return out
-
         def work(batch: _Batch) -> list[QueueEntry]:
-            conn = batch.conn
-            incoming = pick(conn, QueueState.INCOMING, False, limit)
-            deferred = pick(conn, QueueState.DEFERRED, True, limit)
-            take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
-            chosen = interleave(incoming[:take_i], deferred[:take_d])
-            if chosen:
-                conn.execute(
-                    "UPDATE sluice_queue SET state = 'active', owner = %s "
-                    "WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
-                    (node, [r[0] for r in chosen], [r[1] for r in chosen]))
-            return [entry((*row[:5], "active", *row[6:])) for row in chosen]
+            return self._sql.claim(batch.conn, limit, now, quota_deferred, node)
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -681,20 +671,9 @@ class PgStore:
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         if limit <= 0:
             return []
-        until = now + lease_s
 
         def work(batch: _Batch) -> list[QueueEntry]:
-            conn = batch.conn
-            rows = conn.execute(
-                f"SELECT {COLUMNS} FROM sluice_queue WHERE state = 'bounce' "
-                "AND next_attempt_at <= %s ORDER BY spid, idx LIMIT %s FOR UPDATE SKIP LOCKED",
-                (now, limit)).fetchall()
-            if rows:
-                conn.execute(
-                    "UPDATE sluice_queue SET next_attempt_at = %s "
-                    "WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
-                    (until, [r[0] for r in rows], [r[1] for r in rows]))
-            return [entry((*r[:7], until, *r[8:])) for r in rows]
+            return self._sql.claim_bounces(batch.conn, limit, now, lease_s)
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -729,50 +708,10 @@ class PgStore:
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
-        if action is Action.PRIORITY and priority not in (0, 1):
-            raise ValueError("priority must be 0 or 1")
-        where, params = self._sql.where(selector)
-        where += " AND state = ANY(%s)"
-        params.append([str(s) for s in ACTION_STATES[action]])
-        bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
+        change = self._sql.modifier(selector, action, now, priority, reply)
 
         def work(batch: _Batch) -> list[QueueEntry]:
-            conn = batch.conn
-            rows = conn.execute(
-                f"SELECT {COLUMNS} FROM sluice_queue WHERE {where} ORDER BY spid, idx "
-                "FOR UPDATE", params).fetchall()
-            entries = [entry(r) for r in rows]
-            if not entries:
-                return []
-            keys = ([e.spid for e in entries], [e.idx for e in entries])
-            target = "(spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))"
-            if action is Action.HOLD:
-                conn.execute(f"UPDATE sluice_queue SET state = 'hold', owner = NULL "
-                             f"WHERE {target}", keys)
-            elif action is Action.RELEASE:
-                # Never tried: back to incoming; tried before: due now.
-                conn.execute(
-                    "UPDATE sluice_queue SET state = CASE WHEN attempts = 0 THEN 'incoming' "
-                    f"ELSE 'deferred' END, next_attempt_at = %s WHERE {target}", (now, *keys))
-            elif action is Action.RETRY:
-                conn.execute(f"UPDATE sluice_queue SET next_attempt_at = %s WHERE {target}",
-                             (now, *keys))
-            elif action is Action.PRIORITY:
-                conn.execute(f"UPDATE sluice_queue SET priority = %s WHERE {target}",
-                             (priority, *keys))
-            elif action is Action.BOUNCE:
-                conn.execute(
-                    "UPDATE sluice_queue SET state = 'bounce', owner = NULL, "
-                    "next_attempt_at = %s, last_code = %s, last_enhanced = %s, last_text = %s "
-                    f"WHERE {target}", (now, bounce.code, bounce.enhanced, bounce.text, *keys))
-            elif action is Action.DELETE:
-                conn.execute(f"DELETE FROM sluice_queue WHERE {target}", keys)
-                batch.gone.update(keys[0])
-            with conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO sluice_changes (at, qid, action) VALUES (%s, %s, %s)",
-                    [(now, e.qid, str(action)) for e in entries])
-            return entries
+            return change(batch.conn, batch.gone.update)
 
         result: list[QueueEntry] = self._call(work)
         return result

@@ -62,7 +62,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from sluice.model import (
     IN_FLIGHT_STATES,
@@ -78,17 +78,9 @@ from sluice.model import (
 )
 from sluice.spool import Content, SpoolFile, SpoolIOError
 from sluice.spool.fs import FsSpool
-from sluice.store import (
-    ACTION_STATES,
-    Action,
-    Change,
-    Counts,
-    StorageError,
-    Transition,
-)
+from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._refill import interleave, split_quota
-from sluice.store._sql import COLUMNS, Dialect, SqlQueue, entry
+from sluice.store._sql import Conn, Dialect, SqlQueue
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -165,12 +157,19 @@ CHANGES_KEEP_S = 3600.0
 
 
 class _Sqlite(Dialect):
+    """SQLite's side of the queue statements (sluice.store._sql)."""
+
     p = "?"
     queue = "queue"
     changes = "qchanges"
     true = "1"
     is_report = "is_report = 1"
     not_report = "is_report = 0"
+    # Every change runs under the database's write lock (one writer at a
+    # time): no rows to lock, none to skip.
+    for_change = ""
+    claim_order = "next_attempt_at"
+    claim_lock = ""
 
     # IN lists, not a chain of ORs: SQLite refuses expression trees deeper
     # than 1000, which a selection of many ids would build.
@@ -184,6 +183,26 @@ class _Sqlite(Dialect):
 
     def equal_nocase(self, column: str) -> str:
         return f"{column} = ? COLLATE NOCASE"
+
+    # One prepared statement run per row: no round trips in an embedded
+    # database, and no limit on the number of rows one change may touch.
+
+    def change_rows(self, conn: Conn, head: str, params: Sequence[Any],
+                    rows: Sequence[Sequence[Any]]) -> None:
+        # Claims and most operator actions have one parameter: a tuple
+        # display per row is half the cost of unpacking ``params`` into it.
+        args: list[tuple[Any, ...]]
+        if not params:
+            args = [(r[0], r[1]) for r in rows]
+        elif len(params) == 1:
+            value = params[0]
+            args = [(value, r[0], r[1]) for r in rows]
+        else:
+            args = [(*params, r[0], r[1]) for r in rows]
+        cast(sqlite3.Connection, conn).executemany(f"{head} WHERE spid = ? AND idx = ?", args)
+
+    def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
+        cast(sqlite3.Connection, conn).executemany(sql, params)
 
 
 # --------------------------------------------------------------------------
@@ -458,36 +477,8 @@ class SqliteStore:
             return []
         node = self.node_id
 
-        def pick(conn: sqlite3.Connection, state: QueueState, due: bool, n: int
-                 ) -> list[tuple[Any, ...]]:
-            out: list[tuple[Any, ...]] = []
-            for prio in (1, 0):
-                if len(out) >= n:
-                    break
-                sql = f"SELECT {COLUMNS} FROM queue WHERE state = ? AND priority = ?"
-                params: list[Any] = [str(state), prio]
-                if due:
-                    sql += " AND next_attempt_at <= ?"
-                    params.append(now)
-                sql += " ORDER BY next_attempt_at LIMIT ?"
-                params.append(n - len(out))
-                out.extend(conn.execute(sql, params).fetchall())
-            return out
-
         def work(after: _Batch) -> list[QueueEntry]:
-            conn = after.conn
-            incoming = pick(conn, QueueState.INCOMING, False, limit)
-            deferred = pick(conn, QueueState.DEFERRED, True, limit)
-            take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
-            chosen = interleave(incoming[:take_i], deferred[:take_d])
-            conn.executemany(
-                "UPDATE queue SET state = 'active', owner = ? WHERE spid = ? AND idx = ?",
-                [(node, row[0], row[1]) for row in chosen],
-            )
-            return [
-                entry((*row[:5], "active", *row[6:]))
-                for row in chosen
-            ]
+            return self._sql.claim(after.conn, limit, now, quota_deferred, node)
 
         # A claim lost in a power cut leaves the entries where they were.
         result: list[QueueEntry] = self._call(work, durable=False)
@@ -557,15 +548,7 @@ class SqliteStore:
             return []
 
         def work(after: _Batch) -> list[QueueEntry]:
-            conn = after.conn
-            rows = conn.execute(
-                f"SELECT {COLUMNS} FROM queue WHERE state = 'bounce' AND next_attempt_at <= ? "
-                "ORDER BY spid, idx LIMIT ?", (now, limit)).fetchall()
-            until = now + lease_s
-            conn.executemany(
-                "UPDATE queue SET next_attempt_at = ? WHERE spid = ? AND idx = ?",
-                [(until, r[0], r[1]) for r in rows])
-            return [entry((*r[:7], until, *r[8:])) for r in rows]
+            return self._sql.claim_bounces(after.conn, limit, now, lease_s)
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -618,55 +601,11 @@ class SqliteStore:
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
-        if action is Action.PRIORITY and priority not in (0, 1):
-            raise ValueError("priority must be 0 or 1")
-        where, params = self._sql.where(selector)
-        states = ACTION_STATES[action]
-        where += f" AND state IN ({','.join('?' * len(states))})"
-        params += [str(s) for s in states]
-        bounce_reply = reply or Reply(550, "5.0.0", "bounced by the operator")
+        change = self._sql.modifier(selector, action, now, priority, reply)
 
         def work(after: _Batch) -> list[QueueEntry]:
             conn = after.conn
-            rows = conn.execute(f"SELECT {COLUMNS} FROM queue WHERE {where}", params).fetchall()
-            entries = [entry(r) for r in rows]
-            keys = [(e.spid, e.idx) for e in entries]
-            if action is Action.HOLD:
-                conn.executemany(
-                    "UPDATE queue SET state = 'hold', owner = NULL WHERE spid = ? AND idx = ?", keys
-                )
-            elif action is Action.RELEASE:
-                # Never tried: back to incoming; tried before: due now.
-                conn.executemany(
-                    "UPDATE queue SET state = CASE WHEN attempts = 0 THEN 'incoming' "
-                    "ELSE 'deferred' END, next_attempt_at = ? WHERE spid = ? AND idx = ?",
-                    [(now, s, i) for s, i in keys],
-                )
-            elif action is Action.RETRY:
-                conn.executemany(
-                    "UPDATE queue SET next_attempt_at = ? WHERE spid = ? AND idx = ?",
-                    [(now, s, i) for s, i in keys],
-                )
-            elif action is Action.PRIORITY:
-                conn.executemany(
-                    "UPDATE queue SET priority = ? WHERE spid = ? AND idx = ?",
-                    [(priority, s, i) for s, i in keys],
-                )
-            elif action is Action.BOUNCE:
-                conn.executemany(
-                    "UPDATE queue SET state = 'bounce', owner = NULL, next_attempt_at = ?, "
-                    "last_code = ?, last_enhanced = ?, last_text = ? WHERE spid = ? AND idx = ?",
-                    [(now, bounce_reply.code, bounce_reply.enhanced, bounce_reply.text, s, i)
-                     for s, i in keys],
-                )
-            elif action is Action.DELETE:
-                conn.executemany("DELETE FROM queue WHERE spid = ? AND idx = ?", keys)
-                self._collect_gone(conn, {s for s, _ in keys}, after)
-            conn.executemany(
-                "INSERT INTO qchanges (at, qid, action) VALUES (?, ?, ?)",
-                [(now, e.qid, str(action)) for e in entries],
-            )
-            return entries
+            return change(conn, lambda spids: self._collect_gone(conn, spids, after))
 
         result: list[QueueEntry] = self._call(work)
         return result
