@@ -3,7 +3,8 @@ columns, row mapping, selectors as WHERE clauses, and the statements that
 read and change the queue the same way in both.
 
 SUMMARY
-    COLUMNS, entry(row), Dialect, SqlQueue(dialect, reading)
+    COLUMNS, entry(row), queue_rows(submission, ...), Dialect,
+    SqlQueue(dialect, reading)
 
 DESCRIPTION
     Both flavours keep one row per recipient entry with the same columns in
@@ -19,7 +20,7 @@ DESCRIPTION
     (get, entries, count, expired, due_at, changes_since) borrow a
     connection from the flavour's ``reading`` context, which also turns
     driver errors into StorageError.  Its changes (claim, claim_bounces,
-    modifier) run on the connection of the flavour's write
+    modifier, insert) run on the connection of the flavour's write
     transaction; when and how that commits stays the flavour's business,
     as do the steps that really differ (the "anything to claim?" probe,
     apply, recover, content, qshape).
@@ -40,16 +41,20 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from sluice.model import (
+    Accepted,
     QueueEntry,
     QueueState,
     Reply,
     Selector,
+    Submission,
+    format_qid,
     parse_qid,
+    recipient_domain,
 )
 from sluice.store import ACTION_STATES, Action, Change, Counts
 from sluice.store._refill import interleave, split_quota
 
-__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry"]
+__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "queue_rows"]
 
 #: The queue table's columns in the order entry() reads them.
 COLUMNS = (
@@ -167,6 +172,10 @@ class SqlQueue:
             f"SELECT {COLUMNS} FROM {q} WHERE state = 'bounce' AND next_attempt_at <= {p} "
             f"ORDER BY spid, idx LIMIT {p}{d.claim_lock}")
         self._lease = f"UPDATE {q} SET next_attempt_at = {p}"
+        self._insert = (
+            f"INSERT INTO {q} (spid, idx, sender, recipient, domain, state, arrival_at, "
+            "next_attempt_at, priority, tenantid, jobid, transportid, localip, is_report, "
+            f"size) VALUES ({','.join([p] * 15)})")
 
     # -- selectors ---------------------------------------------------------------------
 
@@ -288,6 +297,10 @@ class SqlQueue:
 
     # -- changing, on the write transaction's connection -----------------------------------
 
+    def insert(self, conn: Conn, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Queue the rows of queue_rows()."""
+        self.dialect.executemany(conn, self._insert, rows)
+
     def _pick(self, conn: Conn, state: QueueState, due: bool, n: int, now: float
               ) -> list[tuple[Any, ...]]:
         """Up to ``n`` candidate rows in ``state``, priority 1 first."""
@@ -357,6 +370,22 @@ class SqlQueue:
             return entries
 
         return work
+
+
+def queue_rows(submission: Submission, spid: str, size: int, now: float
+               ) -> tuple[list[tuple[Any, ...]], Accepted]:
+    """The rows that queue ``submission`` (for SqlQueue.insert), and its answer."""
+    state, next_at = submission.initial_state(now)
+    localip = ",".join(submission.localip)
+    rows = [
+        (spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,
+         next_at, submission.priority, submission.tenantid, submission.jobid,
+         submission.transportid, localip, submission.is_report, size)
+        for i, rcpt in enumerate(submission.recipients)
+    ]
+    accepted = Accepted(spid=spid, qids=tuple(format_qid(spid, i) for i in range(len(rows))),
+                        size=size)
+    return rows, accepted
 
 
 def _operator_set(action: Action, p: str, now: float, priority: int | None,

@@ -103,12 +103,11 @@ from sluice.model import (
     Submission,
     format_qid,
     parse_qid,
-    recipient_domain,
 )
 from sluice.spool import Content, iter_chunks, new_spid
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue
+from sluice.store._sql import Conn, Dialect, SqlQueue, queue_rows
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -533,24 +532,10 @@ class PgStore:
         if self._closed:
             raise StorageError("the store is closed")
         spid, size = self._write_content(content)
-        state, next_at = submission.initial_state(now)
-        localip = ",".join(submission.localip)
-        rows = [
-            (spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,
-             next_at, submission.priority, submission.tenantid, submission.jobid,
-             submission.transportid, localip, submission.is_report, size)
-            for i, rcpt in enumerate(submission.recipients)
-        ]
-        accepted = Accepted(spid=spid, qids=tuple(format_qid(spid, i) for i in range(len(rows))),
-                            size=size)
+        rows, accepted = queue_rows(submission, spid, size, now)
 
         def work(batch: _Batch) -> Accepted:
-            with batch.conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO sluice_queue (spid, idx, sender, recipient, domain, state, "
-                    "arrival_at, next_attempt_at, priority, tenantid, jobid, transportid, "
-                    "localip, is_report, size) "
-                    "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)", rows)
+            self._sql.insert(batch.conn, rows)
             return accepted
 
         try:

@@ -72,15 +72,13 @@ from sluice.model import (
     Reply,
     Selector,
     Submission,
-    format_qid,
     parse_qid,
-    recipient_domain,
 )
 from sluice.spool import Content, SpoolFile, SpoolIOError
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue
+from sluice.store._sql import Conn, Dialect, SqlQueue, queue_rows
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -423,28 +421,10 @@ class SqliteStore:
             sf = self.spool.write(content)
         except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
-        state, next_at = submission.initial_state(now)
-        localip = ",".join(submission.localip)
-        rows = [
-            (sf.spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,
-             next_at, submission.priority, submission.tenantid, submission.jobid,
-             submission.transportid, localip, int(submission.is_report), sf.size)
-            for i, rcpt in enumerate(submission.recipients)
-        ]
-        accepted = Accepted(
-            spid=sf.spid,
-            qids=tuple(format_qid(sf.spid, i) for i in range(len(rows))),
-            size=sf.size,
-        )
+        rows, accepted = queue_rows(submission, sf.spid, sf.size, now)
 
         def work(after: _Batch) -> Accepted:
-            conn = after.conn
-            conn.executemany(
-                "INSERT INTO queue (spid, idx, sender, recipient, domain, state, arrival_at, "
-                "next_attempt_at, priority, tenantid, jobid, transportid, localip, is_report, "
-                "size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                rows,
-            )
+            self._sql.insert(after.conn, rows)
             return accepted
 
         try:
