@@ -126,19 +126,22 @@ def run(n_subqueues: int, entries: int, pickups: int, counters: int, batch: int)
         done += len(new)
     elapsed = time.process_time() - started
     stats = sched.stats()
+    entries, groups = per_pickup(sched)
     print(f"  sub-queues={n_subqueues:>7} (suspended {suspended:>6}, parked "
           f"{stats.parked_subqueues:>6}) counter entries={stats.counter_entries:>7} "
-          f"tracked per pickup={sum(len(e) for e in sched_entries(sched))} "
+          f"per pickup: entries={entries} groups={groups} "
           f"pickups={done} in {elapsed:.2f}s -> {done / elapsed:,.0f} pickups/s", flush=True)
     return done / elapsed
 
 
-def sched_entries(sched: Scheduler) -> list[tuple[object, ...]]:
-    """The counter entries one active sub-queue checks (shared and private)."""
+def per_pickup(sched: Scheduler) -> tuple[int, int]:
+    """The counter entries one active sub-queue checks, and the groups they
+    are counted in (what a pickup actually touches)."""
     for sq in sched._subqueues.values():  # a look inside, for the report line
         if sq.live and not any(type(b).__name__ == "_Susp" for b in sq.parked_on):
-            return sq.entries  # type: ignore[no-any-return]
-    return []
+            groups = sq.groups[0]
+            return sum(len(r.prof.items) for g in groups for r in g.rows), len(groups)
+    return 0, 0
 
 
 def main() -> None:

@@ -626,3 +626,57 @@ def test_a_pickup_does_not_visit_parked_sub_queues(monkeypatch: pytest.MonkeyPat
     assert visits == 1  # 4000 parked sub-queues, one visit
     sched.handle(ClockTicked(), 3)
     assert visits == 1
+
+
+# --------------------------------------------------------------------------
+# Counting in groups: entries used by the same sub-queues count once.
+
+
+def test_a_sub_queue_sharing_part_of_a_group_splits_it_with_its_counts() -> None:
+    sched = sched_for([{"fields": ["tenantid"], "concurrency": 2},
+                       {"fields": ["recipientdomain"], "concurrency": 5}])
+    a = Route("a.example", tenantid="t1")
+    b = Route("b.example", tenantid="t1")
+    first = starts(sched.handle(JobsQueued(tuple(job(a) for _ in range(4))), 0))
+    assert len(first) == 2  # the tenant's 2, counted with a.example's entry
+    # b shares the tenant's entry only: both halves keep a's two in flight.
+    assert starts(sched.handle(JobsQueued(tuple(job(b) for _ in range(2))), 1)) == []
+    inflight = {(v.counter, v.key[0][1]): v.inflight for v in sched.counters()}
+    assert inflight == {("tenantid", "t1"): 2, ("recipientdomain", "a.example"): 2,
+                        ("recipientdomain", "b.example"): 0}
+    # a waited first: it takes the freed slot, then b, in turn.
+    (s1,) = starts(finish(sched, first[0], 2))
+    assert s1.job.route == a
+    (s2,) = starts(finish(sched, first[1], 3))
+    assert s2.job.route == b
+    inflight = {(v.counter, v.key[0][1]): v.inflight for v in sched.counters()}
+    assert inflight == {("tenantid", "t1"): 2, ("recipientdomain", "a.example"): 1,
+                        ("recipientdomain", "b.example"): 1}
+    assert sched.stats().counter_entries == 3
+
+
+def test_an_entry_held_by_another_of_its_group_is_not_exceeded() -> None:
+    sched = sched_for([{"fields": ["tenantid"], "concurrency": 1},
+                       {"fields": ["jobid"], "concurrency": 3}])
+    route = Route("example.com", tenantid="t1", jobid="j1")
+    sched.handle(JobsQueued(tuple(job(route) for _ in range(3))), 0)
+    views = {v.counter: v for v in sched.counters()}
+    assert views["tenantid"].exceeded and views["tenantid"].waiting_subqueues == 1
+    assert not views["jobid"].exceeded and views["jobid"].waiting_subqueues == 0
+    assert views["jobid"].inflight == 1
+    (sq,) = sched.subqueues()
+    assert sq.held_by == ("counter tenantid [tenantid=t1]: 1 in flight, concurrency 1",)
+
+
+def test_a_counter_added_on_a_reload_starts_its_window_empty() -> None:
+    sched = sched_for([{"id": "a", "fields": ["recipientdomain"], "rate": "2/60"}])
+    route = Route("example.com")
+    for s in starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(9))), 0)):
+        finish(sched, s, 1)
+    # "a" keeps its two pickups (8 more of 10); "b", over the same field, saw none.
+    sent = starts(sched.handle(PolicyReloaded(parse_policy(
+        [{"id": "a", "fields": ["recipientdomain"], "rate": "10/60"},
+         {"id": "b", "fields": ["recipientdomain"], "rate": "2/60"}])), 2))
+    assert len(sent) == 2
+    used = {v.counter: v.rate_used for v in sched.counters()}
+    assert used == {"a": 4, "b": 2}

@@ -36,20 +36,27 @@ STRATEGIES
     keeps its place in line.  Pickup cost therefore does not depend on the
     number of queued jobs or parked sub-queues.
 
-    Private counting.  A counter entry that only one sub-queue uses, from
-    one source IP, is counted together with the sub-queue's other private
-    entries (_Private): one in-flight count, one list of pickup times, and
-    their tightest limits checked at once.  A second user makes it shared,
-    with its own counts.  Thresholds nothing can reach (a concurrency at or
-    above max_deliveries, or a global counter's) are not tracked at all.
+    Counting in groups.  Counters over the same fields (a _Table) key a
+    delivery alike: their entries for one key are one _Row.  Rows that
+    exactly the same source IPs of sub-queues use are counted by exactly
+    the same deliveries, so they are one _Group: one in-flight count, one
+    list of pickup times, one last pickup, and their tightest limits
+    checked in two comparisons.  A sub-queue that needs only part of a
+    group splits it in two with the same counts (partition refinement).
+    A pickup thus touches one group per distinct set of sub-queues among
+    its entries (a tenant's, a source IP's, its own), not one per entry:
+    100 counters are 1 group for one sub-queue, 6 or 7 among 100 000.
+    Thresholds nothing can reach (a concurrency at or above
+    max_deliveries, or a global counter's) are not tracked at all.
 
     Source IP pools (Halon).  A job may use any of its route's source IPs;
     the IPs are tried in turn from where the sub-queue's last pickup left
     off, and a suspended IP is skipped.
 
     Leaky bucket (rate).  A rate "X/Y" keeps the times of the entry's
-    last X pickups; one more is allowed when the oldest is Y seconds old,
-    so no Y-second window ever holds more than X pickups.
+    pickups (its group's, for one window); one more is allowed when the
+    X-th latest is Y seconds old, so no Y-second window ever holds more
+    than X pickups.
 
     Slow start (Postfix).  Per destination, the concurrency window starts
     at initial_destination_concurrency and grows by 1/window per delivery
@@ -74,12 +81,14 @@ INVARIANTS
 LIMITATIONS
     connectinterval spaces pickups, each of which may open a connection; a
     runtime that reuses a connection still waits for the interval.  Rate
-    windows are kept per entry as the last X pickup times: memory grows
-    with X.  Counter entries with no threshold, or none reachable, are not
-    tracked (the views do not list them).  A reload starts new counters'
-    rate windows empty.  A pickup checks every shared entry of its
-    sub-queue one by one: its cost grows with the counters over shared
-    fields, not with the number of sub-queues or jobs.
+    windows are kept per group as the pickup times of one window (pruned
+    when they double): memory grows with the pickups in a window.
+    Counter entries with no threshold, or none reachable, are not tracked
+    (the views do not list them).  A reload starts new counters' rate
+    windows empty.  A pickup checks and counts in every group of its
+    sub-queue: its cost grows with the distinct sets of sub-queues its
+    entries are shared by, not with the number of counters, sub-queues or
+    jobs.  Groups do not merge again when sub-queues go away.
 
 SEE ALSO
     sluice.scheduler.policy, sluice.scheduler.events, docs/scheduler.md,
@@ -91,7 +100,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -236,194 +245,253 @@ class _Blocker:
 
 
 class _NoLog(deque[float]):
-    """The pickup times of every entry that keeps none of its own."""
+    """The pickup times of every group that keeps none (it has no rate)."""
 
     def append(self, value: float) -> None:
-        raise RuntimeError("broken invariant: a pickup logged in an entry without a log")
+        raise RuntimeError("broken invariant: a pickup logged in a group without a rate")
 
 
 _NO_LOG: deque[float] = _NoLog()
 
 
-class _Entry(_Blocker):
-    """One counter entry: the counter's fields with one combination of values.
+class _Table:
+    """The counters of one field signature that entered the policy together.
 
-    While only one sub-queue (from one source IP) uses it, an entry is
-    *private* (``priv`` set): its in-flight count, pickup times and last
-    pickup are that sub-queue's, kept once in the _Private they share, so
-    that a pickup does not touch it at all.
+    They key a delivery alike, so their entries for one key are counted by
+    exactly the same deliveries since the table exists: they are one _Row,
+    with one set of counts.  A counter that joins a signature on a reload
+    gets a table of its own, so that its rate windows start empty.
     """
 
-    # The fields a pickup reads come first: with a hundred thousand
-    # sub-queues an entry is rarely in the CPU cache, and one line is
-    # cheaper than three.
-    __slots__ = (  # noqa: RUF023
-        "conc",
-        "inflight",
-        "timed",
-        "refs",
-        "rate_n",
-        "log",
-        "rate_s",
-        "interval",
-        "last_at",
-        "priv",
-        "counter",
-        "key",
-        "thresholds",
-        "condition",
-    )
+    __slots__ = ("ccs", "limits", "memo", "profiles", "reuse", "rows", "sig", "specs")
 
-    def __init__(self, counter: _CCounter, key: tuple[str, ...], thresholds: Thresholds,
-                 condition: Condition | None) -> None:
-        super().__init__()
-        self.counter = counter
+    _MEMO_MAX = 100_000
+
+    def __init__(self, ccs: Sequence[_CCounter], limits: tuple[int, int]) -> None:
+        self.sig = ccs[0].sig
+        self.specs = tuple((f.name, f if f.groups else None) for f in ccs[0].counter.fields)
+        self.memo: dict[tuple[str, str], str] = {}
+        self.rows: dict[tuple[str, ...], _Row] = {}
+        # Rows of the previous policy, until a look-up takes them back (_rebuild).
+        self.reuse: dict[tuple[str, ...], _Row] = {}
+        self.ccs: tuple[_CCounter, ...] = ()
+        self.profiles: dict[tuple[int, ...], _Profile] = {}
+        self.limits = limits
+        self.reset(ccs, limits)
+
+    def reset(self, ccs: Sequence[_CCounter], limits: tuple[int, int]) -> None:
+        """New counters (the same signature) and limits: rows wait to be looked up again."""
+        self.ccs = tuple(ccs)
+        self.limits = limits
+        self.profiles = {}
+        self.reuse = self.rows
+        self.rows = {}
+
+    def key(self, route: Route, ip: str) -> tuple[str, ...]:
+        parts: list[str] = []
+        for name, spec in self.specs:
+            raw = ip if name == "localip" else getattr(route, name)
+            if spec is not None:
+                memo_key = (name, raw)
+                value = self.memo.get(memo_key)
+                if value is None:
+                    if len(self.memo) >= self._MEMO_MAX:
+                        self.memo.clear()
+                    value = spec.component(raw)
+                    self.memo[memo_key] = value
+                raw = value
+            parts.append(raw)
+        return tuple(parts)
+
+    def profile(self, key: tuple[str, ...]) -> _Profile:
+        """The thresholds of ``key`` under each counter; shared by every key
+        that the same conditions (or fall-backs) choose for."""
+        chosen = tuple(cc.match(key) for cc in self.ccs)
+        prof = self.profiles.get(chosen)
+        if prof is None:
+            prof = _Profile(self, chosen)
+            self.profiles[chosen] = prof
+        return prof
+
+
+def _cannot_bind(thresholds: Thresholds, limit: int) -> bool:
+    """A concurrency no lower than what can ever be in flight, with no rate
+    or interval, never holds a delivery back: such entries are not tracked."""
+    return (thresholds.rate is None and not thresholds.connectinterval_s
+            and thresholds.concurrency is not None and thresholds.concurrency >= limit)
+
+
+class _Profile:
+    """The tracked entries of one key of a table: per counter, its thresholds
+    and condition; and their tightest limits together."""
+
+    __slots__ = ("conc", "dest_concs", "interval", "items", "rates", "table")
+
+    def __init__(self, table: _Table, chosen: tuple[int, ...]) -> None:
+        self.table = table
+        limit_global, limit = table.limits
+        items: list[tuple[_CCounter, Thresholds, Condition | None]] = []
+        dest: list[tuple[int, int]] = []
+        for cc, n in zip(table.ccs, chosen, strict=True):
+            thresholds, cond = cc.chosen(n)
+            conc = thresholds.concurrency
+            if cc.dest and conc is not None:  # untracked or not, it is the policy
+                dest.append((cc.index, conc))
+            if thresholds.is_empty or _cannot_bind(thresholds,
+                                                   limit if cc.names else limit_global):
+                continue
+            items.append((cc, thresholds, cond))
+        self.items = tuple(items)
+        # The concurrencies of the counters that limit the destination.
+        self.dest_concs = tuple(dest)
+        concs = [t.concurrency for _, t, _ in items if t.concurrency is not None]
+        self.conc: int | None = min(concs) if concs else None
+        self.rates = tuple(sorted({(t.rate.count, t.rate.per_s) for _, t, _ in items
+                                   if t.rate is not None}))
+        intervals = [t.connectinterval_s for _, t, _ in items if t.connectinterval_s]
+        self.interval: float | None = max(intervals) if intervals else None
+
+
+class _Row:
+    """The entries of one key of a table (one per counter that tracks it)."""
+
+    __slots__ = ("grp", "key", "prof")
+
+    def __init__(self, key: tuple[str, ...], prof: _Profile) -> None:
         self.key = key
+        self.prof = prof
+        self.grp: _Group | None = None
+
+
+class _Group(_Blocker):
+    """Rows that the same deliveries count in, counted once.
+
+    Every source IP of a sub-queue (a *user*) that uses one row of a group
+    uses all of them, so a pickup counts in all or none: the group keeps one
+    in-flight count, one list of pickup times and one last pickup for all
+    its rows, and a pickup checks their tightest limits here, in two
+    comparisons (``inflight >= conc``, ``now < busy``).  A user that needs
+    only some rows of a group splits it (Scheduler._split) in two with the
+    same counts.  A row alone with one sub-queue (a destination's entries)
+    is one group per sub-queue; the rows of a tenant, a source IP, a job,
+    are one group per distinct set of sub-queues that use them.
+    """
+
+    __slots__ = ("busy", "cap_n", "check_n", "conc", "inflight", "interval", "last_at", "log",
+                 "max_s", "min_n", "mixed", "old", "plain", "rates", "rows", "timed", "users")
+
+    def __init__(self, rows: list[_Row]) -> None:
+        super().__init__()
+        self.rows = rows
+        for row in rows:
+            row.grp = self
+        # Sub-queues whose source IPs use it (for splits and forgetting).
+        self.users: dict[_SubQueue, None] = {}
         self.inflight = 0
-        self.refs = 0  # sub-queue references (one per source IP that uses it)
-        # Its own pickup times, once it is shared and has a rate (an empty
-        # deque costs half a kilobyte, and most entries never need one).
         self.log: deque[float] = _NO_LOG
         self.last_at = -_NEVER
-        self.priv: _Private | None = None
-        self.set_thresholds(thresholds, condition)
+        self.old = False  # a policy change made it stale (_rebuild)
+        self.refresh()
 
-    def set_thresholds(self, thresholds: Thresholds, condition: Condition | None) -> None:
-        self.thresholds = thresholds
-        self.condition = condition
-        self.conc = thresholds.concurrency
-        self.rate_n = thresholds.rate.count if thresholds.rate is not None else None
-        self.rate_s = thresholds.rate.per_s if thresholds.rate is not None else 1.0
-        self.interval = thresholds.connectinterval_s or None
-        self.timed = self.rate_n is not None or self.interval is not None
-
-    def state(self, now: float) -> tuple[int, deque[float], float]:
-        """In flight, pickup times (oldest first), last pickup: its own or its
-        sub-queue's.  Its own pickup times are pruned to its window."""
-        pv = self.priv
-        if pv is not None:
-            pv.prune(now)
-            return pv.inflight, pv.log, pv.last_at
-        if self.rate_n is not None:
-            # "log[0] + rate_s <= now", not "log[0] <= now - rate_s": the
-            # same sum free_at() gives the timer, so that the timer's time
-            # always finds the slot free (floats do not round both alike).
-            log = self.log
-            per = self.rate_s
-            while log and log[0] + per <= now:
-                log.popleft()
-        return self.inflight, self.log, self.last_at
-
-    def holds(self, now: float) -> bool:
-        """Whether a shared entry holds the next delivery back: the pickup's
-        check, cheap in the common case (a log shorter than the rate cannot
-        be full, whatever its times: it never grows past the rate)."""
-        conc = self.conc
-        if conc is not None and self.inflight >= conc:
-            return True
-        n = self.rate_n
-        if n is not None and len(self.log) >= n and self.free(now) <= 0:
-            return True
-        interval = self.interval
-        return interval is not None and now < self.last_at + interval
-
-    def rate_full(self, log: deque[float], now: float) -> bool:
-        n = self.rate_n
-        return n is not None and (n == 0 or (len(log) >= n and log[-n] + self.rate_s > now))
-
-    def free(self, now: float) -> int:
-        inflight, log, last_at = self.state(now)
-        free = _BIG
-        if self.conc is not None:
-            free = self.conc - inflight
-        if self.rate_n is not None:
-            if self.rate_full(log, now):
-                free = 0
-            elif self.priv is None:
-                free = min(free, self.rate_n - len(log))
-            else:
-                free = min(free, 1)  # a private entry has one sub-queue to wake
-        if self.interval is not None and now < last_at + self.interval and free > 0:
-            free = 0
-        return free
-
-    def free_at(self, now: float) -> float | None:
-        inflight, log, last_at = self.state(now)
-        if self.conc is not None and inflight >= self.conc:
-            return None  # a finishing delivery will say
-        at = now
-        if self.rate_n is not None:
-            n = self.rate_n
-            if n == 0:
-                return None
-            if len(log) >= n:
-                at = max(at, log[-n] + self.rate_s)
-        if self.interval is not None:
-            at = max(at, last_at + self.interval)
-        return at if at > now else None
-
-    def blocking_kind(self, now: float) -> Waiting | None:
-        inflight, log, last_at = self.state(now)
-        if self.conc is not None and inflight >= self.conc:
-            return Waiting.CONCURRENCY
-        if self.rate_full(log, now):
-            return Waiting.RATE
-        if self.interval is not None and now < last_at + self.interval:
-            return Waiting.CONNECTINTERVAL
-        return None
-
-    def rate_used(self, now: float) -> int:
-        _, log, _ = self.state(now)
-        return sum(1 for t in log if t + self.rate_s > now)
-
-    def keep_until(self) -> float:
-        """Until when an idle entry must be remembered (its windows)."""
-        at = -_NEVER
-        if self.rate_n is not None and self.log:
-            at = self.log[-1] + self.rate_s
-        if self.interval is not None:
-            at = max(at, self.last_at + self.interval)
-        return at
-
-
-class _Private:
-    """The private entries of one sub-queue from one source IP, counted once.
-
-    Every delivery of the sub-queue from that IP counts in all of them, so
-    they share one in-flight count, one list of pickup times and one last
-    pickup; a pickup checks their tightest limits here instead of each.
-    """
-
-    __slots__ = ("conc", "conc_entry", "entries", "inflight", "interval",
-                 "interval_entry", "ip", "last_at", "log", "max_s", "min_n", "rates", "sq")
-
-    def __init__(self, sq: _SubQueue, ip: int, entries: list[_Entry]) -> None:
-        self.sq = sq
-        self.ip = ip
-        self.entries = entries
-        self.inflight = 0
-        self.log: deque[float] = deque()
-        self.last_at = -_NEVER
+    def copy_counts(self, other: _Group, inflight: int) -> None:
+        self.inflight = inflight
+        if self.rates and other.log:
+            self.log = deque(other.log)
+        self.last_at = other.last_at
         self.refresh()
 
     def refresh(self) -> None:
-        self.conc: int | None = None
-        self.conc_entry: _Entry | None = None
-        self.interval: float | None = None
-        self.interval_entry: _Entry | None = None
-        rates: list[tuple[int, float, _Entry]] = []
-        for entry in self.entries:
-            if entry.conc is not None and (self.conc is None or entry.conc < self.conc):
-                self.conc, self.conc_entry = entry.conc, entry
-            if entry.rate_n is not None:
-                rates.append((entry.rate_n, entry.rate_s, entry))
-            if entry.interval is not None and (self.interval is None
-                                               or entry.interval > self.interval):
-                self.interval, self.interval_entry = entry.interval, entry
-        self.rates = tuple(rates)
-        self.max_s = max((per for _, per, _ in rates), default=0.0)
-        # Fewer pickups logged than the smallest rate allows: none is full.
-        self.min_n = min((n for n, _, _ in rates), default=0)
+        """Recompute the tightest limits of the rows (after a split, a reload)."""
+        conc = _BIG
+        rates: set[tuple[int, float]] = set()
+        interval: float | None = None
+        for row in self.rows:
+            prof = row.prof
+            if prof.conc is not None and prof.conc < conc:
+                conc = prof.conc
+            rates.update(prof.rates)
+            if prof.interval is not None and (interval is None or prof.interval > interval):
+                interval = prof.interval
+        self.conc = conc  # _BIG: no concurrency
+        self.rates = tuple(sorted(rates))  # the smallest count first: the likeliest full
+        self.interval = interval
+        self.timed = bool(rates) or interval is not None
+        self.plain = bool(rates) and interval is None  # stamped inline by _start
+        if rates:
+            self.max_s = max(per for _, per in rates)
+            self.min_n = min(n for n, _ in rates)
+            self.cap_n = min(n for n, per in rates if per == self.max_s)
+            self.mixed = any(per != self.max_s for _, per in rates)
+            if self.log is _NO_LOG:
+                self.log = deque()
+        else:
+            self.max_s = 0.0
+            self.min_n = self.cap_n = _BIG
+            self.mixed = False
+            self.log = _NO_LOG
+        self.check_n = min(self.min_n, max(64, 2 * len(self.log)))
+        self.busy = self._busy()
+
+    def _busy(self) -> float:
+        """Until when a timed limit (a rate, an interval) holds the next pickup."""
+        busy = self._rates_busy() if len(self.log) >= self.min_n else -_NEVER
+        if self.interval is not None:
+            at = self.last_at + self.interval
+            if at > busy:
+                busy = at
+        return busy
+
+    def _rates_busy(self) -> float:
+        """Until when a rate holds the next pickup (the log holds at least min_n)."""
+        busy = -_NEVER
+        log = self.log
+        n_log = len(log)
+        for n, per in self.rates:
+            if n == 0:
+                return _NEVER
+            if n_log >= n:
+                at = log[-n] + per
+                if at > busy:
+                    busy = at
+        return busy
+
+    def stamp(self, now: float) -> None:
+        """A pickup at ``now`` (of a timed group): log it, and when the next may go.
+
+        "log[-n] + per" is the sum free_at() gives the timer and the one the
+        pickup's "now < busy" compares with, so that the timer's time always
+        finds the slot free (floats do not round "log[-n] <= now - per" alike).
+        """
+        busy = -_NEVER
+        if self.rates:
+            log = self.log
+            log.append(now)
+            if len(log) >= self.check_n:
+                busy = self.logged(now)
+        interval = self.interval
+        if interval is not None:
+            self.last_at = now
+            if now + interval > busy:
+                busy = now + interval
+        self.busy = busy
+
+    def logged(self, now: float) -> float:
+        """After a pickup was logged, once the log reached check_n: prune it
+        (when it doubled since the last time, so that pickup times are kept
+        for one window, not for X pickups), and until when the rates hold
+        the next pickup.  Scheduler._start calls it directly for a group
+        with rates and no interval, whose log is all stamp() would update
+        otherwise: the busy time of its rates stays -inf, or a time already
+        past, below check_n (which is at most min_n)."""
+        log = self.log
+        per = self.max_s
+        while log[0] + per <= now:
+            log.popleft()
+        self.check_n = min(self.min_n, max(64, 2 * len(log)))
+        busy = self._rates_busy() if len(log) >= self.min_n else -_NEVER
+        if self.interval is None:
+            self.busy = busy
+        return busy
 
     def prune(self, now: float) -> None:
         log = self.log
@@ -431,19 +499,75 @@ class _Private:
         while log and log[0] + per <= now:
             log.popleft()
 
-    def blocker(self, now: float) -> _Entry | None:
-        """The first private entry that holds the next delivery, if any."""
-        if self.conc is not None and self.inflight >= self.conc:
-            return self.conc_entry
-        if self.rates and len(self.log) >= self.min_n:
+    def free(self, now: float) -> int:
+        free = self.conc - self.inflight
+        if free <= 0:
+            return free
+        if now < self.busy:
+            return 0
+        if self.rates:
             self.prune(now)
-            log = self.log
-            for n, per, entry in self.rates:
-                if n == 0 or (len(log) >= n and log[-n] + per > now):
-                    return entry
-        if self.interval is not None and now < self.last_at + self.interval:
-            return self.interval_entry
+            free = min(free, self.cap_n - len(self.log))
+            if self.mixed:
+                free = min(free, 1)  # shorter windows: let one through at a time
+        return free
+
+    def free_at(self, now: float) -> float | None:
+        if self.inflight >= self.conc:
+            return None  # a finishing delivery will say
+        busy = self.busy
+        return busy if now < busy < _NEVER else None
+
+    def keep_until(self) -> float:
+        """Until when a group nobody uses must be remembered (its windows)."""
+        at = -_NEVER
+        if self.rates and self.log:
+            at = self.log[-1] + self.max_s
+        if self.interval is not None:
+            at = max(at, self.last_at + self.interval)
+        return at
+
+
+def _kind(thresholds: Thresholds, grp: _Group, now: float) -> Waiting | None:
+    """Whether one entry (its thresholds, counted in ``grp``) holds back the next pickup."""
+    conc = thresholds.concurrency
+    if conc is not None and grp.inflight >= conc:
+        return Waiting.CONCURRENCY
+    rate = thresholds.rate
+    if rate is not None:
+        log, n = grp.log, rate.count
+        if n == 0 or (len(log) >= n and log[-n] + rate.per_s > now):
+            return Waiting.RATE
+    interval = thresholds.connectinterval_s
+    if interval and now < grp.last_at + interval:
+        return Waiting.CONNECTINTERVAL
+    return None
+
+
+def _free_at(thresholds: Thresholds, grp: _Group, now: float) -> float | None:
+    """When one entry lets one more through; None = an event will (or never)."""
+    conc = thresholds.concurrency
+    if conc is not None and grp.inflight >= conc:
         return None
+    at = now
+    rate = thresholds.rate
+    if rate is not None:
+        n = rate.count
+        if n == 0:
+            return None
+        if len(grp.log) >= n:
+            at = max(at, grp.log[-n] + rate.per_s)
+    interval = thresholds.connectinterval_s
+    if interval:
+        at = max(at, grp.last_at + interval)
+    return at if at > now else None
+
+
+def _rate_used(thresholds: Thresholds, grp: _Group, now: float) -> int:
+    rate = thresholds.rate
+    if rate is None:
+        return 0
+    return sum(1 for t in grp.log if t + rate.per_s > now)
 
 
 class _Susp(_Blocker):
@@ -510,9 +634,8 @@ class _Dest(_Blocker):
 
 
 class _SubQueue:
-    __slots__ = ("checks", "counted", "dest", "dropped", "entries", "in_ring", "ips", "jobs",
-                 "live", "parked_on", "priority", "priv", "route", "rr", "susp", "susp_version",
-                 "timed", "version", "woken_by")
+    __slots__ = ("dest", "dropped", "groups", "in_ring", "ips", "jobs", "live", "parked_on",
+                 "priority", "route", "rr", "susp", "susp_version", "version", "woken_by")
 
     def __init__(self, route: Route, priority: int, dest: _Dest) -> None:
         self.route = route
@@ -522,13 +645,8 @@ class _SubQueue:
         self.live = 0
         self.dropped = 0
         self.ips: tuple[str, ...] = route.localip or ("",)
-        # Per source IP: every tracked entry; the shared ones to check, to
-        # count in flight, to log pickups in; and the private ones, together.
-        self.entries: list[tuple[_Entry, ...]] = []
-        self.checks: list[tuple[_Entry, ...]] = []
-        self.counted: list[tuple[_Entry, ...]] = []
-        self.timed: list[tuple[_Entry, ...]] = []
-        self.priv: list[_Private | None] = []
+        # Per source IP: the groups a pickup checks and counts in.
+        self.groups: list[tuple[_Group, ...]] = []
         self.version = -1
         self.susp: list[_Susp | None] = []
         self.susp_version = -1
@@ -550,56 +668,37 @@ class _Job:
 
 
 class _Flight:
-    __slots__ = ("dest", "entries", "extra", "ip", "job", "priv", "qids", "started_at")
+    __slots__ = ("dest", "groups", "ip", "job", "qids", "started_at")
 
     def __init__(self, job: DeliveryJob, qids: tuple[str, ...], ip: str,
-                 entries: tuple[_Entry, ...], priv: _Private | None, dest: _Dest,
-                 now: float) -> None:
+                 groups: tuple[_Group, ...], dest: _Dest, now: float) -> None:
         self.job = job
         self.qids = qids
         self.ip = ip
-        self.entries = entries  # shared entries it counts in
-        self.priv = priv  # and the private ones, through their sub-queue
-        self.extra: list[_Entry] = []  # private when it started, shared since
+        # The groups it counts in (its user's at the start, plus the halves
+        # split off them since: Scheduler._split).
+        self.groups = groups
         self.dest = dest
         self.started_at = now
 
 
 class _CCounter:
-    """A policy counter, compiled: key building with a memo of group lookups."""
+    """A policy counter, compiled: its conditions as matchers over a key."""
 
-    __slots__ = ("counter", "dest", "id", "matchers", "memo", "names", "sig", "specs")
+    __slots__ = ("counter", "dest", "id", "index", "matchers", "names", "sig")
 
-    _MEMO_MAX = 100_000
-
-    def __init__(self, counter: Counter) -> None:
+    def __init__(self, counter: Counter, index: int) -> None:
         self.counter = counter
+        self.index = index  # its place in the policy
         self.id = counter.id
         self.sig = counter.signature
         self.names = counter.field_names
-        self.specs = tuple((f.name, f if f.groups else None) for f in counter.fields)
-        self.memo: dict[tuple[str, str], str] = {}
         self.dest = counter.limits_destination
         self.matchers = tuple((c, _compile_match(c, self.names)) for c in counter.conditions)
 
-    def key(self, route: Route, ip: str) -> tuple[str, ...]:
-        parts: list[str] = []
-        for name, spec in self.specs:
-            raw = ip if name == "localip" else getattr(route, name)
-            if spec is not None:
-                memo_key = (name, raw)
-                value = self.memo.get(memo_key)
-                if value is None:
-                    if len(self.memo) >= self._MEMO_MAX:
-                        self.memo.clear()
-                    value = spec.component(raw)
-                    self.memo[memo_key] = value
-                raw = value
-            parts.append(raw)
-        return tuple(parts)
-
-    def thresholds(self, key: tuple[str, ...]) -> tuple[Thresholds, Condition | None]:
-        for cond, matcher in self.matchers:
+    def match(self, key: tuple[str, ...]) -> int:
+        """The index of the first condition ``key`` meets; -1: the fall-back."""
+        for n, (_, matcher) in enumerate(self.matchers):
             for pos, want in matcher:
                 have = key[pos]
                 if isinstance(want, Pattern):
@@ -608,8 +707,17 @@ class _CCounter:
                 elif have != want:
                     break
             else:
-                return cond.thresholds, cond
-        return self.counter.default, None
+                return n
+        return -1
+
+    def chosen(self, n: int) -> tuple[Thresholds, Condition | None]:
+        if n < 0:
+            return self.counter.default, None
+        cond = self.matchers[n][0]
+        return cond.thresholds, cond
+
+    def thresholds(self, key: tuple[str, ...]) -> tuple[Thresholds, Condition | None]:
+        return self.chosen(self.match(key))
 
 
 def _compile_match(cond: Condition, names: Sequence[str]
@@ -626,6 +734,11 @@ def _compile_match(cond: Condition, names: Sequence[str]
     return tuple(out)
 
 
+#: One tracked counter entry, for the views: counter, thresholds, condition,
+#: key, and the group it is counted in.
+_Ent = tuple[_CCounter, Thresholds, Condition | None, tuple[str, ...], _Group]
+
+
 # --------------------------------------------------------------------------
 
 
@@ -638,15 +751,15 @@ class Scheduler:
         self._now = now
         self._seq = 0
         self._timers: list[tuple[float, int, int, Any]] = []
-        self._gc: list[tuple[float, int, _Entry]] = []
-        # Policy.
+        self._gc: list[tuple[float, int, _Group]] = []
+        # Policy: the counters, and their entries in tables (one per field
+        # signature), rows (one per key) and groups (counted together).
         self._policy = Policy()
         self._ccounters: tuple[_CCounter, ...] = ()
+        self._tables: tuple[_Table, ...] = ()
+        self._n_entries = 0  # tracked counter entries, over every row
         self._max_inflight = self.settings.max_deliveries
         self._version = 0
-        self._entries: dict[tuple[str, str, tuple[str, ...]], _Entry] = {}
-        self._reuse: dict[tuple[str, str, tuple[str, ...]], _Entry] = {}
-        self._fresh: set[_Entry] | None = None  # entries created by the current _resolve
         # Suspensions: by id, and indexed by the fields they name.
         self._susps: dict[str, _Susp] = {}
         self._susp_index: dict[tuple[str, ...], dict[tuple[str, ...], _Susp]] = {}
@@ -663,6 +776,9 @@ class Scheduler:
         self._empty: OrderedDict[_SubQueue, None] = OrderedDict()
         self._empty_max = self.settings.destination_cache_size + self.settings.maxmemoryqueue
         self._woken: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
+        # Blockers that finished deliveries freed, to release (in this order).
+        self._dirty: dict[_Blocker, None] = {}
+        self._full: _Blocker | None = None  # the one _requeue parked its sub-queue on
         self._ring: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
         # Jobs and deliveries.
         self._qids: dict[str, _Job | _Flight] = {}
@@ -735,7 +851,11 @@ class Scheduler:
             if type(event) is DeliveryFinished:
                 self._finish(event, now, out)
             else:
+                if self._dirty:
+                    self._release_dirty(now)  # in the order things happened
                 self._dispatch(event, now, out)
+        if self._dirty:
+            self._release_dirty(now)
         self._select(now, out)
         self._maybe_refill(now, out)
         self._collect(now)
@@ -904,13 +1024,43 @@ class Scheduler:
     # ----------------------------------------------------------- policies
 
     def _compile(self, policy: Policy) -> None:
+        """Compile the counters into tables; _rebuild must follow.
+
+        A counter that keeps its id and signature stays in its table, whose
+        rows keep their counts; the others start new tables.  Every group
+        goes stale: _rebuild places the rows again.
+        """
         self._policy = policy
-        self._ccounters = tuple(_CCounter(c) for c in policy.counters)
+        ccs = tuple(_CCounter(c, i) for i, c in enumerate(policy.counters))
+        self._ccounters = ccs
         limit = self.settings.max_deliveries
         for counter in policy.counters:
             if not counter.fields and counter.default.concurrency is not None:
                 limit = min(limit, counter.default.concurrency)
         self._max_inflight = limit
+        limits = (self.settings.max_deliveries, limit)
+        old: dict[tuple[str, str], _Table] = {}
+        for table in self._tables:
+            for cc in table.ccs:
+                old[(cc.id, cc.sig)] = table
+            for row in table.rows.values():
+                grp = row.grp
+                if grp is not None and not grp.old:
+                    grp.old = True
+                    grp.timer_at = None
+                    grp.pending = 0
+                    grp.waiters = _NO_WAITERS  # _rebuild parks nobody on it
+        members: dict[_Table | str, list[_CCounter]] = {}
+        for cc in ccs:
+            members.setdefault(old.get((cc.id, cc.sig)) or cc.sig, []).append(cc)
+        tables: list[_Table] = []
+        for owner, group in members.items():
+            if isinstance(owner, _Table):
+                owner.reset(group, limits)
+                tables.append(owner)
+            else:
+                tables.append(_Table(group, limits))
+        self._tables = tuple(tables)
 
     def _set_policy(self, policy: Policy, now: float) -> None:
         self._compile(policy)
@@ -963,28 +1113,14 @@ class Scheduler:
                 return
 
     def _rebuild(self) -> None:
-        """Re-key everything after a policy change; wake every parked sub-queue.
+        """Place every row again after a policy change; wake every parked sub-queue.
 
-        Entries whose counter (id and fields) survives keep their rate
-        windows and intervals; in-flight counts are recounted from the
-        deliveries in flight.  O(sub-queues + deliveries): an operator
-        action, not a pickup.
+        Rows whose counter (id and fields) survives keep their rate windows
+        and intervals (the stale group they come from); in-flight counts are
+        recounted from the deliveries in flight.  O(sub-queues + deliveries):
+        an operator action, not a pickup.
         """
         self._version += 1
-        self._reuse = self._entries
-        self._entries = {}
-        for entry in self._reuse.values():
-            if entry.priv is not None:
-                if entry.rate_n is not None:
-                    entry.log = deque(entry.priv.log)
-                entry.last_at = entry.priv.last_at
-                entry.priv = None
-            entry.inflight = 0
-            entry.refs = 0
-            entry.timer_at = None
-            entry.pending = 0
-            entry.waiters[0].clear()
-            entry.waiters[1].clear()
         for dest in self._dests.values():
             dest.ip_limits.clear()
             dest.set_cap(self.settings.default_destination_concurrency_limit)
@@ -996,12 +1132,10 @@ class Scheduler:
             susp.waiters[1].clear()
             susp.pending = 0
         for flight in self._flights.values():
-            found = self._resolve_ip(flight.job.route, flight.ip)[0]
-            flight.entries = tuple(e for e in found if e.conc is not None)
-            flight.priv = None
-            flight.extra = []
-            for entry in flight.entries:
-                entry.inflight += 1
+            groups = self._place(self._rows_for(flight.job.route, flight.ip)[0], None)
+            flight.groups = groups
+            for grp in groups:
+                grp.inflight += 1
         for sq in self._subqueues.values():
             sq.parked_on = ()
             sq.woken_by = None
@@ -1012,100 +1146,57 @@ class Scheduler:
         for queue in (*self._woken, *self._ring):
             for sq in queue:
                 sq.woken_by = None
-        for entry in self._reuse.values():
-            if entry.refs == 0 and entry.inflight == 0:
-                self._forget_later(entry)
-        self._reuse = {}
+        n = 0
+        for table in self._tables:
+            table.reuse = {}  # rows nobody looked up again are forgotten
+            for row in table.rows.values():
+                n += len(row.prof.items)
+        self._n_entries = n
 
-    def _entry(self, cc: _CCounter, key: tuple[str, ...]) -> _Entry | None:
-        ident = (cc.id, cc.sig, key)
-        entry = self._entries.get(ident)
-        if entry is not None:
-            return entry
-        thresholds, cond = cc.thresholds(key)
-        if thresholds.is_empty or self._cannot_bind(thresholds, not cc.names):
-            return None
-        entry = self._reuse.pop(ident, None)
-        if entry is None:
-            entry = _Entry(cc, key, thresholds, cond)
-            if self._fresh is not None:
-                self._fresh.add(entry)
-        else:
-            entry.counter = cc
-            entry.set_thresholds(thresholds, cond)
-        self._entries[ident] = entry
-        return entry
-
-    def _cannot_bind(self, thresholds: Thresholds, is_global: bool) -> bool:
-        """A concurrency no lower than what can ever be in flight (the
-        smaller of max_deliveries and a global counter's concurrency), with
-        no rate or interval, never holds a delivery back: such entries are
-        not tracked, so that a pickup does not pay for them."""
-        limit = self.settings.max_deliveries if is_global else self._max_inflight
-        return (thresholds.rate is None and not thresholds.connectinterval_s
-                and thresholds.concurrency is not None
-                and thresholds.concurrency >= limit)
-
-    def _resolve_ip(self, route: Route, ip: str) -> tuple[tuple[_Entry, ...], int]:
-        """The tracked entries of ``route`` from ``ip``, and the tightest
-        concurrency among the counters that limit the destination (0: none)."""
-        found: list[_Entry] = []
-        dest_limit = 0
-        for cc in self._ccounters:
-            key = cc.key(route, ip)
-            entry = self._entry(cc, key)
-            if entry is not None:
-                found.append(entry)
-                conc = entry.conc
-            elif cc.dest:
-                conc = cc.thresholds(key)[0].concurrency  # untracked, but still the policy
+    def _rows_for(self, route: Route, ip: str) -> tuple[list[_Row], int]:
+        """The rows of ``route`` from ``ip`` (created as needed), and the
+        tightest concurrency among the counters that limit the destination
+        (0: none)."""
+        rows: list[_Row] = []
+        dest: list[tuple[int, int]] = []
+        for table in self._tables:
+            key = table.key(route, ip)
+            row = table.rows.get(key)
+            if row is None:
+                prof = table.profile(key)
+                if table.reuse:
+                    row = table.reuse.pop(key, None)
+                if prof.items:
+                    if row is None:
+                        row = _Row(key, prof)
+                        self._n_entries += len(prof.items)
+                    else:
+                        row.prof = prof  # its stale group still holds its counts
+                    table.rows[key] = row
+                else:
+                    row = None
             else:
-                continue
-            if cc.dest and conc is not None:
-                dest_limit = conc if not dest_limit else min(dest_limit, conc)
-        return tuple(found), dest_limit
+                prof = row.prof
+            if row is not None:
+                rows.append(row)
+            if prof.dest_concs:
+                dest.extend(prof.dest_concs)
+        limit = 0
+        if dest:
+            dest.sort()
+            for _, conc in dest:  # counter by counter, in the policy's order
+                limit = conc if not limit else min(limit, conc)
+        return rows, limit
 
     def _resolve(self, sq: _SubQueue) -> None:
-        """Look up a sub-queue's counter entries, per source IP.
-
-        Called for a new sub-queue, or by _rebuild after it zeroed every
-        reference count, so the old entries are not released here.  Entries
-        this call creates, that no other source IP of the sub-queue shares
-        and that nothing counts yet, become private to the sub-queue.
-        """
-        self._fresh = set()
-        entries: list[tuple[_Entry, ...]] = []
+        """Look up a sub-queue's rows and place them in groups, per source IP."""
+        self._unuse(sq)
         limits: list[int] = []
-        try:
-            for ip in sq.ips:
-                found, limit = self._resolve_ip(sq.route, ip)
-                entries.append(found)
-                limits.append(limit)
-            fresh = self._fresh
-        finally:
-            self._fresh = None
-        uses: dict[_Entry, int] = {}
-        for found in entries:
-            for entry in found:
-                uses[entry] = uses.get(entry, 0) + 1
-        sq.entries = entries
-        sq.priv = []
-        sq.checks, sq.counted, sq.timed = [], [], []
-        for i, found in enumerate(entries):
-            private = [e for e in found
-                       if e in fresh and uses[e] == 1 and e.inflight == 0 and e.priv is None]
-            for entry in found:
-                entry.refs += 1
-                if entry.priv is not None and entry.priv.sq is not sq:
-                    self._materialize(entry)  # shared from now on
-            pv = _Private(sq, i, private) if private else None
-            for entry in private:
-                entry.priv = pv
-            sq.priv.append(pv)
-            sq.checks.append(())
-            sq.counted.append(())
-            sq.timed.append(())
-            self._set_lists(sq, i)
+        for ip in sq.ips:
+            rows, limit = self._rows_for(sq.route, ip)
+            groups = self._place(rows, sq)
+            sq.groups.append(groups)
+            limits.append(limit)
         sq.version = self._version
         dest = sq.dest
         changed = False
@@ -1123,44 +1214,82 @@ class Scheduler:
             else:
                 dest.set_cap(default)
 
-    @staticmethod
-    def _set_lists(sq: _SubQueue, i: int) -> None:
-        shared = tuple(e for e in sq.entries[i] if e.priv is None)
-        sq.checks[i] = shared
-        sq.counted[i] = tuple(e for e in shared if e.conc is not None)
-        sq.timed[i] = tuple(e for e in shared if e.timed)
-        for entry in sq.timed[i]:
-            if entry.rate_n is not None and entry.log is _NO_LOG:
-                entry.log = deque()
+    def _unuse(self, sq: _SubQueue) -> None:
+        """The sub-queue no longer uses its groups (dropped, or resolved again)."""
+        for groups in sq.groups:
+            for grp in groups:
+                grp.users.pop(sq, None)
+                if not grp.users and not grp.inflight and not grp.old:
+                    self._forget_later(grp)
+        sq.groups = []
 
-    def _materialize(self, entry: _Entry) -> None:
-        """A private entry becomes shared: it takes its own counts.
+    def _place(self, rows: list[_Row], sq: _SubQueue | None) -> tuple[_Group, ...]:
+        """The groups of one user's rows: a source IP of ``sq``, or (None) a
+        delivery in flight that a reload recounts.
 
-        The deliveries of its sub-queue in flight were not counted in it;
-        they are now, and each will uncount it when it finishes.
+        Rows in no group yet make new groups: fresh ones, with zero counts,
+        or one per stale group they come from, with its counts (in flight
+        recounted by the caller).  A group whose rows the user all uses, it
+        joins; one it uses in part is split.
         """
-        pv = entry.priv
-        if pv is None:
-            return
-        now = self._now
-        entry.inflight = pv.inflight
-        if entry.rate_n is not None:
-            entry.log = deque(t for t in pv.log if t + entry.rate_s > now)
-        entry.last_at = pv.last_at
-        if entry.conc is not None and pv.inflight:
-            # Rare (a second user, or the sub-queue forgotten with deliveries
-            # out): cheaper to look for them than to index every delivery.
+        new: dict[_Group | None, list[_Row]] = {}
+        used: dict[_Group, list[_Row]] = {}
+        for row in rows:
+            grp = row.grp
+            if grp is None or grp.old:
+                new.setdefault(grp, []).append(row)
+            else:
+                used.setdefault(grp, []).append(row)
+        out: list[_Group] = []
+        for origin, fresh in new.items():
+            grp = _Group(fresh)
+            if origin is not None:
+                grp.copy_counts(origin, 0)
+            out.append(grp)
+        for grp, mine in used.items():
+            out.append(grp if len(mine) == len(grp.rows) else self._split(grp, mine))
+        if sq is not None:
+            for grp in out:
+                grp.users[sq] = None
+        return tuple(out)
+
+    def _split(self, grp: _Group, mine: list[_Row]) -> _Group:
+        """Take ``mine`` out of ``grp`` into a new group with the same counts.
+
+        Its users use both halves from now on; deliveries in flight that
+        count in it count in both (a scan of the deliveries, only when it
+        has some: splits happen when a sub-queue is created, and a group
+        splits at most once per row); sub-queues parked on it wait on both.
+        """
+        part = _Group(mine)
+        part.copy_counts(grp, grp.inflight)
+        grp.rows = [row for row in grp.rows if row.grp is grp]
+        grp.refresh()
+        for user in grp.users:
+            part.users[user] = None
+            for i, groups in enumerate(user.groups):
+                if grp in groups:
+                    k = groups.index(grp) + 1
+                    user.groups[i] = (*groups[:k], part, *groups[k:])
+        if grp.inflight:
             for flight in self._flights.values():
-                if flight.priv is pv:
-                    flight.extra.append(entry)
-        entry.priv = None
-        pv.entries.remove(entry)
-        pv.refresh()
-        sq = pv.sq
-        if pv.ip < len(sq.priv) and sq.priv[pv.ip] is pv:
-            if not pv.entries:
-                sq.priv[pv.ip] = None
-            self._set_lists(sq, pv.ip)
+                if grp in flight.groups:
+                    flight.groups = (*flight.groups, part)
+        waiters = grp.waiters
+        if waiters[0] or waiters[1]:
+            part.waiters = (OrderedDict(), OrderedDict())
+            for p in (0, 1):
+                line = part.waiters[p]
+                for sq in waiters[p]:
+                    line[sq] = None
+                    sq.parked_on = (*sq.parked_on, part)
+            now = self._now
+            at = part.free_at(now)
+            if at is not None:
+                self._schedule_blocker(part, at)
+            self._release(grp, now)
+            self._release(part, now)
+        return part
 
     def _dest_cap(self, dest: _Dest) -> int:
         return dest.cap
@@ -1321,23 +1450,12 @@ class Scheduler:
             self._drop_subqueue(old)
 
     def _drop_subqueue(self, sq: _SubQueue) -> None:
-        """Forget an empty sub-queue: its counter entries lose a reference."""
+        """Forget an empty sub-queue: it no longer uses its groups."""
         key = (sq.route, sq.priority)
         if self._subqueues.get(key) is sq:
             del self._subqueues[key]
-        # Its deliveries may still be in flight: their private counts become
-        # the entries' own before anyone else can find those entries.
-        privs, sq.priv = sq.priv, []
-        for pv in privs:
-            if pv is not None:
-                for entry in list(pv.entries):
-                    self._materialize(entry)
-        for entries in sq.entries:
-            for entry in entries:
-                entry.refs -= 1
-                self._maybe_forget(entry)
-        sq.entries = []
-        sq.checks, sq.counted, sq.timed = [], [], []
+        # Its deliveries in flight keep the groups they count in.
+        self._unuse(sq)
         sq.version = -1
         dest = sq.dest
         dest.subqueues.discard(sq)
@@ -1391,49 +1509,71 @@ class Scheduler:
         waiters = blocker.waiters
         if not (waiters[1] or waiters[0]):
             return
-        room = blocker.free(now) - blocker.pending
-        for p in (1, 0):
-            line = waiters[p]
-            woken = self._woken[p]
-            while room > 0 and line:
-                sq, _ = line.popitem(last=False)
-                for other in sq.parked_on:
-                    if other is not blocker:
-                        other.waiters[p].pop(sq, None)
-                sq.parked_on = ()
-                sq.woken_by = blocker
-                blocker.pending += 1
-                woken.append(sq)
-                sq.in_ring = True
-                room -= 1
-        if waiters[1] or waiters[0]:
+        free = blocker.free(now)
+        room = free - blocker.pending
+        if room > 0:
+            for p in (1, 0):
+                line = waiters[p]
+                woken = self._woken[p]
+                while room > 0 and line:
+                    sq, _ = line.popitem(last=False)
+                    if len(sq.parked_on) > 1:
+                        for other in sq.parked_on:
+                            if other is not blocker:
+                                other.waiters[p].pop(sq, None)
+                    sq.parked_on = ()
+                    sq.woken_by = blocker
+                    blocker.pending += 1
+                    woken.append(sq)
+                    sq.in_ring = True
+                    room -= 1
+        # Only a blocker without a free slot can be held by a timed limit
+        # (free_at() is None otherwise): then a timer wakes the rest.
+        if free <= 0 and (waiters[1] or waiters[0]):
             at = blocker.free_at(now)
             if at is not None:
                 self._schedule_blocker(blocker, at)
 
-    # ------------------------------------------------------------ pickup
+    def _release_dirty(self, now: float) -> None:
+        """The releases of finished deliveries, one per blocker: a batch of
+        results wakes the same waiters, oldest first, as one release each
+        would, for one look at the blocker's room."""
+        dirty = self._dirty
+        while dirty:
+            blocker = next(iter(dirty))
+            del dirty[blocker]
+            self._release(blocker, now)
 
-    def _next_ready(self) -> _SubQueue | None:
-        for p in (1, 0):
-            if self._woken[p]:
-                return self._woken[p].popleft()
-            if self._ring[p]:
-                return self._ring[p].popleft()
-        return None
+    # ------------------------------------------------------------ pickup
 
     def _select(self, now: float, out: list[Command]) -> None:
         limit = self.settings.max_deliveries
-        while len(self._flights) < limit:
-            sq = self._next_ready()
-            if sq is None:
+        flights = self._flights
+        woken_high, woken_low = self._woken
+        ring_high, ring_low = self._ring
+        while len(flights) < limit:
+            # Woken first, then the ring; priority 1 before priority 0.
+            if woken_high:
+                sq = woken_high.popleft()
+            elif ring_high:
+                sq = ring_high.popleft()
+            elif woken_low:
+                sq = woken_low.popleft()
+            elif ring_low:
+                sq = ring_low.popleft()
+            else:
                 return
             sq.in_ring = False
             woken = sq.woken_by
-            if woken is not None:
-                sq.woken_by = None
-                woken.pending -= 1
+            if woken is None:
+                self._visit(sq, now, out, None)
+                continue
+            sq.woken_by = None
+            woken.pending -= 1
+            self._full = None
             self._visit(sq, now, out, woken)
-            if woken is not None:
+            if self._full is not woken:
+                # The slot it was woken for may be free still: the next in line.
                 self._release(woken, now)
 
     def _visit(self, sq: _SubQueue, now: float, out: list[Command],
@@ -1460,29 +1600,15 @@ class Scheduler:
             # The common case, without the bookkeeping of a pool.
             held: _Blocker | None = susps[0]
             if held is None:
-                pv = sq.priv[0]
-                if pv is not None:
-                    held = pv.blocker(now)
-                if held is None:
-                    for entry in sq.checks[0]:
-                        # Entry.holds(), inlined: the loop a pickup spends its time in.
-                        conc = entry.conc
-                        if conc is not None and entry.inflight >= conc:
-                            held = entry
-                            break
-                        rate_n = entry.rate_n
-                        if rate_n is not None and len(entry.log) >= rate_n \
-                                and entry.free(now) <= 0:
-                            held = entry
-                            break
-                        interval = entry.interval
-                        if interval is not None and now < entry.last_at + interval:
-                            held = entry
-                            break
-                    else:
-                        self._start(sq, 0, now, out)
-                        self._requeue(sq, woken, now)
-                        return
+                for grp in sq.groups[0]:
+                    # Every limit of the group's rows, in two comparisons.
+                    if grp.inflight >= grp.conc or now < grp.busy:
+                        held = grp
+                        break
+                else:
+                    self._start(sq, 0, now, out)
+                    self._requeue(sq, woken, now)
+                    return
             self._park(sq, [held], woken, now)
             return
         blockers: list[_Blocker] = []
@@ -1493,11 +1619,10 @@ class Scheduler:
                 if susp not in blockers:
                     blockers.append(susp)
                 continue
-            pv = sq.priv[i]
-            held = pv.blocker(now) if pv is not None else None
-            for entry in () if held is not None else sq.checks[i]:
-                if entry.holds(now):
-                    held = entry
+            held = None
+            for grp in sq.groups[i]:
+                if grp.inflight >= grp.conc or now < grp.busy:
+                    held = grp
                     break
             if held is not None:
                 if held not in blockers:
@@ -1520,38 +1645,44 @@ class Scheduler:
         """
         if not sq.live:
             self._retire(sq)
-        elif woken is not None and (len(sq.ips) == 1 or woken is sq.dest) \
-                and woken.free(now) - woken.pending <= 0:
-            self._park(sq, [woken], None, now)
-        else:
-            self._ring[sq.priority].append(sq)
-            sq.in_ring = True
+            return
+        if woken is not None and (len(sq.ips) == 1 or woken is sq.dest):
+            free = woken.free(now)
+            if free - woken.pending <= 0:
+                # _park(sq, [woken], None, now), for the one blocker.
+                sq.parked_on = (woken,)
+                if woken.waiters is _NO_WAITERS:
+                    woken.waiters = (OrderedDict(), OrderedDict())
+                woken.waiters[sq.priority][sq] = None
+                if free <= 0:
+                    at = woken.free_at(now)
+                    if at is not None:
+                        self._schedule_blocker(woken, at)
+                self._full = woken  # releasing it now would find no room
+                return
+        self._ring[sq.priority].append(sq)
+        sq.in_ring = True
 
     def _start(self, sq: _SubQueue, i: int, now: float, out: list[Command]) -> None:
         rec = sq.jobs.popleft()
         sq.live -= 1
         ip = sq.ips[i]
-        counted = sq.counted[i]
-        for entry in counted:
-            entry.inflight += 1
-        for entry in sq.timed[i]:
-            if entry.rate_n is not None:
-                entry.log.append(now)
-            if entry.interval is not None:
-                entry.last_at = now
+        groups = sq.groups[i]
+        for grp in groups:
+            grp.inflight += 1
+            if grp.plain:
+                # stamp(), inlined for a group with rates only (the common case).
+                log = grp.log
+                log.append(now)
+                if len(log) >= grp.check_n:
+                    grp.logged(now)
+            elif grp.timed:
+                grp.stamp(now)
         dest = sq.dest
         dest.inflight += 1
         job = rec.job
         qids = rec.qids
-        pv = sq.priv[i]
-        flight = _Flight(job, qids, ip, counted, pv, dest, now)
-        if pv is not None:
-            pv.inflight += 1
-            if pv.rates:
-                pv.log.append(now)
-            if pv.interval is not None:
-                pv.last_at = now
-        self._flights[job.ref] = flight
+        self._flights[job.ref] = flight = _Flight(job, qids, ip, groups, dest, now)
         index = self._qids
         for qid in qids:
             index[qid] = flight
@@ -1570,19 +1701,13 @@ class Scheduler:
             if index.get(qid) is flight:
                 del index[qid]
         self._inflight_entries -= len(flight.qids)
-        for entries in (flight.entries, flight.extra):
-            for entry in entries:
-                entry.inflight -= 1
-                if entry.waiters is not _NO_WAITERS:
-                    self._release(entry, now)
-                if not entry.inflight and not entry.refs:
-                    self._forget_later(entry)
-        pv = flight.priv
-        if pv is not None:
-            pv.inflight -= 1
-            for blocker in pv.sq.parked_on:
-                if isinstance(blocker, _Entry) and blocker.priv is pv:
-                    self._release(blocker, now)
+        dirty = self._dirty
+        for grp in flight.groups:
+            grp.inflight -= 1
+            if grp.waiters is not _NO_WAITERS:  # most groups never had a waiter
+                dirty[grp] = None  # released once the batch of results is in
+            if not grp.inflight and not grp.users:
+                self._forget_later(grp)  # nobody left to use it
         dest = flight.dest
         dest.inflight -= 1
         if event.connection_failed:
@@ -1606,30 +1731,29 @@ class Scheduler:
             if dest.window < dest.cap:
                 dest.set_window(min(float(dest.cap), dest.window + 1.0 / dest.window))
         if dest.waiters is not _NO_WAITERS:
-            self._release(dest, now)
+            dirty[dest] = None
         if not dest.inflight and not dest.subqueues:
             self._forget_dest(dest)
 
     # ---------------------------------------------------- garbage entries
 
-    def _maybe_forget(self, entry: _Entry) -> None:
-        if entry.refs == 0 and entry.inflight == 0:
-            self._forget_later(entry)
-
-    def _forget_later(self, entry: _Entry) -> None:
-        until = entry.keep_until()
+    def _forget_later(self, grp: _Group) -> None:
         self._seq += 1
-        heapq.heappush(self._gc, (until, self._seq, entry))
+        heapq.heappush(self._gc, (grp.keep_until(), self._seq, grp))
 
     def _collect(self, now: float) -> None:
+        """Forget the rows of groups nobody uses once their windows are over."""
         gc = self._gc
         while gc and gc[0][0] <= now:
-            _, _, entry = heapq.heappop(gc)
-            if entry.refs or entry.inflight or entry.keep_until() > now:
+            _, _, grp = heapq.heappop(gc)
+            if grp.old or grp.users or grp.inflight or not grp.rows or grp.keep_until() > now:
                 continue
-            ident = (entry.counter.id, entry.counter.sig, entry.key)
-            if self._entries.get(ident) is entry:
-                del self._entries[ident]
+            for row in grp.rows:
+                rows = row.prof.table.rows
+                if rows.get(row.key) is row:
+                    del rows[row.key]
+                    self._n_entries -= len(row.prof.items)
+            grp.rows = []
 
     # -------------------------------------------------------------- views
 
@@ -1647,7 +1771,7 @@ class Scheduler:
             max_deliveries=self.settings.max_deliveries,
             subqueues=sum(1 for sq in self._subqueues.values() if sq.live),
             parked_subqueues=sum(1 for sq in self._subqueues.values() if sq.parked_on),
-            counter_entries=len(self._entries),
+            counter_entries=self._n_entries,
             destinations=len(self._dests),
             pickups=self.pickups,
         )
@@ -1666,27 +1790,53 @@ class Scheduler:
             ))
         return out
 
+    def _entries(self) -> Iterator[_Ent]:
+        """Every tracked counter entry: table by table, key by key."""
+        for table in self._tables:
+            for row in table.rows.values():
+                grp = row.grp
+                if grp is None:
+                    continue
+                for cc, thresholds, cond in row.prof.items:
+                    yield cc, thresholds, cond, row.key, grp
+
+    @staticmethod
+    def _group_entries(groups: Iterable[_Group]) -> list[_Ent]:
+        """The entries of ``groups``, in the policy's order of counters."""
+        out = [(cc, thresholds, cond, row.key, grp) for grp in groups for row in grp.rows
+               for cc, thresholds, cond in row.prof.items]
+        out.sort(key=lambda e: e[0].index)
+        return out
+
+    @staticmethod
+    def _waiting(grp: _Group) -> int:
+        return len(grp.waiters[0]) + len(grp.waiters[1])
+
     def counters(self, now: float | None = None) -> list[CounterView]:
-        """Tracked counter entries against their thresholds."""
+        """Tracked counter entries against their thresholds.
+
+        An entry counts the sub-queues parked on its group as waiting on it
+        while it is exceeded (its group's tightest limit may be another
+        entry's).
+        """
         now = self._now if now is None else now
         out = []
-        for entry in self._entries.values():
-            inflight, _, last_at = entry.state(now)
-            kind = entry.blocking_kind(now)
+        for cc, thresholds, cond, key, grp in self._entries():
+            kind = _kind(thresholds, grp, now)
+            interval = thresholds.connectinterval_s or None
             out.append(CounterView(
-                counter=entry.counter.id,
-                key=tuple(zip(entry.counter.names, entry.key, strict=True)),
-                inflight=inflight,
-                concurrency=entry.conc,
-                rate=str(entry.thresholds.rate) if entry.thresholds.rate else None,
-                rate_used=entry.rate_used(now) if entry.rate_n is not None else 0,
-                connectinterval_s=entry.interval,
-                next_connect_at=(last_at + entry.interval
-                                 if entry.interval is not None and last_at > -_NEVER
-                                 else None),
+                counter=cc.id,
+                key=tuple(zip(cc.names, key, strict=True)),
+                inflight=grp.inflight,
+                concurrency=thresholds.concurrency,
+                rate=str(thresholds.rate) if thresholds.rate else None,
+                rate_used=_rate_used(thresholds, grp, now),
+                connectinterval_s=interval,
+                next_connect_at=(grp.last_at + interval
+                                 if interval is not None and grp.last_at > -_NEVER else None),
                 exceeded=kind is not None,
-                waiting_subqueues=len(entry.waiters[0]) + len(entry.waiters[1]),
-                condition=entry.condition.id if entry.condition is not None else None,
+                waiting_subqueues=self._waiting(grp) if kind is not None else 0,
+                condition=cond.id if cond is not None else None,
             ))
         return out
 
@@ -1702,16 +1852,17 @@ class Scheduler:
                 waiting_subqueues=len(blocker.waiters[0]) + len(blocker.waiters[1]),
                 from_file=blocker.from_file,
             ))
-        for entry in self._entries.values():
-            kind = entry.blocking_kind(now)
+        for ent in self._entries():
+            cc, thresholds, _, key, grp = ent
+            kind = _kind(thresholds, grp, now)
             if kind is None:
                 continue
             out.append(SuspensionView(
-                id=f"{entry.counter.id}:{','.join(entry.key)}",
-                fields=tuple(zip(entry.counter.names, entry.key, strict=True)),
-                automatic=True, expires_at=entry.free_at(now), tag=str(kind),
-                reason=self._entry_text(entry, kind, now),
-                waiting_subqueues=len(entry.waiters[0]) + len(entry.waiters[1]),
+                id=f"{cc.id}:{','.join(key)}",
+                fields=tuple(zip(cc.names, key, strict=True)),
+                automatic=True, expires_at=_free_at(thresholds, grp, now), tag=str(kind),
+                reason=self._entry_text(ent, kind, now),
+                waiting_subqueues=self._waiting(grp),
             ))
         return out
 
@@ -1735,24 +1886,31 @@ class Scheduler:
 
     # ------------------------------------------------------------ explain
 
-    def _entry_text(self, entry: _Entry, kind: Waiting, now: float) -> str:
-        key = ", ".join(f"{n}={v or '(default)'}" for n, v in
-                        zip(entry.counter.names, entry.key, strict=True)) or "all mail"
-        cond = f" (condition {entry.condition.id or 'if ' + str(dict(entry.condition.match))})" \
-            if entry.condition is not None else ""
-        name = f"counter {entry.counter.id} [{key}]{cond}"
+    def _entry_text(self, ent: _Ent, kind: Waiting, now: float) -> str:
+        cc, thresholds, cond, key, grp = ent
+        keys = ", ".join(f"{n}={v or '(default)'}" for n, v in
+                         zip(cc.names, key, strict=True)) or "all mail"
+        why = f" (condition {cond.id or 'if ' + str(dict(cond.match))})" \
+            if cond is not None else ""
+        name = f"counter {cc.id} [{keys}]{why}"
         if kind is Waiting.CONCURRENCY:
-            return f"{name}: {entry.state(now)[0]} in flight, concurrency {entry.conc}"
-        if kind is Waiting.RATE:
-            return (f"{name}: {entry.rate_used(now)} pickups in the last "
-                    f"{entry.rate_s:g}s, rate {entry.thresholds.rate}")
-        return f"{name}: connectinterval {entry.interval:g}s since the last pickup"
+            return f"{name}: {grp.inflight} in flight, concurrency {thresholds.concurrency}"
+        if kind is Waiting.RATE and thresholds.rate is not None:
+            return (f"{name}: {_rate_used(thresholds, grp, now)} pickups in the last "
+                    f"{thresholds.rate.per_s:g}s, rate {thresholds.rate}")
+        return (f"{name}: connectinterval {thresholds.connectinterval_s or 0:g}s "
+                "since the last pickup")
 
     def _blocker_text(self, blocker: _Blocker) -> str:
         now = self._now
-        if isinstance(blocker, _Entry):
-            kind = blocker.blocking_kind(now) or Waiting.CONCURRENCY
-            return self._entry_text(blocker, kind, now)
+        if isinstance(blocker, _Group):
+            ents = self._group_entries((blocker,))
+            for ent in ents:
+                kind = _kind(ent[1], blocker, now)
+                if kind is not None:
+                    return self._entry_text(ent, kind, now)
+            if ents:
+                return self._entry_text(ents[0], Waiting.CONCURRENCY, now)
         if isinstance(blocker, _Susp):
             return f"suspension {blocker.suspension.id}"
         if isinstance(blocker, _Dest):
@@ -1809,21 +1967,22 @@ class Scheduler:
                 reasons.append(Reason(Waiting.SUSPENDED, f"suspended by {s.id}{until}{extra}",
                                       localip=shown_ip, suspension=s.id, until_at=s.expires_at))
                 at_ip = s.expires_at
-            entries = sq.entries[i] if i < len(sq.entries) else ()
-            for entry in entries:
-                if entry.rate_n:
-                    spacing = max(spacing, entry.rate_s / entry.rate_n)
-                if entry.interval:
-                    spacing = max(spacing, entry.interval)
-                kind = entry.blocking_kind(now)
+            groups = sq.groups[i] if i < len(sq.groups) else ()
+            for ent in self._group_entries(groups):
+                cc, thresholds, _, key, grp = ent
+                rate = thresholds.rate
+                if rate is not None and rate.count:
+                    spacing = max(spacing, rate.per_s / rate.count)
+                if thresholds.connectinterval_s:
+                    spacing = max(spacing, thresholds.connectinterval_s)
+                kind = _kind(thresholds, grp, now)
                 if kind is None:
                     continue
-                free_at = entry.free_at(now)
+                free_at = _free_at(thresholds, grp, now)
                 reasons.append(Reason(
-                    kind, self._entry_text(entry, kind, now), localip=shown_ip,
-                    counter=entry.counter.id,
-                    key=tuple(zip(entry.counter.names, entry.key, strict=True)),
-                    threshold=str(entry.thresholds), current=str(entry.state(now)[0]),
+                    kind, self._entry_text(ent, kind, now), localip=shown_ip,
+                    counter=cc.id, key=tuple(zip(cc.names, key, strict=True)),
+                    threshold=str(thresholds), current=str(grp.inflight),
                     until_at=free_at))
                 if free_at is None:
                     at_ip = None
