@@ -263,14 +263,18 @@ class _Table:
     gets a table of its own, so that its rate windows start empty.
     """
 
-    __slots__ = ("ccs", "limits", "memo", "profiles", "reuse", "rows", "sig", "specs")
+    __slots__ = ("ccs", "limits", "profiles", "reuse", "rows", "sig", "specs")
 
     _MEMO_MAX = 100_000
 
-    def __init__(self, ccs: Sequence[_CCounter], limits: tuple[int, int]) -> None:
+    def __init__(self, ccs: Sequence[_CCounter], limits: tuple[int, int],
+                 memos: dict[str, dict[str, str]]) -> None:
         self.sig = ccs[0].sig
-        self.specs = tuple((f.name, f if f.groups else None) for f in ccs[0].counter.fields)
-        self.memo: dict[tuple[str, str], str] = {}
+        # Per field: its name, and for a field with groups, the spec and a
+        # memo of its group look-ups (raw value -> key component), shared by
+        # every table with the same groups for the field.
+        self.specs = tuple((f.name, f, memos.setdefault(f.signature, {})) if f.groups
+                           else (f.name, None, None) for f in ccs[0].counter.fields)
         self.rows: dict[tuple[str, ...], _Row] = {}
         # Rows of the previous policy, until a look-up takes them back (_rebuild).
         self.reuse: dict[tuple[str, ...], _Row] = {}
@@ -289,16 +293,14 @@ class _Table:
 
     def key(self, route: Route, ip: str) -> tuple[str, ...]:
         parts: list[str] = []
-        for name, spec in self.specs:
+        for name, spec, memo in self.specs:
             raw = ip if name == "localip" else getattr(route, name)
-            if spec is not None:
-                memo_key = (name, raw)
-                value = self.memo.get(memo_key)
+            if spec is not None and memo is not None:
+                value = memo.get(raw)
                 if value is None:
-                    if len(self.memo) >= self._MEMO_MAX:
-                        self.memo.clear()
-                    value = spec.component(raw)
-                    self.memo[memo_key] = value
+                    if len(memo) >= self._MEMO_MAX:
+                        memo.clear()
+                    value = memo[raw] = spec.component(raw)
                 raw = value
             parts.append(raw)
         return tuple(parts)
@@ -378,15 +380,17 @@ class _Group(_Blocker):
     """
 
     __slots__ = ("busy", "cap_n", "check_n", "conc", "inflight", "interval", "last_at", "log",
-                 "max_s", "min_n", "mixed", "old", "plain", "rates", "rows", "timed", "users")
+                 "max_s", "min_n", "mixed", "mode", "old", "orphan", "rates", "rows", "users")
 
     def __init__(self, rows: list[_Row]) -> None:
         super().__init__()
         self.rows = rows
         for row in rows:
             row.grp = self
-        # Sub-queues whose source IPs use it (for splits and forgetting).
+        # Sub-queues whose source IPs use it (for splits and forgetting),
+        # and whether there is none (read where the dict would be a miss).
         self.users: dict[_SubQueue, None] = {}
+        self.orphan = True
         self.inflight = 0
         self.log: deque[float] = _NO_LOG
         self.last_at = -_NEVER
@@ -395,8 +399,7 @@ class _Group(_Blocker):
 
     def copy_counts(self, other: _Group, inflight: int) -> None:
         self.inflight = inflight
-        if self.rates and other.log:
-            self.log = deque(other.log)
+        self.log = deque(other.log) if self.rates and other.log else _NO_LOG
         self.last_at = other.last_at
         self.refresh()
 
@@ -415,15 +418,16 @@ class _Group(_Blocker):
         self.conc = conc  # _BIG: no concurrency
         self.rates = tuple(sorted(rates))  # the smallest count first: the likeliest full
         self.interval = interval
-        self.timed = bool(rates) or interval is not None
-        self.plain = bool(rates) and interval is None  # stamped inline by _start
+        # What a pickup does to it (_start): 0 nothing (untimed); 1 log it
+        # inline (rates only, and a log of its own: a group that never had
+        # a pickup has none yet); 2 stamp() (an interval, or a first pickup).
+        self.mode = (1 if interval is None and self.log is not _NO_LOG else 2) if rates \
+            else (2 if interval is not None else 0)
         if rates:
             self.max_s = max(per for _, per in rates)
             self.min_n = min(n for n, _ in rates)
             self.cap_n = min(n for n, per in rates if per == self.max_s)
             self.mixed = any(per != self.max_s for _, per in rates)
-            if self.log is _NO_LOG:
-                self.log = deque()
         else:
             self.max_s = 0.0
             self.min_n = self.cap_n = _BIG
@@ -465,6 +469,9 @@ class _Group(_Blocker):
         busy = -_NEVER
         if self.rates:
             log = self.log
+            if log is _NO_LOG:  # its first pickup (an empty deque is 600 bytes)
+                self.log = log = deque()
+                self.mode = 1 if self.interval is None else 2
             log.append(now)
             if len(log) >= self.check_n:
                 busy = self.logged(now)
@@ -506,8 +513,11 @@ class _Group(_Blocker):
         if now < self.busy:
             return 0
         if self.rates:
-            self.prune(now)
-            free = min(free, self.cap_n - len(self.log))
+            # A log shorter than cap_n by at least the free slots cannot be
+            # what limits them, pruned or not: prune only when it might.
+            if self.cap_n - len(self.log) < free:
+                self.prune(now)
+                free = min(free, self.cap_n - len(self.log))
             if self.mixed:
                 free = min(free, 1)  # shorter windows: let one through at a time
         return free
@@ -634,8 +644,9 @@ class _Dest(_Blocker):
 
 
 class _SubQueue:
-    __slots__ = ("dest", "dropped", "groups", "in_ring", "ips", "jobs", "live", "parked_on",
-                 "priority", "route", "rr", "susp", "susp_version", "version", "woken_by")
+    __slots__ = ("dest", "dropped", "g0", "groups", "in_ring", "ip0", "ips", "jobs", "live",
+                 "parked_on", "pool", "priority", "route", "rr", "s0", "susp", "susp_version",
+                 "version", "woken_by")
 
     def __init__(self, route: Route, priority: int, dest: _Dest) -> None:
         self.route = route
@@ -645,8 +656,14 @@ class _SubQueue:
         self.live = 0
         self.dropped = 0
         self.ips: tuple[str, ...] = route.localip or ("",)
+        self.pool = len(self.ips) > 1
         # Per source IP: the groups a pickup checks and counts in.
         self.groups: list[tuple[_Group, ...]] = []
+        # The first IP's, and its suspension, at hand: the common case of
+        # one IP reads no list (each a cache miss among 100 000 sub-queues).
+        self.ip0 = self.ips[0]
+        self.g0: tuple[_Group, ...] = ()
+        self.s0: _Susp | None = None
         self.version = -1
         self.susp: list[_Susp | None] = []
         self.susp_version = -1
@@ -757,6 +774,7 @@ class Scheduler:
         self._policy = Policy()
         self._ccounters: tuple[_CCounter, ...] = ()
         self._tables: tuple[_Table, ...] = ()
+        self._memos: dict[str, dict[str, str]] = {}  # group look-ups, per field spec
         self._n_entries = 0  # tracked counter entries, over every row
         self._max_inflight = self.settings.max_deliveries
         self._version = 0
@@ -1059,7 +1077,7 @@ class Scheduler:
                 owner.reset(group, limits)
                 tables.append(owner)
             else:
-                tables.append(_Table(group, limits))
+                tables.append(_Table(group, limits, self._memos))
         self._tables = tuple(tables)
 
     def _set_policy(self, policy: Policy, now: float) -> None:
@@ -1196,6 +1214,8 @@ class Scheduler:
             rows, limit = self._rows_for(sq.route, ip)
             groups = self._place(rows, sq)
             sq.groups.append(groups)
+            if len(sq.groups) == 1:
+                sq.g0 = groups
             limits.append(limit)
         sq.version = self._version
         dest = sq.dest
@@ -1219,9 +1239,12 @@ class Scheduler:
         for groups in sq.groups:
             for grp in groups:
                 grp.users.pop(sq, None)
-                if not grp.users and not grp.inflight and not grp.old:
-                    self._forget_later(grp)
+                if not grp.users:
+                    grp.orphan = True
+                    if not grp.inflight and not grp.old:
+                        self._forget_later(grp)
         sq.groups = []
+        sq.g0 = ()
 
     def _place(self, rows: list[_Row], sq: _SubQueue | None) -> tuple[_Group, ...]:
         """The groups of one user's rows: a source IP of ``sq``, or (None) a
@@ -1251,6 +1274,7 @@ class Scheduler:
         if sq is not None:
             for grp in out:
                 grp.users[sq] = None
+                grp.orphan = False
         return tuple(out)
 
     def _split(self, grp: _Group, mine: list[_Row]) -> _Group:
@@ -1265,12 +1289,15 @@ class Scheduler:
         part.copy_counts(grp, grp.inflight)
         grp.rows = [row for row in grp.rows if row.grp is grp]
         grp.refresh()
+        part.orphan = grp.orphan
         for user in grp.users:
             part.users[user] = None
             for i, groups in enumerate(user.groups):
                 if grp in groups:
                     k = groups.index(grp) + 1
                     user.groups[i] = (*groups[:k], part, *groups[k:])
+                    if i == 0:
+                        user.g0 = user.groups[0]
         if grp.inflight:
             for flight in self._flights.values():
                 if grp in flight.groups:
@@ -1349,6 +1376,7 @@ class Scheduler:
                         break
                 found.append(hit)
             sq.susp = found
+            sq.s0 = found[0]
             sq.susp_version = self._susp_version
         return sq.susp
 
@@ -1594,13 +1622,12 @@ class Scheduler:
         if dest.inflight >= dest.limit:
             self._park(sq, [dest], woken, now)
             return
-        susps = sq.susp if sq.susp_version == self._susp_version else self._suspensions_for(sq)
-        n = len(sq.ips)
-        if n == 1:
+        if not sq.pool:
             # The common case, without the bookkeeping of a pool.
-            held: _Blocker | None = susps[0]
+            held: _Blocker | None = (sq.s0 if sq.susp_version == self._susp_version
+                                     else self._suspensions_for(sq)[0])
             if held is None:
-                for grp in sq.groups[0]:
+                for grp in sq.g0:
                     # Every limit of the group's rows, in two comparisons.
                     if grp.inflight >= grp.conc or now < grp.busy:
                         held = grp
@@ -1611,6 +1638,8 @@ class Scheduler:
                     return
             self._park(sq, [held], woken, now)
             return
+        susps = sq.susp if sq.susp_version == self._susp_version else self._suspensions_for(sq)
+        n = len(sq.ips)
         blockers: list[_Blocker] = []
         for k in range(n):
             i = (sq.rr + k) % n
@@ -1646,7 +1675,7 @@ class Scheduler:
         if not sq.live:
             self._retire(sq)
             return
-        if woken is not None and (len(sq.ips) == 1 or woken is sq.dest):
+        if woken is not None and (not sq.pool or woken is sq.dest):
             free = woken.free(now)
             if free - woken.pending <= 0:
                 # _park(sq, [woken], None, now), for the one blocker.
@@ -1666,17 +1695,22 @@ class Scheduler:
     def _start(self, sq: _SubQueue, i: int, now: float, out: list[Command]) -> None:
         rec = sq.jobs.popleft()
         sq.live -= 1
-        ip = sq.ips[i]
-        groups = sq.groups[i]
+        if i:
+            ip = sq.ips[i]
+            groups = sq.groups[i]
+        else:
+            ip = sq.ip0
+            groups = sq.g0
         for grp in groups:
             grp.inflight += 1
-            if grp.plain:
+            mode = grp.mode
+            if mode == 1:
                 # stamp(), inlined for a group with rates only (the common case).
                 log = grp.log
                 log.append(now)
                 if len(log) >= grp.check_n:
                     grp.logged(now)
-            elif grp.timed:
+            elif mode:
                 grp.stamp(now)
         dest = sq.dest
         dest.inflight += 1
@@ -1706,7 +1740,7 @@ class Scheduler:
             grp.inflight -= 1
             if grp.waiters is not _NO_WAITERS:  # most groups never had a waiter
                 dirty[grp] = None  # released once the batch of results is in
-            if not grp.inflight and not grp.users:
+            if not grp.inflight and grp.orphan:
                 self._forget_later(grp)  # nobody left to use it
         dest = flight.dest
         dest.inflight -= 1
