@@ -2,6 +2,8 @@
 
 SUMMARY
     classify_failures(events) -> DataFrame    EVENT_SCHEMA -> CLASSIFIED_SCHEMA
+    with_masked_reply(events) -> DataFrame    events plus MASKED_COLUMN (failures only)
+    classify_masked(masked) -> DataFrame      the same, from with_masked_reply() rows
     bounce_summary(classified) -> DataFrame   counts per domain, event, category, hard
 
 DESCRIPTION
@@ -28,20 +30,33 @@ STRATEGIES
     driver a few milliseconds.  Past DRIVER_KEYS_MAX distinct keys the same
     rules run as a Spark expression (sluice.pipeline.expressions).
 
+    Mask once.  Masking is the costly step (eight regular expressions per
+    reply), and the distinct keys and the classified rows both need it.
+    classify_failures() masks in the plan of its result, so a caller that
+    reads the result more than once should persist it; run_jobs() instead
+    masks while it caches the events (with_masked_reply) and classifies the
+    cached rows with classify_masked(), which masks nothing again.
+
 SEE ALSO
     sluice.pipeline.rules (the rules and why), sluice.pipeline.suppress
 """
 
 from __future__ import annotations
 
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sluice.pipeline import expressions as X
 from sluice.pipeline.rules import FAILURE_EVENTS, category_of
 from sluice.pipeline.schema import CLASSIFIED_SCHEMA
 
-__all__ = ["bounce_summary", "classify_failures"]
+__all__ = [
+    "MASKED_COLUMN",
+    "bounce_summary",
+    "classify_failures",
+    "classify_masked",
+    "with_masked_reply",
+]
 
 
 #: Up to this many distinct (event, enhanced, masked reason) keys are
@@ -49,7 +64,27 @@ __all__ = ["bounce_summary", "classify_failures"]
 #: are classified by the Spark expression instead.
 DRIVER_KEYS_MAX = 200_000
 
+#: The masked reply text that with_masked_reply() adds (null but for failures).
+MASKED_COLUMN = "_masked"
+
 _KEY_SCHEMA = "event string, _enh string, _masked string, category string"
+
+
+def _is_failure() -> Column:
+    return F.col("event").isin(*FAILURE_EVENTS)
+
+
+def with_masked_reply(events: DataFrame) -> DataFrame:
+    """events plus MASKED_COLUMN: rules.mask(response) for failures, null otherwise.
+
+    Other events skip the regular expressions: only failures are classified.
+    """
+    masked = X.with_masked(
+        events.withColumn(MASKED_COLUMN, F.when(_is_failure(), F.col("response"))),
+        MASKED_COLUMN,
+        MASKED_COLUMN,
+    )
+    return masked.withColumn(MASKED_COLUMN, F.when(_is_failure(), F.col(MASKED_COLUMN)))
 
 
 def classify_failures(events: DataFrame, driver_keys_max: int = DRIVER_KEYS_MAX) -> DataFrame:
@@ -58,11 +93,19 @@ def classify_failures(events: DataFrame, driver_keys_max: int = DRIVER_KEYS_MAX)
     Runs one Spark job at once: it collects the distinct masked reasons to
     classify them (see Strategies in the module docstring).
     """
-    failures = events.where(F.col("event").isin(*FAILURE_EVENTS))
-    masked = X.with_masked(failures, "response", "_masked").withColumn(
+    failures = events.where(_is_failure())
+    return classify_masked(with_masked_reply(failures), driver_keys_max)
+
+
+def classify_masked(masked: DataFrame, driver_keys_max: int = DRIVER_KEYS_MAX) -> DataFrame:
+    """classify_failures() of events that with_masked_reply() has masked.
+
+    Reads ``masked`` twice (the distinct keys, then the rows): persist it.
+    """
+    masked = masked.where(_is_failure()).withColumn(
         "_enh", F.coalesce(F.col("enhanced"), F.lit(""))
     )
-    keys = masked.select("event", "_enh", "_masked").distinct()
+    keys = masked.select("event", "_enh", MASKED_COLUMN).distinct()
     found = keys.limit(driver_keys_max + 1).collect()
     if len(found) <= driver_keys_max:
         table = [(r["event"], r["_enh"], r["_masked"],

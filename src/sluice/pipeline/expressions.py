@@ -31,8 +31,9 @@ __all__ = ["category", "hard", "mx_group", "reason", "throttle", "with_masked"]
 def with_masked(df: DataFrame, source: str, target: str) -> DataFrame:
     """df with ``target`` = rules.mask(``source``).
 
-    One column step per rule, each guarded by its cheap substring test; a
-    nested Column expression would repeat the previous steps in every
+    One column step per rule, each guarded by its cheap substring test (a
+    rule without one by a test for the empty text, which no rule changes);
+    a nested Column expression would repeat the previous steps in every
     guard and grow with 2**rules.
     """
     out = df.withColumn(target, F.coalesce(F.col(source), F.lit("")))
@@ -42,8 +43,9 @@ def with_masked(df: DataFrame, source: str, target: str) -> DataFrame:
             present = F.col(target).contains(guard[0])
             for extra in guard[1:]:
                 present = present | F.col(target).contains(extra)
-            step = F.when(present, step).otherwise(F.col(target))
-        out = out.withColumn(target, step)
+        else:
+            present = F.col(target) != ""
+        out = out.withColumn(target, F.when(present, step).otherwise(F.col(target)))
     return out.withColumn(target, F.substring(F.trim(F.col(target)), 1, rules.MASK_MAX))
 
 

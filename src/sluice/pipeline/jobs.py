@@ -31,11 +31,22 @@ DESCRIPTION
 
 STRATEGIES
     Read once.  Parsing JSON is most of the cost, so run_jobs reads the
-    inputs once for all the jobs it runs, and persists the events (memory,
-    then disk) whenever they are scanned more than once; small aggregates
-    are persisted too, because each table is written twice.  The
-    job functions (report_job, bounces_job, ...) take a Source of events
-    already read; run_report() and friends are one-job run_jobs() calls.
+    inputs once for all the jobs it runs and persists the events (memory,
+    then disk); small aggregates are persisted too, because each table is
+    written twice.  The job functions (report_job, bounces_job, ...) take a
+    Source of events already read; run_report() and friends are one-job
+    run_jobs() calls.
+
+    Cache only what is read.  Building Spark's columnar cache costs about
+    as much as parsing the JSON, per column.  Every job reads whole only
+    some kinds of events (WHOLE_EVENTS: the failures for report and
+    bounces); the report also reads OUTCOME_COLUMNS of every event.  So
+    the cache holds every column of those kinds, the outcome columns of
+    the rest (other columns null), and no row that no job reads; and the
+    failures' masked reply (bounces.with_masked_reply), so that masking,
+    the costly step after parsing, runs once per failure.  The classified
+    failures are not cached again: classify_masked() is a broadcast join
+    on the cached rows.
 
 SEE ALSO
     sluice.cli.analytics_cmds, docs/analytics.md
@@ -55,13 +66,20 @@ from pyspark.sql import functions as F
 
 from sluice.accounting import iso_time
 from sluice.pipeline import load
-from sluice.pipeline.bounces import bounce_summary, classify_failures
+from sluice.pipeline.bounces import (
+    MASKED_COLUMN,
+    bounce_summary,
+    classify_failures,
+    classify_masked,
+    with_masked_reply,
+)
 from sluice.pipeline.events import between
 from sluice.pipeline.extract import expand_inputs, read_events, read_lines
 from sluice.pipeline.html import ReportData, render_report
 from sluice.pipeline.maillog import maillog_events, parse_lines
 from sluice.pipeline.policy import build_policy, limits_from_findings, policy_yaml
-from sluice.pipeline.report import Level, level, outcomes, reasons, top_reasons
+from sluice.pipeline.report import OUTCOME_COLUMNS, Level, level, outcomes, reasons, top_reasons
+from sluice.pipeline.rules import FAILURE_EVENTS
 from sluice.pipeline.shape import throttle_findings
 from sluice.pipeline.suppress import last_delivered, suppressions
 from sluice.suppression import (
@@ -74,9 +92,11 @@ from sluice.suppression import (
 
 __all__ = [
     "JOBS",
+    "WHOLE_EVENTS",
     "JobResult",
     "Source",
     "bounces_job",
+    "cached_events",
     "open_source",
     "report_job",
     "run_bounces",
@@ -111,7 +131,7 @@ class Source:
     paths: list[str]
     events: DataFrame
     until: datetime | None = None
-    #: classify_failures(events), when several jobs need it
+    #: the failures classified (CLASSIFIED_SCHEMA), when a job needs them
     classified: DataFrame | None = None
 
 
@@ -360,6 +380,37 @@ JOBS: dict[str, Callable[..., JobResult]] = {
     "shape": shape_job,
 }
 
+#: The kinds of events each job reads with all their columns; of other
+#: kinds the report reads OUTCOME_COLUMNS and no job anything else.
+WHOLE_EVENTS: dict[str, tuple[str, ...]] = {
+    "report": FAILURE_EVENTS,  # reasons
+    "bounces": FAILURE_EVENTS,
+    "suppress": ("delivered", "bounced", "expired"),
+    "shape": ("delivered", "deferred", "bounced"),
+}
+
+#: Jobs that read the classified failures.
+_CLASSIFYING = frozenset({"report", "bounces", "suppress"})
+
+
+def cached_events(events: DataFrame, names: Sequence[str]) -> DataFrame:
+    """What run_jobs caches for ``names``: only the rows and columns they read.
+
+    Kinds in WHOLE_EVENTS of a job keep every column; when the report runs,
+    other kinds keep OUTCOME_COLUMNS (the rest null), else they are left
+    out.  When a job classifies failures, MASKED_COLUMN is added.
+    """
+    whole = sorted({kind for name in names for kind in WHOLE_EVENTS[name]})
+    keep = F.col("event").isin(*whole)
+    if "report" in names:
+        compact = events.select(*[
+            F.col(c) if c in OUTCOME_COLUMNS else F.when(keep, F.col(c)).alias(c)
+            for c in events.columns
+        ])
+    else:
+        compact = events.where(keep)
+    return with_masked_reply(compact) if _CLASSIFYING & set(names) else compact
+
 
 def run_jobs(
     spark: SparkSession,
@@ -374,24 +425,24 @@ def run_jobs(
 ) -> list[JobResult]:
     """Several jobs over one read of the inputs; options per job name.
 
-    The events are persisted (memory, then disk) unless a single job reads
-    them only once (bounces): parsing JSON is most of the cost, so it is
-    done once however many tables come out.
+    Parsing JSON is most of the cost, so it is done once however many
+    tables come out: the rows and columns the jobs read are persisted
+    (memory, then disk; see cached_events), the failures masked on the way.
     """
     unknown = [n for n in names if n not in JOBS]
     if unknown or not names:
         raise ValueError(f"unknown job(s) {', '.join(unknown) or '(none)'}; "
                          f"choose from {', '.join(JOBS)}")
     source = open_source(spark, inputs, since, until)
-    shared = list(names) != ["bounces"]
-    if shared:
-        events = source.events.persist(StorageLevel.MEMORY_AND_DISK)
-        classified = None
-        if len({"report", "bounces", "suppress"} & set(names)) > 1:
-            # Masking and classifying is the costly part after parsing.
-            classified = classify_failures(events).persist(StorageLevel.MEMORY_AND_DISK)
-        source = Source(source.paths, events, until, classified)
+    cache = cached_events(source.events, names).persist(StorageLevel.MEMORY_AND_DISK)
     try:
+        classified = None
+        events = cache
+        if MASKED_COLUMN in cache.columns:
+            events = cache.drop(MASKED_COLUMN)
+            step("reading, classifying failures")
+            classified = classify_masked(cache)
+        source = Source(source.paths, events, until, classified)
         results = []
         for name in JOBS:
             if name in names:
@@ -399,10 +450,7 @@ def run_jobs(
                 results.append(JOBS[name](source, output, step=step, **opts))
         return results
     finally:
-        if source.classified is not None:
-            source.classified.unpersist()
-        if shared:
-            source.events.unpersist()
+        cache.unpersist()
 
 
 def run_report(

@@ -1,7 +1,7 @@
 """Report: delivery outcomes per destination, sender and hour, latency and top reasons.
 
 SUMMARY
-    outcomes(events) -> DataFrame          one pass, four levels (OUTCOME_SCHEMA)
+    outcomes(events) -> DataFrame          one pass, four levels; reads OUTCOME_COLUMNS
     level(outcomes, Level.HOURLY) -> DataFrame
     reasons(events) -> DataFrame           (event, domain, reason) counts
     top_reasons(reasons, n, by_domain=False) -> DataFrame
@@ -22,10 +22,17 @@ DESCRIPTION
     cells with an empty remotemx; per domain and in total they add up.
 
 STRATEGIES
-    One pass with grouping sets.  The detail, per-hour, per-domain and total
-    levels are one GROUPING SETS aggregation: the events are read once, and
+    Grouping sets.  The detail, per-hour, per-domain and total levels come
+    from GROUPING SETS aggregations, so they add up by construction, and
     percentiles per domain are exact to the detail's own approximation
     (percentile_approx, accuracy 1000) rather than averaged from cells.
+
+    Counts apart from percentiles.  percentile_approx keeps an object per
+    cell, which puts a whole aggregation on Spark's interpreted object-hash
+    path; alone it also sees only the deliveries (a third of the events).
+    The counts are a separate, code-generated hash aggregation over all
+    events, and the two meet in a join on the cell and its grouping id --
+    about a third less work than one aggregation doing both.
 
     Reasons are grouped after masking (rules.mask): "452 4.2.2 <addr>...
     mailbox full" is one reason whoever the recipient.
@@ -49,6 +56,7 @@ from sluice.pipeline import expressions as X
 __all__ = [
     "DIMENSIONS",
     "MEASURES",
+    "OUTCOME_COLUMNS",
     "Level",
     "level",
     "outcomes",
@@ -58,6 +66,9 @@ __all__ = [
 
 #: What the detail level is grouped by, besides the hour.
 DIMENSIONS: tuple[str, ...] = ("domain", "tenantid", "jobid", "localip", "remotemx")
+
+#: The columns outcomes() reads: of most events the report needs no more.
+OUTCOME_COLUMNS: tuple[str, ...] = ("time", "event", *DIMENSIONS, "queue_age_s", "attempt")
 
 #: Measures, in output order.
 MEASURES: tuple[str, ...] = (
@@ -92,25 +103,42 @@ def _count(kind: str) -> Column:
 def outcomes(events: DataFrame) -> DataFrame:
     """EVENT_SCHEMA -> level, hour, DIMENSIONS..., MEASURES (all four levels)."""
     delivered = F.col("event") == "delivered"
-    with_hour = events.withColumn("hour", F.date_trunc("hour", F.col("time")))
+    with_hour = events.select(
+        *[F.col(c) for c in OUTCOME_COLUMNS if c != "time"],
+        F.date_trunc("hour", F.col("time")).alias("hour"),
+    )
     keys = [*DIMENSIONS, "hour"]
     sets = [keys, ["hour"], ["domain"], []]
-    pct = F.percentile_approx(
-        F.when(delivered, F.col("queue_age_s")),
-        [0.5, 0.95, 0.99],
-        PERCENTILE_ACCURACY,
-    )
-    agg = with_hour.groupingSets(sets, *keys).agg(
+    counts = with_hour.groupingSets(sets, *keys).agg(
         _count("received").alias("received"),
         _count("delivered").alias("delivered"),
         _count("deferred").alias("deferred"),
         _count("bounced").alias("bounced"),
         _count("expired").alias("expired"),
-        pct.alias("_pct"),
         F.avg(F.when(delivered, F.col("attempt"))).alias("attempts_per_delivered"),
-        F.grouping("domain").alias("_g_domain"),
-        F.grouping("tenantid").alias("_g_tenant"),
-        F.grouping("hour").alias("_g_hour"),
+        F.grouping_id().alias("_gid"),
+    )
+    pcts = with_hour.where(delivered & F.col("queue_age_s").isNotNull()).groupingSets(
+        sets, *keys
+    ).agg(
+        F.percentile_approx(F.col("queue_age_s"), [0.5, 0.95, 0.99], PERCENTILE_ACCURACY)
+        .alias("_pct"),
+        F.grouping_id().alias("_gid"),
+    )
+    # Grouped-away keys are null, and a dimension may be null itself.
+    same_cell = [counts[k].eqNullSafe(pcts[k]) for k in keys] + [counts["_gid"] == pcts["_gid"]]
+    agg = counts.join(pcts, same_cell, "left").select(
+        *[counts[c] for c in counts.columns], pcts["_pct"]
+    )
+    # grouping_id() bits, highest first, follow keys: domain ... hour.
+    bit = {k: 1 << (len(keys) - 1 - i) for i, k in enumerate(keys)}
+    agg = agg.select(
+        "*",
+        *[
+            (F.col("_gid").bitwiseAND(bit[k]) != 0).cast("tinyint").alias(name)
+            for k, name in (("domain", "_g_domain"), ("tenantid", "_g_tenant"),
+                            ("hour", "_g_hour"))
+        ],
     )
     ended = F.col("delivered") + F.col("bounced") + F.col("expired")
     lvl = (
