@@ -67,9 +67,10 @@ def policy_data(counters: int, inflight: int) -> list[dict[str, object]]:
     for a slot, and each finished delivery lets the next one go).  The
     others are concurrencies just below it, or rates that are never
     reached: thresholds the scheduler must track and check on every pickup
-    (one at or above what can be in flight would not be, see
-    Scheduler._cannot_bind).  Each also has a condition for a value nobody
-    has, and some roll MXs up into groups, as Halon's gsuite example does.
+    (one at or above what can be in flight would not be, see _cannot_bind
+    in sluice.scheduler.core).  Each also has a condition for a value
+    nobody has, and some roll MXs up into groups, as Halon's gsuite example
+    does.
     """
     out: list[dict[str, object]] = [{"id": "global", "concurrency": inflight}]
     for i in range(1, counters):
@@ -164,10 +165,12 @@ def main() -> None:
 
     first, last = results[counts[0]], results[counts[-1]]
     if len(counts) > 2:
-        # With one sub-queue every counter entry is private to it (checked
-        # as one); from a few sub-queues on, the entries of counters over
-        # shared fields (tenant, IP, ...) are checked one by one.  This
-        # ratio compares runs where the same entries are shared.
+        # With one sub-queue all 100 counter entries are one group (counted
+        # as one), and it takes the free slots in a row; from a few
+        # sub-queues on, a pickup counts in one group per set of sub-queues
+        # sharing its entries (tenant, IP, ...: 6 or 7), and round robin
+        # visits another sub-queue each time.  This ratio compares runs
+        # with the same groups.
         middle = results[counts[1]]
         print(f"pickups_per_s_{label(counts[1])}={middle:.0f} "
               f"ratio_{label(counts[-1])}_vs_{label(counts[1])}={last / middle:.2f}")
