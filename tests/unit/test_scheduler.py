@@ -295,6 +295,16 @@ def test_priority_one_goes_before_priority_zero() -> None:
     assert order == [1, 1, 1, 0, 0]
 
 
+def test_priority_one_goes_first_among_sub_queues_ready_together() -> None:
+    sched = sched_for([{"concurrency": 2}])
+    low = [job(Route(f"low{i}.example"), 0) for i in range(3)]
+    high = [job(Route(f"high{i}.example"), 1) for i in range(2)]
+    sent = starts(sched.handle(JobsQueued((*low, *high)), 0))
+    assert [s.job.priority for s in sent] == [1, 1]
+    (s,) = starts(finish(sched, sent[0], 1))
+    assert s.job.priority == 0  # no priority-1 work left
+
+
 def test_round_robin_one_slow_destination_does_not_block_others() -> None:
     sched = sched_for([{"concurrency": 4}])
     slow = Route("slow.example")

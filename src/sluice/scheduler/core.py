@@ -1584,8 +1584,8 @@ class Scheduler:
     def _select(self, now: float, out: list[Command]) -> None:
         limit = self.settings.max_deliveries
         flights = self._flights
-        woken_high, woken_low = self._woken
-        ring_high, ring_low = self._ring
+        woken_low, woken_high = self._woken  # indexed by priority: 0, then 1
+        ring_low, ring_high = self._ring
         while len(flights) < limit:
             # Woken first, then the ring; priority 1 before priority 0.
             if woken_high:
