@@ -690,3 +690,19 @@ def test_a_counter_added_on_a_reload_starts_its_window_empty() -> None:
     assert len(sent) == 2
     used = {v.counter: v.rate_used for v in sched.counters()}
     assert used == {"a": 4, "b": 2}
+
+
+def test_a_rate_added_on_a_reload_starts_empty_whatever_shares_the_group() -> None:
+    # tenantid and t2 count the same deliveries (one group); only t2 has a
+    # rate and keeps pickup times.  A reload that gives tenantid a rate
+    # starts its window empty, as for an entry counted on its own.
+    sched = sched_for([{"fields": ["tenantid"], "concurrency": 9},
+                       {"id": "t2", "fields": ["tenantid"], "rate": "6/60"}])
+    route = Route("example.com", tenantid="t1")
+    sent = starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(9))), 0))
+    assert len(sent) == 6
+    for s in sent:
+        finish(sched, s, 1)
+    sent = starts(sched.handle(PolicyReloaded(parse_policy(
+        [{"fields": ["tenantid"], "rate": "2/60"}])), 2))
+    assert len(sent) == 2

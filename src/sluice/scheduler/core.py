@@ -404,10 +404,13 @@ class _Group(_Blocker):
         self.old = False  # a policy change made it stale (_rebuild)
         self.refresh()
 
-    def copy_counts(self, other: _Group, inflight: int) -> None:
+    def copy_counts(self, other: _Group, inflight: int, log: bool = True,
+                    last: bool = True) -> None:
+        """``other``'s counts: its in flight as given, its pickup times (if
+        ``log``) and its last pickup (if ``last``)."""
         self.inflight = inflight
-        self.log = deque(other.log) if self.rates and other.log else _NO_LOG
-        self.last_at = other.last_at
+        self.log = deque(other.log) if log and self.rates and other.log else _NO_LOG
+        self.last_at = other.last_at if last else -_NEVER
         self.refresh()
 
     def refresh(self) -> None:
@@ -743,6 +746,16 @@ class _CCounter:
     def thresholds(self, key: tuple[str, ...]) -> tuple[Thresholds, Condition | None]:
         return self.chosen(self.match(key))
 
+    def timed_kinds(self) -> set[str]:
+        """Which timed limits (rate, interval) any of its thresholds has."""
+        out: set[str] = set()
+        for thresholds in (self.counter.default, *(c.thresholds for c in self.counter.conditions)):
+            if thresholds.rate is not None:
+                out.add("rate")
+            if thresholds.connectinterval_s:
+                out.add("interval")
+        return out
+
 
 def _compile_match(cond: Condition, names: Sequence[str]
                    ) -> tuple[tuple[int, str | Pattern], ...]:
@@ -783,6 +796,10 @@ class Scheduler:
         self._tables: tuple[_Table, ...] = ()
         self._memos: dict[str, dict[str, str]] = {}  # group look-ups, per field spec
         self._n_entries = 0  # tracked counter entries, over every row
+        # While _rebuild runs: the stale group each row taken back comes
+        # from, and whether it kept pickup times (a rate) and a last pickup
+        # (an interval) under the old policy.
+        self._origins: dict[_Row, tuple[_Group, bool, bool]] = {}
         self._max_inflight = self.settings.max_deliveries
         self._version = 0
         # Suspensions: by id, and indexed by the fields they name.
@@ -1052,8 +1069,11 @@ class Scheduler:
         """Compile the counters into tables; _rebuild must follow.
 
         A counter that keeps its id and signature stays in its table, whose
-        rows keep their counts; the others start new tables.  Every group
-        goes stale: _rebuild places the rows again.
+        rows keep their counts; the others start new tables.  So does a
+        kept counter that gains its first rate (or interval) while its table
+        holds other counters: the pickup times (last pickup) its rows keep
+        are theirs, and its own window starts empty, as a new counter's.
+        Every group goes stale: _rebuild places the rows again.
         """
         self._policy = policy
         ccs = tuple(_CCounter(c, i) for i, c in enumerate(policy.counters))
@@ -1064,10 +1084,10 @@ class Scheduler:
                 limit = min(limit, counter.default.concurrency)
         self._max_inflight = limit
         limits = (self.settings.max_deliveries, limit)
-        old: dict[tuple[str, str], _Table] = {}
+        old: dict[tuple[str, str], tuple[_Table, _CCounter]] = {}
         for table in self._tables:
             for cc in table.ccs:
-                old[(cc.id, cc.sig)] = table
+                old[(cc.id, cc.sig)] = (table, cc)
             for row in table.rows.values():
                 grp = row.grp
                 if grp is not None and not grp.old:
@@ -1077,7 +1097,13 @@ class Scheduler:
                     grp.waiters = _NO_WAITERS  # _rebuild parks nobody on it
         members: dict[_Table | str, list[_CCounter]] = {}
         for cc in ccs:
-            members.setdefault(old.get((cc.id, cc.sig)) or cc.sig, []).append(cc)
+            owner: _Table | str = cc.sig
+            found = old.get((cc.id, cc.sig))
+            if found is not None:
+                table, before = found
+                if len(table.ccs) == 1 or (before.timed_kinds() >= cc.timed_kinds()):
+                    owner = table
+            members.setdefault(owner, []).append(cc)
         tables: list[_Table] = []
         for owner, group in members.items():
             if isinstance(owner, _Table):
@@ -1177,6 +1203,7 @@ class Scheduler:
             for row in table.rows.values():
                 n += len(row.prof.items)
         self._n_entries = n
+        self._origins = {}
 
     def _rows_for(self, route: Route, ip: str) -> tuple[list[_Row], int]:
         """The rows of ``route`` from ``ip`` (created as needed), and the
@@ -1196,7 +1223,14 @@ class Scheduler:
                         row = _Row(key, prof)
                         self._n_entries += len(prof.items)
                     else:
-                        row.prof = prof  # its stale group still holds its counts
+                        # Its stale group holds its counts: the pickup
+                        # times if it had a rate, the last pickup if it had
+                        # an interval (what each entry kept on its own).
+                        old, stale = row.prof, row.grp
+                        if stale is not None:
+                            self._origins[row] = (stale, bool(old.rates),
+                                                  old.interval is not None)
+                        row.prof = prof
                     table.rows[key] = row
                 else:
                     row = None
@@ -1262,19 +1296,20 @@ class Scheduler:
         recounted by the caller).  A group whose rows the user all uses, it
         joins; one it uses in part is split.
         """
-        new: dict[_Group | None, list[_Row]] = {}
+        new: dict[tuple[_Group, bool, bool] | None, list[_Row]] = {}
         used: dict[_Group, list[_Row]] = {}
         for row in rows:
             grp = row.grp
             if grp is None or grp.old:
-                new.setdefault(grp, []).append(row)
+                new.setdefault(self._origins.get(row), []).append(row)
             else:
                 used.setdefault(grp, []).append(row)
         out: list[_Group] = []
         for origin, fresh in new.items():
             grp = _Group(fresh)
             if origin is not None:
-                grp.copy_counts(origin, 0)
+                stale, log, last = origin
+                grp.copy_counts(stale, 0, log, last)
             out.append(grp)
         for grp, mine in used.items():
             out.append(grp if len(mine) == len(grp.rows) else self._split(grp, mine))
