@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/e2e.py [--runs 5] [--n 20000] [--sessions 20]
                                   [--configs base,big,rcpt5] [--no-postfix]
+                                  [--sync-method fsync|syncfs]
 
 Both MTAs are measured with the shared harness in ../shared/bench (run from
 there, not copied): e2e_run.py drives smtp-source against the MTA and
@@ -65,13 +66,17 @@ def wait_port_free(port: int, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
+SYNC_METHOD = "fsync"  # queue.spool.sync_method for Sluice's runs (--sync-method)
+
+
 def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> dict[str, str]:
     work = Path(tempfile.mkdtemp(prefix="sluice-e2e-", dir="/tmp"))
     port, sink_port = 2528, 2526
     config = work / "sluice.yaml"
     config.write_text(
         "node: {hostname: mta.sluice.test, id: bench}\n"
-        f"queue: {{path: {work}/queue, spool: {{rootpath: {work}/spool}}}}\n"
+        f"queue: {{path: {work}/queue, spool: {{rootpath: {work}/spool, "
+        f"sync_method: {SYNC_METHOD}}}}}\n"
         f"accounting: {{path: {work}/log}}\n"
         f"smtpd: {{listen: ['127.0.0.1:{port}']}}\n"
         f"delivery: {{transport: {{'*': 'smtp:[127.0.0.1]:{sink_port}'}}}}\n"
@@ -136,6 +141,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=20)
     ap.add_argument("--configs", default="base,big,rcpt5")
     ap.add_argument("--no-postfix", action="store_true")
+    ap.add_argument("--sync-method", choices=("fsync", "syncfs"), default="fsync",
+                    help="Sluice's queue.spool.sync_method (both keep fsync before 250)")
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds the harness waits for an idle box before each run")
     args = ap.parse_args()
@@ -145,6 +152,8 @@ def main() -> None:
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             sys.exit(f"{tool} is missing: apt-get install postfix (scripts/setup does)")
     results: dict[str, dict[str, list[dict[str, str]]]] = {}
+    global SYNC_METHOD
+    SYNC_METHOD = args.sync_method
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         results[name] = {"sluice": [], "postfix": []}
