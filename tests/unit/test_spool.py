@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+import threading
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +145,34 @@ def test_a_100mb_message_is_never_held_in_memory(tmp_path: Path) -> None:
     assert check.digest() == digest.digest()
     assert write_peak < 2 * 1024 * 1024, write_peak
     assert read_peak < 2 * 1024 * 1024, read_peak
+
+
+def test_deletions_that_queued_up_wait_for_one_barrier_call(tmp_path: Path) -> None:
+    spool = FsSpool(tmp_path / "spool", partitiondepth=1)
+    spids = []
+    for _ in range(4):
+        f = spool.write(iter([b"x\r\n"]))
+        spool.sync([f])
+        spids.append(f.spid)
+
+    class Store:
+        flushes = 0
+
+        def flush(self) -> None:
+            self.flushes += 1
+
+    store = Store()
+    gate, started = threading.Event(), threading.Event()
+
+    def hold() -> None:  # keeps the deletion thread busy while more queues up
+        started.set()
+        gate.wait(5)
+
+    spool.delete_soon(spids[:1], barrier=hold)
+    assert started.wait(5)
+    for spid in spids[1:]:  # a fresh bound method each time, as a store passes
+        spool.delete_soon([spid], barrier=store.flush)
+    gate.set()
+    spool.close()
+    assert store.flushes == 1
+    assert not any(spool.exists(s) for s in spids)

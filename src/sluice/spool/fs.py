@@ -216,9 +216,11 @@ class FsSpool:
                     stop = True
                 else:
                     work.append(nxt)
-            barriers = {id(b): b for _, b in work if b is not None}
+            # By equality, not identity: each commit passes a fresh bound
+            # method of the same store, and it is to run once for them all.
+            barriers = dict.fromkeys(b for _, b in work if b is not None)
             try:
-                for b in barriers.values():
+                for b in barriers:
                     b()
             except Exception:  # keep the files; the start-up sweep decides
                 work = [(s, b) for s, b in work if b is None]
