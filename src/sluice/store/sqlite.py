@@ -273,7 +273,8 @@ class SqliteStore:
         )
         conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
         conn.execute("PRAGMA journal_mode = WAL")
-        # FULL, not NORMAL: in WAL mode NORMAL is not durable on power loss.
+        # FULL, not NORMAL: in WAL mode NORMAL is not durable on power loss
+        # (the writer lowers it for batches that need no flush: _set_synchronous).
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = OFF")
         conn.execute("PRAGMA cache_size = -65536")
