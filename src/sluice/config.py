@@ -163,6 +163,7 @@ class SpoolConfig:
     partitiondepth: int = 2
     bufsize: int = 8192
     sync_method: str = "fsync"
+    inline_max: int = 65536
 
 
 @dataclass(frozen=True, slots=True)

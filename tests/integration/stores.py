@@ -15,7 +15,9 @@ from sluice.config import Config
 from sluice.store import Action, Store, open_store
 from tests.conftest import make_config
 
-FLAVOURS: list[str] = ["sqlite", "fs", "postgres", "kv"]
+#: ``sqlite`` keeps small content in the database (the default);
+#: ``sqlite_files`` is the same store with every message in a spool file.
+FLAVOURS: list[str] = ["sqlite", "sqlite_files", "fs", "postgres", "kv"]
 
 
 def flavour_sections(flavour: str, tmp: Path) -> dict[str, dict[str, Any]]:
@@ -24,6 +26,8 @@ def flavour_sections(flavour: str, tmp: Path) -> dict[str, dict[str, Any]]:
         from tests.integration.pg import dsn_for
 
         return {"queue": {"store": "postgres", "postgres": {"dsn": dsn_for(tmp)}}}
+    if flavour == "sqlite_files":
+        return {"queue": {"store": "sqlite", "spool": {"inline_max": 0}}}
     return {"queue": {"store": flavour}}
 
 

@@ -98,18 +98,19 @@ def test_a_receiver_that_cannot_start_says_why(tmp_path: Path) -> None:
 
 FULL_DISK_CHILD = textwrap.dedent('''
     """Runs in a private mount namespace with the queue on a small tmpfs."""
-    import asyncio, json, os, subprocess, sys
+    import asyncio, json, os, sqlite3, subprocess, sys
     from sluice.config import config_from_dict
     from sluice.queue import Queue
     from sluice.smtpd import Receiver
 
-    root, port = sys.argv[1], int(sys.argv[2])
+    root, port, inline_max = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     small = os.path.join(root, "small")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", small], check=True)
     cfg = config_from_dict({
         "node": {"hostname": "mx.sluice.test"},
         "queue": {"path": small + "/queue", "spool": {"rootpath": small + "/spool",
-                                                       "partitiondepth": 0}},
+                                                       "partitiondepth": 0,
+                                                       "inline_max": inline_max}},
         "accounting": {"path": root + "/log"},
         "smtpd": {"listen": [f"127.0.0.1:{port}"]},
     })
@@ -144,12 +145,16 @@ FULL_DISK_CHILD = textwrap.dedent('''
     print("ready", flush=True)
     asyncio.run(main())
     spool = [n for n in os.listdir(small + "/spool") if n.endswith(".msg")]
-    print(json.dumps({"messages": queue.store.count().messages, "spool_files": len(spool)}))
+    with sqlite3.connect(small + "/queue/queue.db") as db:
+        (inline,) = db.execute("SELECT COUNT(*) FROM content").fetchone()
+    print(json.dumps({"messages": queue.store.count().messages, "spool_files": len(spool),
+                      "inline": inline}))
     queue.close()
 ''')
 
 
-def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline_max", [65536, 0], ids=["inline", "files"])
+def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path, inline_max: int) -> None:
     # The queue lives on a 2 MB tmpfs mounted in a private mount namespace of
     # a child process (we are root here and in CI); the network is shared.
     (tmp_path / "small").mkdir()
@@ -157,7 +162,7 @@ def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path) -> None:
     script.write_text(FULL_DISK_CHILD)
     port = free_port()
     with subprocess.Popen(["unshare", "-m", "--propagation", "private", sys.executable,
-                           str(script), str(tmp_path), str(port)],
+                           str(script), str(tmp_path), str(port), str(inline_max)],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
         stdin, stdout = child.stdin, child.stdout
         assert stdin is not None
@@ -190,5 +195,7 @@ def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path) -> None:
         finally:
             if child.poll() is None:
                 child.kill()
-    assert result == {"messages": 1, "spool_files": 1}  # nothing left of the refused one
+    # Nothing is left of the refused one, wherever content lives.
+    assert result == {"messages": 1, "spool_files": int(not inline_max),
+                      "inline": int(bool(inline_max))}
     assert not os.path.ismount(tmp_path / "small")  # the mount stayed in its namespace

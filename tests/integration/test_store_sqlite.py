@@ -1,16 +1,19 @@
-"""SQLite flavour specifics: which commits are flushed, and content that a
-commit without a flush freed is not deleted before the flush."""
+"""SQLite flavour specifics: which commits are flushed, content that a
+commit without a flush freed is not deleted before the flush, and small
+content kept in the database in the same commit as its rows."""
 
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 
-from sluice.model import Reply, Submission
-from sluice.store import Transition
+import sluice.store.sqlite as sqlite_module
+from sluice.model import Reply, Selector, Submission
+from sluice.store import Action, StorageError, Transition
 from sluice.store.sqlite import SqliteStore
 from tests.integration.stores import open_flavour
 
@@ -19,10 +22,22 @@ pytestmark = pytest.mark.integration
 T0 = 1_800_000_000.0
 
 
-def _store(tmp_path: Path) -> SqliteStore:
-    store = open_flavour("sqlite", tmp_path)
+def _store(tmp_path: Path, **queue: object) -> SqliteStore:
+    store = open_flavour("sqlite", tmp_path, queue=queue)
     assert isinstance(store, SqliteStore)
     return store
+
+
+MSG = Submission("a@example.org", ("b@example.net", "c@example.com"))
+
+
+def _content_rows(store: SqliteStore) -> list[tuple[int, bytes]]:
+    with sqlite3.connect(store.db_path) as conn:
+        return [(int(i), bytes(d)) for i, d in conn.execute("SELECT id, data FROM content")]
+
+
+def _spool_files(store: SqliteStore) -> list[Path]:
+    return [p for p in Path(store.spool.root).rglob("*") if p.is_file()]
 
 
 def _synchronous(store: SqliteStore, durable: bool) -> int:
@@ -86,3 +101,84 @@ def test_durable_removal_needs_no_extra_flush(tmp_path: Path,
         while path.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not path.exists() and flushes == []
+
+
+def test_small_content_is_committed_in_the_database_without_a_file(tmp_path: Path) -> None:
+    body = b"Subject: x\r\n\r\n.leading dot\r\n\x00\xff binary\r\n"
+    with _store(tmp_path) as store:
+        assert store.inline_max == 65536  # the default
+        acc = store.submit(MSG, [body[:10], body[10:]], T0)
+        assert _spool_files(store) == []
+        assert _content_rows(store) == [(int(acc.spid, 16), body)]
+        assert acc.size == len(body)
+        with store.open_content(acc.spid) as stream:
+            assert stream.read() == body
+        # The content goes with the last row, in the same transaction.
+        entries = store.claim(10, T0, 10)
+        store.apply([Transition(entries[0].qid, None)])
+        assert len(_content_rows(store)) == 1
+        store.apply([Transition(entries[1].qid, None)])
+        assert _content_rows(store) == []
+        assert store.count().messages == 0
+        with pytest.raises(StorageError):
+            store.open_content(acc.spid)
+
+
+def test_big_or_streamed_content_goes_to_a_spool_file(tmp_path: Path) -> None:
+    with _store(tmp_path, spool={"inline_max": 100}) as store:
+        big = store.submit(MSG, b"x" * 101, T0)
+        streamed = store.submit(MSG, iter([b"y" * 10]), T0)
+        small = store.submit(MSG, b"z" * 100, T0)
+        assert _content_rows(store) == [(int(small.spid, 16), b"z" * 100)]
+        assert sorted(p.stem for p in _spool_files(store)) == sorted([big.spid, streamed.spid])
+        for acc, data in ((big, b"x" * 101), (streamed, b"y" * 10), (small, b"z" * 100)):
+            with store.open_content(acc.spid) as stream:
+                assert stream.read() == data
+        store.modify(Selector(), Action.DELETE, T0)
+        deadline = time.monotonic() + 5
+        while _spool_files(store) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _spool_files(store) == [] and _content_rows(store) == []
+
+
+def test_inline_max_zero_writes_every_message_to_a_file(tmp_path: Path) -> None:
+    with _store(tmp_path, spool={"inline_max": 0}) as store:
+        acc = store.submit(MSG, b"tiny", T0)
+        assert _content_rows(store) == []
+        assert [p.stem for p in _spool_files(store)] == [acc.spid]
+
+
+def test_a_spid_taken_by_another_process_is_drawn_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _store(tmp_path) as store:
+        first = store.submit(MSG, b"one", T0)
+        drawn = iter([first.spid, "00000000000ABCDE"])
+        monkeypatch.setattr(sqlite_module, "new_spid", lambda: next(drawn))
+        second = store.submit(MSG, b"two", T0)
+        assert second.spid == "00000000000ABCDE"
+        for acc, data in ((first, b"one"), (second, b"two")):
+            with store.open_content(acc.spid) as stream:
+                assert stream.read() == data
+        assert store.count().recipients == 4 and store.count().messages == 2
+
+
+def test_a_submission_that_fails_leaves_no_content(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _store(tmp_path) as store:
+        def broken(conn: object, rows: object) -> None:
+            raise sqlite3.OperationalError("disk I/O error")
+
+        monkeypatch.setattr(store._sql, "insert", broken)
+        with pytest.raises(StorageError):
+            store.submit(MSG, b"lost", T0)
+        assert _content_rows(store) == []
+
+
+def test_recover_removes_content_rows_nothing_points_at(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        kept = store.submit(MSG, b"kept", T0)
+    with sqlite3.connect(tmp_path / "queue" / "queue.db") as conn:
+        conn.execute("INSERT INTO content (id, data) VALUES (?, ?)", (12345, b"orphan"))
+    with _store(tmp_path) as store:
+        store.recover(T0)
+        assert _content_rows(store) == [(int(kept.spid, 16), b"kept")]

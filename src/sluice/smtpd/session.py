@@ -42,8 +42,9 @@ STRATEGIES
 
     Spool writes off the loop.  Creating a spool file waits while the file
     system commits other messages' fsyncs; on the event loop that stalled
-    every session.  Submissions go through a Handoff thread
-    (sluice.smtpd.handoff).
+    every session.  Submissions that write a file go through a Handoff
+    thread (sluice.smtpd.handoff); small ones that the store keeps in its
+    own commit need no file and go to the store's committer directly.
 
     Graceful stop.  A session knows when it waits for a command (idle).
     On stop, idle sessions get 421 4.3.2 at once; busy ones (in DATA,
@@ -726,7 +727,8 @@ class SmtpSession(SMTP):
         content = buf.content(header)
         try:
             if settings.handoff is not None:
-                accepted = await settings.handoff.submit(submission, content, big=buf.spilled)
+                accepted = await settings.handoff.submit(submission, content, big=buf.spilled,
+                                                         size=buf.size + len(header))
             else:
                 accepted = await await_durable(queue.submit_future(submission, content))
         except (StorageError, OSError) as exc:

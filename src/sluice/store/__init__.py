@@ -152,6 +152,11 @@ class Store(Protocol):
     #: PostgreSQL: yes; LevelDB: no -- one process owns it).  `sluice serve`
     #: runs its receivers in separate processes only when this is true.
     shared_access: bool
+    #: Content of at most this many bytes, handed over in memory, is kept in
+    #: the meta queue's own commit instead of a spool file (0: never).  A
+    #: receiver may submit such a message straight from its event loop: the
+    #: call touches no file.
+    inline_max: int
 
     # -- submission ------------------------------------------------------------
 

@@ -640,6 +640,7 @@ class FsStore:
 
     flavour = "fs"
     shared_access = True
+    inline_max = 0  # content always goes to a spool file
 
     def __init__(self, path: str | os.PathLike[str], spool: FsSpool, *,
                  granularity_s: float = 900.0, node_id: str = "local",

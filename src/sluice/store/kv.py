@@ -469,6 +469,7 @@ class KvStore:
 
     flavour = "kv"
     shared_access = False
+    inline_max = 0  # content always goes to body chunks, whatever its size
 
     def __init__(self, path: str | os.PathLike[str], *, node_id: str = "local",
                  max_batch: int = 2000) -> None:

@@ -332,6 +332,7 @@ class PgStore:
 
     flavour = "postgres"
     shared_access = True
+    inline_max = 0  # content always goes to a spool file
 
     def __init__(self, dsn: str, *, node_id: str = "local", pool_size: int = 4,
                  max_batch: int = 2000, connect_timeout_s: float = 10.0) -> None:

@@ -11,7 +11,10 @@ DESCRIPTION
     arrival order: listing is a range scan and a cursor is the last qid.
     ``qstats`` keeps counts per state and of messages up to date through
     triggers, so qcount costs nothing at a million rows.  ``qchanges`` is
-    the operator change feed a running queue manager polls.
+    the operator change feed a running queue manager polls.  ``content``
+    holds the content of small messages (``spool.inline_max``, 64 KiB by
+    default), keyed by the SPID read as a number; bigger ones, and content
+    handed over as a file or a stream, go to the filesystem spool.
 
 STRATEGIES
     Group commit.  Every write goes through one committer thread (the
@@ -24,8 +27,15 @@ STRATEGIES
     (synchronous=FULL) for the whole batch.  Submitters block on a future
     that resolves only after that commit.
 
+    Content in the commit.  A small message's content is inserted in the
+    same transaction as its rows, so the WAL fsync that makes the rows
+    durable makes the content durable too: no file to create, fsync and
+    later unlink, and no directory update, which on a busy disk cost more
+    than everything else on the accept path.  Its content row is deleted
+    in the transaction that deletes its last queue row.
+
     Order of durability.  Spool content is synced before the meta rows
-    that point at it are committed; content is deleted only after the
+    that point at it are committed; a spool file is deleted only after the
     commit that removed its last row.  A crash in between leaves at worst
     an orphan spool file, which recover() removes -- never a row without
     content.
@@ -42,7 +52,8 @@ STRATEGIES
 
 INVARIANTS
     A row is in exactly one state.  ``qstats`` equals COUNT(*) per state.
-    Content exists for every spid that has a row.
+    Content (a ``content`` row or a spool file) exists for every spid that
+    has a row; a ``content`` row exists only while its spid has rows.
 
 LIMITATIONS
     One machine: for several nodes sharing a queue use the postgres flavour.
@@ -56,6 +67,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import io
 import os
 import sqlite3
 import threading
@@ -74,7 +86,7 @@ from sluice.model import (
     Submission,
     parse_qid,
 )
-from sluice.spool import Content, SpoolFile, SpoolIOError
+from sluice.spool import Content, SpoolFile, SpoolIOError, new_spid
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
@@ -143,6 +155,10 @@ CREATE TABLE IF NOT EXISTS qchanges (
     action TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS qmeta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
+
+-- Content of small messages (spool.inline_max), committed with their rows;
+-- the rowid is the SPID read as a hexadecimal number.
+CREATE TABLE IF NOT EXISTS content (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
 """
 
 #: How long an orphan spool file (content without rows) must have existed
@@ -216,7 +232,8 @@ class _Batch:
 
 
 class SqliteStore:
-    """Meta queue on SQLite (WAL) with a filesystem spool; see the module doc."""
+    """Meta queue on SQLite (WAL), small content inline, the rest in a
+    filesystem spool; see the module doc."""
 
     flavour = "sqlite"
     shared_access = True
@@ -229,7 +246,11 @@ class SqliteStore:
         node_id: str = "local",
         max_batch: int = 2000,
         busy_timeout_s: float = 60.0,
+        inline_max: int = 0,
     ) -> None:
+        if inline_max < 0:
+            raise ValueError("inline_max must be >= 0")
+        self.inline_max = inline_max
         self.dir = Path(path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.db_path = self.dir / "queue.db"
@@ -262,7 +283,8 @@ class SqliteStore:
         q = config.queue
         spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
                         q.spool.sync_method)
-        return cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch)
+        return cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch,
+                   inline_max=q.spool.inline_max)
 
     # -- connections ---------------------------------------------------------------
 
@@ -418,6 +440,9 @@ class SqliteStore:
 
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
+        blob = self._inline(content)
+        if blob is not None:
+            return self._submit_inline(submission, blob, now)
         try:
             sf = self.spool.write(content)
         except SpoolIOError as exc:
@@ -433,6 +458,46 @@ class SqliteStore:
         except BaseException:
             self.spool.discard(sf)
             raise
+
+    def _inline(self, content: Content) -> bytes | None:
+        """The content as one piece if it is small enough to keep in the
+        database (in memory already, at most ``inline_max`` bytes)."""
+        limit = self.inline_max
+        if not limit:
+            return None
+        if isinstance(content, bytes | bytearray | memoryview):
+            return bytes(content) if len(content) <= limit else None
+        if isinstance(content, list | tuple):
+            if sum(len(piece) for piece in content) > limit:
+                return None
+            return b"".join(content)
+        return None  # a file or a stream: its size is unknown until read
+
+    def _submit_inline(self, submission: Submission, blob: bytes, now: float
+                       ) -> concurrent.futures.Future[Accepted]:
+        """Content and rows in one operation: one WAL fsync makes both durable,
+        and no file is created, synced or later unlinked."""
+
+        def work(after: _Batch) -> Accepted:
+            conn = after.conn
+            while True:
+                # SPIDs of different processes can collide (exclusive create
+                # settles it for files); here the primary key does.
+                spid = new_spid()
+                conn.execute("SAVEPOINT spid")
+                try:
+                    conn.execute("INSERT INTO content (id, data) VALUES (?, ?)",
+                                 (int(spid, 16), blob))
+                    rows, accepted = queue_rows(submission, spid, len(blob), now)
+                    self._sql.insert(conn, rows)
+                except sqlite3.IntegrityError:
+                    conn.execute("ROLLBACK TO spid")
+                    conn.execute("RELEASE spid")
+                    continue
+                conn.execute("RELEASE spid")
+                return accepted
+
+        return self._submit_op(work)
 
     def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
         result: Accepted = self.submit_future(submission, content, now).result()
@@ -521,7 +586,10 @@ class SqliteStore:
         for spid in spids:
             if conn.execute("SELECT 1 FROM queue WHERE spid = ? LIMIT 1", (spid,)).fetchone():
                 continue
-            after.unlink.append(spid)
+            # Content kept inline goes in this very transaction; a file only
+            # once the commit is durable.
+            if not conn.execute("DELETE FROM content WHERE id = ?", (int(spid, 16),)).rowcount:
+                after.unlink.append(spid)
             conn.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
@@ -546,6 +614,13 @@ class SqliteStore:
                 (now,),
             )
             conn.execute("DELETE FROM qchanges WHERE at < ?", (now - CHANGES_KEEP_S,))
+            # Inline content and its rows come and go in one transaction, so
+            # an orphan row could only be left by an older version or a hand
+            # edit; it would never be deleted otherwise.
+            conn.execute(
+                "DELETE FROM content WHERE NOT EXISTS (SELECT 1 FROM queue "
+                "WHERE queue.spid = printf('%016X', content.id))"
+            )
             # Recount, as insurance against counters left wrong by an older
             # version (one scan of an index; a fraction of a second at 1M rows).
             conn.execute(
@@ -630,6 +705,14 @@ class SqliteStore:
         return out
 
     def open_content(self, spid: str) -> IO[bytes]:
+        try:
+            key = int(spid, 16)
+        except ValueError:
+            raise StorageError(f"not a SPID: {spid!r}") from None
+        with self._reading() as conn:
+            row = conn.execute("SELECT data FROM content WHERE id = ?", (key,)).fetchone()
+        if row is not None:
+            return io.BytesIO(row[0])
         try:
             return self.spool.open(spid)
         except OSError as exc:
