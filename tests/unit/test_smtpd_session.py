@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import cast
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.unit
 #: Attributes only our session has: its own state, and the command limits,
 #: which aiosmtpd keeps in a dict shared by every session of the process.
 OURS = {"_settings", "_registry", "_policy", "_ip", "_port", "_client", "_txn", "_auth_user",
-        "_auth_failures", "_admitted", "_idle", "_closing", "command_size_limits"}
+        "_auth_failures", "_admitted", "_idle", "_closing", "command_size_limits",
+        "_deadline", "_timer_at"}
 
 
 @pytest.fixture
@@ -65,6 +67,32 @@ def test_lean_constructor_sets_what_aiosmtpd_sets(loop: asyncio.AbstractEventLoo
                                        "QUIT", "STARTTLS", "AUTH", "VRFY", "HELP"}
     # bound to this session, not to another
     assert ours._smtp_methods["MAIL"].__self__ is ours
+
+
+def test_a_command_moves_the_idle_deadline_without_a_new_timer(
+        loop: asyncio.AbstractEventLoop, settings: Settings) -> None:
+    session = SmtpSession(dataclasses.replace(settings, timeout_s=0.3), Registry(), loop)
+    fired: list[float] = []
+    session._timeout_cb = lambda: fired.append(loop.time())  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        start = loop.time()
+        session._reset_timeout()
+        armed = session._timeout_handle
+        await asyncio.sleep(0.15)
+        session._reset_timeout()  # busy again: deadline start + 0.45
+        assert session._timeout_handle is armed  # no timer was cancelled or made
+        await asyncio.sleep(0.25)  # the first timer fired at start + 0.3, too early
+        assert fired == []
+        await asyncio.sleep(0.2)
+        assert len(fired) == 1 and fired[0] - start >= 0.44
+        # A shorter wait than the armed one re-arms at once.
+        session._reset_timeout()
+        session._reset_timeout(0.05)
+        await asyncio.sleep(0.15)
+        assert len(fired) == 2
+
+    loop.run_until_complete(scenario())
 
 
 def test_no_users_no_auth_mechanisms(loop: asyncio.AbstractEventLoop) -> None:

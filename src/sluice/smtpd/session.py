@@ -29,6 +29,11 @@ DESCRIPTION
     except the greeting and the 334/354 continuations.
 
 STRATEGIES
+    Idle timeout without a timer per command.  aiosmtpd cancels and
+    schedules a loop timer for every command; a session here only moves
+    its deadline forward, and its one timer, when it fires before the
+    deadline, sets itself again for the deadline.
+
     Lean connections.  aiosmtpd's constructor inspects the handler and the
     class with inspect.getmembers on every connection; with a connection
     per message that was an eighth of the accept path's CPU.  SmtpSession
@@ -64,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import ssl
@@ -119,12 +125,19 @@ def _sanitized_log_if_enabled(func: Callable[..., None], msg: Any, *args: Any,
     command line twice, for a debug and an info line, before the logger
     decides to drop both; that cost a few per cent of a receiver's CPU.
     """
-    logger = getattr(func, "__self__", None)
-    level = logging.getLevelName(getattr(func, "__name__", "").upper())
-    if (isinstance(logger, logging.Logger) and isinstance(level, int)
-            and not logger.isEnabledFor(level)):
+    level = _LEVELS.get(getattr(func, "__func__", None))
+    if level is not None and not func.__self__.isEnabledFor(level):  # type: ignore[attr-defined]
         return
     _sanitized_log(func, msg, *args, **kwargs)
+
+
+#: The level of each Logger method aiosmtpd logs with (bound methods are new
+#: objects on every access; their function is not).
+_LEVELS: dict[object, int] = {
+    logging.Logger.debug: logging.DEBUG, logging.Logger.info: logging.INFO,
+    logging.Logger.warning: logging.WARNING, logging.Logger.error: logging.ERROR,
+    logging.Logger.critical: logging.CRITICAL,
+}
 
 
 aiosmtpd.smtp.sanitized_log = _sanitized_log_if_enabled
@@ -346,6 +359,8 @@ class SmtpSession(SMTP):
         self.require_starttls = False
         self._timeout_duration = settings.timeout_s
         self._timeout_handle: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # loop time after which an idle session is closed
+        self._timer_at = math.inf  # when the armed timer fires (inf: none armed)
         self._tls_handshake_okay = True
         self._tls_protocol: Any = None
         self._original_transport: asyncio.BaseTransport | None = None
@@ -429,7 +444,23 @@ class SmtpSession(SMTP):
     def _reset_timeout(self, duration: float | None = None) -> None:
         # aiosmtpd calls this when a command starts: the session is busy.
         self._idle = False
-        super()._reset_timeout(duration)
+        loop = self.loop
+        deadline = loop.time() + (duration or self._timeout_duration)
+        self._deadline = deadline
+        if self._timer_at > deadline:  # none armed, or armed for later than this
+            if self._timeout_handle is not None:
+                self._timeout_handle.cancel()
+            self._timer_at = deadline
+            self._timeout_handle = loop.call_at(deadline, self._timeout_check)
+
+    def _timeout_check(self) -> None:
+        deadline = self._deadline
+        if self.loop.time() < deadline:  # the session was busy meanwhile
+            self._timer_at = deadline
+            self._timeout_handle = self.loop.call_at(deadline, self._timeout_check)
+            return
+        self._timer_at = math.inf
+        self._timeout_cb()
 
     def _timeout_cb(self) -> None:
         log.info("%s: timeout, closing", self._ip)
