@@ -162,6 +162,20 @@ def test_a_spid_taken_by_another_process_is_drawn_again(
         assert store.count().recipients == 4 and store.count().messages == 2
 
 
+def test_a_spid_whose_rows_belong_to_a_spooled_message_is_drawn_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _store(tmp_path, spool={"inline_max": 10}) as store:
+        spooled = store.submit(MSG, b"a spooled message", T0)  # a file, no content row
+        drawn = iter([spooled.spid, "00000000000ABCDF"])
+        monkeypatch.setattr(sqlite_module, "new_spid", lambda: next(drawn))
+        small = store.submit(MSG, b"small", T0)
+        assert small.spid == "00000000000ABCDF"
+        assert _content_rows(store) == [(int(small.spid, 16), b"small")]
+        with store.open_content(spooled.spid) as stream:
+            assert stream.read() == b"a spooled message"
+        assert store.count().recipients == 4
+
+
 def test_a_submission_that_fails_leaves_no_content(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with _store(tmp_path) as store:

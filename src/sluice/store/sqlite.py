@@ -166,6 +166,10 @@ CREATE TABLE IF NOT EXISTS content (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
 #: between its spool write and its commit.
 ORPHAN_AGE_S = 3600.0
 
+#: The savepoint each operation of a batch runs in; an operation may roll
+#: back to it to start over.
+_OP_SAVEPOINT = "op"
+
 #: Operator changes are kept this long in the change feed.
 CHANGES_KEEP_S = 3600.0
 
@@ -424,15 +428,15 @@ class SqliteStore:
         conn = after.conn
         conn.execute("BEGIN IMMEDIATE")
         for op in batch:
-            conn.execute("SAVEPOINT op")
+            conn.execute(f"SAVEPOINT {_OP_SAVEPOINT}")
             try:
                 value = op.work(after)
             except Exception as exc:
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
+                conn.execute(f"ROLLBACK TO {_OP_SAVEPOINT}")
+                conn.execute(f"RELEASE {_OP_SAVEPOINT}")
                 results.append((op, None, exc))
             else:
-                conn.execute("RELEASE op")
+                conn.execute(f"RELEASE {_OP_SAVEPOINT}")
                 results.append((op, value, None))
         conn.execute("COMMIT")
 
@@ -482,19 +486,17 @@ class SqliteStore:
             conn = after.conn
             while True:
                 # SPIDs of different processes can collide (exclusive create
-                # settles it for files); here the primary key does.
+                # settles it for files); here the primary keys do: undo this
+                # operation so far (_transaction's savepoint) and draw again.
                 spid = new_spid()
-                conn.execute("SAVEPOINT spid")
                 try:
                     conn.execute("INSERT INTO content (id, data) VALUES (?, ?)",
                                  (int(spid, 16), blob))
                     rows, accepted = queue_rows(submission, spid, len(blob), now)
                     self._sql.insert(conn, rows)
                 except sqlite3.IntegrityError:
-                    conn.execute("ROLLBACK TO spid")
-                    conn.execute("RELEASE spid")
+                    conn.execute(f"ROLLBACK TO {_OP_SAVEPOINT}")
                     continue
-                conn.execute("RELEASE spid")
                 return accepted
 
         return self._submit_op(work)
