@@ -40,21 +40,44 @@ def _spool_files(store: SqliteStore) -> list[Path]:
     return [p for p in Path(store.spool.root).rglob("*") if p.is_file()]
 
 
-def _synchronous(store: SqliteStore, durable: bool) -> int:
-    """PRAGMA synchronous as a batch of that kind sees it (1 NORMAL, 2 FULL)."""
-    value: int = store._call(lambda b: b.conn.execute("PRAGMA synchronous").fetchone()[0],
-                             durable=durable)
-    return value
+def _spy_flushes(store: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each WAL flush, and whether any caller had heard of its batch."""
+    seen: list[str] = []
+    flush = store._flush_wal
+    monkeypatch.setattr(store, "_flush_wal", lambda: (seen.append("flush"), flush())[1])
+    return seen
 
 
-def test_submissions_and_operator_changes_are_flushed_outcomes_are_not(tmp_path: Path) -> None:
+def test_submissions_and_operator_changes_are_flushed_outcomes_are_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with _store(tmp_path) as store:
-        assert _synchronous(store, durable=False) == 1
-        assert _synchronous(store, durable=True) == 2
-        assert _synchronous(store, durable=False) == 1
-        # A batch holding a submission is flushed whatever else it holds.
-        store.submit(Submission("a@example.org", ("b@example.net",)), iter([b"x\r\n"]), T0)
-        assert _synchronous(store, durable=True) == 2
+        # The writer never syncs inside a commit (that would hold the write
+        # lock for the fsync); the committer flushes the WAL afterwards.
+        assert store._writer.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        seen = _spy_flushes(store, monkeypatch)
+        acc = store.submit(MSG, b"x\r\n", T0)
+        assert seen == ["flush"]  # before submit returned
+        entries = store.claim(10, T0, 10)  # a claim: not flushed
+        store.apply([Transition(entries[0].qid, None, reply=Reply(250, "2.0.0", "ok"))],
+                    durable=False)
+        assert seen == ["flush"]
+        store.modify(Selector(qids=(acc.spid,)), Action.HOLD, T0)  # an operator's change
+        assert seen == ["flush", "flush"]
+
+
+def test_a_failed_flush_fails_the_callers_that_needed_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _store(tmp_path) as store:
+        def broken() -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(store, "_flush_wal", broken)
+        with pytest.raises(StorageError, match="could not be synced"):
+            store.submit(MSG, b"maybe lost", T0)
+        # The rows were committed (a retried submission may duplicate them),
+        # and a batch that needed no flush still succeeds.
+        assert store.count().messages == 1
+        assert len(store.claim(10, T0, 10)) == 2
 
 
 def test_content_freed_without_a_flush_goes_only_after_the_wal_is_synced(
@@ -100,7 +123,8 @@ def test_durable_removal_needs_no_extra_flush(tmp_path: Path,
         deadline = time.monotonic() + 5
         while path.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not path.exists() and flushes == []
+        # The commit's own sync, and none before the unlink.
+        assert not path.exists() and flushes == [1]
 
 
 def test_small_content_is_committed_in_the_database_without_a_file(tmp_path: Path) -> None:

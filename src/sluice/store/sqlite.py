@@ -24,8 +24,20 @@ STRATEGIES
     batch's spool files durable in one parallel sync, then runs the whole
     batch in one transaction with a savepoint per operation (one failing
     operation does not fail its neighbours) and commits: one WAL fsync
-    (synchronous=FULL) for the whole batch.  Submitters block on a future
-    that resolves only after that commit.
+    for the whole batch.  Submitters block on a future that resolves only
+    after that fsync.
+
+    The fsync outside the write lock.  Receivers and the queue manager
+    commit to one database from several processes, one at a time.  With
+    synchronous=FULL each would sync the WAL while holding the write lock,
+    so every process's transaction waited for the others' fsyncs.  The
+    writer commits with synchronous=NORMAL (the WAL written, not synced),
+    releases the lock, and then fdatasyncs the WAL itself before any
+    caller of a batch that needs it hears of the commit: as durable as
+    FULL for everything acknowledged, and one process's sync overlaps the
+    next one's transaction (the kernel merges concurrent syncs).  Batches
+    of attempt outcomes and claims only are not synced at all (losing one
+    repeats an attempt); content they free waits for a sync.
 
     Content in the commit.  A small message's content is inserted in the
     same transaction as its rows, so the WAL fsync that makes the rows
@@ -277,7 +289,9 @@ class SqliteStore:
             raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
         self._lock_fd = os.open(self.dir / "queue.db.writelock",
                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        self._sync_full = True  # the writer connection's PRAGMA synchronous
+        # The writer commits without syncing the WAL; _commit syncs it itself,
+        # after the commit and outside the lock, for batches that need it.
+        self._writer.execute("PRAGMA synchronous = NORMAL")
         self._committer = GroupCommitter(self._commit, max_batch=max_batch, name="sluice-commit",
                                          dropped=self._discard)
         self._sql = SqlQueue(_Sqlite(), self._reading)
@@ -300,7 +314,7 @@ class SqliteStore:
         conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
         conn.execute("PRAGMA journal_mode = WAL")
         # FULL, not NORMAL: in WAL mode NORMAL is not durable on power loss
-        # (the writer lowers it for batches that need no flush: _set_synchronous).
+        # (the writer uses NORMAL and syncs the WAL itself: see _commit).
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = OFF")
         conn.execute("PRAGMA cache_size = -65536")
@@ -341,19 +355,13 @@ class SqliteStore:
     def _call(self, work: Callable[[_Batch], Any], *, durable: bool = True) -> Any:
         return self._submit_op(work, durable=durable).result()
 
-    def _set_synchronous(self, durable: bool) -> None:
-        """FULL (the WAL is fsynced at COMMIT) for batches that hold a
-        submission or an operator's change; NORMAL (the WAL is written, and
-        fsynced by the next FULL commit of any process, or at checkpoint)
-        for batches of attempt outcomes and claims only.  WAL commits are
-        ordered, so a power cut loses a suffix of NORMAL commits at most."""
-        if durable != self._sync_full:
-            self._writer.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
-            self._sync_full = durable
-
     def _flush_wal(self) -> None:
-        """Make every commit so far durable: fdatasync the WAL (called before
-        unlinking content that a NORMAL commit freed)."""
+        """Make every commit so far durable: fdatasync the WAL (after a batch
+        that needs it, and before unlinking content a batch that did not
+        freed).  fdatasync flushes the file, whichever descriptor or process
+        wrote it; a checkpoint in between syncs the WAL before copying it
+        into the database and the database after, so frames it took along
+        are durable too."""
         try:
             fd = os.open(f"{self.db_path}-wal", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -395,7 +403,6 @@ class SqliteStore:
         # committer the moment the current one is done.
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            self._set_synchronous(durable)
             self._transaction(batch, after, results)
         except sqlite3.Error as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -408,11 +415,27 @@ class SqliteStore:
             return
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        # 3. After the commit: content whose last row is gone may go too
-        #    (on the spool's own thread: unlinks must not delay the next commit).
-        self.spool.delete_soon(after.unlink, barrier=None if durable else self._flush_wal)
+        # 3. Durability, outside the lock: the commit wrote the WAL without
+        #    syncing it (synchronous=NORMAL), so that no process waits for
+        #    another's fsync to begin its own transaction; the batch's
+        #    callers hear of it only once the WAL is synced.  If that fails,
+        #    the rows are in the queue but maybe not on disk: callers that
+        #    needed durability get an error (a client retries; a duplicate
+        #    is possible, a loss after 250 is not).
+        unsynced: StorageError | None = None
+        if durable:
+            try:
+                self._flush_wal()
+            except OSError as exc:
+                unsynced = StorageError(f"the queue's log could not be synced: {exc}")
+        # 4. Content whose last row is gone may go too (on the spool's own
+        #    thread: unlinks must not delay the next commit).
+        self.spool.delete_soon(after.unlink, barrier=(
+            None if durable and unsynced is None else self._flush_wal))
         for op, value, failure in results:
-            if failure is None:
+            if failure is None and unsynced is not None and (op.durable or op.files):
+                op.future.set_exception(unsynced)
+            elif failure is None:
                 op.future.set_result(value)
             else:
                 for f in op.files:
