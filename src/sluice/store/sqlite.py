@@ -357,7 +357,7 @@ class SqliteStore:
 
     def _flush_wal(self) -> None:
         """Make every commit so far durable: fdatasync the WAL (after a batch
-        that needs it, and before unlinking content a batch that did not
+        that needs it, and before deleting spool files that an unsynced batch
         freed).  fdatasync flushes the file, whichever descriptor or process
         wrote it; a checkpoint in between syncs the WAL before copying it
         into the database and the database after, so frames it took along
