@@ -2047,19 +2047,30 @@ class Scheduler:
             self._retire(sq)
             return
         if woken is not None and (not sq.pool or woken is sq.dest):
-            free = woken.free(now)
-            if free - woken.pending <= 0:
-                # _park(sq, [woken], None, now), for the one blocker.
-                sq.parked_on = (woken,)
-                if woken.waiters is _NO_WAITERS:
-                    woken.waiters = (OrderedDict(), OrderedDict())
-                woken.waiters[sq.priority][sq] = None
-                if free <= 0:
-                    at = woken.free_at(now)
-                    if at is not None:
-                        self._schedule_blocker(woken, at)
-                self._full = woken  # releasing it now would find no room
-                return
+            if type(woken) is _Group and woken.conc - woken.inflight <= woken.pending:
+                # free() is at most conc - inflight, so there is no room; and
+                # it is <= 0 exactly when the group is full or a timed limit
+                # holds it (a rate full at its cap is busy too).  Spares
+                # free() at each pickup of a line that takes turns.
+                full = woken.inflight >= woken.conc or now < woken.busy
+            else:
+                free = woken.free(now)
+                if free - woken.pending > 0:
+                    self._ring[sq.priority].append(sq)
+                    sq.in_ring = True
+                    return
+                full = free <= 0
+            # _park(sq, [woken], None, now), for the one blocker.
+            sq.parked_on = (woken,)
+            if woken.waiters is _NO_WAITERS:
+                woken.waiters = (OrderedDict(), OrderedDict())
+            woken.waiters[sq.priority][sq] = None
+            if full:
+                at = woken.free_at(now)
+                if at is not None:
+                    self._schedule_blocker(woken, at)
+            self._full = woken  # releasing it now would find no room
+            return
         self._ring[sq.priority].append(sq)
         sq.in_ring = True
 
