@@ -624,17 +624,18 @@ class _Group(_Blocker):
     # timer_at, waiters): what a pickup checks (busy, conc, inflight) and
     # counts (inflight, last_pick, mode) are at the front.
     __slots__ = ("busy", "conc", "inflight", "interval", "last_at", "last_pick", "log", "log_n",
-                 "mode", "old", "orphan", "rc", "rows", "users")
+                 "mode", "old", "rc", "rows", "users", "watch")
 
     def __init__(self, rows: list[_Row], pk: _Pickups) -> None:
         super().__init__()
         self.rows = rows
         for row in rows:
             row.grp = self
-        # Sub-queues whose source IPs use it (for splits and forgetting),
-        # and whether there is none (read where the dict would be a miss).
+        # Sub-queues whose source IPs use it (for splits and forgetting).
         self.users: dict[_SubQueue, None] = {}
-        self.orphan = True
+        # Whether a finished delivery has more to do than count it: it has
+        # waiters' lines, or no user (read where those would be misses).
+        self.watch = True
         self.inflight = 0
         self.log: deque[float] = _NO_LOG
         self.last_at = -_NEVER  # the last pickup, for an interval
@@ -1585,7 +1586,7 @@ class Scheduler:
             for grp in groups:
                 grp.users.pop(sq, None)
                 if not grp.users:
-                    grp.orphan = True
+                    grp.watch = True
                     if not grp.inflight and not grp.old:
                         self._forget_later(grp)
         sq.groups = []
@@ -1620,7 +1621,7 @@ class Scheduler:
         if sq is not None:
             for grp in out:
                 grp.users[sq] = None
-                grp.orphan = False
+                grp.watch = grp.waiters is not _NO_WAITERS
         return tuple(out)
 
     def _split(self, grp: _Group, mine: list[_Row]) -> _Group:
@@ -1637,7 +1638,6 @@ class Scheduler:
         grp.refresh(self._pk, grp.mode in (0, 3) and bool(grp.rc.rates))
         if grp.mode == 3:
             self._unsettled.append(grp)
-        part.orphan = grp.orphan
         for user in grp.users:
             part.users[user] = None
             for i, groups in enumerate(user.groups):
@@ -1668,6 +1668,7 @@ class Scheduler:
                 self._schedule_blocker(part, at)
             self._release(grp, now)
             self._release(part, now)
+        part.watch = not part.users or part.waiters is not _NO_WAITERS
         return part
 
     def _copy(self, grp: _Group, other: _Group, inflight: int, log: bool = True,
@@ -1921,6 +1922,8 @@ class Scheduler:
         for blocker in blockers:
             if blocker.waiters is _NO_WAITERS:
                 blocker.waiters = (_Line(), _Line())
+                if type(blocker) is _Group:
+                    blocker.watch = True
             line = blocker.waiters[p]
             if blocker is woken:
                 line.appendleft(entry)  # it keeps its place in line
@@ -2104,6 +2107,8 @@ class Scheduler:
             sq.parked_on = (woken,)
             if woken.waiters is _NO_WAITERS:
                 woken.waiters = (_Line(), _Line())
+                if type(woken) is _Group:
+                    woken.watch = True
             line = woken.waiters[sq.priority]
             sq.wait += 1
             line.append((sq, sq.wait))
@@ -2168,10 +2173,11 @@ class Scheduler:
         dirty = self._dirty
         for grp in flight.groups:
             grp.inflight -= 1
-            if grp.waiters is not _NO_WAITERS:  # most groups never had a waiter
-                dirty[grp] = None  # released once the batch of results is in
-            if not grp.inflight and grp.orphan:
-                self._forget_later(grp)  # nobody left to use it
+            if grp.watch:  # most groups never had a waiter, and have users
+                if grp.waiters is not _NO_WAITERS:
+                    dirty[grp] = None  # released once the batch of results is in
+                if not grp.inflight and not grp.users:
+                    self._forget_later(grp)  # nobody left to use it
         dest = flight.dest
         dest.inflight -= 1
         if event.connection_failed:
