@@ -7,7 +7,6 @@ commands it returns; "sent" means a StartDelivery was issued.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Sequence
 
 import pytest
@@ -346,40 +345,6 @@ def test_a_waiter_woken_by_another_blocker_leaves_the_line_it_also_waited_in() -
     assert [v.waiting_subqueues for v in sched.suspensions() if not v.automatic] == [5]
     (s2,) = starts(sched.handle(SuspensionRemoved(f"localip={IP2}"), 101))
     assert s2.localip == IP2 and s2.job.route == pools[1]
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_results_in_a_row_wake_waiters_as_one_at_a_time_would(seed: int) -> None:
-    # _finish_all counts a row of results down group by group, once; the
-    # releases (which waiter goes first) must follow the results' order.
-    rnd = random.Random(seed)
-    policy = [{"fields": ["tenantid"], "concurrency": 3}, {"fields": ["localip"], "concurrency": 5},
-              {"fields": ["recipientdomain"], "concurrency": 2}]
-    one_by_one = sched_for(policy, max_deliveries=12)
-    batched = sched_for(policy, max_deliveries=12)
-    assert isinstance(one_by_one, CoreScheduler)
-
-    def singly(events: list[DeliveryFinished], now: float) -> None:
-        for event in events:
-            one_by_one._finish(event, now, [])
-
-    one_by_one._finish_all = singly  # type: ignore[method-assign]
-    pools = ((IP1,), (IP2,), (IP1, IP2))
-    routes = [Route(f"d{i}.example", tenantid=f"t{i % 3}", localip=pools[i % 3])
-              for i in range(9)]
-    sent: list[StartDelivery] = []
-    for t in range(60):
-        if rnd.random() < 0.4:
-            jobs = tuple(job(rnd.choice(routes)) for _ in range(rnd.randint(1, 6)))
-            got = [starts(s.handle(JobsQueued(jobs), t)) for s in (one_by_one, batched)]
-        else:
-            rnd.shuffle(sent)
-            k = rnd.randint(1, 6)
-            row, sent = sent[:k], sent[k:]
-            events = [DeliveryFinished(s.job.ref, ((s.qids[0], OK),)) for s in row]
-            got = [starts(s.handle_all(events, t)) for s in (one_by_one, batched)]
-        assert got[0] == got[1]
-        sent.extend(got[0])
 
 
 # --------------------------------------------------------------------------

@@ -118,11 +118,9 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
-from collections import Counter as Tally
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any, Protocol
 
 from sluice.model import Reply, TempFail
@@ -1186,27 +1184,15 @@ class Scheduler:
         self._fire_timers(now, out)
         if self._unsettled or pk.pending:
             self._settle()
-        done: list[DeliveryFinished] = []  # results in a row that worked
         for event in events:
             if type(event) is DeliveryFinished:
-                if not event.connection_failed:
-                    done.append(event)
-                    continue
-                if done:
-                    self._finish_all(done, now)
-                    done = []
                 self._finish(event, now, out)
             else:
-                if done:
-                    self._finish_all(done, now)
-                    done = []
                 if self._dirty:
                     self._release_dirty(now)  # in the order things happened
                 self._dispatch(event, now, out)
                 if self._unsettled or pk.pending:
                     self._settle()
-        if done:
-            self._finish_all(done, now)
         if self._dirty:
             self._release_dirty(now)
         self._select(now, out)
@@ -2218,60 +2204,6 @@ class Scheduler:
             dirty[dest] = None
         if not dest.inflight and not dest.subqueues:
             self._forget_dest(dest)
-
-    def _finish_all(self, events: list[DeliveryFinished], now: float) -> None:
-        """Results in a row whose sessions worked: what _finish() does for
-        each, but each group is counted down once for all of them (a
-        delivery's groups are only read again after the row), and marked
-        for release in the same order as one at a time would.  In the
-        benchmark's 100 000 sub-queues, 100 results count down about 260
-        groups instead of 600."""
-        flights = self._flights
-        index = self._qids
-        done: list[_Flight] = []
-        dests: list[tuple[int, _Dest]] = []  # with waiters: by the first result
-        for k, event in enumerate(events):
-            flight = flights.pop(event.ref)
-            done.append(flight)
-            for qid in flight.qids:
-                if index.get(qid) is flight:
-                    del index[qid]
-            self._inflight_entries -= len(flight.qids)
-            dest = flight.dest
-            dest.inflight -= 1
-            dest.delivered += 1
-            dest.fail_cohorts = 0.0
-            dest.last_reply = None
-            if dest.dead_until > now:
-                self._revive(dest)  # a delivery got through: it is not dead after all
-            if dest.window < dest.cap:
-                dest.set_window(min(float(dest.cap), dest.window + 1.0 / dest.window))
-            if dest.waiters is not _NO_WAITERS:
-                dests.append((k, dest))
-            if not dest.inflight and not dest.subqueues:
-                self._forget_dest(dest)
-        watched: list[_Group] = []
-        for grp, n in Tally(chain.from_iterable(f.groups for f in done)).items():
-            grp.inflight -= n
-            if grp.watch:  # most groups never had a waiter, and have users
-                if grp.waiters is not _NO_WAITERS:
-                    watched.append(grp)
-                if not grp.inflight and not grp.users:
-                    self._forget_later(grp)  # nobody left to use it
-        dirty = self._dirty
-        if not watched:
-            for _, dest in dests:
-                dirty[dest] = None  # released once the batch of results is in
-            return
-        # As one at a time: a delivery's groups (in its order), then its destination.
-        marks: list[tuple[int, int, _Blocker]] = [(k, len(done[k].groups), dest)
-                                                  for k, dest in dests]
-        for grp in watched:
-            k = next(k for k, flight in enumerate(done) if grp in flight.groups)
-            marks.append((k, done[k].groups.index(grp), grp))
-        marks.sort(key=lambda mark: mark[:2])
-        for _, _, blocker in marks:
-            dirty[blocker] = None
 
     # ---------------------------------------------------- garbage entries
 
