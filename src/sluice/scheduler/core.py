@@ -237,32 +237,68 @@ class Settings:
 # Blockers: things a sub-queue can be parked on.
 
 
-class _Line(deque[tuple["_SubQueue", int]]):
-    """Sub-queues parked on a blocker at one priority, oldest first, as
-    (sub-queue, its park number).  A sub-queue that leaves the line other
-    than at its head (woken by another of its blockers, unparked) is not
-    looked for: its park number moves on, which makes the entry stale, and
-    a stale entry is dropped when it reaches the head (or when stale ones
-    outnumber the others).  ``live`` counts the sub-queues in line.
+class _Line(deque["_SubQueue"]):
+    """Sub-queues parked on a blocker at one priority, oldest first.
+
+    A sub-queue that leaves the line other than at its head (woken by
+    another of its blockers, unparked) is not looked for: its entry stays,
+    stale, and the sub-queue counts it (``stale``, per line).  A line holds
+    a sub-queue's stale entries before its live one (it can only be parked
+    again behind them), so a head entry is stale when its sub-queue still
+    counts one here; stale entries are dropped there, or when they
+    outnumber the others.  ``live`` counts the sub-queues in line.
 
     Among 100 000 sub-queues that take turns at one blocker, a wake and a
-    park are then a popleft and an append, where a dict keyed by
-    sub-queue missed the cache at each.
+    park are then a popleft and an append of the sub-queue itself, where a
+    dict keyed by sub-queue missed the cache at each.
     """
 
-    __slots__ = ("live",)
+    __slots__ = ("live", "solo")
+    __hash__ = object.__hash__  # type: ignore[assignment]  # a key of _SubQueue.stale
+    __eq__ = object.__eq__
 
-    def __init__(self) -> None:
+    def __init__(self, solo: tuple[_Blocker, ...] = ()) -> None:
         super().__init__()
         self.live = 0
+        self.solo = solo  # (its blocker,): the parked_on of a sub-queue held by it alone
 
-    def leave(self) -> None:
-        """One of its sub-queues left it elsewhere than at its head."""
+    def leave(self, sq: _SubQueue) -> None:
+        """``sq`` left this line elsewhere than at its head."""
         self.live -= 1
+        stale = sq.stale
+        if stale is None:
+            sq.stale = {self: 1}
+        else:
+            stale[self] = stale.get(self, 0) + 1
         if len(self) > 2 * self.live + 32:
-            live = [entry for entry in self if entry[0].wait == entry[1]]
+            live = self.members(True)
             self.clear()
             self.extend(live)
+
+    def members(self, drop: bool = False) -> list[_SubQueue]:
+        """Its sub-queues in line, oldest first (``drop``: and forget the stale entries)."""
+        skipped: dict[_SubQueue, int] = {}
+        out = []
+        for sq in self:
+            stale = sq.stale
+            if stale is not None and skipped.get(sq, 0) < stale.get(self, 0):
+                skipped[sq] = skipped.get(sq, 0) + 1
+                continue
+            out.append(sq)
+        if drop:
+            for sq in skipped:
+                stale = sq.stale
+                assert stale is not None
+                del stale[self]
+                if not stale:
+                    sq.stale = None
+        return out
+
+
+def _lines(blocker: _Blocker) -> tuple[_Line, _Line]:
+    """A blocker's own lines, per priority."""
+    solo = (blocker,)
+    return (_Line(solo), _Line(solo))
 
 
 #: Shared by every blocker that never had a waiter (most of them): reading
@@ -937,8 +973,8 @@ class _Dest(_Blocker):
 
 class _SubQueue:
     __slots__ = ("dest", "dropped", "g0", "groups", "in_ring", "ip0", "ips", "jobs", "live",
-                 "parked_on", "pool", "priority", "route", "rr", "s0", "susp", "susp_version",
-                 "version", "wait", "woken_by")
+                 "parked_on", "pool", "priority", "route", "rr", "s0", "stale", "susp",
+                 "susp_version", "version", "woken_by")
 
     def __init__(self, route: Route, priority: int, dest: _Dest) -> None:
         self.route = route
@@ -963,7 +999,8 @@ class _SubQueue:
         self.in_ring = False
         self.woken_by: _Blocker | None = None
         self.rr = 0
-        self.wait = 0  # park number: its entries in lines with another are stale
+        # Per line, its entries there that it left without being woken there.
+        self.stale: dict[_Line, int] | None = None
 
 
 class _Job:
@@ -1474,11 +1511,11 @@ class Scheduler:
             dest.ip_limits.clear()
             dest.set_cap(self.settings.default_destination_concurrency_limit)
             if dest.waiters is not _NO_WAITERS:
-                dest.waiters = (_Line(), _Line())
+                dest.waiters = _lines(dest)
             dest.pending = 0
         for susp in self._susps.values():
             if susp.waiters is not _NO_WAITERS:
-                susp.waiters = (_Line(), _Line())
+                susp.waiters = _lines(susp)
             susp.pending = 0
         for flight in self._flights.values():
             groups = self._place(self._rows_for(flight.job.route, flight.ip)[0], None)
@@ -1487,7 +1524,7 @@ class Scheduler:
                 grp.inflight += 1
         for sq in self._subqueues.values():
             sq.parked_on = ()
-            sq.wait += 1
+            sq.stale = None  # the lines are new
             sq.woken_by = None
             self._resolve(sq)
             if sq.live and not sq.in_ring:
@@ -1653,15 +1690,13 @@ class Scheduler:
         waiters = grp.waiters
         if waiters[0].live or waiters[1].live:
             self._settle()  # before anything looks at their counts
-            part.waiters = (_Line(), _Line())
+            part.waiters = _lines(part)
             for p in (0, 1):
                 line = part.waiters[p]
-                for entry in waiters[p]:
-                    sq, wait = entry
-                    if sq.wait == wait:
-                        line.append(entry)
-                        line.live += 1
-                        sq.parked_on = (*sq.parked_on, part)
+                for sq in waiters[p].members():
+                    line.append(sq)
+                    line.live += 1
+                    sq.parked_on = (*sq.parked_on, part)
             now = self._now
             at = part.free_at(now)
             if at is not None:
@@ -1915,30 +1950,27 @@ class Scheduler:
 
     def _park(self, sq: _SubQueue, blockers: list[_Blocker], woken: _Blocker | None,
               now: float) -> None:
-        sq.parked_on = tuple(blockers)
         p = sq.priority
-        sq.wait += 1
-        entry = (sq, sq.wait)
         for blocker in blockers:
             if blocker.waiters is _NO_WAITERS:
-                blocker.waiters = (_Line(), _Line())
+                blocker.waiters = _lines(blocker)
                 if type(blocker) is _Group:
                     blocker.watch = True
             line = blocker.waiters[p]
             if blocker is woken:
-                line.appendleft(entry)  # it keeps its place in line
+                line.appendleft(sq)  # it keeps its place in line
             else:
-                line.append(entry)
+                line.append(sq)
             line.live += 1
             at = blocker.free_at(now)
             if at is not None:
                 self._schedule_blocker(blocker, at)
+        sq.parked_on = blockers[0].waiters[p].solo if len(blockers) == 1 else tuple(blockers)
 
     def _unpark(self, sq: _SubQueue) -> None:
         p = sq.priority
-        sq.wait += 1
         for blocker in sq.parked_on:
-            blocker.waiters[p].leave()
+            blocker.waiters[p].leave(sq)
         sq.parked_on = ()
 
     def _release(self, blocker: _Blocker, now: float) -> None:
@@ -1953,15 +1985,22 @@ class Scheduler:
                 line = waiters[p]
                 woken = self._woken[p]
                 while room > 0 and line.live:
-                    sq, wait = line.popleft()
-                    if sq.wait != wait:
-                        continue  # stale: it left this line elsewhere
+                    sq = line.popleft()
+                    stale = sq.stale
+                    if stale is not None and line in stale:
+                        n = stale[line] - 1  # an entry it left: not its turn
+                        if n:
+                            stale[line] = n
+                        else:
+                            del stale[line]
+                            if not stale:
+                                sq.stale = None
+                        continue
                     line.live -= 1
-                    sq.wait += 1
                     if len(sq.parked_on) > 1:
                         for other in sq.parked_on:
                             if other is not blocker:
-                                other.waiters[p].leave()
+                                other.waiters[p].leave(sq)
                     sq.parked_on = ()
                     sq.woken_by = blocker
                     blocker.pending += 1
@@ -2104,14 +2143,14 @@ class Scheduler:
                     return
                 full = free <= 0
             # _park(sq, [woken], None, now), for the one blocker.
-            sq.parked_on = (woken,)
-            if woken.waiters is _NO_WAITERS:
-                woken.waiters = (_Line(), _Line())
+            waiters = woken.waiters
+            if waiters is _NO_WAITERS:
+                woken.waiters = waiters = _lines(woken)
                 if type(woken) is _Group:
                     woken.watch = True
-            line = woken.waiters[sq.priority]
-            sq.wait += 1
-            line.append((sq, sq.wait))
+            line = waiters[sq.priority]
+            sq.parked_on = line.solo
+            line.append(sq)
             line.live += 1
             if full:
                 at = woken.free_at(now)
