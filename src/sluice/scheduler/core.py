@@ -34,14 +34,18 @@ STRATEGIES
     lifted or expiring.  A blocker with n free slots wakes at most n of its
     waiters, oldest first, and a woken sub-queue that finds its slot taken
     keeps its place in line.  Pickup cost therefore does not depend on the
-    number of queued jobs or parked sub-queues.
+    number of queued jobs or parked sub-queues.  A line (_Line) is a deque
+    of sub-queues: one that leaves it other than at its head (woken by
+    another of its blockers, unparked) leaves a stale entry that it counts
+    and the line skips, so that waking and parking are a popleft and an
+    append.
 
     Counting in groups.  Counters over the same fields (a _Table) key a
     delivery alike: their entries for one key are one _Row.  Rows that
     exactly the same source IPs of sub-queues use are counted by exactly
     the same deliveries, so they are one _Group: one in-flight count, one
-    list of pickup times, one last pickup, and their tightest limits
-    checked in two comparisons.  A sub-queue that needs only part of a
+    list of pickup times (none while quiet, below), one last pickup, and
+    their tightest limits checked in two comparisons.  A sub-queue that needs only part of a
     group splits it in two with the same counts (partition refinement).
     A pickup thus touches one group per distinct set of sub-queues among
     its entries (a tenant's, a source IP's, its own), not one per entry:
@@ -90,7 +94,10 @@ INVARIANTS
     room unless it has been woken; time never goes backwards (handle()
     raises ValueError, and the state is unchanged).  A quiet class's
     groups have fewer pickups in any of their windows than its bound,
-    which stays below its smallest X until pickup number arm_at.
+    which stays below its smallest X until pickup number arm_at; their
+    pickups in those windows are all in _Pickups.  In a line, a sub-queue's
+    stale entries come before its live one, and it has at most one live
+    entry, when it is parked on the line's blocker.
 
 LIMITATIONS
     connectinterval spaces pickups, each of which may open a connection; a
@@ -100,7 +107,7 @@ LIMITATIONS
     the longest quiet window: memory grows with the pickups in a window.
     An entry a reload keeps carries the pickups its old window holds: a
     longer window counts those, not older ones.  A class once armed stays
-    so until it has no group left.
+    armed until a reload finds no group with its rates.
     Counter entries with no threshold, or none reachable, are not tracked
     (the views do not list them).  A reload starts new counters' rate
     windows empty.  A pickup checks and counts in every group of its
@@ -684,9 +691,9 @@ class _Group(_Blocker):
     def copy_counts(self, pk: _Pickups, log: deque[float] | None, inflight: int,
                     last_pick: float, last_at: float) -> None:
         """Counts taken over from another group: in flight as given, its
-        pickup times (``log``, None: they are in ``pk`` under its name, for
-        Scheduler._inherit), its last counted pickup and its last pickup
-        for an interval."""
+        pickup times (``log``; None: they are in ``pk``, which Scheduler._copy
+        has this group inherit), its last pickup its rates count and its last
+        pickup for an interval."""
         self.inflight = inflight
         self.log = deque(log) if log and self.rc.rates else _NO_LOG
         self.last_pick = last_pick if self.rc.rates else -_NEVER
@@ -1369,6 +1376,7 @@ class Scheduler:
             elif kind == _T_CONDITION:
                 counter_id, cond_id = obj
                 self._expire_condition(counter_id, cond_id, now)
+                self._settle()  # its new groups, before the next timer looks
 
     # ------------------------------------------------------------- refill
 
