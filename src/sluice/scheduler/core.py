@@ -1151,7 +1151,6 @@ class Scheduler:
         self._woken: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
         # Blockers that finished deliveries freed, to release (in this order).
         self._dirty: dict[_Blocker, None] = {}
-        self._full: _Blocker | None = None  # the one _requeue parked its sub-queue on
         self._ring: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
         # Jobs and deliveries.
         self._qids: dict[str, _Job | _Flight] = {}
@@ -1987,13 +1986,18 @@ class Scheduler:
         if not (waiters[1].live or waiters[0].live):
             return
         free = blocker.free(now)
-        room = free - blocker.pending
+        pending = blocker.pending
+        room = free - pending
         if room > 0:
             for p in (1, 0):
                 line = waiters[p]
-                woken = self._woken[p]
-                while room > 0 and line.live:
-                    sq = line.popleft()
+                live = line.live
+                if not live:
+                    continue
+                popleft = line.popleft
+                wake = self._woken[p].append
+                while room > 0 and live:
+                    sq = popleft()
                     stale = sq.stale
                     if stale is not None and line in stale:
                         n = stale[line] - 1  # an entry it left: not its turn
@@ -2004,17 +2008,19 @@ class Scheduler:
                             if not stale:
                                 sq.stale = None
                         continue
-                    line.live -= 1
+                    live -= 1
                     if len(sq.parked_on) > 1:
                         for other in sq.parked_on:
                             if other is not blocker:
                                 other.waiters[p].leave(sq)
                     sq.parked_on = ()
                     sq.woken_by = blocker
-                    blocker.pending += 1
-                    woken.append(sq)
+                    wake(sq)
                     sq.in_ring = True
                     room -= 1
+                    pending += 1
+                line.live = live
+            blocker.pending = pending
         # Only a blocker without a free slot can be held by a timed limit
         # (free_at() is None otherwise): then a timer wakes the rest.
         if free <= 0 and (waiters[1].live or waiters[0].live):
@@ -2058,31 +2064,32 @@ class Scheduler:
                 continue
             sq.woken_by = None
             woken.pending -= 1
-            self._full = None
-            self._visit(sq, now, out, woken)
-            if self._full is not woken:
-                # The slot it was woken for may be free still: the next in line.
+            if not self._visit(sq, now, out, woken):
+                # The slot it was woken for may be free still: the next in line
+                # (unless it went back into that line: releasing would find no room).
                 self._release(woken, now)
 
     def _visit(self, sq: _SubQueue, now: float, out: list[Command],
-               woken: _Blocker | None) -> None:
+               woken: _Blocker | None) -> bool:
+        """Look at a sub-queue: start its head, or park it.  True: it took
+        the slot ``woken`` promised and went back into that blocker's line."""
         if sq.dropped:
             jobs = sq.jobs
             while jobs and jobs[0].dropped:
                 jobs.popleft()
                 sq.dropped -= 1
         if not sq.live or sq.parked_on:
-            return  # a stale ring entry: retired, or parked meanwhile
+            return False  # a stale ring entry: retired, or parked meanwhile
         if sq.version != self._version:
             self._resolve(sq)
             self._settle()
         dest = sq.dest
         if dest.dead_until > now:
             self._defer_subqueue(sq, dest, out)
-            return
+            return False
         if dest.inflight >= dest.limit:
             self._park(sq, [dest], woken, now)
-            return
+            return False
         if not sq.pool:
             # The common case, without the bookkeeping of a pool.
             held: _Blocker | None = (sq.s0 if sq.susp_version == self._susp_version
@@ -2095,10 +2102,9 @@ class Scheduler:
                         break
                 else:
                     self._start(sq, 0, now, out)
-                    self._requeue(sq, woken, now)
-                    return
+                    return self._requeue(sq, woken, now)
             self._park(sq, [held], woken, now)
-            return
+            return False
         susps = sq.susp if sq.susp_version == self._susp_version else self._suspensions_for(sq)
         n = len(sq.ips)
         blockers: list[_Blocker] = []
@@ -2120,11 +2126,11 @@ class Scheduler:
                 continue
             sq.rr = (i + 1) % n
             self._start(sq, i, now, out)
-            self._requeue(sq, woken, now)
-            return
+            return self._requeue(sq, woken, now)
         self._park(sq, blockers, woken, now)
+        return False
 
-    def _requeue(self, sq: _SubQueue, woken: _Blocker | None, now: float) -> None:
+    def _requeue(self, sq: _SubQueue, woken: _Blocker | None, now: float) -> bool:
         """After a pickup: the sub-queue goes to the back of the line.
 
         If a blocker woke it for the slot it just took and has no other
@@ -2135,7 +2141,7 @@ class Scheduler:
         """
         if not sq.live:
             self._retire(sq)
-            return
+            return False
         if woken is not None and (not sq.pool or woken is sq.dest):
             if type(woken) is _Group and woken.conc - woken.inflight <= woken.pending:
                 # free() is at most conc - inflight, so there is no room; and
@@ -2148,7 +2154,7 @@ class Scheduler:
                 if free - woken.pending > 0:
                     self._ring[sq.priority].append(sq)
                     sq.in_ring = True
-                    return
+                    return False
                 full = free <= 0
             # _park(sq, [woken], None, now), for the one blocker.
             waiters = woken.waiters
@@ -2164,10 +2170,10 @@ class Scheduler:
                 at = woken.free_at(now)
                 if at is not None:
                     self._schedule_blocker(woken, at)
-            self._full = woken  # releasing it now would find no room
-            return
+            return True
         self._ring[sq.priority].append(sq)
         sq.in_ring = True
+        return False
 
     def _start(self, sq: _SubQueue, i: int, now: float, out: list[Command]) -> None:
         rec = sq.jobs.popleft()
