@@ -326,6 +326,27 @@ def test_a_woken_waiter_keeps_its_place_in_line() -> None:
     assert order == ["d0.example", "d1.example", "d2.example"] * 3
 
 
+def test_a_waiter_woken_by_another_blocker_leaves_the_line_it_also_waited_in() -> None:
+    # Pools wait for source IP 1 (full) and IP 2 (suspended) at once; each
+    # slot of IP 1 wakes one, which goes to the back of both lines.  When
+    # IP 2 comes back, the one that waited longest for it goes first.
+    sched = sched_for([{"fields": ["localip"], "concurrency": 1}])
+    assert isinstance(sched, CoreScheduler)
+    sched.handle(SuspensionAdded(Suspension((("localip", IP2),))), 0)
+    pools = [Route(f"p{i}.example", localip=(IP1, IP2)) for i in range(5)]
+    (s,) = starts(sched.handle(JobsQueued(tuple(job(r) for r in pools for _ in range(30))), 0))
+    assert s.job.route == pools[0]
+    for t in range(1, 101):
+        (s,) = starts(finish(sched, s, t))
+        assert s.job.route == pools[t % 5] and s.localip == IP1
+    (susp,) = sched._susps.values()
+    line = susp.waiters[0]
+    assert line.live == 5 and len(line) <= 2 * 5 + 32  # stale entries are dropped
+    assert [v.waiting_subqueues for v in sched.suspensions() if not v.automatic] == [5]
+    (s2,) = starts(sched.handle(SuspensionRemoved(f"localip={IP2}"), 101))
+    assert s2.localip == IP2 and s2.job.route == pools[1]
+
+
 # --------------------------------------------------------------------------
 # Slow start and the destination status cache (Postfix).
 

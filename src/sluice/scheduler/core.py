@@ -34,14 +34,18 @@ STRATEGIES
     lifted or expiring.  A blocker with n free slots wakes at most n of its
     waiters, oldest first, and a woken sub-queue that finds its slot taken
     keeps its place in line.  Pickup cost therefore does not depend on the
-    number of queued jobs or parked sub-queues.
+    number of queued jobs or parked sub-queues.  A line (_Line) is a deque
+    of sub-queues: one that leaves it other than at its head (woken by
+    another of its blockers, unparked) leaves a stale entry that it counts
+    and the line skips, so that waking and parking are a popleft and an
+    append.
 
     Counting in groups.  Counters over the same fields (a _Table) key a
     delivery alike: their entries for one key are one _Row.  Rows that
     exactly the same source IPs of sub-queues use are counted by exactly
     the same deliveries, so they are one _Group: one in-flight count, one
-    list of pickup times, one last pickup, and their tightest limits
-    checked in two comparisons.  A sub-queue that needs only part of a
+    list of pickup times (none while quiet, below), one last pickup, and
+    their tightest limits checked in two comparisons.  A sub-queue that needs only part of a
     group splits it in two with the same counts (partition refinement).
     A pickup thus touches one group per distinct set of sub-queues among
     its entries (a tenant's, a source IP's, its own), not one per entry:
@@ -57,6 +61,18 @@ STRATEGIES
     pickups (its group's, for one window); one more is allowed when the
     X-th latest is Y seconds old, so no Y-second window ever holds more
     than X pickups.
+
+    Rates far from full keep no times per group (quiet rate classes).
+    Groups with the same rates share a _Rates class.  While fewer than
+    half its smallest X of all pickups fall in its longest window, the
+    class is quiet: its groups log nothing per pickup, because one log of
+    every pickup's groups (_Pickups, one list per handle() call) holds
+    their pickups, and the class's bound (that window's pickups when it
+    was checked, plus every pickup since) says none of their windows can
+    be full until pickup number arm_at, when it is checked again.  A class
+    found busy is armed: its groups take their times from that log and
+    log their own from then on, as above.  A pickup among groups with
+    such rates therefore logs once, not once per group.
 
     Slow start (Postfix).  Per destination, the concurrency window starts
     at initial_destination_concurrency and grows by 1/window per delivery
@@ -76,13 +92,22 @@ INVARIANTS
     In flight per counter entry <= its concurrency; pickups of an entry in
     any window of Y seconds <= X; no parked sub-queue whose blocker has
     room unless it has been woken; time never goes backwards (handle()
-    raises ValueError, and the state is unchanged).
+    raises ValueError, and the state is unchanged).  A quiet class's
+    groups have fewer pickups in any of their windows than its bound,
+    which stays below its smallest X until pickup number arm_at; their
+    pickups in those windows are all in _Pickups.  In a line, a sub-queue's
+    stale entries come before its live one, and it has at most one live
+    entry, when it is parked on the line's blocker.
 
 LIMITATIONS
     connectinterval spaces pickups, each of which may open a connection; a
     runtime that reuses a connection still waits for the interval.  Rate
     windows are kept per group as the pickup times of one window (pruned
-    when they double): memory grows with the pickups in a window.
+    when they double), or for quiet classes as every pickup's groups for
+    the longest quiet window: memory grows with the pickups in a window.
+    An entry a reload keeps carries the pickups its old window holds: a
+    longer window counts those, not older ones.  A class once armed stays
+    armed until a reload finds no group with its rates.
     Counter entries with no threshold, or none reachable, are not tracked
     (the views do not list them).  A reload starts new counters' rate
     windows empty.  A pickup checks and counts in every group of its
@@ -99,6 +124,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -218,11 +244,73 @@ class Settings:
 # Blockers: things a sub-queue can be parked on.
 
 
-_Line = OrderedDict["_SubQueue", None]
+class _Line(deque["_SubQueue"]):
+    """Sub-queues parked on a blocker at one priority, oldest first.
+
+    A sub-queue that leaves the line other than at its head (woken by
+    another of its blockers, unparked) is not looked for: its entry stays,
+    stale, and the sub-queue counts it (``stale``, per line).  A line holds
+    a sub-queue's stale entries before its live one (it can only be parked
+    again behind them), so a head entry is stale when its sub-queue still
+    counts one here; stale entries are dropped there, or when they
+    outnumber the others.  ``live`` counts the sub-queues in line.
+
+    Among 100 000 sub-queues that take turns at one blocker, a wake and a
+    park are then a popleft and an append of the sub-queue itself, where a
+    dict keyed by sub-queue missed the cache at each.
+    """
+
+    __slots__ = ("live", "solo")
+    __hash__ = object.__hash__  # type: ignore[assignment]  # a key of _SubQueue.stale
+    __eq__ = object.__eq__
+
+    def __init__(self, solo: tuple[_Blocker, ...] = ()) -> None:
+        super().__init__()
+        self.live = 0
+        self.solo = solo  # (its blocker,): the parked_on of a sub-queue held by it alone
+
+    def leave(self, sq: _SubQueue) -> None:
+        """``sq`` left this line elsewhere than at its head."""
+        self.live -= 1
+        stale = sq.stale
+        if stale is None:
+            sq.stale = {self: 1}
+        else:
+            stale[self] = stale.get(self, 0) + 1
+        if len(self) > 2 * self.live + 32:
+            live = self.members(True)
+            self.clear()
+            self.extend(live)
+
+    def members(self, drop: bool = False) -> list[_SubQueue]:
+        """Its sub-queues in line, oldest first (``drop``: and forget the stale entries)."""
+        skipped: dict[_SubQueue, int] = {}
+        out = []
+        for sq in self:
+            stale = sq.stale
+            if stale is not None and skipped.get(sq, 0) < stale.get(self, 0):
+                skipped[sq] = skipped.get(sq, 0) + 1
+                continue
+            out.append(sq)
+        if drop:
+            for sq in skipped:
+                stale = sq.stale
+                assert stale is not None
+                del stale[self]
+                if not stale:
+                    sq.stale = None
+        return out
+
+
+def _lines(blocker: _Blocker) -> tuple[_Line, _Line]:
+    """A blocker's own lines, per priority."""
+    solo = (blocker,)
+    return (_Line(solo), _Line(solo))
+
 
 #: Shared by every blocker that never had a waiter (most of them): reading
 #: it is safe, and _park gives a blocker its own lines before the first write.
-_NO_WAITERS: tuple[_Line, _Line] = (OrderedDict(), OrderedDict())
+_NO_WAITERS: tuple[_Line, _Line] = (_Line(), _Line())
 
 
 class _Blocker:
@@ -245,13 +333,205 @@ class _Blocker:
 
 
 class _NoLog(deque[float]):
-    """The pickup times of every group that keeps none (it has no rate)."""
+    """The pickup times of every group that keeps none (no rate, or a quiet one)."""
 
     def append(self, value: float) -> None:
-        raise RuntimeError("broken invariant: a pickup logged in a group without a rate")
+        raise RuntimeError("broken invariant: a pickup logged in a group without a log")
 
 
 _NO_LOG: deque[float] = _NoLog()
+
+_RateSet = tuple[tuple[int, float], ...]
+
+
+class _Rates:
+    """A set of rates (count, seconds), shared by every group that has
+    exactly these: a *rate class*, and whether it is quiet.
+
+    A quiet class is one whose windows are far from full for the whole
+    scheduler: fewer than half its smallest count (min_n) of all pickups
+    fell in its longest window when it was last checked.  Its groups keep
+    no pickup times of their own (their pickups are in _Pickups, which
+    keeps every pickup's groups for the windows of quiet classes), because
+    none can be held by these rates: a window of one of them holds at most
+    ``bound()`` of its pickups, the ``w0`` pickups of the window when the
+    class was checked (at pickup number ``p0``) plus every pickup since,
+    and that stays below min_n until pickup number ``arm_at``, when
+    Scheduler._verify checks the class again.  A class found busy is armed
+    for good: its groups get their pickup times from _Pickups, and log
+    their own from then on.
+    """
+
+    __slots__ = ("arm_at", "max_s", "min_n", "mixed", "p0", "pk", "quiet", "rate_cap", "rates",
+                 "w0")
+
+    def __init__(self, rates: _RateSet, pk: _Pickups) -> None:
+        self.rates = rates  # the smallest count first: the likeliest full
+        self.pk = pk
+        if rates:
+            self.max_s = max(per for _, per in rates)
+            self.min_n = min(n for n, _ in rates)
+            self.rate_cap = min(n for n, per in rates if per == self.max_s)
+            self.mixed = any(per != self.max_s for _, per in rates)
+        else:
+            self.max_s = 0.0
+            self.min_n = self.rate_cap = _BIG
+            self.mixed = False
+        self.quiet = False
+        self.p0 = self.w0 = 0
+        self.arm_at = _BIG
+
+    def bound(self) -> int:
+        """At most how many pickups of one of its quiet groups a window holds."""
+        return self.w0 + self.pk.n - self.p0
+
+
+class _Pickups:
+    """Every pickup's groups, for as long as a quiet rate class needs them.
+
+    Pickups are kept per call of handle_all() (all at one time): ``times``,
+    ``start`` (the number of its first pickup) and ``groups`` (one tuple per
+    pickup), from ``head`` on; ``cur`` is the running call's.  Calls are
+    dropped once older than the longest window of a quiet class
+    (``horizon``), so that a quiet group's pickups in its window are all
+    here.  ``n`` counts every pickup.
+    """
+
+    __slots__ = ("arm_at", "classes", "cur", "cur_p", "groups", "head", "horizon", "n",
+                 "no_rates", "now", "pending", "sources", "start", "times")
+
+    def __init__(self, now: float) -> None:
+        self.n = 0
+        self.now = now
+        self.times: list[float] = []
+        self.start: list[int] = []
+        self.groups: list[list[tuple[_Group, ...]]] = []
+        self.head = 0
+        self.cur: list[tuple[_Group, ...]] = []
+        self.cur_p = 0
+        self.classes: dict[_RateSet, _Rates] = {}
+        self.no_rates = _Rates((), self)
+        self.arm_at = _BIG  # the first pickup number at which a quiet class is checked
+        self.horizon = -_NEVER  # the longest window of a quiet class
+        # Groups that take over the pickups of others (a split's half, a
+        # reload's new group): source -> heirs, and heir -> sources.
+        self.pending: dict[_Group, list[tuple[_Group, float]]] = {}
+        self.sources: dict[_Group, list[tuple[_Group, float]]] = {}
+
+    def rates(self, rates: _RateSet) -> _Rates:
+        """The class of ``rates``; a new one is quiet if the pickups allow."""
+        if not rates:
+            return self.no_rates
+        rc = self.classes.get(rates)
+        if rc is None:
+            rc = self.classes[rates] = _Rates(rates, self)
+            self.check(rc)
+            self.update()
+        return rc
+
+    def check(self, rc: _Rates) -> bool:
+        """Keep ``rc`` quiet while fewer than half its min_n pickups are in
+        its window; False: it is not (any more)."""
+        w = self.window(rc.max_s)
+        if 2 * w < rc.min_n:
+            rc.quiet = True
+            rc.p0 = self.n
+            rc.w0 = w
+            rc.arm_at = self.n - w + rc.min_n  # bound() reaches min_n there
+            return True
+        rc.quiet = False
+        rc.arm_at = _BIG
+        return False
+
+    def update(self) -> None:
+        quiet = [rc for rc in self.classes.values() if rc.quiet]
+        self.arm_at = min((rc.arm_at for rc in quiet), default=_BIG)
+        self.horizon = max((rc.max_s for rc in quiet), default=-_NEVER)
+
+    def window(self, per: float) -> int:
+        """The pickups at a time t with t + per > now (as a rate counts them)."""
+        now = self.now
+        times = self.times
+        i = bisect_right(times, now, self.head, key=lambda t: t + per)
+        return self.n - (self.start[i] if i < len(times) else self.cur_p)
+
+    def end_call(self) -> None:
+        """The running call is over: keep its pickups, drop what no quiet window needs."""
+        times = self.times
+        if self.cur:
+            times.append(self.now)
+            self.start.append(self.cur_p)
+            self.groups.append(self.cur)
+            self.cur = []
+        self.cur_p = self.n
+        head, end = self.head, len(times)
+        horizon, now = self.horizon, self.now
+        while head < end and times[head] + horizon <= now:
+            head += 1
+        if head and 2 * head >= end:
+            del times[:head]
+            del self.start[:head]
+            del self.groups[:head]
+            head = 0
+        self.head = head
+
+    def inherit(self, source: _Group, heir: _Group, window: float) -> None:
+        """``heir`` counts the pickups so far of ``source`` that a window of
+        ``window`` seconds holds now (flush() writes it)."""
+        chain = [(source, window)]
+        chain += [(src, min(w, window)) for src, w in self.sources.get(source, ())]
+        for src, w in chain:
+            self.pending.setdefault(src, []).append((heir, w))
+            self.sources.setdefault(heir, []).append((src, w))
+
+    def flush(self) -> None:
+        """Add the heirs to the pickups of their sources (before the next pickup)."""
+        pending, now = self.pending, self.now
+        windows = sorted({w for heirs in pending.values() for _, w in heirs})
+        memo: dict[int, tuple[tuple[_Group, ...], tuple[_Group, ...]]] = {}
+        active = 0
+        calls = [(self.times[i], self.groups[i]) for i in range(self.head, len(self.times))]
+        calls.append((now, self.cur))
+        for t, call in calls:  # in time order: windows only join
+            n = sum(1 for w in windows if t + w > now)
+            if n != active:
+                memo = {}
+                active = n
+            if not n:
+                continue
+            for i, gs in enumerate(call):
+                hit = memo.get(id(gs))
+                if hit is None:
+                    extra = dict.fromkeys(h for g in gs for h, w in pending.get(g, ())
+                                          if t + w > now)
+                    hit = memo[id(gs)] = (gs, (*gs, *extra) if extra else gs)
+                if hit[1] is not gs:
+                    call[i] = hit[1]
+        pending.clear()
+        self.sources.clear()
+
+    def history(self, wanted: Iterable[_Group] | None) -> dict[_Group, deque[float]]:
+        """The pickup times kept of ``wanted`` (None: of every quiet group)."""
+        if self.pending:
+            self.flush()
+        targets = None if wanted is None else set(wanted)
+        out: dict[_Group, deque[float]] = {}
+        memo: dict[int, tuple[tuple[_Group, ...], list[_Group]]] = {}
+        calls = [(self.times[i], self.groups[i]) for i in range(self.head, len(self.times))]
+        calls.append((self.now, self.cur))
+        for t, call in calls:
+            for gs in call:
+                hit = memo.get(id(gs))
+                if hit is None:
+                    mine = [g for g in gs if (g in targets if targets is not None
+                                              else g.mode == 0 and g.rc.rates)]
+                    hit = memo[id(gs)] = (gs, mine)
+                for g in hit[1]:
+                    log = out.get(g)
+                    if log is None:
+                        log = out[g] = deque()
+                    log.append(t)
+        return out
 
 
 class _Table:
@@ -377,44 +657,56 @@ class _Group(_Blocker):
     same counts.  A row alone with one sub-queue (a destination's entries)
     is one group per sub-queue; the rows of a tenant, a source IP, a job,
     are one group per distinct set of sub-queues that use them.
+
+    Its rates are its rate class (``rc``, shared with every group that has
+    the same ones).  While the class is quiet, the group logs no pickup
+    times (its pickups are in _Pickups): ``log`` is _NO_LOG and ``mode`` 0.
     """
 
     # CPython lays slots out sorted by name, after _Blocker's (pending,
-    # timer_at, waiters); with 20 slots an object is 192 bytes with its GC
-    # header and starts on a cache line.  The names put what a pickup
-    # checks (busy, conc, inflight) and a finished delivery reads
-    # (inflight, waiters) in the first line, and what a pickup logs in the
-    # second (log, log_n, mode): a group of another sub-queue costs two
-    # misses, not four, among 100 000 sub-queues.
-    __slots__ = ("busy", "conc", "inflight", "interval", "last_at", "log", "log_n", "max_s",
-                 "min_n", "mixed", "mode", "old", "orphan", "rate_cap", "rates", "rows", "users")
+    # timer_at, waiters): what a pickup checks (busy, conc, inflight) and
+    # counts (inflight, last_pick, mode) are at the front.
+    __slots__ = ("busy", "conc", "inflight", "interval", "last_at", "last_pick", "log", "log_n",
+                 "mode", "old", "rc", "rows", "users", "watch")
 
-    def __init__(self, rows: list[_Row]) -> None:
+    def __init__(self, rows: list[_Row], pk: _Pickups) -> None:
         super().__init__()
         self.rows = rows
         for row in rows:
             row.grp = self
-        # Sub-queues whose source IPs use it (for splits and forgetting),
-        # and whether there is none (read where the dict would be a miss).
+        # Sub-queues whose source IPs use it (for splits and forgetting).
         self.users: dict[_SubQueue, None] = {}
-        self.orphan = True
+        # Whether a finished delivery has more to do than count it: it has
+        # waiters' lines, or no user (read where those would be misses).
+        self.watch = True
         self.inflight = 0
         self.log: deque[float] = _NO_LOG
-        self.last_at = -_NEVER
+        self.last_at = -_NEVER  # the last pickup, for an interval
+        self.last_pick = -_NEVER  # the last pickup its rates count
         self.old = False  # a policy change made it stale (_rebuild)
-        self.refresh()
+        self.rc = pk.no_rates
+        self.mode = 0
+        self.refresh(pk, False)
 
-    def copy_counts(self, other: _Group, inflight: int, log: bool = True,
-                    last: bool = True) -> None:
-        """``other``'s counts: its in flight as given, its pickup times (if
-        ``log``) and its last pickup (if ``last``)."""
+    def copy_counts(self, pk: _Pickups, log: deque[float] | None, inflight: int,
+                    last_pick: float, last_at: float) -> None:
+        """Counts taken over from another group: in flight as given, its
+        pickup times (``log``; None: they are in ``pk``, which Scheduler._copy
+        has this group inherit), its last pickup its rates count and its last
+        pickup for an interval."""
         self.inflight = inflight
-        self.log = deque(other.log) if log and self.rates and other.log else _NO_LOG
-        self.last_at = other.last_at if last else -_NEVER
-        self.refresh()
+        self.log = deque(log) if log and self.rc.rates else _NO_LOG
+        self.last_pick = last_pick if self.rc.rates else -_NEVER
+        self.last_at = last_at
+        self.refresh(pk, log is None and bool(self.rc.rates))
 
-    def refresh(self) -> None:
-        """Recompute the tightest limits of the rows (after a split, a reload)."""
+    def refresh(self, pk: _Pickups, inherited: bool) -> None:
+        """Recompute the tightest limits of the rows (after a split, a reload).
+
+        ``inherited``: it has pickups that are only in ``pk`` (it was
+        quiet, or inherits a quiet group's): mode 3 if it must log them
+        (Scheduler._settle), unless it stays quiet.
+        """
         conc = _BIG
         rates: set[tuple[int, float]] = set()
         interval: float | None = None
@@ -426,29 +718,35 @@ class _Group(_Blocker):
             if prof.interval is not None and (interval is None or prof.interval > interval):
                 interval = prof.interval
         self.conc = conc  # _BIG: no concurrency
-        self.rates = tuple(sorted(rates))  # the smallest count first: the likeliest full
         self.interval = interval
-        # What a pickup does to it (_start): 0 nothing (untimed); 1 log it
-        # inline (rates only, and a log of its own: a group that never had
-        # a pickup has none yet); 2 stamp() (an interval, or a first pickup).
-        self.mode = (1 if interval is None and self.log is not _NO_LOG else 2) if rates \
-            else (2 if interval is not None else 0)
-        if rates:
-            self.max_s = max(per for _, per in rates)
-            self.min_n = min(n for n, _ in rates)
-            self.rate_cap = min(n for n, per in rates if per == self.max_s)
-            self.mixed = any(per != self.max_s for _, per in rates)
-        else:
-            self.max_s = 0.0
-            self.min_n = self.rate_cap = _BIG
-            self.mixed = False
+        rc = self.rc = pk.rates(tuple(sorted(rates)))
+        # What a pickup does to it (_start): 0 nothing (untimed, or quiet);
+        # 1 log it inline (rates only, and a log of its own: a group that
+        # never had a pickup has none yet); 2 stamp() (an interval, or a
+        # first pickup); 3 never: it is settled before any pickup.
+        if not rc.rates:
             self.log = _NO_LOG
-        self.log_n = min(self.min_n, max(64, 2 * len(self.log)))
+            self.mode = 2 if interval is not None else 0
+        elif self.log is not _NO_LOG:
+            self.mode = 1 if interval is None else 2
+        elif rc.quiet and interval is None:
+            self.mode = 0
+        else:
+            self.mode = 3 if inherited else 2
+        self.log_n = min(rc.min_n, max(64, 2 * len(self.log)))
+        self.busy = self._busy()
+
+    def arm(self, log: deque[float] | None) -> None:
+        """Log its own pickup times from now on, starting with ``log`` (its
+        pickups in _Pickups): its class is no longer quiet, or a count is due."""
+        self.log = log if log else _NO_LOG
+        self.mode = (1 if self.interval is None else 2) if log else 2
+        self.log_n = min(self.rc.min_n, max(64, 2 * len(self.log)))
         self.busy = self._busy()
 
     def _busy(self) -> float:
         """Until when a timed limit (a rate, an interval) holds the next pickup."""
-        busy = self._rates_busy() if len(self.log) >= self.min_n else -_NEVER
+        busy = self._rates_busy() if len(self.log) >= self.rc.min_n else -_NEVER
         if self.interval is not None:
             at = self.last_at + self.interval
             if at > busy:
@@ -460,7 +758,7 @@ class _Group(_Blocker):
         busy = -_NEVER
         log = self.log
         n_log = len(log)
-        for n, per in self.rates:
+        for n, per in self.rc.rates:
             if n == 0:
                 return _NEVER
             if n_log >= n:
@@ -477,7 +775,7 @@ class _Group(_Blocker):
         finds the slot free (floats do not round "log[-n] <= now - per" alike).
         """
         busy = -_NEVER
-        if self.rates:
+        if self.rc.rates:
             log = self.log
             if log is _NO_LOG:  # its first pickup (an empty deque is 600 bytes)
                 self.log = log = deque()
@@ -501,18 +799,19 @@ class _Group(_Blocker):
         otherwise: the busy time of its rates stays -inf, or a time already
         past, below log_n (which is at most min_n)."""
         log = self.log
-        per = self.max_s
+        rc = self.rc
+        per = rc.max_s
         while log[0] + per <= now:
             log.popleft()
-        self.log_n = min(self.min_n, max(64, 2 * len(log)))
-        busy = self._rates_busy() if len(log) >= self.min_n else -_NEVER
+        self.log_n = min(rc.min_n, max(64, 2 * len(log)))
+        busy = self._rates_busy() if len(log) >= rc.min_n else -_NEVER
         if self.interval is None:
             self.busy = busy
         return busy
 
     def prune(self, now: float) -> None:
         log = self.log
-        per = self.max_s
+        per = self.rc.max_s
         while log and log[0] + per <= now:
             log.popleft()
 
@@ -522,13 +821,19 @@ class _Group(_Blocker):
             return free
         if now < self.busy:
             return 0
-        if self.rates:
+        rc = self.rc
+        if rc.rates:
+            if self.mode == 0:
+                # Quiet: none of its windows holds more than bound() pickups.
+                if rc.rate_cap - rc.bound() >= free:
+                    return min(free, 1) if rc.mixed else free
+                self.arm(rc.pk.history((self,)).get(self))  # the count is due
             # A log shorter than rate_cap by at least the free slots cannot be
             # what limits them, pruned or not: prune only when it might.
-            if self.rate_cap - len(self.log) < free:
+            if rc.rate_cap - len(self.log) < free:
                 self.prune(now)
-                free = min(free, self.rate_cap - len(self.log))
-            if self.mixed:
+                free = min(free, rc.rate_cap - len(self.log))
+            if rc.mixed:
                 free = min(free, 1)  # shorter windows: let one through at a time
         return free
 
@@ -540,22 +845,22 @@ class _Group(_Blocker):
 
     def keep_until(self) -> float:
         """Until when a group nobody uses must be remembered (its windows)."""
-        at = -_NEVER
-        if self.rates and self.log:
-            at = self.log[-1] + self.max_s
+        rc = self.rc
+        at = self.last_pick + rc.max_s if rc.rates else -_NEVER
         if self.interval is not None:
             at = max(at, self.last_at + self.interval)
         return at
 
 
-def _kind(thresholds: Thresholds, grp: _Group, now: float) -> Waiting | None:
-    """Whether one entry (its thresholds, counted in ``grp``) holds back the next pickup."""
+def _kind(thresholds: Thresholds, grp: _Group, log: deque[float], now: float) -> Waiting | None:
+    """Whether one entry (its thresholds, counted in ``grp``, whose pickup
+    times are ``log``) holds back the next pickup."""
     conc = thresholds.concurrency
     if conc is not None and grp.inflight >= conc:
         return Waiting.CONCURRENCY
     rate = thresholds.rate
     if rate is not None:
-        log, n = grp.log, rate.count
+        n = rate.count
         if n == 0 or (len(log) >= n and log[-n] + rate.per_s > now):
             return Waiting.RATE
     interval = thresholds.connectinterval_s
@@ -564,7 +869,8 @@ def _kind(thresholds: Thresholds, grp: _Group, now: float) -> Waiting | None:
     return None
 
 
-def _free_at(thresholds: Thresholds, grp: _Group, now: float) -> float | None:
+def _free_at(thresholds: Thresholds, grp: _Group, log: deque[float], now: float
+             ) -> float | None:
     """When one entry lets one more through; None = an event will (or never)."""
     conc = thresholds.concurrency
     if conc is not None and grp.inflight >= conc:
@@ -575,19 +881,38 @@ def _free_at(thresholds: Thresholds, grp: _Group, now: float) -> float | None:
         n = rate.count
         if n == 0:
             return None
-        if len(grp.log) >= n:
-            at = max(at, grp.log[-n] + rate.per_s)
+        if len(log) >= n:
+            at = max(at, log[-n] + rate.per_s)
     interval = thresholds.connectinterval_s
     if interval:
         at = max(at, grp.last_at + interval)
     return at if at > now else None
 
 
-def _rate_used(thresholds: Thresholds, grp: _Group, now: float) -> int:
+def _rate_used(thresholds: Thresholds, log: deque[float], now: float) -> int:
     rate = thresholds.rate
     if rate is None:
         return 0
-    return sum(1 for t in grp.log if t + rate.per_s > now)
+    return sum(1 for t in log if t + rate.per_s > now)
+
+
+class _Logs:
+    """Pickup times of groups for the views: a group's own log, or for a
+    quiet group, its pickups in _Pickups (all quiet groups' at once, the
+    first time one is asked for)."""
+
+    __slots__ = ("found", "pk")
+
+    def __init__(self, pk: _Pickups) -> None:
+        self.pk = pk
+        self.found: dict[_Group, deque[float]] | None = None
+
+    def of(self, grp: _Group) -> deque[float]:
+        if grp.mode != 0 or not grp.rc.rates:
+            return grp.log
+        if self.found is None:
+            self.found = self.pk.history(None)
+        return self.found.get(grp, _NO_LOG)
 
 
 class _Susp(_Blocker):
@@ -655,8 +980,8 @@ class _Dest(_Blocker):
 
 class _SubQueue:
     __slots__ = ("dest", "dropped", "g0", "groups", "in_ring", "ip0", "ips", "jobs", "live",
-                 "parked_on", "pool", "priority", "route", "rr", "s0", "susp", "susp_version",
-                 "version", "woken_by")
+                 "parked_on", "pool", "priority", "route", "rr", "s0", "stale", "susp",
+                 "susp_version", "version", "woken_by")
 
     def __init__(self, route: Route, priority: int, dest: _Dest) -> None:
         self.route = route
@@ -681,6 +1006,8 @@ class _SubQueue:
         self.in_ring = False
         self.woken_by: _Blocker | None = None
         self.rr = 0
+        # Per line, its entries there that it left without being woken there.
+        self.stale: dict[_Line, int] | None = None
 
 
 class _Job:
@@ -786,6 +1113,10 @@ class Scheduler:
                  suspensions: Iterable[Suspension] = (), now: float = 0.0) -> None:
         self.settings = settings or Settings()
         self._now = now
+        # Every pickup's groups, for rate classes that keep no pickup times
+        # per group (quiet ones); and groups that must get theirs (_settle).
+        self._pk = _Pickups(now)
+        self._unsettled: list[_Group] = []
         self._seq = 0
         self._timers: list[tuple[float, int, int, Any]] = []
         self._gc: list[tuple[float, int, _Group]] = []
@@ -820,7 +1151,6 @@ class Scheduler:
         self._woken: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
         # Blockers that finished deliveries freed, to release (in this order).
         self._dirty: dict[_Blocker, None] = {}
-        self._full: _Blocker | None = None  # the one _requeue parked its sub-queue on
         self._ring: tuple[deque[_SubQueue], deque[_SubQueue]] = (deque(), deque())
         # Jobs and deliveries.
         self._qids: dict[str, _Job | _Flight] = {}
@@ -831,17 +1161,21 @@ class Scheduler:
         self._queued_n = 0
         self._inflight_entries = 0
         self._store_ready_at = -_NEVER
-        # Statistics.
-        self.pickups = 0
         self._set_policy(policy or Policy(), now)
         for susp in suspensions:
             self._add_suspension(susp, now, from_file=False)
+        self._settle()
 
     # ------------------------------------------------------------------ API
 
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    @property
+    def pickups(self) -> int:
+        """Deliveries started so far (a statistic)."""
+        return self._pk.n
 
     @property
     def now(self) -> float:
@@ -887,8 +1221,12 @@ class Scheduler:
             else:
                 self._check(event)
         self._now = now
+        pk = self._pk
+        pk.now = now
         out: list[Command] = []
         self._fire_timers(now, out)
+        if self._unsettled or pk.pending:
+            self._settle()
         for event in events:
             if type(event) is DeliveryFinished:
                 self._finish(event, now, out)
@@ -896,9 +1234,12 @@ class Scheduler:
                 if self._dirty:
                     self._release_dirty(now)  # in the order things happened
                 self._dispatch(event, now, out)
+                if self._unsettled or pk.pending:
+                    self._settle()
         if self._dirty:
             self._release_dirty(now)
         self._select(now, out)
+        pk.end_call()
         self._maybe_refill(now, out)
         self._collect(now)
         return out
@@ -1034,6 +1375,7 @@ class Scheduler:
             elif kind == _T_CONDITION:
                 counter_id, cond_id = obj
                 self._expire_condition(counter_id, cond_id, now)
+                self._settle()  # its new groups, before the next timer looks
 
     # ------------------------------------------------------------- refill
 
@@ -1175,12 +1517,12 @@ class Scheduler:
         for dest in self._dests.values():
             dest.ip_limits.clear()
             dest.set_cap(self.settings.default_destination_concurrency_limit)
-            dest.waiters[0].clear()
-            dest.waiters[1].clear()
+            if dest.waiters is not _NO_WAITERS:
+                dest.waiters = _lines(dest)
             dest.pending = 0
         for susp in self._susps.values():
-            susp.waiters[0].clear()
-            susp.waiters[1].clear()
+            if susp.waiters is not _NO_WAITERS:
+                susp.waiters = _lines(susp)
             susp.pending = 0
         for flight in self._flights.values():
             groups = self._place(self._rows_for(flight.job.route, flight.ip)[0], None)
@@ -1189,6 +1531,7 @@ class Scheduler:
                 grp.inflight += 1
         for sq in self._subqueues.values():
             sq.parked_on = ()
+            sq.stale = None  # the lines are new
             sq.woken_by = None
             self._resolve(sq)
             if sq.live and not sq.in_ring:
@@ -1198,12 +1541,18 @@ class Scheduler:
             for sq in queue:
                 sq.woken_by = None
         n = 0
+        used: set[_Rates] = set()
         for table in self._tables:
             table.reuse = {}  # rows nobody looked up again are forgotten
             for row in table.rows.values():
                 n += len(row.prof.items)
+                if row.grp is not None:
+                    used.add(row.grp.rc)
         self._n_entries = n
         self._origins = {}
+        pk = self._pk  # rate classes no group has any more are forgotten
+        pk.classes = {rates: rc for rates, rc in pk.classes.items() if rc in used}
+        pk.update()
 
     def _rows_for(self, route: Route, ip: str) -> tuple[list[_Row], int]:
         """The rows of ``route`` from ``ip`` (created as needed), and the
@@ -1281,7 +1630,7 @@ class Scheduler:
             for grp in groups:
                 grp.users.pop(sq, None)
                 if not grp.users:
-                    grp.orphan = True
+                    grp.watch = True
                     if not grp.inflight and not grp.old:
                         self._forget_later(grp)
         sq.groups = []
@@ -1306,17 +1655,17 @@ class Scheduler:
                 used.setdefault(grp, []).append(row)
         out: list[_Group] = []
         for origin, fresh in new.items():
-            grp = _Group(fresh)
+            grp = _Group(fresh, self._pk)
             if origin is not None:
                 stale, log, last = origin
-                grp.copy_counts(stale, 0, log, last)
+                self._copy(grp, stale, 0, log, last)
             out.append(grp)
         for grp, mine in used.items():
             out.append(grp if len(mine) == len(grp.rows) else self._split(grp, mine))
         if sq is not None:
             for grp in out:
                 grp.users[sq] = None
-                grp.orphan = False
+                grp.watch = grp.waiters is not _NO_WAITERS
         return tuple(out)
 
     def _split(self, grp: _Group, mine: list[_Row]) -> _Group:
@@ -1327,11 +1676,12 @@ class Scheduler:
         has some: splits happen when a sub-queue is created, and a group
         splits at most once per row); sub-queues parked on it wait on both.
         """
-        part = _Group(mine)
-        part.copy_counts(grp, grp.inflight)
+        part = _Group(mine, self._pk)
+        self._copy(part, grp, grp.inflight)
         grp.rows = [row for row in grp.rows if row.grp is grp]
-        grp.refresh()
-        part.orphan = grp.orphan
+        grp.refresh(self._pk, grp.mode in (0, 3) and bool(grp.rc.rates))
+        if grp.mode == 3:
+            self._unsettled.append(grp)
         for user in grp.users:
             part.users[user] = None
             for i, groups in enumerate(user.groups):
@@ -1345,12 +1695,14 @@ class Scheduler:
                 if grp in flight.groups:
                     flight.groups = (*flight.groups, part)
         waiters = grp.waiters
-        if waiters[0] or waiters[1]:
-            part.waiters = (OrderedDict(), OrderedDict())
+        if waiters[0].live or waiters[1].live:
+            self._settle()  # before anything looks at their counts
+            part.waiters = _lines(part)
             for p in (0, 1):
                 line = part.waiters[p]
-                for sq in waiters[p]:
-                    line[sq] = None
+                for sq in waiters[p].members():
+                    line.append(sq)
+                    line.live += 1
                     sq.parked_on = (*sq.parked_on, part)
             now = self._now
             at = part.free_at(now)
@@ -1358,7 +1710,57 @@ class Scheduler:
                 self._schedule_blocker(part, at)
             self._release(grp, now)
             self._release(part, now)
+        part.watch = not part.users or part.waiters is not _NO_WAITERS
         return part
+
+    def _copy(self, grp: _Group, other: _Group, inflight: int, log: bool = True,
+              last: bool = True) -> None:
+        """Give a new group ``other``'s counts: its in flight as given, the
+        pickups its rates count (if ``log``: those its longest window holds
+        now) and its last pickup (if ``last``, for an interval).  Pickups
+        ``other`` keeps in _Pickups (it is quiet, or inherits them itself)
+        become the new group's there too (_Pickups.inherit)."""
+        pk = self._pk
+        now = self._now
+        window = other.rc.max_s
+        in_pk = other.log is _NO_LOG and other.mode in (0, 3) and bool(other.rc.rates)
+        times: deque[float] | None = _NO_LOG
+        last_pick = -_NEVER
+        if log:
+            times = None if in_pk else deque(t for t in other.log if t + window > now)
+            if other.last_pick + window > now:
+                last_pick = other.last_pick
+        grp.copy_counts(pk, times, inflight, last_pick, other.last_at if last else -_NEVER)
+        if times is None and grp.rc.rates:
+            pk.inherit(other, grp, window)
+            if grp.mode == 3:
+                self._unsettled.append(grp)
+
+    def _settle(self) -> None:
+        """Before the next pickup: heirs get their sources' pickups in _Pickups,
+        and groups that must log theirs (mode 3) get them."""
+        pk = self._pk
+        if pk.pending:
+            pk.flush()
+        if self._unsettled:
+            groups = [grp for grp in dict.fromkeys(self._unsettled) if grp.mode == 3]
+            self._unsettled = []
+            logs = pk.history(groups)
+            for grp in groups:
+                grp.arm(logs.get(grp))
+
+    def _verify(self) -> None:
+        """A quiet class's bound reached its check (pickup number arm_at):
+        it stays quiet, with a new bound, or its groups log their pickups."""
+        pk = self._pk
+        for rc in list(pk.classes.values()):
+            if rc.quiet and rc.arm_at <= pk.n and not pk.check(rc):
+                members = {row.grp: None for table in self._tables for row in table.rows.values()
+                           if row.grp is not None and row.grp.rc is rc and row.grp.mode == 0}
+                logs = pk.history(members)
+                for grp in members:
+                    grp.arm(logs.get(grp))
+        pk.update()
 
     def _dest_cap(self, dest: _Dest) -> int:
         return dest.cap
@@ -1555,51 +1957,73 @@ class Scheduler:
 
     def _park(self, sq: _SubQueue, blockers: list[_Blocker], woken: _Blocker | None,
               now: float) -> None:
-        sq.parked_on = tuple(blockers)
         p = sq.priority
         for blocker in blockers:
             if blocker.waiters is _NO_WAITERS:
-                blocker.waiters = (OrderedDict(), OrderedDict())
-            waiters = blocker.waiters[p]
-            waiters[sq] = None
+                blocker.waiters = _lines(blocker)
+                if type(blocker) is _Group:
+                    blocker.watch = True
+            line = blocker.waiters[p]
             if blocker is woken:
-                waiters.move_to_end(sq, last=False)  # it keeps its place in line
+                line.appendleft(sq)  # it keeps its place in line
+            else:
+                line.append(sq)
+            line.live += 1
             at = blocker.free_at(now)
             if at is not None:
                 self._schedule_blocker(blocker, at)
+        sq.parked_on = blockers[0].waiters[p].solo if len(blockers) == 1 else tuple(blockers)
 
     def _unpark(self, sq: _SubQueue) -> None:
         p = sq.priority
         for blocker in sq.parked_on:
-            blocker.waiters[p].pop(sq, None)
+            blocker.waiters[p].leave(sq)
         sq.parked_on = ()
 
     def _release(self, blocker: _Blocker, now: float) -> None:
         """Wake as many waiters as ``blocker`` has free slots not yet promised."""
         waiters = blocker.waiters
-        if not (waiters[1] or waiters[0]):
+        if not (waiters[1].live or waiters[0].live):
             return
         free = blocker.free(now)
-        room = free - blocker.pending
+        pending = blocker.pending
+        room = free - pending
         if room > 0:
             for p in (1, 0):
                 line = waiters[p]
-                woken = self._woken[p]
-                while room > 0 and line:
-                    sq, _ = line.popitem(last=False)
+                live = line.live
+                if not live:
+                    continue
+                popleft = line.popleft
+                wake = self._woken[p].append
+                while room > 0 and live:
+                    sq = popleft()
+                    stale = sq.stale
+                    if stale is not None and line in stale:
+                        n = stale[line] - 1  # an entry it left: not its turn
+                        if n:
+                            stale[line] = n
+                        else:
+                            del stale[line]
+                            if not stale:
+                                sq.stale = None
+                        continue
+                    live -= 1
                     if len(sq.parked_on) > 1:
                         for other in sq.parked_on:
                             if other is not blocker:
-                                other.waiters[p].pop(sq, None)
+                                other.waiters[p].leave(sq)
                     sq.parked_on = ()
                     sq.woken_by = blocker
-                    blocker.pending += 1
-                    woken.append(sq)
+                    wake(sq)
                     sq.in_ring = True
                     room -= 1
+                    pending += 1
+                line.live = live
+            blocker.pending = pending
         # Only a blocker without a free slot can be held by a timed limit
         # (free_at() is None otherwise): then a timer wakes the rest.
-        if free <= 0 and (waiters[1] or waiters[0]):
+        if free <= 0 and (waiters[1].live or waiters[0].live):
             at = blocker.free_at(now)
             if at is not None:
                 self._schedule_blocker(blocker, at)
@@ -1640,30 +2064,32 @@ class Scheduler:
                 continue
             sq.woken_by = None
             woken.pending -= 1
-            self._full = None
-            self._visit(sq, now, out, woken)
-            if self._full is not woken:
-                # The slot it was woken for may be free still: the next in line.
+            if not self._visit(sq, now, out, woken):
+                # The slot it was woken for may be free still: the next in line
+                # (unless it went back into that line: releasing would find no room).
                 self._release(woken, now)
 
     def _visit(self, sq: _SubQueue, now: float, out: list[Command],
-               woken: _Blocker | None) -> None:
+               woken: _Blocker | None) -> bool:
+        """Look at a sub-queue: start its head, or park it.  True: it took
+        the slot ``woken`` promised and went back into that blocker's line."""
         if sq.dropped:
             jobs = sq.jobs
             while jobs and jobs[0].dropped:
                 jobs.popleft()
                 sq.dropped -= 1
         if not sq.live or sq.parked_on:
-            return  # a stale ring entry: retired, or parked meanwhile
+            return False  # a stale ring entry: retired, or parked meanwhile
         if sq.version != self._version:
             self._resolve(sq)
+            self._settle()
         dest = sq.dest
         if dest.dead_until > now:
             self._defer_subqueue(sq, dest, out)
-            return
+            return False
         if dest.inflight >= dest.limit:
             self._park(sq, [dest], woken, now)
-            return
+            return False
         if not sq.pool:
             # The common case, without the bookkeeping of a pool.
             held: _Blocker | None = (sq.s0 if sq.susp_version == self._susp_version
@@ -1676,10 +2102,9 @@ class Scheduler:
                         break
                 else:
                     self._start(sq, 0, now, out)
-                    self._requeue(sq, woken, now)
-                    return
+                    return self._requeue(sq, woken, now)
             self._park(sq, [held], woken, now)
-            return
+            return False
         susps = sq.susp if sq.susp_version == self._susp_version else self._suspensions_for(sq)
         n = len(sq.ips)
         blockers: list[_Blocker] = []
@@ -1701,11 +2126,11 @@ class Scheduler:
                 continue
             sq.rr = (i + 1) % n
             self._start(sq, i, now, out)
-            self._requeue(sq, woken, now)
-            return
+            return self._requeue(sq, woken, now)
         self._park(sq, blockers, woken, now)
+        return False
 
-    def _requeue(self, sq: _SubQueue, woken: _Blocker | None, now: float) -> None:
+    def _requeue(self, sq: _SubQueue, woken: _Blocker | None, now: float) -> bool:
         """After a pickup: the sub-queue goes to the back of the line.
 
         If a blocker woke it for the slot it just took and has no other
@@ -1716,23 +2141,39 @@ class Scheduler:
         """
         if not sq.live:
             self._retire(sq)
-            return
+            return False
         if woken is not None and (not sq.pool or woken is sq.dest):
-            free = woken.free(now)
-            if free - woken.pending <= 0:
-                # _park(sq, [woken], None, now), for the one blocker.
-                sq.parked_on = (woken,)
-                if woken.waiters is _NO_WAITERS:
-                    woken.waiters = (OrderedDict(), OrderedDict())
-                woken.waiters[sq.priority][sq] = None
-                if free <= 0:
-                    at = woken.free_at(now)
-                    if at is not None:
-                        self._schedule_blocker(woken, at)
-                self._full = woken  # releasing it now would find no room
-                return
+            if type(woken) is _Group and woken.conc - woken.inflight <= woken.pending:
+                # free() is at most conc - inflight, so there is no room; and
+                # it is <= 0 exactly when the group is full or a timed limit
+                # holds it (a rate full at its cap is busy too).  Spares
+                # free() at each pickup of a line that takes turns.
+                full = woken.inflight >= woken.conc or now < woken.busy
+            else:
+                free = woken.free(now)
+                if free - woken.pending > 0:
+                    self._ring[sq.priority].append(sq)
+                    sq.in_ring = True
+                    return False
+                full = free <= 0
+            # _park(sq, [woken], None, now), for the one blocker.
+            waiters = woken.waiters
+            if waiters is _NO_WAITERS:
+                woken.waiters = waiters = _lines(woken)
+                if type(woken) is _Group:
+                    woken.watch = True
+            line = waiters[sq.priority]
+            sq.parked_on = line.solo
+            line.append(sq)
+            line.live += 1
+            if full:
+                at = woken.free_at(now)
+                if at is not None:
+                    self._schedule_blocker(woken, at)
+            return True
         self._ring[sq.priority].append(sq)
         sq.in_ring = True
+        return False
 
     def _start(self, sq: _SubQueue, i: int, now: float, out: list[Command]) -> None:
         rec = sq.jobs.popleft()
@@ -1745,15 +2186,16 @@ class Scheduler:
             groups = sq.g0
         for grp in groups:
             grp.inflight += 1
-            mode = grp.mode
-            if mode == 1:
-                # stamp(), inlined for a group with rates only (the common case).
-                log = grp.log
-                log.append(now)
-                if len(log) >= grp.log_n:
-                    grp.logged(now)
-            elif mode:
-                grp.stamp(now)
+            grp.last_pick = now
+            if grp.mode:
+                if grp.mode == 1:
+                    # stamp(), inlined for a group with rates only.
+                    log = grp.log
+                    log.append(now)
+                    if len(log) >= grp.log_n:
+                        grp.logged(now)
+                else:
+                    grp.stamp(now)
         dest = sq.dest
         dest.inflight += 1
         job = rec.job
@@ -1765,7 +2207,11 @@ class Scheduler:
         n = len(qids)
         self._queued_n -= n
         self._inflight_entries += n
-        self.pickups += 1
+        pk = self._pk
+        pk.cur.append(groups)
+        pk.n += 1
+        if pk.n >= pk.arm_at:
+            self._verify()
         out.append(StartDelivery(job, ip, qids))
 
     # ------------------------------------------------------------ results
@@ -1780,10 +2226,11 @@ class Scheduler:
         dirty = self._dirty
         for grp in flight.groups:
             grp.inflight -= 1
-            if grp.waiters is not _NO_WAITERS:  # most groups never had a waiter
-                dirty[grp] = None  # released once the batch of results is in
-            if not grp.inflight and grp.orphan:
-                self._forget_later(grp)  # nobody left to use it
+            if grp.watch:  # most groups never had a waiter, and have users
+                if grp.waiters is not _NO_WAITERS:
+                    dirty[grp] = None  # released once the batch of results is in
+                if not grp.inflight and not grp.users:
+                    self._forget_later(grp)  # nobody left to use it
         dest = flight.dest
         dest.inflight -= 1
         if event.connection_failed:
@@ -1814,6 +2261,8 @@ class Scheduler:
     # ---------------------------------------------------- garbage entries
 
     def _forget_later(self, grp: _Group) -> None:
+        if grp.mode == 3:
+            self._settle()
         self._seq += 1
         heapq.heappush(self._gc, (grp.keep_until(), self._seq, grp))
 
@@ -1884,9 +2333,13 @@ class Scheduler:
         out.sort(key=lambda e: e[0].index)
         return out
 
+    def _logs(self) -> _Logs:
+        """For the views: each group's pickup times (a quiet group's from _Pickups)."""
+        return _Logs(self._pk)
+
     @staticmethod
     def _waiting(grp: _Group) -> int:
-        return len(grp.waiters[0]) + len(grp.waiters[1])
+        return grp.waiters[0].live + grp.waiters[1].live
 
     def counters(self, now: float | None = None) -> list[CounterView]:
         """Tracked counter entries against their thresholds.
@@ -1897,8 +2350,10 @@ class Scheduler:
         """
         now = self._now if now is None else now
         out = []
+        logs = self._logs()
         for cc, thresholds, cond, key, grp in self._entries():
-            kind = _kind(thresholds, grp, now)
+            log = logs.of(grp)
+            kind = _kind(thresholds, grp, log, now)
             interval = thresholds.connectinterval_s or None
             out.append(CounterView(
                 counter=cc.id,
@@ -1906,7 +2361,7 @@ class Scheduler:
                 inflight=grp.inflight,
                 concurrency=thresholds.concurrency,
                 rate=str(thresholds.rate) if thresholds.rate else None,
-                rate_used=_rate_used(thresholds, grp, now),
+                rate_used=_rate_used(thresholds, log, now),
                 connectinterval_s=interval,
                 next_connect_at=(grp.last_at + interval
                                  if interval is not None and grp.last_at > -_NEVER else None),
@@ -1925,19 +2380,21 @@ class Scheduler:
             out.append(SuspensionView(
                 id=s.id, fields=s.fields, automatic=False, expires_at=s.expires_at,
                 tag=s.tag, reason=s.reason,
-                waiting_subqueues=len(blocker.waiters[0]) + len(blocker.waiters[1]),
+                waiting_subqueues=blocker.waiters[0].live + blocker.waiters[1].live,
                 from_file=blocker.from_file,
             ))
+        logs = self._logs()
         for ent in self._entries():
             cc, thresholds, _, key, grp = ent
-            kind = _kind(thresholds, grp, now)
+            log = logs.of(grp)
+            kind = _kind(thresholds, grp, log, now)
             if kind is None:
                 continue
             out.append(SuspensionView(
                 id=f"{cc.id}:{','.join(key)}",
                 fields=tuple(zip(cc.names, key, strict=True)),
-                automatic=True, expires_at=_free_at(thresholds, grp, now), tag=str(kind),
-                reason=self._entry_text(ent, kind, now),
+                automatic=True, expires_at=_free_at(thresholds, grp, log, now), tag=str(kind),
+                reason=self._entry_text(ent, log, kind, now),
                 waiting_subqueues=self._waiting(grp),
             ))
         return out
@@ -1962,7 +2419,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ explain
 
-    def _entry_text(self, ent: _Ent, kind: Waiting, now: float) -> str:
+    def _entry_text(self, ent: _Ent, log: deque[float], kind: Waiting, now: float) -> str:
         cc, thresholds, cond, key, grp = ent
         keys = ", ".join(f"{n}={v or '(default)'}" for n, v in
                          zip(cc.names, key, strict=True)) or "all mail"
@@ -1972,7 +2429,7 @@ class Scheduler:
         if kind is Waiting.CONCURRENCY:
             return f"{name}: {grp.inflight} in flight, concurrency {thresholds.concurrency}"
         if kind is Waiting.RATE and thresholds.rate is not None:
-            return (f"{name}: {_rate_used(thresholds, grp, now)} pickups in the last "
+            return (f"{name}: {_rate_used(thresholds, log, now)} pickups in the last "
                     f"{thresholds.rate.per_s:g}s, rate {thresholds.rate}")
         return (f"{name}: connectinterval {thresholds.connectinterval_s or 0:g}s "
                 "since the last pickup")
@@ -1981,12 +2438,13 @@ class Scheduler:
         now = self._now
         if isinstance(blocker, _Group):
             ents = self._group_entries((blocker,))
+            log = self._logs().of(blocker)
             for ent in ents:
-                kind = _kind(ent[1], blocker, now)
+                kind = _kind(ent[1], blocker, log, now)
                 if kind is not None:
-                    return self._entry_text(ent, kind, now)
+                    return self._entry_text(ent, log, kind, now)
             if ents:
-                return self._entry_text(ents[0], Waiting.CONCURRENCY, now)
+                return self._entry_text(ents[0], log, Waiting.CONCURRENCY, now)
         if isinstance(blocker, _Susp):
             return f"suspension {blocker.suspension.id}"
         if isinstance(blocker, _Dest):
@@ -2032,6 +2490,7 @@ class Scheduler:
         undated = False
         spacing = 0.0
         susps = self._suspensions_for(sq)
+        logs = self._logs()
         for i, ip in enumerate(sq.ips):
             shown_ip = ip if route.localip else None
             susp = susps[i]
@@ -2051,12 +2510,13 @@ class Scheduler:
                     spacing = max(spacing, rate.per_s / rate.count)
                 if thresholds.connectinterval_s:
                     spacing = max(spacing, thresholds.connectinterval_s)
-                kind = _kind(thresholds, grp, now)
+                log = logs.of(grp)
+                kind = _kind(thresholds, grp, log, now)
                 if kind is None:
                     continue
-                free_at = _free_at(thresholds, grp, now)
+                free_at = _free_at(thresholds, grp, log, now)
                 reasons.append(Reason(
-                    kind, self._entry_text(ent, kind, now), localip=shown_ip,
+                    kind, self._entry_text(ent, log, kind, now), localip=shown_ip,
                     counter=cc.id, key=tuple(zip(cc.names, key, strict=True)),
                     threshold=str(thresholds), current=str(grp.inflight),
                     until_at=free_at))
