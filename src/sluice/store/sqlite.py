@@ -278,17 +278,27 @@ class SqliteStore:
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
         self._closed = False
-        try:
-            self._writer = self._connect()
-            self._writer.executescript(_SCHEMA)
-            self._writer.execute(
-                "INSERT OR IGNORE INTO qmeta (key, value) VALUES ('schema_version', ?)",
-                (str(SCHEMA_VERSION),),
-            )
-        except sqlite3.Error as exc:
-            raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
         self._lock_fd = os.open(self.dir / "queue.db.writelock",
                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        # Processes that open the queue at the same moment (the receivers of
+        # `sluice serve`) take turns: switching a new database to WAL and
+        # creating the schema can fail at once with "database is locked",
+        # without waiting for the busy timeout, while another connection
+        # does the same.
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            try:
+                self._writer = self._connect()
+                self._writer.executescript(_SCHEMA)
+                self._writer.execute(
+                    "INSERT OR IGNORE INTO qmeta (key, value) VALUES ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
+                )
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        except sqlite3.Error as exc:
+            os.close(self._lock_fd)
+            raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
         # The writer commits without syncing the WAL; _commit syncs it itself,
         # after the commit and outside the lock, for batches that need it.
         self._writer.execute("PRAGMA synchronous = NORMAL")
