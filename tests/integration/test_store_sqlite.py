@@ -4,10 +4,12 @@ content kept in the database in the same commit as its rows."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -222,28 +224,23 @@ def test_recover_removes_content_rows_nothing_points_at(tmp_path: Path) -> None:
         assert _content_rows(store) == [(int(kept.spid, 16), b"kept")]
 
 
-def _open_and_close(root: str, start: object, results: object) -> None:
-    from sluice.spool.fs import FsSpool
-
-    start.wait()  # type: ignore[attr-defined]
+def _open_and_close(root: Path, start: Any, results: Any) -> None:
+    start.wait()
     try:
-        SqliteStore(os.path.join(root, "queue"), FsSpool(os.path.join(root, "spool"))).close()
-        results.put("ok")  # type: ignore[attr-defined]
+        _store(root).close()
+        results.put("ok")
     except BaseException as exc:  # reported to the test, not lost in the child
-        results.put(repr(exc))  # type: ignore[attr-defined]
+        results.put(repr(exc))
 
 
 def test_processes_opening_a_new_queue_at_once_all_succeed(tmp_path: Path) -> None:
     # The receivers of `sluice serve` open the queue at the same moment; one
     # of them once failed with "database is locked" while another created
     # the schema.  Opening now takes the commit lock.
-    import multiprocessing
-
     ctx = multiprocessing.get_context("fork")
     for round_ in range(8):
-        root = tmp_path / str(round_)
         start, results = ctx.Barrier(4), ctx.Queue()
-        procs = [ctx.Process(target=_open_and_close, args=(str(root), start, results))
+        procs = [ctx.Process(target=_open_and_close, args=(tmp_path / str(round_), start, results))
                  for _ in range(4)]
         for proc in procs:
             proc.start()

@@ -285,17 +285,14 @@ class SqliteStore:
         # creating the schema can fail at once with "database is locked",
         # without waiting for the busy timeout, while another connection
         # does the same.
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            try:
+            with self._write_lock():
                 self._writer = self._connect()
                 self._writer.executescript(_SCHEMA)
                 self._writer.execute(
                     "INSERT OR IGNORE INTO qmeta (key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         except sqlite3.Error as exc:
             os.close(self._lock_fd)
             raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
@@ -365,6 +362,15 @@ class SqliteStore:
     def _call(self, work: Callable[[_Batch], Any], *, durable: bool = True) -> Any:
         return self._submit_op(work, durable=durable).result()
 
+    @contextlib.contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """The flock(2) beside the database that every process's writer takes."""
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
     def _flush_wal(self) -> None:
         """Make every commit so far durable: fdatasync the WAL (after a batch
         that needs it, and before deleting spool files that an unsynced batch
@@ -411,20 +417,18 @@ class SqliteStore:
         # database.  SQLite's busy handler sleeps 1, 2, 5, 10 ms between
         # tries; a kernel lock around the transaction wakes the next
         # committer the moment the current one is done.
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            self._transaction(batch, after, results)
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            err = StorageError(f"queue commit failed: {exc}")
-            for op in batch:
-                for f in op.files:
-                    self.spool.discard(f)
-                op.future.set_exception(err)
-            return
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        with self._write_lock():
+            try:
+                self._transaction(batch, after, results)
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                err = StorageError(f"queue commit failed: {exc}")
+                for op in batch:
+                    for f in op.files:
+                        self.spool.discard(f)
+                    op.future.set_exception(err)
+                return
         # 3. Durability, outside the lock: the commit wrote the WAL without
         #    syncing it (synchronous=NORMAL), so that no process waits for
         #    another's fsync to begin its own transaction; the batch's
