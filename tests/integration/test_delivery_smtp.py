@@ -526,6 +526,39 @@ def test_utf8_addresses_with_smtputf8() -> None:
     run(scenario())
 
 
+UTF8_HEADERS = "From: Jöran <j@src.test>\r\nSubject: Grüße\r\n\r\nbody\r\n".encode()
+LATIN1_HEADERS = b"Subject: caf\xe9\r\n\r\nbody\r\n"
+UTF8_BODY_ONLY = "Subject: plain\r\n\r\nGrüße im Text\r\n".encode()
+
+
+def test_utf8_headers_ask_for_smtputf8_where_offered_and_go_as_they_are_elsewhere() -> None:
+    """ASCII addresses, UTF-8 in the header block: SMTPUTF8 is asked for when
+    the server offers it (RFC 6531 3.4); a server without it still gets the
+    message, byte for byte (it was not received as needing SMTPUTF8)."""
+    async def scenario() -> None:
+        offered, plain = SinkHandler(), SinkHandler()
+        async with sink(offered) as s, sink(plain, smtputf8=False) as t:
+            agent = make_agent()
+            for data in (UTF8_HEADERS, LATIN1_HEADERS, UTF8_BODY_ONLY):
+                for port in (s.port, t.port):
+                    res = await agent.deliver(request(hop(port, dest=str(port)), "a@dest.test",
+                                                      data=data))
+                    assert isinstance(res.outcomes[0][1], Delivered), (port, data)
+            await agent.close()
+        opts = [m.mail_options for m in offered.messages]
+        assert "SMTPUTF8" in opts[0]  # UTF-8 headers
+        assert "SMTPUTF8" not in opts[1]  # raw Latin-1 headers are not UTF-8
+        assert "SMTPUTF8" not in opts[2]  # UTF-8 only in the body: 8BITMIME is enough
+        assert all("BODY=8BITMIME" in o for o in opts)
+        assert [m.data for m in offered.messages] == [UTF8_HEADERS, LATIN1_HEADERS,
+                                                      UTF8_BODY_ONLY]
+        assert [m.data for m in plain.messages] == [UTF8_HEADERS, LATIN1_HEADERS,
+                                                    UTF8_BODY_ONLY]
+        assert all("SMTPUTF8" not in m.mail_options for m in plain.messages)
+
+    run(scenario())
+
+
 def test_addresses_that_could_smuggle_commands_never_reach_the_wire() -> None:
     async def scenario() -> None:
         handler = SinkHandler()

@@ -124,3 +124,22 @@ def test_crlf_content_passes_through_unchanged_unless_dotted(
         if chunk and b"." not in chunk and not chunk.endswith(b"\r") \
                 and not chunk.startswith(b"\n"):
             assert piece is chunk  # clean pieces are not copied
+
+
+# -- which messages ask for SMTPUTF8 (sluice.delivery.client.utf8_header) ------------------
+
+
+@pytest.mark.parametrize(("head", "want"), [
+    (b"Subject: ascii\r\n\r\nascii body\r\n", False),
+    ("Subject: Grüße\r\n\r\nbody\r\n".encode(), True),
+    ("Subject: Grüße\n\nbare LF line ends\n".encode(), True),
+    ("Subject: x\r\nFrom: ☃ <a@b.test>\r\n\r\n".encode(), True),
+    ("Subject: ascii\r\n\r\nGrüße only in the body\r\n".encode(), False),
+    ("\r\nno header at all, Grüße\r\n".encode(), False),
+    (b"Subject: caf\xe9 (Latin-1, sent raw)\r\n\r\n", False),
+    ("Subject: no end of the header block in sight: Grüße".encode(), True),
+])
+def test_utf8_header(head: bytes, want: bool) -> None:
+    from sluice.delivery.client import utf8_header
+
+    assert utf8_header(head) is want

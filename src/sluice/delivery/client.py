@@ -10,7 +10,8 @@ DESCRIPTION
     LHLO for LMTP, RFC 2033), possibly after STARTTLS, and can carry one
     mail transaction after another:
 
-        MAIL FROM (SIZE, BODY=8BITMIME, SMTPUTF8 when offered and needed)
+        MAIL FROM (SIZE, BODY=8BITMIME, SMTPUTF8 when offered and the
+                  addresses or the header block have UTF-8)
         RCPT TO ...             one reply per recipient
         DATA, content, "."      SMTP: one reply for the message;
                                 LMTP: one reply per accepted recipient
@@ -88,6 +89,8 @@ MAX_REPLY_LINE = 8192
 MAX_REPLY_LINES = 256
 
 _ENHANCED_RE = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?: |$)")
+#: The blank line that ends a header block (or content that starts with one).
+_HEADER_END_RE = re.compile(rb"(?:^|\n)\r?\n")
 
 
 class StartTls(StrEnum):
@@ -159,7 +162,9 @@ class Envelope:
 
     ``size`` 0 means unknown (no SIZE parameter).  ``smtputf8``: the
     message needs SMTPUTF8 (RFC 6531) even if the addresses are ASCII
-    (it was received with SMTPUTF8).
+    (it was received with SMTPUTF8).  Without it, a message whose header
+    block has UTF-8 still asks for SMTPUTF8 where the server offers it
+    (see utf8_header), but does not fail where it is not offered.
     """
 
     sender: str
@@ -536,7 +541,7 @@ class Session:
             params.append(f" SIZE={env.size}")
         if "8BITMIME" in ext and (second or not first.isascii()):
             params.append(" BODY=8BITMIME")
-        if "SMTPUTF8" in ext and env.needs_smtputf8:
+        if "SMTPUTF8" in ext and (env.needs_smtputf8 or utf8_header(first)):
             params.append(" SMTPUTF8")
         mail = f"MAIL FROM:<{env.sender}>{''.join(params)}\r\n"
         rcpts = [f"RCPT TO:<{r}>\r\n" for r in env.recipients]
@@ -615,6 +620,28 @@ class Session:
                 await self._drain("sending message content")
             chunk, nxt = nxt, content.read(READ_SIZE)
         return [await self._read(self.timeouts.data_done, "end of data") for _ in range(replies)]
+
+
+def utf8_header(head: bytes) -> bool:
+    """Whether the header block at the start of ``head`` holds UTF-8 beyond ASCII.
+
+    Such a message goes with SMTPUTF8 to a server that offers it (RFC 6531
+    3.4), whatever its addresses are; a server without SMTPUTF8 gets it as
+    it is, as Postfix does for mail that did not arrive with SMTPUTF8.
+    8-bit headers that are not UTF-8 (legacy charsets sent raw) do not
+    count: SMTPUTF8 would promise something the message does not keep.
+    """
+    if head.isascii():
+        return False
+    end = _HEADER_END_RE.search(head)
+    block = head[:end.start() + 1] if end is not None else head
+    if block.isascii():
+        return False
+    try:
+        block.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _ended(so_far: Sequence[ServerReply], reply: ServerReply, count: int
