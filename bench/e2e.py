@@ -67,6 +67,7 @@ def wait_port_free(port: int, timeout: float = 30) -> None:
 
 
 SYNC_METHOD = "fsync"  # queue.spool.sync_method for Sluice's runs (--sync-method)
+RECEIVERS = 0  # smtpd.processes for Sluice's runs (--receivers; 0 = one per core)
 
 
 def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> dict[str, str]:
@@ -78,7 +79,7 @@ def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> d
         f"queue: {{path: {work}/queue, spool: {{rootpath: {work}/spool, "
         f"sync_method: {SYNC_METHOD}}}}}\n"
         f"accounting: {{path: {work}/log}}\n"
-        f"smtpd: {{listen: ['127.0.0.1:{port}']}}\n"
+        f"smtpd: {{listen: ['127.0.0.1:{port}'], processes: {RECEIVERS}}}\n"
         f"delivery: {{transport: {{'*': 'smtp:[127.0.0.1]:{sink_port}'}}}}\n"
         "api: {enabled: false}\n")
     wait_port_free(port)
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--no-postfix", action="store_true")
     ap.add_argument("--sync-method", choices=("fsync", "syncfs"), default="fsync",
                     help="Sluice's queue.spool.sync_method (both keep fsync before 250)")
+    ap.add_argument("--receivers", type=int, default=0,
+                    help="Sluice's smtpd.processes (receiving processes; 0 = one per core)")
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds the harness waits for an idle box before each run")
     args = ap.parse_args()
@@ -152,8 +155,9 @@ def main() -> None:
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             sys.exit(f"{tool} is missing: apt-get install postfix (scripts/setup does)")
     results: dict[str, dict[str, list[dict[str, str]]]] = {}
-    global SYNC_METHOD
+    global SYNC_METHOD, RECEIVERS
     SYNC_METHOD = args.sync_method
+    RECEIVERS = args.receivers
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         results[name] = {"sluice": [], "postfix": []}

@@ -133,3 +133,21 @@ def test_to_dict_readable_round_trips_through_validation() -> None:
     cfg = config_from_dict({"queue": {"retry_delays": "5m | 1h30m"}})
     again = config_from_dict(cfg.to_dict(readable=True))
     assert again.queue == cfg.queue
+
+
+@pytest.mark.parametrize(("setting", "cores", "shared", "want"), [
+    (0, 2, True, 1),    # default: a core is left to the queue manager
+    (0, 8, True, 7),
+    (0, 1, True, 1),    # but there is always one receiver
+    (3, 2, True, 3),    # an explicit count is taken as it is
+    (0, 8, False, 0),   # a store one process only may open: receive in the main process
+])
+def test_receiving_processes(monkeypatch: pytest.MonkeyPatch, setting: int, cores: int,
+                             shared: bool, want: int) -> None:
+    import os
+
+    from sluice.smtpd import receiver_processes
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    config = config_from_dict({"smtpd": {"processes": setting}})
+    assert receiver_processes(config, shared) == want
