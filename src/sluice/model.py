@@ -146,6 +146,11 @@ class Submission:
 
     ``hold`` puts the entries in the hold state; ``delay_s`` > 0 queues them
     deferred until now + delay (Halon's queue() "hold" and "delay").
+    ``spid``: the SPID to queue the message under, drawn by the caller with
+    sluice.spool.new_spid() (the SMTP server names it in the Received
+    header); empty = the store draws one.  A store that finds it taken
+    (another process drew the same one in the same millisecond) draws
+    another: Accepted.spid is the one that counts.
     """
 
     sender: str
@@ -158,10 +163,13 @@ class Submission:
     hold: bool = False
     delay_s: float = 0.0
     is_report: bool = False
+    spid: str = ""
 
     def __post_init__(self) -> None:
         if not self.recipients:
             raise ValueError("a submission needs at least one recipient")
+        if self.spid and not _SPID_RE.match(self.spid):
+            raise ValueError(f"not a SPID: {self.spid!r}")
         if self.priority not in (0, 1):
             raise ValueError(f"priority must be 0 or 1, not {self.priority}")
         if self.delay_s < 0:

@@ -490,14 +490,19 @@ def test_received_header(serve: Callable[..., Running], certificate: tuple[str, 
         c.helo()
         c.sendmail("a@x.test", ["one@y.test"], b"Subject: 5\r\n\r\nx\r\n")
     bodies = {}
+    spids = {}
     for spid in run.messages():
         body = run.content(spid)
         subject = body.split(b"Subject: ")[1][:1].decode()
         bodies[subject] = body
+        spids[subject] = spid
     header, _rest = bodies["1"].split(b"Subject: 1", 1)
     lines = header.split(b"\r\n")
     assert lines[0] == b"Received: from helo.client.test ([127.0.0.1])"
-    assert lines[1].startswith(b"\tby mx.sluice.test (Sluice) with ESMTP id ")
+    # The id is the SPID the message is queued under.
+    assert lines[1] == f"\tby mx.sluice.test (Sluice) with ESMTP id {spids['1']}".encode()
+    for subject, body in bodies.items():
+        assert f" id {spids[subject]}".encode() in body.split(b"\r\n\t", 2)[1], subject
     assert lines[2].startswith(b"\tfor <one@y.test>; ")
     date = lines[2].split(b"; ")[1].decode()
     assert abs(time.mktime(time.strptime(date, "%a, %d %b %Y %H:%M:%S +0000"))

@@ -91,6 +91,22 @@ def test_concurrent_submissions_are_all_durable_and_distinct(store: Store) -> No
         assert read(store, a.spid) == body(i)
 
 
+@pytest.mark.parametrize("size", [100, 200_000], ids=["small", "big"])
+def test_a_spid_drawn_by_the_caller_is_used_unless_taken(store: Store, size: int) -> None:
+    """The SMTP server draws the SPID to name it in the Received header; a
+    SPID already in use (another process drew it too) gets a fresh one."""
+    data = [b"Subject: %d\r\n\r\n" % i + b"x" * size for i in range(3)]
+    first = store.submit(sub(spid="0123456789ABCDEF"), data[0], T0)
+    again = store.submit(sub(spid="0123456789ABCDEF"), data[1], T0)
+    other = store.submit(sub(), data[2], T0)
+    assert first.spid == "0123456789ABCDEF" and first.qids == ("0123456789ABCDEF-0",)
+    assert again.spid not in ("0123456789ABCDEF", other.spid)
+    assert [read(store, a.spid) for a in (first, again, other)] == data
+    assert store.count().messages == 3
+    with pytest.raises(ValueError, match="not a SPID"):
+        sub(spid="not-hex")
+
+
 def test_submit_future_resolves_after_the_commit(store: Store) -> None:
     futs = [store.submit_future(sub(), body(i), T0) for i in range(50)]
     done = [f.result(timeout=30) for f in futs]

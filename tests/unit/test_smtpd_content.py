@@ -151,16 +151,17 @@ def test_a_failing_spill_is_a_failed_state(tmp_path: Path) -> None:
 def test_received_header() -> None:
     at = 1795341600.0  # 2026-11-22 10:00:00 UTC, a Sunday
     header = received_header(helo="client.example", client_ip="192.0.2.1",
-                             hostname="mx.sluice.test", protocol="ESMTPS", msgid="ABCD.1",
-                             recipient="bob@example.org", at=at)
+                             hostname="mx.sluice.test", protocol="ESMTPS",
+                             spid="0123456789ABCDEF", recipient="bob@example.org", at=at)
     assert header == (
         b"Received: from client.example ([192.0.2.1])\r\n"
-        b"\tby mx.sluice.test (Sluice) with ESMTPS id ABCD.1\r\n"
+        b"\tby mx.sluice.test (Sluice) with ESMTPS id 0123456789ABCDEF\r\n"
         b"\tfor <bob@example.org>; Sun, 22 Nov 2026 10:00:00 +0000\r\n")
     many = received_header(helo="c (evil)\r\nX-Injected: 1", client_ip="2001:db8::1",
-                           hostname="mx", protocol="ESMTP", msgid="1", recipient=None, at=at)
+                           hostname="mx", protocol="ESMTP", spid="019A2B3C4D5E6F70",
+                           recipient=None, at=at)
     assert many.startswith(b"Received: from c??evil???X-Injected:?1 ([IPv6:2001:db8::1])\r\n")
-    assert b"\r\n\tby mx (Sluice) with ESMTP id 1;\r\n\tSun, 22 Nov 2026" in many
+    assert b"\r\n\tby mx (Sluice) with ESMTP id 019A2B3C4D5E6F70;\r\n\tSun, 22 Nov 2026" in many
     assert many.count(b"\r\n") == 3
 
 

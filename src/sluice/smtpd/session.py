@@ -70,7 +70,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import re
 import ssl
 from collections.abc import Callable
@@ -107,6 +106,7 @@ from sluice.smtpd.policy import (
     normalise_ip,
 )
 from sluice.smtpd.trace import protocol_name, received_header
+from sluice.spool import new_spid
 from sluice.store import StorageError
 from sluice.suppression import SuppressionEntry
 
@@ -250,8 +250,6 @@ class Registry:
         self.per_ip: dict[str, int] = {}
         self.closing = False
         self.counts: dict[str, int] = dict.fromkeys(ReceiverStats.__slots__, 0)
-        self._msg_seq = 0
-        self._prefix = f"{os.getpid() & 0xFFFF:04X}{int.from_bytes(os.urandom(2), 'big'):04X}"
         self.idle_changed = asyncio.Event()
 
     def bump(self, name: str, n: int = 1) -> None:
@@ -261,11 +259,6 @@ class Registry:
         counts = dict(self.counts)
         counts["connections"] = len(self.sessions)
         return ReceiverStats(**counts)
-
-    def next_msgid(self) -> str:
-        """An id for the Received header and the logs (the SPID is not known yet)."""
-        self._msg_seq += 1
-        return f"{self._prefix}.{self._msg_seq:X}"
 
     def enter(self, session: SmtpSession, ip: str) -> None:
         self.sessions.add(session)
@@ -731,7 +724,9 @@ class SmtpSession(SMTP):
         if not txn.recipients:  # every recipient was suppressed (drop mode)
             self._log_suppressed(txn, txn.dropped, None, buf.size)
             return Reply(250, "2.0.0", "Ok: dropped, no deliverable recipients")
-        submission = Submission(sender=txn.sender, recipients=tuple(txn.recipients))
+        # The SPID is drawn now so that the Received header can name it.
+        submission = Submission(sender=txn.sender, recipients=tuple(txn.recipients),
+                                spid=new_spid())
         accept: Accept | None = None
         hooks = settings.hooks
         if hooks.end_of_data is not None:
@@ -747,12 +742,12 @@ class SmtpSession(SMTP):
             accept = decision
             submission = decision.apply(submission)
         queue = settings.queue
-        msgid = registry.next_msgid()
+        spid = submission.spid
         header = received_header(
             helo=helo, client_ip=self._ip, hostname=settings.hostname,
             protocol=protocol_name(session.extended_smtp, tls, self._auth_user is not None,
                                    txn.smtputf8),
-            msgid=msgid,
+            spid=spid,
             recipient=txn.recipients[0] if len(txn.recipients) == 1 else None,
             at=queue.clock())
         content = buf.content(header)
@@ -765,7 +760,7 @@ class SmtpSession(SMTP):
         except (StorageError, OSError) as exc:
             registry.bump("queue_failures")
             registry.bump("messages_refused")
-            log.warning("%s: message %s from <%s> not queued: %s", self._ip, msgid,
+            log.warning("%s: message %s from <%s> not queued: %s", self._ip, spid,
                         txn.sender, exc)
             return QUEUE_FAILED
         registry.bump("messages_accepted")
@@ -774,10 +769,12 @@ class SmtpSession(SMTP):
             self._log_suppressed(txn, txn.dropped, accepted.spid, accepted.size)
         if settings.on_accepted is not None:
             settings.on_accepted(accepted, submission)
+        if accepted.spid != spid:  # rare: another process drew the same SPID first
+            log.info("%s: SPID %s was taken; queued as %s (its Received header says %s)",
+                     self._ip, spid, accepted.spid, spid)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s: %s queued as %s from <%s> to %d recipient(s), %d bytes", self._ip,
-                      msgid, accepted.spid, txn.sender, len(submission.recipients),
-                      accepted.size)
+            log.debug("%s: queued as %s from <%s> to %d recipient(s), %d bytes", self._ip,
+                      accepted.spid, txn.sender, len(submission.recipients), accepted.size)
         if accept is not None and accept.reply is not None:
             return accept.reply
         return Reply(250, "2.0.0", f"Ok: queued as {accepted.spid}")

@@ -2,7 +2,7 @@
 
 SUMMARY
     protocol_name(esmtp, tls, auth, smtputf8) -> "ESMTPSA", ...
-    received_header(helo=, client_ip=, hostname=, protocol=, msgid=,
+    received_header(helo=, client_ip=, hostname=, protocol=, spid=,
                     recipient=None, at=) -> bytes
 
 DESCRIPTION
@@ -71,12 +71,12 @@ def _clean(text: str) -> str:
     return out[:255] or "unknown"
 
 
-def received_header(*, helo: str, client_ip: str, hostname: str, protocol: str, msgid: str,
+def received_header(*, helo: str, client_ip: str, hostname: str, protocol: str, spid: str,
                     recipient: str | None = None, at: float) -> bytes:
     """The folded header, ending in CRLF; UTF-8 (only SMTPUTF8 recipients need it)."""
     lines = [
         f"Received: from {_clean(helo)} ({address_literal(client_ip)})",
-        f"\tby {hostname} (Sluice) with {protocol} id {msgid}",
+        f"\tby {hostname} (Sluice) with {protocol} id {spid}",
     ]
     date = rfc5322_date(at)
     if recipient is not None and "\r" not in recipient and "\n" not in recipient:

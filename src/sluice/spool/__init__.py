@@ -106,8 +106,9 @@ class SpoolFile:
 class Spool(Protocol):
     """Where message content lives (filesystem, or a key-value store)."""
 
-    def write(self, content: Content) -> SpoolFile:
-        """Stream ``content`` under a new SPID; not durable until sync()."""
+    def write(self, content: Content, spid: str = "") -> SpoolFile:
+        """Stream ``content`` under ``spid`` if given and free, else under a
+        new SPID; not durable until sync()."""
         ...
 
     def sync(self, files: Sequence[SpoolFile]) -> None:

@@ -115,16 +115,14 @@ class FsSpool:
 
     # -- writing -------------------------------------------------------------
 
-    def write(self, content: Content, spid: str | None = None) -> SpoolFile:
+    def write(self, content: Content, spid: str = "") -> SpoolFile:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        for _ in range(100):
-            candidate = spid or new_spid()
+        for attempt in range(100):
+            candidate = spid if spid and attempt == 0 else new_spid()
             path = self._file(candidate)
             try:
                 fd = os.open(path, flags, 0o640)
             except FileExistsError:
-                if spid is not None:
-                    raise
                 continue
             except OSError as exc:
                 raise SpoolIOError(exc.errno, exc.strerror, str(path)) from exc

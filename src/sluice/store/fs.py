@@ -1041,7 +1041,7 @@ class FsStore:
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
         try:
-            sf = self.spool.write(content)
+            sf = self.spool.write(content, submission.spid)
         except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
         state, next_at = submission.initial_state(now)

@@ -735,11 +735,12 @@ class KvStore:
         with self._rw.reading():
             self._write("writing the content", lambda db: db.put(key, value))
 
-    def _write_content(self, content: Content) -> _Submit:
-        """Stream content into 64 KB chunk keys under a fresh SPID."""
+    def _write_content(self, content: Content, wanted: str = "") -> _Submit:
+        """Stream content into 64 KB chunk keys under ``wanted`` if it is
+        free, else under a fresh SPID."""
         self._ensure_open()
-        for _ in range(100):
-            spid = new_spid()
+        for attempt in range(100):
+            spid = wanted if wanted and attempt == 0 else new_spid()
             with self._inflight_lock:
                 if spid in self._inflight:
                     continue
@@ -791,7 +792,7 @@ class KvStore:
                       ) -> concurrent.futures.Future[Accepted]:
         if self._closed:
             raise StorageError("the store is closed")
-        sub = self._write_content(content)
+        sub = self._write_content(content, submission.spid)
         spid = sub.spid
         state, next_at = submission.initial_state(now)
         rcpts = list(submission.recipients)

@@ -487,15 +487,16 @@ class PgStore:
 
     # -- submission ---------------------------------------------------------------------
 
-    def _write_content(self, content: Content) -> tuple[str, int]:
-        """Stream the content into chunk rows under a fresh SPID; (spid, size)."""
+    def _write_content(self, content: Content, wanted: str = "") -> tuple[str, int]:
+        """Stream the content into chunk rows under ``wanted`` if it is free,
+        else under a fresh SPID; (spid, size)."""
         created = time.time()
         try:
             with self._pool.connection() as conn, conn.transaction():
                 # Flushed by the committer's synchronous commit that follows.
                 conn.execute("SET LOCAL synchronous_commit = off")
-                for _ in range(100):
-                    spid = new_spid()
+                for attempt in range(100):
+                    spid = wanted if wanted and attempt == 0 else new_spid()
                     row = conn.execute(
                         "INSERT INTO sluice_content (spid, chunk, data, created_at) "
                         "VALUES (%s, 0, '', %s) ON CONFLICT DO NOTHING RETURNING 1",
@@ -532,7 +533,7 @@ class PgStore:
                       ) -> concurrent.futures.Future[Accepted]:
         if self._closed:
             raise StorageError("the store is closed")
-        spid, size = self._write_content(content)
+        spid, size = self._write_content(content, submission.spid)
         rows, accepted = queue_rows(submission, spid, size, now)
 
         def work(batch: _Batch) -> Accepted:

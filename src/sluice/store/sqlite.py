@@ -485,7 +485,7 @@ class SqliteStore:
         if blob is not None:
             return self._submit_inline(submission, blob, now)
         try:
-            sf = self.spool.write(content)
+            sf = self.spool.write(content, submission.spid)
         except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
         rows, accepted = queue_rows(submission, sf.spid, sf.size, now)
@@ -521,11 +521,11 @@ class SqliteStore:
 
         def work(after: _Batch) -> Accepted:
             conn = after.conn
+            spid = submission.spid or new_spid()
             while True:
                 # SPIDs of different processes can collide (exclusive create
                 # settles it for files); here the primary keys do: undo this
                 # operation so far (_transaction's savepoint) and draw again.
-                spid = new_spid()
                 try:
                     conn.execute("INSERT INTO content (id, data) VALUES (?, ?)",
                                  (int(spid, 16), blob))
@@ -533,6 +533,7 @@ class SqliteStore:
                     self._sql.insert(conn, rows)
                 except sqlite3.IntegrityError:
                     conn.execute(f"ROLLBACK TO {_OP_SAVEPOINT}")
+                    spid = new_spid()
                     continue
                 return accepted
 
