@@ -67,7 +67,7 @@ def wait_port_free(port: int, timeout: float = 30) -> None:
 
 
 SYNC_METHOD = "fsync"  # queue.spool.sync_method for Sluice's runs (--sync-method)
-RECEIVERS = 0  # smtpd.processes for Sluice's runs (--receivers; 0 = one per core)
+RECEIVERS = 0  # smtpd.processes for Sluice's runs (--receivers; 0 = the default)
 
 
 def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> dict[str, str]:
@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--sync-method", choices=("fsync", "syncfs"), default="fsync",
                     help="Sluice's queue.spool.sync_method (both keep fsync before 250)")
     ap.add_argument("--receivers", type=int, default=0,
-                    help="Sluice's smtpd.processes (receiving processes; 0 = one per core)")
+                    help="Sluice's smtpd.processes (receiving processes; 0 = one per core but one)")
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds the harness waits for an idle box before each run")
     args = ap.parse_args()

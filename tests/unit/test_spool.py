@@ -48,7 +48,7 @@ def test_spids_are_unique_in_the_spool_even_when_drawn_twice(
 ) -> None:
     spool = FsSpool(tmp_path)
     draws = iter(["AAAAAAAAAAA00001", "AAAAAAAAAAA00001", "AAAAAAAAAAA00002"])
-    monkeypatch.setattr("sluice.spool.fs.new_spid", lambda: next(draws))
+    monkeypatch.setattr("sluice.spool.new_spid", lambda: next(draws))  # spid_candidates draws
     first = spool.write(b"one")
     second = spool.write(b"two")  # the same SPID was drawn: draw again
     assert (first.spid, second.spid) == ("AAAAAAAAAAA00001", "AAAAAAAAAAA00002")

@@ -770,8 +770,8 @@ class SmtpSession(SMTP):
         if settings.on_accepted is not None:
             settings.on_accepted(accepted, submission)
         if accepted.spid != spid:  # rare: another process drew the same SPID first
-            log.info("%s: SPID %s was taken; queued as %s (its Received header says %s)",
-                     self._ip, spid, accepted.spid, spid)
+            log.info("%s: SPID %s (named in the Received header) was taken; queued as %s",
+                     self._ip, spid, accepted.spid)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: queued as %s from <%s> to %d recipient(s), %d bytes", self._ip,
                       accepted.spid, txn.sender, len(submission.recipients), accepted.size)

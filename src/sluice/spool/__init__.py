@@ -30,7 +30,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol
 
-__all__ = ["Content", "Spool", "SpoolFile", "SpoolIOError", "iter_chunks", "new_spid"]
+__all__ = ["Content", "Spool", "SpoolFile", "SpoolIOError", "iter_chunks", "new_spid",
+           "spid_candidates"]
 
 
 class SpoolIOError(OSError):
@@ -63,6 +64,14 @@ def new_spid(now_ms: int | None = None) -> str:
             suffix = int.from_bytes(os.urandom(3), "big") & 0xFFFFF
         _spid_last[0], _spid_last[1] = ms, suffix
     return f"{ms & 0xFFFFFFFFFFF:011X}{suffix:05X}"
+
+
+def spid_candidates(wanted: str = "", tries: int = 100) -> Iterator[str]:
+    """SPIDs to try in turn for a new message, ``tries`` in all: ``wanted``
+    first when the caller drew one (Submission.spid), then fresh ones.  A
+    store takes the first that is free."""
+    for attempt in range(tries):
+        yield wanted if wanted and attempt == 0 else new_spid()
 
 
 def iter_chunks(content: Content, bufsize: int) -> Iterator[bytes | memoryview]:

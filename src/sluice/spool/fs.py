@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sluice._fsync import fsync_fds, fsync_path, fsync_paths
-from sluice.spool import Content, SpoolFile, SpoolIOError, iter_chunks, new_spid
+from sluice.spool import Content, SpoolFile, SpoolIOError, iter_chunks, spid_candidates
 
 __all__ = ["FsSpool"]
 
@@ -117,8 +117,7 @@ class FsSpool:
 
     def write(self, content: Content, spid: str = "") -> SpoolFile:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        for attempt in range(100):
-            candidate = spid if spid and attempt == 0 else new_spid()
+        for candidate in spid_candidates(spid):
             path = self._file(candidate)
             try:
                 fd = os.open(path, flags, 0o640)

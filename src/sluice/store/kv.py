@@ -129,7 +129,7 @@ from sluice.model import (
     parse_qid,
     recipient_domain,
 )
-from sluice.spool import Content, iter_chunks, new_spid
+from sluice.spool import Content, iter_chunks, spid_candidates
 from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths
 from sluice.store._refill import interleave, split_quota
@@ -739,8 +739,7 @@ class KvStore:
         """Stream content into 64 KB chunk keys under ``wanted`` if it is
         free, else under a fresh SPID."""
         self._ensure_open()
-        for attempt in range(100):
-            spid = wanted if wanted and attempt == 0 else new_spid()
+        for spid in spid_candidates(wanted):
             with self._inflight_lock:
                 if spid in self._inflight:
                     continue

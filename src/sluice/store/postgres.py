@@ -104,7 +104,7 @@ from sluice.model import (
     format_qid,
     parse_qid,
 )
-from sluice.spool import Content, iter_chunks, new_spid
+from sluice.spool import Content, iter_chunks, spid_candidates
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
 from sluice.store._sql import Conn, Dialect, SqlQueue, queue_rows
@@ -495,8 +495,7 @@ class PgStore:
             with self._pool.connection() as conn, conn.transaction():
                 # Flushed by the committer's synchronous commit that follows.
                 conn.execute("SET LOCAL synchronous_commit = off")
-                for attempt in range(100):
-                    spid = wanted if wanted and attempt == 0 else new_spid()
+                for spid in spid_candidates(wanted):
                     row = conn.execute(
                         "INSERT INTO sluice_content (spid, chunk, data, created_at) "
                         "VALUES (%s, 0, '', %s) ON CONFLICT DO NOTHING RETURNING 1",
