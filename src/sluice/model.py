@@ -151,6 +151,8 @@ class Submission:
     header); empty = the store draws one.  A store that finds it taken
     (another process drew the same one in the same millisecond) draws
     another: Accepted.spid is the one that counts.
+    ``smtputf8``: the client asked for SMTPUTF8 on MAIL FROM (RFC 6531);
+    kept with the message so that delivery knows it may carry UTF-8.
     """
 
     sender: str
@@ -164,6 +166,7 @@ class Submission:
     delay_s: float = 0.0
     is_report: bool = False
     spid: str = ""
+    smtputf8: bool = False
 
     def __post_init__(self) -> None:
         if not self.recipients:
@@ -196,7 +199,11 @@ class Accepted:
 
 @dataclass(frozen=True, slots=True)
 class QueueEntry:
-    """One recipient of one message, as the meta queue keeps it."""
+    """One recipient of one message, as the meta queue keeps it.
+
+    ``is_report`` and ``smtputf8`` are the message's (Submission's) flags,
+    the same in every entry of a message.
+    """
 
     spid: str
     idx: int
@@ -215,6 +222,7 @@ class QueueEntry:
     is_report: bool = False
     size: int = 0
     domain: str = field(default="")
+    smtputf8: bool = False
 
     def __post_init__(self) -> None:
         if not self.domain:

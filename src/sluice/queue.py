@@ -157,6 +157,7 @@ class Queue:
                 jobid=submission.jobid, transportid=submission.transportid,
                 localip=submission.localip, is_report=submission.is_report,
                 size=accepted.size, domain=recipient_domain(rcpt),
+                smtputf8=submission.smtputf8,
             )
             for i, rcpt in enumerate(submission.recipients)
         ]

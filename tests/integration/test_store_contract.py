@@ -82,6 +82,21 @@ def test_null_sender_and_reports_are_kept(store: Store) -> None:
     assert e is not None and e.sender == "" and e.is_report
 
 
+def test_the_smtputf8_flag_stays_with_every_entry_of_its_message(store: Store) -> None:
+    """Received with SMTPUTF8: every entry says so, listed, got, claimed,
+    deferred (a rewrite in some flavours) and claimed again; other mail not."""
+    flagged = store.submit(sub("b@one.org", "c@two.org", smtputf8=True), body(1), T0)
+    plain = store.submit(sub(), body(2), T0 + 1)
+    want = {flagged.qids[0]: True, flagged.qids[1]: True, plain.qids[0]: False}
+    assert {e.qid: e.smtputf8 for e in store.entries(Selector())} == want
+    assert store.get(flagged.qids[1]).smtputf8  # type: ignore[union-attr]
+    claimed = store.claim(10, T0 + 1, 10)
+    assert {e.qid: e.smtputf8 for e in claimed} == want
+    store.apply([Transition(e.qid, S.DEFERRED, next_attempt_at=T0 + 50, attempted=True)
+                 for e in claimed])
+    assert {e.qid: e.smtputf8 for e in store.claim(10, T0 + 50, 10)} == want
+
+
 def test_concurrent_submissions_are_all_durable_and_distinct(store: Store) -> None:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         accs = list(pool.map(lambda i: store.submit(sub(), body(i), T0), range(200)))

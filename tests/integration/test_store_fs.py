@@ -261,6 +261,28 @@ def test_a_new_granularity_refiles_the_deferred_tree(tmp_path: Path) -> None:
         store.close()
 
 
+def test_control_files_written_before_the_smtputf8_flag_still_load(tmp_path: Path) -> None:
+    store = open_fs(tmp_path)
+    try:
+        flagged = store.submit(Submission("a@example.org", ("x@d.example",), smtputf8=True),
+                               b"one", T0)
+        old = store.submit(Submission("a@example.org", ("y@e.example",)), b"two", T0)
+    finally:
+        store.close()
+    files = {p.name.split("-")[0]: p for p in (tmp_path / "queue" / "incoming").iterdir()}
+    assert json.loads(files[flagged.spid].read_text())["smtputf8"] is True
+    doc = json.loads(files[old.spid].read_text())
+    del doc["smtputf8"]  # as an older Sluice wrote it
+    files[old.spid].write_text(json.dumps(doc) + "\n")
+    store = open_fs(tmp_path)
+    try:
+        got = {e.spid: e.smtputf8 for e in store.entries(Selector())}
+        assert got == {flagged.spid: True, old.spid: False}
+        assert {e.spid: e.smtputf8 for e in store.claim(5, T0, 10)} == got
+    finally:
+        store.close()
+
+
 def test_names_parse_back() -> None:
     parsed = Name.parse("018C2F3A1B7E4D20-3+12p1@example.net.mmq")
     assert parsed == Name("018C2F3A1B7E4D20", 3, 12, 1, "example.net")

@@ -109,6 +109,32 @@ def test_every_key_of_a_message_goes_after_its_last_recipient(tmp_path: Path) ->
     assert keys(tmp_path)[b"sluice stat messages"] == b"0"
 
 
+def test_metadata_written_before_the_smtputf8_flag_still_loads(tmp_path: Path) -> None:
+    store = open_kv(tmp_path)
+    try:
+        flagged = store.submit(Submission("a@example.org", ("x@d.example",), smtputf8=True),
+                               b"one", T0)
+        old = store.submit(Submission("a@example.org", ("y@e.example",)), b"two", T0)
+    finally:
+        store.close()
+    db = plyvel.DB(str(tmp_path / "queue"))
+    try:
+        assert json.loads(db.get(f"message {flagged.spid} *".encode()))["smtputf8"] is True
+        key = f"message {old.spid} *".encode()
+        meta = json.loads(db.get(key))
+        del meta["smtputf8"]  # as an older Sluice wrote it
+        db.put(key, json.dumps(meta).encode(), sync=True)
+    finally:
+        db.close()
+    store = open_kv(tmp_path)
+    try:
+        got = {e.spid: e.smtputf8 for e in store.entries(Selector())}
+        assert got == {flagged.spid: True, old.spid: False}
+        assert {e.spid: e.smtputf8 for e in store.claim(5, T0, 10)} == got
+    finally:
+        store.close()
+
+
 def test_a_second_process_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     store = open_kv(tmp_path)
     try:

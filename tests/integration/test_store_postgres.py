@@ -16,7 +16,7 @@ import pytest
 
 from sluice.config import ConfigError
 from sluice.model import QueueState, Reply, Selector, Submission
-from sluice.store import Action, Transition, open_store
+from sluice.store import Action, StorageError, Transition, open_store
 from sluice.store.postgres import CHUNK_SIZE, ENV_DSN, PgStore
 from tests.integration.pg import dsn_for, schema_for
 from tests.integration.stores import flavour_config, run_diskfull
@@ -180,3 +180,116 @@ def test_a_full_disk_is_a_temporary_failure_and_passes() -> None:
     assert found["all_listed"] and found["all_intact"] and found["count"] == found["accepted"]
     assert found["after_ok"], found.get("after_error")
     assert found["count_after"] == found["accepted"] - 3 + 1
+
+
+# -- schema versions ----------------------------------------------------------------------
+
+#: The queue table as Sluice created it in schema version 1 (before the
+#: SMTPUTF8 flag), with the tables the migration test needs; opening
+#: creates the others.
+V1_SCHEMA = """
+CREATE TABLE sluice_queue (
+    spid            text COLLATE "C" NOT NULL,
+    idx             integer NOT NULL,
+    sender          text NOT NULL,
+    recipient       text NOT NULL,
+    domain          text NOT NULL,
+    state           text NOT NULL,
+    arrival_at      double precision NOT NULL,
+    next_attempt_at double precision NOT NULL,
+    attempts        integer NOT NULL DEFAULT 0,
+    last_code       integer,
+    last_enhanced   text,
+    last_text       text,
+    priority        smallint NOT NULL DEFAULT 0,
+    tenantid        text NOT NULL DEFAULT '',
+    jobid           text NOT NULL DEFAULT '',
+    transportid     text NOT NULL DEFAULT '',
+    localip         text NOT NULL DEFAULT '',
+    is_report       boolean NOT NULL DEFAULT false,
+    size            bigint NOT NULL DEFAULT 0,
+    owner           text,
+    PRIMARY KEY (spid, idx)
+);
+CREATE TABLE sluice_content (
+    spid       text COLLATE "C" NOT NULL,
+    chunk      integer NOT NULL,
+    data       bytea NOT NULL,
+    created_at double precision NOT NULL,
+    PRIMARY KEY (spid, chunk)
+);
+CREATE TABLE sluice_meta (key text PRIMARY KEY, value text);
+INSERT INTO sluice_meta (key, value) VALUES ('schema_version', '1');
+"""
+
+OLD_SPID = "1A2016772261AA74"
+
+
+def _v1_queue(dsn: str) -> None:
+    """A version-1 queue holding one message for one recipient."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute(V1_SCHEMA)
+        conn.execute("INSERT INTO sluice_queue (spid, idx, sender, recipient, domain, state, "
+                     "arrival_at, next_attempt_at, size) VALUES (%s, 0, 'a@example.org', "
+                     "'b@example.net', 'example.net', 'incoming', %s, %s, 5)",
+                     (OLD_SPID, T0, T0))
+        conn.execute("INSERT INTO sluice_content (spid, chunk, data, created_at) "
+                     "VALUES (%s, 0, '', %s), (%s, 1, 'hello', %s)",
+                     (OLD_SPID, T0, OLD_SPID, T0))
+
+
+def _schema(dsn: str, tmp_path: Path) -> tuple[object, list[object]]:
+    """The recorded schema version and the queue table's columns."""
+    (version,) = rows(dsn, "SELECT value FROM sluice_meta WHERE key = 'schema_version'")[0]
+    columns = [r[0] for r in rows(
+        dsn, "SELECT column_name FROM information_schema.columns WHERE table_schema = %s "
+             "AND table_name = 'sluice_queue'", schema_for(tmp_path))]
+    return version, columns
+
+
+def test_a_version_1_queue_is_migrated_when_opened(dsn: str, tmp_path: Path) -> None:
+    _v1_queue(dsn)
+    version, columns = _schema(dsn, tmp_path)
+    assert version == "1" and "smtputf8" not in columns
+    # Two nodes start at once: one migrates, the other waits and finds it done.
+    stores: list[PgStore] = []
+    start = threading.Barrier(2)
+
+    def open_one() -> None:
+        start.wait()
+        stores.append(PgStore(dsn, node_id=f"n{len(stores)}"))
+
+    threads = [threading.Thread(target=open_one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(stores) == 2
+    store = stores[0]
+    try:
+        (old,) = store.entries(Selector())
+        assert (old.spid, old.recipient, old.smtputf8) == (OLD_SPID, "b@example.net", False)
+        new = store.submit(Submission("a@example.org", ("c@example.net",), smtputf8=True),
+                           b"new", T0 + 1)
+        assert {e.spid: e.smtputf8 for e in store.claim(10, T0 + 1, 10)} == {
+            OLD_SPID: False, new.spid: True}
+        with store.open_content(OLD_SPID) as stream:
+            assert stream.read() == b"hello"
+    finally:
+        for s in stores:
+            s.close()
+    version, columns = _schema(dsn, tmp_path)
+    assert version == "2" and columns.count("smtputf8") == 1
+    PgStore(dsn, node_id="n1").close()  # opening again changes nothing
+    assert _schema(dsn, tmp_path) == (version, columns)
+
+
+def test_a_queue_newer_than_the_code_is_refused_and_left_alone(dsn: str, tmp_path: Path
+                                                               ) -> None:
+    PgStore(dsn, node_id="n1").close()
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE sluice_meta SET value = '3' WHERE key = 'schema_version'")
+    before = _schema(dsn, tmp_path)
+    with pytest.raises(StorageError, match=rf"schema {schema_for(tmp_path)}.*schema version 3"):
+        PgStore(dsn, node_id="n1")
+    assert _schema(dsn, tmp_path) == before

@@ -1,9 +1,11 @@
 """SQLite flavour specifics: which commits are flushed, content that a
-commit without a flush freed is not deleted before the flush, and small
-content kept in the database in the same commit as its rows."""
+commit without a flush freed is not deleted before the flush, small
+content kept in the database in the same commit as its rows, and queues
+of an older schema version migrated when opened (a newer one refused)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sqlite3
@@ -248,3 +250,139 @@ def test_processes_opening_a_new_queue_at_once_all_succeed(tmp_path: Path) -> No
         for proc in procs:
             proc.join(60)
         assert outcomes == ["ok"] * 4
+
+
+# -- schema versions ----------------------------------------------------------------------
+
+#: The schema Sluice wrote as version 1, before the SMTPUTF8 flag: a queue
+#: an older Sluice left behind.
+V1_SCHEMA = """
+CREATE TABLE queue (
+    spid            TEXT    NOT NULL,
+    idx             INTEGER NOT NULL,
+    sender          TEXT    NOT NULL,
+    recipient       TEXT    NOT NULL,
+    domain          TEXT    NOT NULL,
+    state           TEXT    NOT NULL,
+    arrival_at      REAL    NOT NULL,
+    next_attempt_at REAL    NOT NULL,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    last_code       INTEGER,
+    last_enhanced   TEXT,
+    last_text       TEXT,
+    priority        INTEGER NOT NULL DEFAULT 0,
+    tenantid        TEXT    NOT NULL DEFAULT '',
+    jobid           TEXT    NOT NULL DEFAULT '',
+    transportid     TEXT    NOT NULL DEFAULT '',
+    localip         TEXT    NOT NULL DEFAULT '',
+    is_report       INTEGER NOT NULL DEFAULT 0,
+    size            INTEGER NOT NULL DEFAULT 0,
+    owner           TEXT,
+    PRIMARY KEY (spid, idx)
+) WITHOUT ROWID;
+CREATE INDEX queue_pick ON queue (state, priority, next_attempt_at);
+CREATE INDEX queue_domain ON queue (domain);
+CREATE INDEX queue_tenant ON queue (tenantid, jobid);
+CREATE TABLE qstats (key TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+INSERT INTO qstats (key, n) VALUES
+    ('hold', 0), ('incoming', 0), ('deferred', 0), ('active', 0),
+    ('delivering', 0), ('bounce', 0), ('messages', 0);
+CREATE TRIGGER queue_ins AFTER INSERT ON queue BEGIN
+    UPDATE qstats SET n = n + 1 WHERE key = new.state;
+    UPDATE qstats SET n = n + 1 WHERE key = 'messages' AND new.idx = 0;
+END;
+CREATE TRIGGER queue_del AFTER DELETE ON queue BEGIN
+    UPDATE qstats SET n = n - 1 WHERE key = old.state;
+END;
+CREATE TRIGGER queue_upd AFTER UPDATE OF state ON queue
+WHEN old.state <> new.state BEGIN
+    UPDATE qstats SET n = n - 1 WHERE key = old.state;
+    UPDATE qstats SET n = n + 1 WHERE key = new.state;
+END;
+CREATE TABLE qchanges (
+    seq    INTEGER PRIMARY KEY AUTOINCREMENT,
+    at     REAL NOT NULL,
+    qid    TEXT NOT NULL,
+    action TEXT NOT NULL
+);
+CREATE TABLE qmeta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
+CREATE TABLE content (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
+INSERT INTO qmeta (key, value) VALUES ('schema_version', '1');
+"""
+
+OLD_SPID = "1A2016772261AA74"
+
+
+def _v1_queue(root: Path) -> Path:
+    """A version-1 queue under ``root`` holding one small message for one recipient."""
+    db = root / "queue" / "queue.db"
+    db.parent.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.executescript(V1_SCHEMA)
+        conn.execute("INSERT INTO queue (spid, idx, sender, recipient, domain, state, arrival_at, "
+                     "next_attempt_at, size) VALUES (?, 0, 'a@example.org', 'b@example.net', "
+                     "'example.net', 'incoming', ?, ?, 5)", (OLD_SPID, T0, T0))
+        conn.execute("INSERT INTO content (id, data) VALUES (?, ?)",
+                     (int(OLD_SPID, 16), b"hello"))
+    return db
+
+
+def _schema(db: Path) -> tuple[str, list[str]]:
+    """The recorded schema version and the queue table's columns."""
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        (version,) = conn.execute(
+            "SELECT value FROM qmeta WHERE key = 'schema_version'").fetchone()
+        return version, [r[1] for r in conn.execute("PRAGMA table_info(queue)")]
+
+
+def test_a_version_1_queue_is_migrated_when_opened(tmp_path: Path) -> None:
+    db = _v1_queue(tmp_path)
+    version, columns = _schema(db)
+    assert version == "1" and "smtputf8" not in columns
+    with _store(tmp_path) as store:
+        (old,) = store.entries(Selector())
+        assert (old.spid, old.recipient, old.smtputf8) == (OLD_SPID, "b@example.net", False)
+        assert store.count().messages == 1
+        new = store.submit(Submission("a@example.org", ("c@example.net",), smtputf8=True),
+                           b"new", T0 + 1)
+        assert {e.spid: e.smtputf8 for e in store.claim(10, T0 + 1, 10)} == {
+            OLD_SPID: False, new.spid: True}
+        with store.open_content(OLD_SPID) as stream:
+            assert stream.read() == b"hello"
+    version, columns = _schema(db)
+    assert version == str(sqlite_module.SCHEMA_VERSION) == "2"
+    assert columns.count("smtputf8") == 1
+    with _store(tmp_path) as store:  # opening again changes nothing
+        assert len(list(store.entries(Selector()))) == 2
+    assert _schema(db) == (version, columns)
+
+
+def test_processes_opening_a_version_1_queue_at_once_migrate_it_once(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(4):
+        root = tmp_path / str(round_)
+        db = _v1_queue(root)
+        start, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_open_and_close, args=(root, start, results))
+                 for _ in range(4)]
+        for proc in procs:
+            proc.start()
+        outcomes = [results.get(timeout=60) for _ in procs]
+        for proc in procs:
+            proc.join(60)
+        assert outcomes == ["ok"] * 4
+        version, columns = _schema(db)
+        assert version == "2" and columns.count("smtputf8") == 1
+
+
+def test_a_queue_newer_than_the_code_is_refused_and_left_alone(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        store.submit(MSG, b"kept", T0)
+    db = tmp_path / "queue" / "queue.db"
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("UPDATE qmeta SET value = '3' WHERE key = 'schema_version'")
+    before = _schema(db)
+    with pytest.raises(StorageError, match=rf"{db}.*schema version 3.*newer"):
+        _store(tmp_path)
+    assert _schema(db) == before

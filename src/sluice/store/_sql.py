@@ -4,7 +4,7 @@ read and change the queue the same way in both.
 
 SUMMARY
     COLUMNS, entry(row), queue_rows(submission, ...), Dialect,
-    SqlQueue(dialect, reading)
+    SqlQueue(dialect, reading), migrate(conn, dialect, latest, steps, where)
 
 DESCRIPTION
     Both flavours keep one row per recipient entry with the same columns in
@@ -29,6 +29,15 @@ DESCRIPTION
     driver and one QueueEntry per row, one parameter tuple per changed row
     where the dialect runs a statement per row, no more.
 
+    Schema versions.  The meta table records the version of the schema a
+    queue was created or last brought up to.  Each flavour opens a queue
+    in one transaction, under a lock every opening process takes: it
+    creates what is missing, then migrate() marks a new queue with the
+    version of this code, brings an older one up to date one version at a
+    time (the flavour's steps, e.g. a column added with a default, so rows
+    written before keep working), and refuses a newer one, rolling back
+    the whole open: this code would misread tables it does not know.
+
 SEE ALSO
     sluice.store.sqlite, sluice.store.postgres, sluice.store (the interface).
 """
@@ -36,7 +45,7 @@ SEE ALSO
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -51,16 +60,16 @@ from sluice.model import (
     parse_qid,
     recipient_domain,
 )
-from sluice.store import ACTION_STATES, Action, Change, Counts
+from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError
 from sluice.store._refill import interleave, split_quota
 
-__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "queue_rows"]
+__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows"]
 
 #: The queue table's columns in the order entry() reads them.
 COLUMNS = (
     "spid, idx, sender, recipient, domain, state, arrival_at, next_attempt_at, attempts, "
     "last_code, last_enhanced, last_text, priority, tenantid, jobid, transportid, localip, "
-    "is_report, size"
+    "is_report, size, smtputf8"
 )
 
 #: Rows listed per query by entries().
@@ -90,7 +99,7 @@ def entry(row: Sequence[Any]) -> QueueEntry:
         attempts=row[8], last_reply=reply, priority=row[12], tenantid=row[13],
         jobid=row[14], transportid=row[15],
         localip=tuple(row[16].split(",")) if row[16] else (),
-        is_report=bool(row[17]), size=row[18],
+        is_report=bool(row[17]), size=row[18], smtputf8=bool(row[19]),
     )
 
 
@@ -99,9 +108,10 @@ class Dialect(ABC):
 
     #: The parameter placeholder.
     p: str
-    #: The queue table and the change feed table.
+    #: The queue table, the change feed table and the meta table (key, value).
     queue: str
     changes: str
+    meta: str
     #: A condition that is always true (the WHERE of an empty selector).
     true: str
     #: Conditions on the is_report column.
@@ -175,7 +185,7 @@ class SqlQueue:
         self._insert = (
             f"INSERT INTO {q} (spid, idx, sender, recipient, domain, state, arrival_at, "
             "next_attempt_at, priority, tenantid, jobid, transportid, localip, is_report, "
-            f"size) VALUES ({','.join([p] * 15)})")
+            f"size, smtputf8) VALUES ({','.join([p] * 16)})")
 
     # -- selectors ---------------------------------------------------------------------
 
@@ -372,6 +382,36 @@ class SqlQueue:
         return work
 
 
+def migrate(conn: Conn, dialect: Dialect, latest: int, steps: Mapping[int, Sequence[str]],
+            where: str) -> None:
+    """Bring the queue's schema to version ``latest``.
+
+    Runs on ``conn`` inside the transaction that has just created the
+    tables of ``latest`` where they were missing, under the flavour's lock
+    (see the module doc).  ``steps[v]`` are the statements that take
+    version v to v + 1.  A queue newer than ``latest`` is a StorageError
+    that names ``where``; the caller's rollback then undoes the open.
+    Running it again on an up-to-date queue changes nothing.
+    """
+    d = dialect
+    row = conn.execute(
+        f"SELECT value FROM {d.meta} WHERE key = 'schema_version'").fetchone()
+    if row is None:  # a new queue: its tables were just created as they are now
+        conn.execute(f"INSERT INTO {d.meta} (key, value) VALUES ('schema_version', {d.p})",
+                     (str(latest),))
+        return
+    found = int(row[0])
+    if found > latest:
+        raise StorageError(f"the queue at {where} has schema version {found}, newer than "
+                           f"the {latest} this version of Sluice knows; use a newer Sluice")
+    for version in range(found, latest):
+        for statement in steps[version]:
+            conn.execute(statement)
+    if found < latest:
+        conn.execute(f"UPDATE {d.meta} SET value = {d.p} WHERE key = 'schema_version'",
+                     (str(latest),))
+
+
 def queue_rows(submission: Submission, spid: str, size: int, now: float
                ) -> tuple[list[tuple[Any, ...]], Accepted]:
     """The rows that queue ``submission`` (for SqlQueue.insert), and its answer."""
@@ -380,7 +420,7 @@ def queue_rows(submission: Submission, spid: str, size: int, now: float
     rows = [
         (spid, i, submission.sender, rcpt, recipient_domain(rcpt), str(state), now,
          next_at, submission.priority, submission.tenantid, submission.jobid,
-         submission.transportid, localip, submission.is_report, size)
+         submission.transportid, localip, submission.is_report, size, submission.smtputf8)
         for i, rcpt in enumerate(submission.recipients)
     ]
     accepted = Accepted(spid=spid, qids=tuple(format_qid(spid, i) for i in range(len(rows))),

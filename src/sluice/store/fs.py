@@ -218,6 +218,7 @@ class _Meta:
     localip: tuple[str, ...]
     is_report: bool
     size: int
+    smtputf8: bool = False
 
 
 @dataclass(slots=True)
@@ -256,6 +257,7 @@ class _Control:
                 attempts=r.attempts, last_reply=r.reply, priority=self.priority,
                 tenantid=m.tenantid, jobid=m.jobid, transportid=m.transportid,
                 localip=m.localip, is_report=m.is_report, size=m.size, domain=self.domain,
+                smtputf8=m.smtputf8,
             )
             for r in self.rcpts
         ]
@@ -271,7 +273,7 @@ class _Control:
             "next_at": self.next_at, "priority": self.priority, "sender": m.sender,
             "arrival_at": m.arrival_at, "tenantid": m.tenantid, "jobid": m.jobid,
             "transportid": m.transportid, "localip": list(m.localip),
-            "is_report": m.is_report, "size": m.size,
+            "is_report": m.is_report, "size": m.size, "smtputf8": m.smtputf8,
             "rcpts": [[r.idx, r.rcpt, r.attempts,
                        None if r.reply is None else [r.reply.code, r.reply.enhanced,
                                                      r.reply.text]]
@@ -283,7 +285,9 @@ class _Control:
     def load(cls, data: bytes, state: QueueState, path: str) -> _Control:
         doc = json.loads(data)
         meta = _Meta(doc["sender"], doc["arrival_at"], doc["tenantid"], doc["jobid"],
-                     doc["transportid"], tuple(doc["localip"]), doc["is_report"], doc["size"])
+                     doc["transportid"], tuple(doc["localip"]), doc["is_report"], doc["size"],
+                     # Absent from files written before Sluice kept the flag.
+                     doc.get("smtputf8", False))
         rcpts = [_Rcpt(r[0], r[1], r[2], None if r[3] is None else Reply(r[3][0], r[3][1],
                                                                              r[3][2]))
                  for r in doc["rcpts"]]
@@ -1047,7 +1051,7 @@ class FsStore:
         state, next_at = submission.initial_state(now)
         meta = _Meta(submission.sender, now, submission.tenantid, submission.jobid,
                      submission.transportid, tuple(submission.localip), submission.is_report,
-                     sf.size)
+                     sf.size, submission.smtputf8)
         by_domain: dict[str, list[_Rcpt]] = defaultdict(list)
         for i, rcpt in enumerate(submission.recipients):
             by_domain[recipient_domain(rcpt)].append(_Rcpt(i, rcpt))

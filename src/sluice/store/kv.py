@@ -13,7 +13,9 @@ DESCRIPTION
     message <SPID> *             JSON metadata: envelope sender, the
                                  recipients in envelope order, tenantid,
                                  jobid, transportid, localip, size, number
-                                 of chunks, arrival time, report flag.
+                                 of chunks, arrival time, report flag,
+                                 SMTPUTF8 flag (absent in older metadata:
+                                 false).
     delivery-zone <ZONE> <SPID> <RCPT>
                                  one per recipient, JSON: envelope index,
                                  state, next attempt, attempts, last reply,
@@ -379,6 +381,8 @@ def _entry(spid: str, meta: dict[str, Any], rec: dict[str, Any]) -> QueueEntry:
         is_report=meta["is_report"],
         size=meta["size"],
         domain=recipient_domain(rcpt),
+        # Absent from metadata written before Sluice kept the flag.
+        smtputf8=meta.get("smtputf8", False),
     )
 
 
@@ -803,7 +807,7 @@ class KvStore:
             "tenantid": submission.tenantid, "jobid": submission.jobid,
             "transportid": submission.transportid, "localip": list(submission.localip),
             "is_report": submission.is_report, "size": size, "chunks": sub.chunks,
-            "arrival_at": now,
+            "arrival_at": now, "smtputf8": submission.smtputf8,
         }
         accepted = Accepted(spid=spid, qids=tuple(format_qid(spid, i) for i in range(len(rcpts))),
                             size=size)

@@ -19,7 +19,10 @@ DESCRIPTION
                      (spid, chunk).  Chunk 0 is an empty row that reserves
                      the SPID across nodes.
     sluice_changes   the operator change feed.
-    sluice_meta      schema version.
+    sluice_meta      schema version: opening a queue written by an older
+                     Sluice migrates it, in the transaction that creates
+                     the tables (sluice.store._sql, "Schema versions");
+                     a newer one is refused.
 
     Why the content is in PostgreSQL too: the nodes that share the queue
     must all be able to deliver every message, and a spool on one node's
@@ -107,7 +110,7 @@ from sluice.model import (
 from sluice.spool import Content, iter_chunks, spid_candidates
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue, queue_rows
+from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -115,7 +118,15 @@ if TYPE_CHECKING:
 __all__ = ["CHUNK_SIZE", "ENV_DSN", "PgStore"]
 
 ENV_DSN = "SLUICE_PG_DSN"
-SCHEMA_VERSION = 1
+
+#: The version of _SCHEMA (kept in sluice_meta); _MIGRATIONS[v] takes a
+#: queue of version v to v + 1 when it is opened (sluice.store._sql.migrate).
+SCHEMA_VERSION = 2
+
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
+    1: ("ALTER TABLE sluice_queue ADD COLUMN smtputf8 boolean NOT NULL DEFAULT false",),
+}
 
 #: Content rows hold at most this many bytes.
 CHUNK_SIZE = 65536
@@ -152,6 +163,7 @@ CREATE TABLE IF NOT EXISTS sluice_queue (
     is_report       boolean NOT NULL DEFAULT false,
     size            bigint NOT NULL DEFAULT 0,
     owner           text,
+    smtputf8        boolean NOT NULL DEFAULT false,
     PRIMARY KEY (spid, idx)
 );
 CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
@@ -184,6 +196,7 @@ class _Postgres(Dialect):
     p = "%s"
     queue = "sluice_queue"
     changes = "sluice_changes"
+    meta = "sluice_meta"
     true = "true"
     is_report = "is_report"
     not_report = "NOT is_report"
@@ -215,6 +228,13 @@ class _Postgres(Dialect):
     def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
         with cast("psycopg.Connection[Any]", conn).cursor() as cur:
             cur.executemany(sql, params)
+
+
+def _where(conn: psycopg.Connection[Any]) -> str:
+    """Which queue ``conn`` is on, for messages (without the password)."""
+    row = conn.execute("SELECT current_schema()").fetchone()
+    info = conn.info
+    return f"postgres {info.dbname} on {info.host}:{info.port}, schema {row[0] if row else '?'}"
 
 
 def _storage_error(exc: BaseException, what: str) -> StorageError:
@@ -343,16 +363,19 @@ class PgStore:
         self._writer: psycopg.Connection[Any] | None = None
         self._pool = _Pool(lambda: self._connect(autocommit=True), max(1, pool_size))
         self._sql = SqlQueue(_Postgres(), self._reading)
+        conn = self._connect(autocommit=False)
         try:
-            conn = self._connect(autocommit=False)
             with conn.transaction():
-                # Two nodes starting at once must not race on CREATE TABLE.
+                # Two nodes starting at once must not race on CREATE TABLE or
+                # on a migration; a refused one rolls back the whole open.
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext('sluice schema'))")
                 conn.execute(_SCHEMA)
-                conn.execute(
-                    "INSERT INTO sluice_meta (key, value) VALUES ('schema_version', %s) "
-                    "ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
-        except psycopg.Error as exc:
+                migrate(conn, _Postgres(), SCHEMA_VERSION, _MIGRATIONS, _where(conn))
+        except (psycopg.Error, StorageError) as exc:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+            if isinstance(exc, StorageError):
+                raise
             raise _storage_error(exc, "cannot open the postgres queue") from exc
         self._writer = conn
         self._committer = GroupCommitter(

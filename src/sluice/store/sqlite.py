@@ -15,6 +15,9 @@ DESCRIPTION
     holds the content of small messages (``spool.inline_max``, 64 KiB by
     default), keyed by the SPID read as a number; bigger ones, and content
     handed over as a file or a stream, go to the filesystem spool.
+    ``qmeta`` records the schema version: opening a queue written by an
+    older Sluice migrates it, under the write lock and in one transaction
+    (sluice.store._sql, "Schema versions"); a newer one is refused.
 
 STRATEGIES
     Group commit.  Every write goes through one committer thread (the
@@ -102,14 +105,21 @@ from sluice.spool import Content, SpoolFile, SpoolIOError, new_spid
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue, queue_rows
+from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows
 
 if TYPE_CHECKING:
     from sluice.config import Config
 
 __all__ = ["SqliteStore"]
 
-SCHEMA_VERSION = 1
+#: The version of _SCHEMA (kept in qmeta); _MIGRATIONS[v] takes a queue
+#: of version v to v + 1 when it is opened (sluice.store._sql.migrate).
+SCHEMA_VERSION = 2
+
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
+    1: ("ALTER TABLE queue ADD COLUMN smtputf8 INTEGER NOT NULL DEFAULT 0",),
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS queue (
@@ -133,6 +143,7 @@ CREATE TABLE IF NOT EXISTS queue (
     is_report       INTEGER NOT NULL DEFAULT 0,
     size            INTEGER NOT NULL DEFAULT 0,
     owner           TEXT,
+    smtputf8        INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (spid, idx)
 ) WITHOUT ROWID;
 -- due-deferred selection, incoming FIFO, listing and counting by state
@@ -192,6 +203,7 @@ class _Sqlite(Dialect):
     p = "?"
     queue = "queue"
     changes = "qchanges"
+    meta = "qmeta"
     true = "1"
     is_report = "is_report = 1"
     not_report = "is_report = 0"
@@ -233,6 +245,20 @@ class _Sqlite(Dialect):
 
     def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
         cast(sqlite3.Connection, conn).executemany(sql, params)
+
+
+def _open_schema(conn: sqlite3.Connection, where: str) -> None:
+    """Create what is missing and migrate (sluice.store._sql.migrate), in one
+    transaction; the caller holds the write lock."""
+    # executescript() commits an open transaction before it starts, so the
+    # BEGIN is the script's first statement; the transaction stays open.
+    conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA)
+    try:
+        migrate(conn, _Sqlite(), SCHEMA_VERSION, _MIGRATIONS, where)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 # --------------------------------------------------------------------------
@@ -282,20 +308,22 @@ class SqliteStore:
                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
         # Processes that open the queue at the same moment (the receivers of
         # `sluice serve`) take turns: switching a new database to WAL and
-        # creating the schema can fail at once with "database is locked",
-        # without waiting for the busy timeout, while another connection
-        # does the same.
+        # creating or migrating the schema can fail at once with "database
+        # is locked", without waiting for the busy timeout, while another
+        # connection does the same.
+        writer: sqlite3.Connection | None = None
         try:
             with self._write_lock():
-                self._writer = self._connect()
-                self._writer.executescript(_SCHEMA)
-                self._writer.execute(
-                    "INSERT OR IGNORE INTO qmeta (key, value) VALUES ('schema_version', ?)",
-                    (str(SCHEMA_VERSION),),
-                )
-        except sqlite3.Error as exc:
+                writer = self._connect()
+                _open_schema(writer, str(self.db_path))
+        except (sqlite3.Error, StorageError) as exc:
+            if writer is not None:
+                writer.close()
             os.close(self._lock_fd)
+            if isinstance(exc, StorageError):
+                raise
             raise StorageError(f"cannot open the queue at {self.db_path}: {exc}") from exc
+        self._writer = writer
         # The writer commits without syncing the WAL; _commit syncs it itself,
         # after the commit and outside the lock, for batches that need it.
         self._writer.execute("PRAGMA synchronous = NORMAL")
