@@ -28,7 +28,7 @@ def entry_json(e: QueueEntry) -> dict[str, Any]:
         "last_reply": None if e.last_reply is None else {
             "code": e.last_reply.code, "enhanced": e.last_reply.enhanced,
             "text": e.last_reply.text},
-        "size": e.size, "dsn": e.is_report,
+        "size": e.size, "dsn": e.is_report, "smtputf8": e.smtputf8,
     }
 
 

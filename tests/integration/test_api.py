@@ -170,7 +170,9 @@ def test_listing_pages_with_a_cursor_and_filters(srv: ApiServer) -> None:
     assert entry["recipient"] == f"r0@{domain}"
     assert entry["sender"] == "s0@sender.example"
     assert entry["tenantid"] == "t-even"
-    assert entry["dsn"] is False
+    assert entry["dsn"] is False and entry["smtputf8"] is False
+    flagged = srv.submit("s@sender.example", [f"utf8@{domain}"], hold=True, smtputf8=True)
+    assert srv.ok("GET", f"/api/v1/queue/entries/{flagged.qids[0]}")["smtputf8"] is True
 
 
 def test_counts_and_shape(srv: ApiServer) -> None:

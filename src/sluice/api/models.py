@@ -153,6 +153,7 @@ class EntryModel(BaseModel):
     last_reply: ReplyModel | None
     size: int
     dsn: bool = Field(description="true for delivery status notifications (NDRs)")
+    smtputf8: bool = Field(description="the message was received with SMTPUTF8 (RFC 6531)")
 
 
 class EntryPage(BaseModel):
