@@ -495,19 +495,53 @@ def test_a_failed_tls_handshake_falls_back_to_plain_text() -> None:
 # -- SMTPUTF8, SIZE, content ------------------------------------------------------------------
 
 
+UTF8_HEADERS = "From: Jöran <j@src.test>\r\nSubject: Grüße\r\n\r\nbody\r\n".encode()
+LATIN1_HEADERS = b"Subject: caf\xe9\r\n\r\nbody\r\n"
+UTF8_BODY_ONLY = "Subject: plain\r\n\r\nGrüße im Text\r\n".encode()
+
+
 def test_smtputf8_needed_but_not_offered_is_permanent() -> None:
+    """Without SMTPUTF8 at the server: non-ASCII addresses fail (553 5.6.7),
+    and so does a message received with SMTPUTF8 whose header block has
+    UTF-8 (550 5.6.9); one received with SMTPUTF8 that does not use UTF-8
+    there goes as it is, without the parameter (Postfix)."""
     async def scenario() -> None:
         handler = SinkHandler()
         async with sink(handler, smtputf8=False) as s:
             agent = make_agent()
             res = await agent.deliver(request(hop(s.port), "jörg@dest.test"))
-            flagged = await agent.deliver(request(hop(s.port), "a@dest.test", smtputf8=True))
+            flagged = await agent.deliver(request(hop(s.port), "a@dest.test", smtputf8=True,
+                                                  data=UTF8_HEADERS))
+            sent = [await agent.deliver(request(hop(s.port), "a@dest.test", smtputf8=True,
+                                                data=data))
+                    for data in (b"Subject: t\r\n\r\nhello\r\n", LATIN1_HEADERS,
+                                 UTF8_BODY_ONLY)]
             plain = await agent.deliver(request(hop(s.port), "a@dest.test"))
         assert outcomes(res) == [("jörg@dest.test", PermFail, 553, "5.6.7")]
         assert "SMTPUTF8" in res.outcomes[0][1].reply.text
         assert outcomes(flagged) == [("a@dest.test", PermFail, 550, "5.6.9")]
+        assert "SMTPUTF8 is required" in flagged.outcomes[0][1].reply.text
+        assert [outcomes(r) for r in sent] == [[("a@dest.test", Delivered, 250, "2.0.0")]] * 3
         assert isinstance(plain.outcomes[0][1], Delivered) and not plain.new_connection
-        assert len(handler.messages) == 1
+        assert [m.data for m in handler.messages] == [
+            b"Subject: t\r\n\r\nhello\r\n", LATIN1_HEADERS, UTF8_BODY_ONLY,
+            b"Subject: t\r\n\r\nhello\r\n"]
+        assert all("SMTPUTF8" not in m.mail_options for m in handler.messages)
+
+    run(scenario())
+
+
+def test_a_message_received_with_smtputf8_asks_for_it_where_offered() -> None:
+    """All ASCII, but received with SMTPUTF8: the next hop is told so."""
+    async def scenario() -> None:
+        handler = SinkHandler()
+        async with sink(handler) as s:
+            agent = make_agent()
+            for flag in (True, False):
+                res = await agent.deliver(request(hop(s.port), "a@dest.test", smtputf8=flag))
+                assert isinstance(res.outcomes[0][1], Delivered)
+            await agent.close()
+        assert ["SMTPUTF8" in m.mail_options for m in handler.messages] == [True, False]
 
     run(scenario())
 
@@ -524,11 +558,6 @@ def test_utf8_addresses_with_smtputf8() -> None:
         assert "SMTPUTF8" in got.mail_options
 
     run(scenario())
-
-
-UTF8_HEADERS = "From: Jöran <j@src.test>\r\nSubject: Grüße\r\n\r\nbody\r\n".encode()
-LATIN1_HEADERS = b"Subject: caf\xe9\r\n\r\nbody\r\n"
-UTF8_BODY_ONLY = "Subject: plain\r\n\r\nGrüße im Text\r\n".encode()
 
 
 def test_utf8_headers_ask_for_smtputf8_where_offered_and_go_as_they_are_elsewhere() -> None:

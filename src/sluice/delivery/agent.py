@@ -31,6 +31,8 @@ DESCRIPTION
     4.3.0  the queued content could not be read
     5.3.4  larger than the SIZE the server announced (552)
     5.6.7  non-ASCII addresses, server without SMTPUTF8 (553)
+    5.6.9  received with SMTPUTF8, UTF-8 in the header block, server
+           without SMTPUTF8 (550)
 
 STRATEGIES
     Connection cache.  A session that ends a transaction cleanly goes back
@@ -52,6 +54,12 @@ STRATEGIES
     Opportunistic TLS.  With ``starttls: opportunistic`` a failed TLS
     handshake is retried once on the same host without STARTTLS, as
     Postfix's "may" level does; ``require`` defers instead.
+
+    SMTPUTF8 only where it is used (Postfix).  A message received with
+    SMTPUTF8 goes to a server without SMTPUTF8 unless it really uses
+    UTF-8 there: its addresses, or its header block.  So the first piece
+    of the content (what the client sends first anyway) is read before
+    MAIL to look at the header block; see smtputf8_refusal().
 
 INVARIANTS
     Every entry of a request gets exactly one outcome.  A session is in
@@ -79,19 +87,22 @@ from typing import IO
 
 from sluice.config import Config, DeliveryConfig
 from sluice.delivery.client import (
+    READ_SIZE,
     Envelope,
     ServerReply,
     Session,
     SessionError,
     StartTls,
     default_ssl_context,
+    utf8_header,
 )
 from sluice.delivery.router import Host, NextHop
 from sluice.model import Delivered, Outcome, PermFail, QueueEntry, Reply, TempFail
 from sluice.queue import AttemptResult
 from sluice.scheduler.events import Transport
 
-__all__ = ["AgentStats", "DeliveryAgent", "DeliveryRequest", "DeliveryResult", "outcome_of"]
+__all__ = ["AgentStats", "DeliveryAgent", "DeliveryRequest", "DeliveryResult", "outcome_of",
+           "smtputf8_refusal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +199,30 @@ def outcome_of(reply: Reply) -> Outcome:
     return TempFail(Reply(451, "4.5.0", f"unexpected reply {reply.code}: {reply.text}"))
 
 
+def smtputf8_refusal(env: Envelope, head: bytes, offered: bool, host: Host) -> PermFail | None:
+    """Why the message cannot go to ``host`` for want of SMTPUTF8, or None.
+
+    ``head`` is the start of the content (the header block is in it);
+    ``offered``: the host announced SMTPUTF8.  Without it, non-ASCII
+    addresses cannot be sent at all (RFC 6531 3.4: 553 5.6.7), and a
+    message received with SMTPUTF8 whose header block has UTF-8 would
+    reach a server that does not expect it (550 5.6.9).  A message
+    received with SMTPUTF8 but ASCII in its envelope and header block
+    goes as it is, as Postfix delivers it: the client allowed UTF-8, the
+    message does not use it.  One received without SMTPUTF8 goes as it
+    is too (see sluice.delivery.client.utf8_header).
+    """
+    if offered:
+        return None
+    if not (env.sender.isascii() and all(r.isascii() for r in env.recipients)):
+        return PermFail(Reply(553, "5.6.7", f"SMTPUTF8 is required for non-ASCII "
+                              f"addresses, but host {host} does not support it"))
+    if env.smtputf8 and utf8_header(head):
+        return PermFail(Reply(550, "5.6.9", f"SMTPUTF8 is required for the UTF-8 header "
+                              f"of this message, but host {host} does not support it"))
+    return None
+
+
 def _peer_outcome(reply: ServerReply, host: Host) -> Outcome:
     if 200 <= reply.code < 300:
         return Delivered(reply.to_reply())
@@ -201,10 +236,17 @@ def _wire_safe(address: str) -> bool:
     return not any(c in address for c in "\r\n\0<>")
 
 
-def _open(request: DeliveryRequest) -> IO[bytes] | Reply:
+def _open(request: DeliveryRequest) -> tuple[IO[bytes], bytes] | Reply:
+    """The queued content and its first READ_SIZE bytes (the head, which
+    session.send() sends first), or why they cannot be read."""
     try:
-        return request.content()
+        content = request.content()
     except Exception as exc:  # StorageError, OSError: the spool's fault, not the peer's
+        return Reply(451, "4.3.0", f"cannot read the queued message {request.spid}: {exc}")
+    try:
+        return content, content.read(READ_SIZE)
+    except Exception as exc:
+        content.close()
         return Reply(451, "4.3.0", f"cannot read the queued message {request.spid}: {exc}")
 
 
@@ -336,10 +378,11 @@ class DeliveryAgent:
         route = request.route
         key: _Key = (route.transport, route.destination, request.localip)
         count = len(request.entries)
-        content = _open(request)
-        if isinstance(content, Reply):
-            return self._result(request, [TempFail(content)] * count, route.hosts[0],
+        opened = _open(request)
+        if isinstance(opened, Reply):
+            return self._result(request, [TempFail(opened)] * count, route.hosts[0],
                                 started, new=False, failed=False)
+        content, head = opened
         try:
             for attempt in (1, 2):
                 session = self._pool.take(key)
@@ -352,23 +395,24 @@ class DeliveryAgent:
                     session = got
                 else:
                     self._reused += 1
-                refusal = self._refuse_before_mail(session, env := request.envelope())
+                refusal = self._refuse_before_mail(session, env := request.envelope(), head)
                 if refusal is not None:
                     self._pool.give(key, session)
                     return self._result(request, [refusal] * count, session.host, started,
                                         new=new, failed=False, tls=session.tls)
                 try:
-                    replies = await session.send(env, content)
+                    replies = await session.send(env, content, head)
                 except SessionError as exc:
                     self._pool.drop(session)
                     if exc.stale and not new and attempt == 1:
                         # A cached connection died while idle: one fresh try,
                         # with the content from the start.
                         content.close()
-                        content = _open(request)
-                        if isinstance(content, Reply):
-                            return self._result(request, [TempFail(content)] * count,
+                        opened = _open(request)
+                        if isinstance(opened, Reply):
+                            return self._result(request, [TempFail(opened)] * count,
                                                 session.host, started, new=False, failed=False)
+                        content, head = opened
                         continue
                     return self._result(request, [TempFail(exc.reply)] * count, session.host,
                                         started, new=new, failed=False, tls=session.tls)
@@ -382,8 +426,7 @@ class DeliveryAgent:
                                     failed=False, tls=session.tls)
             raise AssertionError("unreachable: the second attempt always returns")
         finally:
-            if not isinstance(content, Reply):
-                content.close()
+            content.close()
 
     async def _deliver_safe_part(self, request: DeliveryRequest) -> DeliveryResult:
         """Addresses with CR, LF, NUL or angle brackets never reach the wire,
@@ -405,15 +448,13 @@ class DeliveryAgent:
         return dataclasses.replace(part, outcomes=tuple(
             (e, done.get(e, bad)) for e in request.entries))
 
-    def _refuse_before_mail(self, session: Session, env: Envelope) -> Outcome | None:
-        """Outcomes known from the EHLO reply alone (RFC 6531, RFC 1870)."""
-        if env.needs_smtputf8 and "SMTPUTF8" not in session.extensions:
-            ascii_addresses = env.sender.isascii() and all(r.isascii() for r in env.recipients)
-            if ascii_addresses:
-                return PermFail(Reply(550, "5.6.9", f"SMTPUTF8 is required for this message, "
-                                      f"but host {session.host} does not support it"))
-            return PermFail(Reply(553, "5.6.7", f"SMTPUTF8 is required for non-ASCII "
-                                  f"addresses, but host {session.host} does not support it"))
+    def _refuse_before_mail(self, session: Session, env: Envelope, head: bytes
+                            ) -> Outcome | None:
+        """Outcomes known from the EHLO reply and the head of the content
+        (RFC 6531, RFC 1870)."""
+        refusal = smtputf8_refusal(env, head, "SMTPUTF8" in session.extensions, session.host)
+        if refusal is not None:
+            return refusal
         limit = session.max_size
         if limit and env.size > limit:
             return PermFail(Reply(552, "5.3.4", f"message size {env.size} exceeds the limit "

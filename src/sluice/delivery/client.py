@@ -161,10 +161,12 @@ class Envelope:
     """One transaction: sender, recipients and what the content needs.
 
     ``size`` 0 means unknown (no SIZE parameter).  ``smtputf8``: the
-    message needs SMTPUTF8 (RFC 6531) even if the addresses are ASCII
-    (it was received with SMTPUTF8).  Without it, a message whose header
-    block has UTF-8 still asks for SMTPUTF8 where the server offers it
-    (see utf8_header), but does not fail where it is not offered.
+    message was received with SMTPUTF8 (RFC 6531), and asks for it where
+    the server offers it even if it is all ASCII; where it is not
+    offered, it fails only if it uses UTF-8 (see
+    sluice.delivery.agent.smtputf8_refusal).  Without it, a message whose
+    header block has UTF-8 still asks for SMTPUTF8 where the server
+    offers it (see utf8_header), but does not fail where it is not offered.
     """
 
     sender: str
@@ -513,27 +515,31 @@ class Session:
         value = self.extensions.get("SIZE", "")
         return int(value) if value.isdigit() else 0
 
-    async def send(self, env: Envelope, content: IO[bytes]) -> tuple[ServerReply, ...]:
+    async def send(self, env: Envelope, content: IO[bytes], head: bytes | None = None
+                   ) -> tuple[ServerReply, ...]:
         """One transaction; one reply per recipient (see DESCRIPTION).
 
+        ``head``: the first READ_SIZE bytes of the message when the caller
+        has read them from ``content`` already (the agent looks at the
+        header block before MAIL); the rest comes from ``content``.
         The caller checks SMTPUTF8 and SIZE first (these are outcomes, not
         protocol).  Raises SessionError when the session breaks; the
         session is then closed.
         """
         self.answers = 0
         try:
-            return await self._transaction(env, content)
+            return await self._transaction(env, content, head)
         except SessionError as exc:
             exc.stale = self.answers == 0
             raise
 
-    async def _transaction(self, env: Envelope, content: IO[bytes]
+    async def _transaction(self, env: Envelope, content: IO[bytes], head: bytes | None
                            ) -> tuple[ServerReply, ...]:
         if not self.alive:
             raise SessionError(Reply(451, "4.4.2", f"connection to {self.host} is not usable"))
         # Read ahead two pieces: when the second is empty the whole message
         # is known, and a 7-bit one is sent without BODY=8BITMIME.
-        first = content.read(READ_SIZE)
+        first = content.read(READ_SIZE) if head is None else head
         second = content.read(READ_SIZE) if first else b""
         ext = self.extensions
         params = []
