@@ -7,6 +7,7 @@ the programmable sink (aiosmtpd) and Postfix's smtp-sink.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import email
 import email.policy
 import json
@@ -19,9 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiosmtpd.controller import Controller
 
 from sluice.sink import Behaviour, Sink
 from tests.integration.serving import free_port, serving, wait_until
+from tests.integration.test_delivery_peers import SinkHandler
 
 pytestmark = pytest.mark.integration
 
@@ -69,6 +72,59 @@ def test_byte_exact_round_trip(tmp_path: Path, sink: tuple[Sink, int]) -> None:
     assert msg.data.endswith(body + b"\r\n")
     header_end = msg.data.index(b"\r\n\r\n")
     assert msg.data[header_end:] == body[body.index(b"\r\n\r\n"):] + b"\r\n"
+
+
+@contextlib.contextmanager
+def recording_sink(smtputf8: bool) -> Iterator[tuple[SinkHandler, int]]:
+    """An aiosmtpd next hop that offers SMTPUTF8 or not and records each MAIL's options."""
+    handler = SinkHandler()
+    port = free_port()
+    controller = Controller(handler, hostname="127.0.0.1", port=port,
+                            server_hostname="sink.test", enable_SMTPUTF8=smtputf8)
+    controller.start()
+    try:
+        yield handler, port
+    finally:
+        controller.stop()
+
+
+def test_smtputf8_received_goes_on_only_where_the_next_hop_can_take_it(tmp_path: Path
+                                                                      ) -> None:
+    """Received with SMTPUTF8, ASCII addresses: to a next hop without
+    SMTPUTF8 a UTF-8 Subject bounces with 5.6.9 and an all-ASCII message is
+    delivered as it is; a next hop with SMTPUTF8 is told on MAIL."""
+    utf8_subject = "Subject: Grüße ☃\r\n\r\nbody\r\n".encode()
+    ascii_only = b"Subject: plain\r\n\r\nbody\r\n"
+    with recording_sink(smtputf8=False) as (old, old_port), \
+            recording_sink(smtputf8=True) as (new, new_port):
+        transport = {"old.example": f"smtp:[127.0.0.1]:{old_port}",
+                     "*": f"smtp:[127.0.0.1]:{new_port}"}
+        with serving(tmp_path, delivery={"transport": transport}) as srv:
+            with smtplib.SMTP("127.0.0.1", srv.port, local_hostname="client.test") as c:
+                for rcpt, data in (("bounce@old.example", utf8_subject),
+                                   ("ascii@old.example", ascii_only),
+                                   ("utf8@new.example", utf8_subject),
+                                   ("ascii@new.example", ascii_only)):
+                    c.sendmail("alice@sender.example", [rcpt], data,
+                               mail_options=["SMTPUTF8"])
+            # The NDR goes to the sender, whose domain the "*" next hop takes.
+            assert wait_until(lambda: len(new.messages) == 3 and len(old.messages) == 1, 30), (
+                [m.recipients for m in old.messages], [m.recipients for m in new.messages],
+                srv.run("qlist").stdout)
+            assert wait_until(lambda: srv.recipients_left() == 0, 30)
+    (delivered,) = old.messages
+    assert delivered.recipients == ("ascii@old.example",)
+    assert delivered.data.endswith(ascii_only) and "SMTPUTF8" not in delivered.mail_options
+    by_rcpt = {m.recipients[0]: m for m in new.messages}
+    assert "SMTPUTF8" in by_rcpt["utf8@new.example"].mail_options
+    assert "SMTPUTF8" in by_rcpt["ascii@new.example"].mail_options  # all ASCII, but flagged
+    ndr = by_rcpt["alice@sender.example"]
+    assert ndr.sender == "<>"
+    report = email.message_from_bytes(ndr.data, policy=email.policy.default)
+    status = list(report.iter_parts())[1].get_payload()[1]
+    assert status["Final-Recipient"] == "rfc822; bounce@old.example"
+    assert status["Status"] == "5.6.9"
+    assert "SMTPUTF8 is required" in status["Diagnostic-Code"]
 
 
 def test_greylisting_then_delivery_and_bounce_with_ndr(tmp_path: Path,

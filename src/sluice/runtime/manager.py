@@ -434,7 +434,7 @@ class QueueManager:
             request = DeliveryRequest(
                 route=info.hop, entries=entries,
                 content=functools.partial(self.queue.store.open_content, entries[0].spid),
-                localip=localip)
+                localip=localip, smtputf8=entries[0].smtputf8)
             result = await self.agent.deliver(request)
             results = await self.planner.finish(result)
             self.post(DeliveryFinished(

@@ -725,8 +725,9 @@ class SmtpSession(SMTP):
             self._log_suppressed(txn, txn.dropped, None, buf.size)
             return Reply(250, "2.0.0", "Ok: dropped, no deliverable recipients")
         # The SPID is drawn now so that the Received header can name it.
+        # SMTPUTF8 goes with the message: delivery must know it may hold UTF-8.
         submission = Submission(sender=txn.sender, recipients=tuple(txn.recipients),
-                                spid=new_spid())
+                                spid=new_spid(), smtputf8=txn.smtputf8)
         accept: Accept | None = None
         hooks = settings.hooks
         if hooks.end_of_data is not None:
