@@ -88,6 +88,20 @@ def test_8bit_original_headers_survive() -> None:
     assert b"Content-Transfer-Encoding: 8bit" in raw
 
 
+def test_a_reply_with_8bit_text_is_kept_for_the_reader_and_ascii_for_the_report() -> None:
+    # The client decodes replies as UTF-8, with U+FFFD for bytes that are not.
+    reply = Reply(550, "5.1.1", "Benutzer unbekannt \u2013 gr\u00fc\u00dfe \ufffd")
+    raw = _ndr([FailedRecipient("a@x.org", reply, NOW)])
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    human, status, _ = msg.iter_parts()
+    assert human.get_content_charset() == "utf-8"
+    assert "Benutzer unbekannt \u2013 gr\u00fc\u00dfe" in human.get_content()
+    assert "Benutzer unbekannt \u2013 gr\u00fc\u00dfe".encode() in raw  # 8bit, not base64
+    # RFC 3464: message/delivery-status is US-ASCII.
+    block = status.get_payload()[1]
+    assert block["Diagnostic-Code"] == "smtp; 550 5.1.1 Benutzer unbekannt ? gr??e ?"
+
+
 def test_never_an_ndr_to_the_null_sender() -> None:
     with pytest.raises(ValueError, match="null sender"):
         build_ndr(reporting_mta="h", from_address="M", original_sender="",

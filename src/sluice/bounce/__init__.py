@@ -81,9 +81,11 @@ def _rfc5322_date(at: float) -> str:
 def _diagnostic(reply: Reply | None) -> str:
     if reply is None:
         return "X-Sluice; delivery time expired before any attempt"
-    # RFC 3464 2.3.6: the SMTP reply, as one line.
+    # RFC 3464 2.3.6: the SMTP reply, as one line, in US-ASCII: a reply
+    # with 8-bit text (decoded with U+FFFD for what was not UTF-8) keeps its
+    # words, with "?" for the rest; the human part has it all.
     text = " ".join(str(reply).split())
-    return f"smtp; {text}"
+    return f"smtp; {text.encode('ascii', 'replace').decode('ascii')}"
 
 
 def read_header_block(stream: IO[bytes], limit: int = 65536) -> bytes:
@@ -114,6 +116,16 @@ def _human_text(hostname: str, failed: Sequence[FailedRecipient]) -> str:
         lines.append(f"<{f.recipient}>: {why}{reply}")
     lines.append("")
     return "\r\n".join(lines)
+
+
+def _surrogates(data: bytes) -> str:
+    """Bytes as a payload the email package writes back byte for byte.
+
+    The BytesGenerator writes a str payload holding surrogate escapes as the
+    bytes they stand for (with CRLF line ends), where a plain str would go
+    through an ASCII codec or a charset's transfer encoding.
+    """
+    return data.decode("ascii", "surrogateescape").replace("\r\n", "\n")
 
 
 def build_ndr(
@@ -147,11 +159,18 @@ def build_ndr(
     report.set_type("multipart/report")
     report.set_param("report-type", "delivery-status")
 
+    human_text = _human_text(reporting_mta, failed)
     human = Message(policy=SMTP)
     human.set_type("text/plain")
-    human.set_param("charset", "us-ascii")
+    human.set_param("charset", "us-ascii" if human_text.isascii() else "utf-8")
     human["Content-Description"] = "Notification"
-    human.set_payload(_human_text(reporting_mta, failed))
+    if human_text.isascii():
+        human.set_payload(human_text)
+    else:
+        # A reply with 8-bit text: UTF-8 as it is (8BITMIME), not base64,
+        # so that the sender can read it in any client.
+        human["Content-Transfer-Encoding"] = "8bit"
+        human.set_payload(_surrogates(human_text.encode("utf-8")))
 
     status = Message(policy=SMTP)
     status.set_type("message/delivery-status")
@@ -177,12 +196,11 @@ def build_ndr(
     headers = Message(policy=SMTP)
     headers.set_type("text/rfc822-headers")
     headers["Content-Description"] = "Undelivered Message Headers"
-    text = original_headers.decode("ascii", "surrogateescape").replace("\r\n", "\n")
     if any(b > 127 for b in original_headers):
         headers["Content-Transfer-Encoding"] = "8bit"
     else:
         headers["Content-Transfer-Encoding"] = "7bit"
-    headers.set_payload(text)
+    headers.set_payload(_surrogates(original_headers))
 
     report.attach(human)
     report.attach(status)
