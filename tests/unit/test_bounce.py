@@ -5,6 +5,7 @@ from __future__ import annotations
 import email
 import email.policy
 import io
+import re
 
 import pytest
 
@@ -16,12 +17,20 @@ pytestmark = pytest.mark.unit
 NOW = 1_800_000_000.0
 
 
-def _ndr(failed: list[FailedRecipient], headers: bytes = b"Subject: hi\r\n") -> bytes:
+def _ndr(failed: list[FailedRecipient], headers: bytes = b"Subject: hi\r\n", *,
+         sender: str = "alice@example.org", utf8: bool = False) -> bytes:
     return build_ndr(
         reporting_mta="mx.sluice.test", from_address="MAILER-DAEMON",
-        original_sender="alice@example.org", original_spid="0123456789ABCDEF",
-        arrival_at=NOW - 3600, now=NOW, failed=failed, original_headers=headers,
+        original_sender=sender, original_spid="0123456789ABCDEF",
+        arrival_at=NOW - 3600, now=NOW, failed=failed, original_headers=headers, utf8=utf8,
     )
+
+
+def _unbounded(raw: bytes) -> bytes:
+    """The NDR with its MIME boundary (random, from the email package) made constant."""
+    match = re.search(rb'boundary="([^"]+)"', raw)
+    assert match is not None
+    return raw.replace(match.group(1), b"BOUNDARY")
 
 
 def test_structure_is_a_multipart_report_with_three_parts() -> None:
@@ -114,3 +123,90 @@ def test_header_block_stops_at_the_empty_line_and_the_limit() -> None:
     assert read_header_block(stream) == b"A: 1\r\nB: 2\r\n"
     stream = io.BytesIO(b"A: " + b"x" * 1000 + b"\r\n\r\n")
     assert len(read_header_block(stream, limit=100)) == 100
+
+
+# -- RFC 6533: mail received with SMTPUTF8 -------------------------------------------------
+
+GONE = Reply(550, "5.1.1", "user unknown")
+UTF8_HEADERS = "From: Jürgen <jürgen@exämple.org>\r\nSubject: Grüße ☃\r\n".encode()
+
+
+def test_a_utf8_recipient_is_reported_in_a_global_delivery_status_part() -> None:
+    long_reply = Reply(550, "5.1.1", "Postfach unbekannt: " + "Grüße " * 20)
+    raw = _ndr([FailedRecipient("usér@exämple.net", long_reply, NOW),
+                FailedRecipient("bob@example.net", GONE, NOW)], utf8=True)
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    assert msg.get_param("report-type") == "delivery-status"  # RFC 6533 keeps it
+    human, status, headers = msg.iter_parts()
+    assert status.get_content_type() == "message/global-delivery-status"
+    assert headers.get_content_type() == "text/rfc822-headers"  # ASCII: nothing to say
+    assert "<usér@exämple.net>" in human.get_content()
+    assert b"Content-Type: message/global-delivery-status\r\n" \
+           b"Content-Description: Delivery report\r\n" \
+           b"Content-Transfer-Encoding: 8bit\r\n\r\n" \
+           b"Reporting-MTA: dns; mx.sluice.test\r\n" in raw
+    # utf-8-address form (RFC 6533 section 3), raw UTF-8; the ASCII one stays rfc822.
+    assert "\r\n\r\nFinal-Recipient: utf-8; usér@exämple.net\r\n".encode() in raw
+    assert b"\r\n\r\nFinal-Recipient: rfc822; bob@example.net\r\n" in raw
+    # The reply text keeps its UTF-8, folded at spaces, never as encoded words.
+    assert b"=?" not in raw
+    assert "Diagnostic-Code: smtp; 550 5.1.1 Postfach unbekannt: Grüße Grüße".encode() in raw
+    assert all(len(line) <= 78 for line in raw.decode().split("\r\n")
+               if line.startswith(("Diagnostic-Code", " Grüße")))
+
+
+def test_a_utf8_header_block_is_returned_as_message_global_headers() -> None:
+    raw = _ndr([FailedRecipient("bob@example.net", GONE, NOW)], UTF8_HEADERS, utf8=True)
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    assert not msg.defects
+    _, status, headers = msg.iter_parts()
+    assert status.get_content_type() == "message/delivery-status"  # ASCII: unchanged
+    assert status.get_payload()[1]["Final-Recipient"] == "rfc822; bob@example.net"
+    assert headers.get_content_type() == "message/global-headers"
+    assert (b"Content-Type: message/global-headers\r\n"
+            b"Content-Description: Undelivered Message Headers\r\n"
+            b"Content-Transfer-Encoding: 8bit\r\n\r\n" + UTF8_HEADERS + b"\r\n--") in raw
+
+
+def test_a_utf8_sender_is_written_raw_in_to_not_as_encoded_words() -> None:
+    raw = _ndr([FailedRecipient("bob@example.net", GONE, NOW)], sender="jürgen@exämple.org",
+               utf8=True)
+    assert "\r\nTo: <jürgen@exämple.org>\r\n".encode() in raw  # RFC 6532
+    assert b"=?" not in raw
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    assert str(msg["To"]) == "jürgen@exämple.org"
+    assert [p.get_content_type() for p in msg.iter_parts()] == [
+        "text/plain", "message/delivery-status", "text/rfc822-headers"]
+
+
+@pytest.mark.parametrize("headers", [b"Subject: hi\r\n", b"Subject: caf\xe9\r\n"],
+                         ids=["ascii", "legacy-8bit"])
+def test_received_with_smtputf8_but_nothing_utf8_the_ndr_is_the_usual_one(headers: bytes
+                                                                          ) -> None:
+    failed = [FailedRecipient("bob@example.net", GONE, NOW, "mx.example.net")]
+    assert _unbounded(_ndr(failed, headers, utf8=True)) == _unbounded(_ndr(failed, headers))
+
+
+def test_not_received_with_smtputf8_a_utf8_header_block_keeps_the_old_form() -> None:
+    raw = _ndr([FailedRecipient("bob@example.net", GONE, NOW)], UTF8_HEADERS)
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    assert [p.get_content_type() for p in msg.iter_parts()] == [
+        "text/plain", "message/delivery-status", "text/rfc822-headers"]
+    assert (b"Content-Type: text/rfc822-headers\r\n"
+            b"Content-Description: Undelivered Message Headers\r\n"
+            b"Content-Transfer-Encoding: 8bit\r\n\r\n" + UTF8_HEADERS) in raw
+
+
+def test_a_utf8_recipient_needs_no_flag_it_came_with_smtputf8() -> None:
+    # Queued before the flag was kept: the address says it all the same.
+    raw = _ndr([FailedRecipient("usér@exämple.net", GONE, NOW)])
+    assert "Final-Recipient: utf-8; usér@exämple.net\r\n".encode() in raw
+    assert b"Content-Type: message/global-delivery-status\r\n" in raw
+
+
+def test_a_utf8_header_block_cut_inside_a_character_is_still_utf8() -> None:
+    limit = UTF8_HEADERS.index("ü".encode()) + 1  # max_original_headers ends in the ü
+    cut = read_header_block(io.BytesIO(UTF8_HEADERS + b"\r\nbody"), limit=limit)
+    assert cut.endswith(b"J\xc3")
+    raw = _ndr([FailedRecipient("bob@example.net", GONE, NOW)], cut, utf8=True)
+    assert b"Content-Type: message/global-headers\r\n" in raw

@@ -1,7 +1,7 @@
-"""Non-delivery reports: RFC 3464 delivery status notifications.
+"""Non-delivery reports: RFC 3464 delivery status notifications, RFC 6533 for UTF-8.
 
 SUMMARY
-    build_ndr(...) -> bytes; status_code(reply, expired) -> str;
+    build_ndr(..., utf8) -> bytes; status_code(reply, expired) -> str;
     FailedRecipient; read_header_block(stream, limit) -> bytes.
 
 DESCRIPTION
@@ -27,17 +27,46 @@ DESCRIPTION
     last transient code (e.g. 4.4.1), as Postfix does: the reader learns
     why the attempts failed, and "Action: failed" says it is final.
 
+    Internationalised mail (RFC 6533, as Postfix does it, but only where
+    UTF-8 is really used -- the rule of the delivery agent, see
+    sluice.delivery.agent.smtputf8_refusal):
+
+    - a non-ASCII failed recipient makes part 2
+      ``message/global-delivery-status`` (8bit), where such a recipient is
+      ``Final-Recipient: utf-8; usér@exämple.org`` (the utf-8-address form,
+      RFC 6533 section 3: raw UTF-8, which that media type allows) and an
+      ASCII one stays ``rfc822;``; Diagnostic-Code keeps UTF-8 reply text
+      there (section 6.2) instead of "?";
+    - a message received with SMTPUTF8 (``utf8``) whose header block is
+      UTF-8 gets part 3 as ``message/global-headers`` (8bit), the bytes as
+      they were; a legacy 8-bit header block, or one not received with
+      SMTPUTF8, stays text/rfc822-headers, as the agent sends such
+      headers as they are;
+    - a non-ASCII original sender is written raw in ``To:`` (RFC 6532),
+      never as encoded words, which are not allowed in an address.
+
+    A non-ASCII address needs no flag: it can only have come with SMTPUTF8
+    (RFC 6531), also on messages queued before the flag was kept.  The
+    report-type stays ``delivery-status``: RFC 6533 updates RFC 6522 so that
+    it also names message/global-delivery-status (so does the IANA
+    report-type registry).  Each part takes the global type only for what it
+    holds, so readers that know only RFC 3464 still read the parts that are
+    ASCII.  Whoever queues the NDR flags it SMTPUTF8 when the original was.
+
     Pure: no I/O, no clock (``now`` is a parameter).
 """
 
 from __future__ import annotations
 
+import codecs
+import io
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from email.generator import BytesGenerator
 from email.message import Message
-from email.policy import SMTP
+from email.policy import SMTP, SMTPUTF8
 from email.utils import format_datetime
 from typing import IO
 
@@ -78,14 +107,64 @@ def _rfc5322_date(at: float) -> str:
     return format_datetime(datetime.fromtimestamp(at, UTC))
 
 
-def _diagnostic(reply: Reply | None) -> str:
+def _diagnostic(reply: Reply | None, utf8: bool = False) -> str:
     if reply is None:
         return "X-Sluice; delivery time expired before any attempt"
     # RFC 3464 2.3.6: the SMTP reply, as one line, in US-ASCII: a reply
     # with 8-bit text (decoded with U+FFFD for what was not UTF-8) keeps its
-    # words, with "?" for the rest; the human part has it all.
+    # words, with "?" for the rest; the human part has it all.  RFC 6533
+    # 6.2: in a global delivery-status part it may be UTF-8.
     text = " ".join(str(reply).split())
+    if utf8:
+        return f"smtp; {text}"
     return f"smtp; {text.encode('ascii', 'replace').decode('ascii')}"
+
+
+def _utf8_block(block: bytes) -> bool:
+    """Whether a header block holds UTF-8 beyond ASCII.
+
+    The rule of sluice.delivery.client.utf8_header (8-bit text that is not
+    UTF-8, a legacy charset sent raw, does not count), but the block may
+    end in the middle of a character where read_header_block() cut it.
+    """
+    if block.isascii():
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(block, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _field(name: str, value: str) -> str:
+    """``Name: value`` and a newline, folded at spaces after 78 characters
+    where it can be (RFC 5322 2.2.3).  Never encoded words: the fields of a
+    global delivery-status part hold UTF-8 as it is."""
+    lines = [f"{name}:"]
+    bare = True  # no word on the first line yet: never fold right after the name
+    for word in value.split(" "):
+        if not bare and len(lines[-1]) + 1 + len(word) > 78:
+            lines.append("")
+        lines[-1] += " " + word
+        bare = False
+    return "\n".join(lines) + "\n"
+
+
+class _Generator(BytesGenerator):
+    """The email package's BytesGenerator, knowing RFC 6533's two media types.
+
+    It writes a message/* part it has no handler for as message/rfc822,
+    through an ASCII codec.  message/global-delivery-status and
+    message/global-headers hold lines of UTF-8: they are written like a
+    text part, CRLF line ends and the bytes of a surrogate-escaped payload
+    as they are (see _surrogates).  The generator finds a handler by the
+    name ``_handle_<maintype>_<subtype>``.
+    """
+
+    def _handle_message_global_delivery_status(self, msg: Message) -> None:
+        self._handle_text(msg)  # type: ignore[attr-defined]
+
+    _handle_message_global_headers = _handle_message_global_delivery_status
 
 
 def read_header_block(stream: IO[bytes], limit: int = 65536) -> bytes:
@@ -138,14 +217,25 @@ def build_ndr(
     now: float,
     failed: Sequence[FailedRecipient],
     original_headers: bytes,
+    utf8: bool = False,
 ) -> bytes:
-    """The NDR as bytes with CRLF line ends, ready to be queued."""
+    """The NDR as bytes with CRLF line ends, ready to be queued.
+
+    ``utf8``: the original was received with SMTPUTF8 (see the module doc
+    for what that changes).
+    """
     if not failed:
         raise ValueError("an NDR needs at least one failed recipient")
     if not original_sender:
         raise ValueError("never an NDR for mail from the null sender")
     if "@" not in from_address:
         from_address = f"{from_address}@{reporting_mta}"
+
+    global_status = not all(f.recipient.isascii() for f in failed)
+    global_headers = utf8 and _utf8_block(original_headers)
+    # Only To: can need UTF-8 in the header block; the SMTP policy would
+    # write it as encoded words, which an address may not hold.
+    policy = SMTP if original_sender.isascii() else SMTPUTF8
 
     report = Message(policy=SMTP)
     report["From"] = f"Mail Delivery System <{from_address}>"
@@ -172,29 +262,48 @@ def build_ndr(
         human["Content-Transfer-Encoding"] = "8bit"
         human.set_payload(_surrogates(human_text.encode("utf-8")))
 
-    status = Message(policy=SMTP)
-    status.set_type("message/delivery-status")
-    status["Content-Description"] = "Delivery report"
-    per_message = Message(policy=SMTP)
-    per_message["Reporting-MTA"] = f"dns; {reporting_mta}"
-    per_message["X-Sluice-Queue-ID"] = original_spid
-    per_message["Arrival-Date"] = _rfc5322_date(arrival_at)
-    blocks: list[Message | str] = [per_message]
+    per_message = [
+        ("Reporting-MTA", f"dns; {reporting_mta}"),
+        ("X-Sluice-Queue-ID", original_spid),
+        ("Arrival-Date", _rfc5322_date(arrival_at)),
+    ]
+    fields = [per_message]
     for f in failed:
-        block = Message(policy=SMTP)
-        block["Final-Recipient"] = f"rfc822; {f.recipient}"
-        block["Action"] = "failed"
-        block["Status"] = status_code(f.reply, f.expired)
+        address_type = "rfc822" if f.recipient.isascii() else "utf-8"
+        block = [
+            ("Final-Recipient", f"{address_type}; {f.recipient}"),
+            ("Action", "failed"),
+            ("Status", status_code(f.reply, f.expired)),
+        ]
         if f.remote_mta:
-            block["Remote-MTA"] = f"dns; {f.remote_mta}"
-        block["Diagnostic-Code"] = _diagnostic(f.reply)
+            block.append(("Remote-MTA", f"dns; {f.remote_mta}"))
+        block.append(("Diagnostic-Code", _diagnostic(f.reply, global_status)))
         if f.last_attempt_at is not None:
-            block["Last-Attempt-Date"] = _rfc5322_date(f.last_attempt_at)
-        blocks.append(block)
-    status.set_payload(blocks)
+            block.append(("Last-Attempt-Date", _rfc5322_date(f.last_attempt_at)))
+        fields.append(block)
+
+    status = Message(policy=SMTP)
+    if global_status:
+        # Written by hand: the email package would fold long UTF-8 words
+        # into encoded words even with the SMTPUTF8 policy.
+        status.set_type("message/global-delivery-status")
+        status["Content-Description"] = "Delivery report"
+        status["Content-Transfer-Encoding"] = "8bit"
+        text = "\n".join("".join(_field(n, v) for n, v in b) for b in fields)
+        status.set_payload(_surrogates(text.encode("utf-8")))
+    else:
+        status.set_type("message/delivery-status")
+        status["Content-Description"] = "Delivery report"
+        blocks: list[Message | str] = []
+        for b in fields:
+            part = Message(policy=SMTP)
+            for name, value in b:
+                part[name] = value
+            blocks.append(part)
+        status.set_payload(blocks)
 
     headers = Message(policy=SMTP)
-    headers.set_type("text/rfc822-headers")
+    headers.set_type("message/global-headers" if global_headers else "text/rfc822-headers")
     headers["Content-Description"] = "Undelivered Message Headers"
     if any(b > 127 for b in original_headers):
         headers["Content-Transfer-Encoding"] = "8bit"
@@ -205,4 +314,6 @@ def build_ndr(
     report.attach(human)
     report.attach(status)
     report.attach(headers)
-    return report.as_bytes(policy=SMTP)
+    out = io.BytesIO()
+    _Generator(out, mangle_from_=False, policy=policy).flatten(report)
+    return out.getvalue()
