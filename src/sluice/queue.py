@@ -372,10 +372,14 @@ class Queue:
             now=now,
             failed=failed,
             original_headers=headers,
+            utf8=first.smtputf8,
         )
+        # Flagged like the original, as Postfix does: the agent then asks for
+        # SMTPUTF8 where it is offered, and elsewhere judges the NDR by its
+        # own addresses and header block (docs/delivery.md).
         sub = Submission(sender="", recipients=(first.sender,), tenantid=first.tenantid,
                          jobid=first.jobid, transportid=first.transportid,
-                         localip=first.localip, is_report=True)
+                         localip=first.localip, is_report=True, smtputf8=first.smtputf8)
         return self.submit(sub, report)
 
     # -- operator side ------------------------------------------------------------------

@@ -179,6 +179,32 @@ def test_permanent_failure_sends_one_ndr_for_the_failed_recipients(queue: Queue,
     assert kinds.count("delivered") == 1
 
 
+def test_the_ndr_of_mail_received_with_smtputf8_is_flagged_and_rfc_6533(queue: Queue
+                                                                        ) -> None:
+    utf8_message = ("From: jürgen@exämple.org\r\nSubject: Grüße\r\n"
+                    "Message-ID: <m2@example.org>\r\n\r\nbody\r\n").encode()
+    queue.submit(Submission("alice@example.org", ("usér@exämple.net", "bob@example.net"),
+                            smtputf8=True), utf8_message)
+    queue.submit(Submission("carol@example.org", ("dave@example.net",)), message())
+    attempt(queue, {"usér@exämple.net": GONE, "bob@example.net": GONE,
+                    "dave@example.net": GONE})
+    assert queue.run_bounces() == 2
+    by_rcpt = {e.recipient: e for e in _ndrs(queue)}
+    flagged, plain = by_rcpt["alice@example.org"], by_rcpt["carol@example.org"]
+    # The store gives the flag back: delivery asks for SMTPUTF8 for the NDR.
+    assert flagged.smtputf8 and not plain.smtputf8
+    with queue.store.open_content(flagged.spid) as stream:
+        raw = stream.read()
+    msg = _parse(queue, flagged.spid)
+    assert [p.get_content_type() for p in msg.iter_parts()] == [
+        "text/plain", "message/global-delivery-status", "message/global-headers"]
+    assert "\r\n\r\nFinal-Recipient: utf-8; usér@exämple.net\r\n".encode() in raw
+    assert b"\r\n\r\nFinal-Recipient: rfc822; bob@example.net\r\n" in raw
+    assert utf8_message[:utf8_message.index(b"\r\n\r\n") + 2] + b"\r\n--" in raw
+    assert [p.get_content_type() for p in _parse(queue, plain.spid).iter_parts()] == [
+        "text/plain", "message/delivery-status", "text/rfc822-headers"]
+
+
 def test_expiry_bounces_with_the_last_reply_and_ndr_says_so(queue: Queue, clock: Clock,
                                                             cfg: Config) -> None:
     queue.submit(Submission("alice@example.org", ("bob@example.net",)), message())

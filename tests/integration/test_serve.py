@@ -92,7 +92,8 @@ def test_smtputf8_received_goes_on_only_where_the_next_hop_can_take_it(tmp_path:
                                                                       ) -> None:
     """Received with SMTPUTF8, ASCII addresses: to a next hop without
     SMTPUTF8 a UTF-8 Subject bounces with 5.6.9 and an all-ASCII message is
-    delivered as it is; a next hop with SMTPUTF8 is told on MAIL."""
+    delivered as it is; a next hop with SMTPUTF8 is told on MAIL, for the
+    NDR too."""
     utf8_subject = "Subject: Grüße ☃\r\n\r\nbody\r\n".encode()
     ascii_only = b"Subject: plain\r\n\r\nbody\r\n"
     with recording_sink(smtputf8=False) as (old, old_port), \
@@ -120,11 +121,17 @@ def test_smtputf8_received_goes_on_only_where_the_next_hop_can_take_it(tmp_path:
     assert "SMTPUTF8" in by_rcpt["ascii@new.example"].mail_options  # all ASCII, but flagged
     ndr = by_rcpt["alice@sender.example"]
     assert ndr.sender == "<>"
+    # The NDR is flagged like the message it reports on (RFC 6533): it quotes
+    # the UTF-8 header block as message/global-headers, and says SMTPUTF8.
+    assert "SMTPUTF8" in ndr.mail_options
     report = email.message_from_bytes(ndr.data, policy=email.policy.default)
-    status = list(report.iter_parts())[1].get_payload()[1]
+    _, status_part, headers_part = report.iter_parts()
+    status = status_part.get_payload()[1]
     assert status["Final-Recipient"] == "rfc822; bounce@old.example"
     assert status["Status"] == "5.6.9"
     assert "SMTPUTF8 is required" in status["Diagnostic-Code"]
+    assert headers_part.get_content_type() == "message/global-headers"
+    assert b"\r\n" + utf8_subject[:utf8_subject.index(b"\r\n") + 2] in ndr.data
 
 
 def test_greylisting_then_delivery_and_bounce_with_ndr(tmp_path: Path,
