@@ -235,21 +235,27 @@ def _open_and_close(root: Path, start: Any, results: Any) -> None:
         results.put(repr(exc))
 
 
+def _open_at_once(root: Path, processes: int) -> list[str]:
+    """Open (and close) the queue at ``root`` from several processes at the
+    same moment; what each reported ("ok" or its error)."""
+    ctx = multiprocessing.get_context("fork")
+    start, results = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_open_and_close, args=(root, start, results))
+             for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+    return outcomes
+
+
 def test_processes_opening_a_new_queue_at_once_all_succeed(tmp_path: Path) -> None:
     # The receivers of `sluice serve` open the queue at the same moment; one
     # of them once failed with "database is locked" while another created
     # the schema.  Opening now takes the commit lock.
-    ctx = multiprocessing.get_context("fork")
     for round_ in range(8):
-        start, results = ctx.Barrier(4), ctx.Queue()
-        procs = [ctx.Process(target=_open_and_close, args=(tmp_path / str(round_), start, results))
-                 for _ in range(4)]
-        for proc in procs:
-            proc.start()
-        outcomes = [results.get(timeout=60) for _ in procs]
-        for proc in procs:
-            proc.join(60)
-        assert outcomes == ["ok"] * 4
+        assert _open_at_once(tmp_path / str(round_), 4) == ["ok"] * 4
 
 
 # -- schema versions ----------------------------------------------------------------------
@@ -359,19 +365,10 @@ def test_a_version_1_queue_is_migrated_when_opened(tmp_path: Path) -> None:
 
 
 def test_processes_opening_a_version_1_queue_at_once_migrate_it_once(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("fork")
     for round_ in range(4):
         root = tmp_path / str(round_)
         db = _v1_queue(root)
-        start, results = ctx.Barrier(4), ctx.Queue()
-        procs = [ctx.Process(target=_open_and_close, args=(root, start, results))
-                 for _ in range(4)]
-        for proc in procs:
-            proc.start()
-        outcomes = [results.get(timeout=60) for _ in procs]
-        for proc in procs:
-            proc.join(60)
-        assert outcomes == ["ok"] * 4
+        assert _open_at_once(root, 4) == ["ok"] * 4
         version, columns = _schema(db)
         assert version == "2" and columns.count("smtputf8") == 1
 
