@@ -20,8 +20,10 @@ pytestmark = pytest.mark.integration
 def run(cfg: Path | None, *args: str, stdin: bytes = b"", check: bool = True
         ) -> subprocess.CompletedProcess[str]:
     cmd = [SLUICE] + (["-c", str(cfg)] if cfg else []) + list(args)
-    proc = subprocess.run(cmd, input=stdin.decode(), capture_output=True, text=True,
-                          env=subprocess_env(), timeout=60)
+    raw = subprocess.run(cmd, input=stdin, capture_output=True, env=subprocess_env(),
+                         timeout=60)  # bytes in: a message need not be UTF-8
+    proc = subprocess.CompletedProcess(raw.args, raw.returncode, raw.stdout.decode(),
+                                       raw.stderr.decode())
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -59,6 +61,20 @@ def test_sendmail_then_qlist_in_mailismus_format(cfg: Path) -> None:
     assert {r["DSN"] for r in rows} == {"no"}
     assert totals == "Total: 2 messages, 3 recipients; new/incoming: 3"
     assert run(cfg, "qcount").stdout.splitlines()[0] == totals
+
+
+def test_sendmail_flags_smtputf8_when_the_message_uses_utf8(cfg: Path) -> None:
+    utf8 = "Subject: Grüße\n\nbody\n".encode()
+    latin1 = "Subject: Grüße\n\nbody\n".encode("latin-1")
+    run(cfg, "sendmail", "-f", "a@example.org", "plain@example.net", stdin=MSG)
+    run(cfg, "sendmail", "-f", "a@example.org", "subject@example.net", stdin=utf8)
+    run(cfg, "sendmail", "-f", "a@example.org", "legacy@example.net", stdin=latin1)
+    run(cfg, "sendmail", "-f", "a@example.org", "jürgen@exämple.net", stdin=MSG)
+    run(cfg, "sendmail", "-f", "a@example.org", "--smtputf8", "asked@example.net", stdin=MSG)
+    entries = json.loads(run(cfg, "qlist", "--json").stdout)["entries"]
+    assert {e["recipient"]: e["smtputf8"] for e in entries} == {
+        "plain@example.net": False, "subject@example.net": True, "legacy@example.net": False,
+        "jürgen@exämple.net": True, "asked@example.net": True}
 
 
 def test_sendmail_t_reads_recipients_and_strips_bcc(cfg: Path, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from sluice.cli import CommandError, load
 from sluice.config import parse_duration
+from sluice.delivery.client import utf8_header
 from sluice.model import QueueEntry, QueueState, Selector, Submission
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
@@ -95,6 +96,9 @@ def register(sub: Any) -> None:
     p.add_argument("--priority", type=int, choices=(0, 1), default=0)
     p.add_argument("--hold", action="store_true", help="queue on hold")
     p.add_argument("--delay", default=None, help="queue deferred for this long (e.g. 10m)")
+    p.add_argument("--smtputf8", action="store_true",
+                   help="deliver with SMTPUTF8 (set by itself when an address or the header "
+                        "is UTF-8)")
     p.set_defaults(func=cmd_sendmail)
 
     p = sub.add_parser("qlist", help="list the queue (semicolon-separated, Mailismus style)")
@@ -174,10 +178,15 @@ def cmd_sendmail(args: argparse.Namespace) -> int:
     if parsed.get("From") is None and sender:
         extra += b"From: <" + sender.encode() + b">" + eol
     delay_s = parse_duration(args.delay) if args.delay else 0.0
+    # As Postfix's sendmail (smtputf8_autodetect_classes = sendmail): a
+    # message whose envelope or header is UTF-8 is flagged, so delivery
+    # treats it as one received with SMTPUTF8 (docs/delivery.md).
+    smtputf8 = (args.smtputf8 or not sender.isascii()
+                or not all(r.isascii() for r in recipients) or utf8_header(header))
     sub = Submission(
         sender=sender, recipients=tuple(recipients), tenantid=args.tenant, jobid=args.job,
         transportid=args.transport, localip=tuple(args.localip), priority=args.priority,
-        hold=args.hold, delay_s=delay_s,
+        hold=args.hold, delay_s=delay_s, smtputf8=smtputf8,
     )
     content = itertools.chain([extra + header], iter(lambda: stdin.read(65536), b""))
     with _open(args) as queue:
