@@ -25,7 +25,9 @@ SEE ALSO
 
 from __future__ import annotations
 
+import codecs
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -89,6 +91,41 @@ def recipient_domain(address: str) -> str:
     """The domain part of an address, lower-cased; '' when there is none."""
     _, at, domain = address.rpartition("@")
     return domain.strip().rstrip(".").lower() if at else ""
+
+
+def ascii_envelope(sender: str, recipients: Iterable[str]) -> bool:
+    """Whether every address of an envelope is ASCII (RFC 6531: otherwise
+    the message can only travel with SMTPUTF8)."""
+    return sender.isascii() and all(r.isascii() for r in recipients)
+
+
+#: The blank line that ends a header block (or content that starts with one).
+_HEADER_END_RE = re.compile(rb"(?:^|\n)\r?\n")
+
+
+def utf8_header(head: bytes) -> bool:
+    """Whether the header block at the start of ``head`` holds UTF-8 beyond ASCII.
+
+    ``head`` is the start of a message, or a header block alone; it may
+    stop in the middle of a character where a reader cut it (the first
+    64 KB, a header limit), which still counts as UTF-8.  8-bit headers
+    that are not UTF-8 (legacy charsets sent raw) do not count: SMTPUTF8
+    would promise something the message does not keep.  Delivery asks
+    for SMTPUTF8 for such a header, and refuses a message received with
+    SMTPUTF8 that has one where SMTPUTF8 is not offered; an NDR returns
+    it as message/global-headers.
+    """
+    if head.isascii():
+        return False
+    end = _HEADER_END_RE.search(head)
+    block = head[:end.start() + 1] if end is not None else head
+    if block.isascii():
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(block, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,6 @@ DESCRIPTION
 
 from __future__ import annotations
 
-import codecs
 import io
 import re
 from collections.abc import Sequence
@@ -70,7 +69,7 @@ from email.policy import SMTP, SMTPUTF8
 from email.utils import format_datetime
 from typing import IO
 
-from sluice.model import Reply
+from sluice.model import Reply, utf8_header
 
 __all__ = ["FailedRecipient", "build_ndr", "read_header_block", "status_code"]
 
@@ -118,22 +117,6 @@ def _diagnostic(reply: Reply | None, utf8: bool = False) -> str:
     if utf8:
         return f"smtp; {text}"
     return f"smtp; {text.encode('ascii', 'replace').decode('ascii')}"
-
-
-def _utf8_block(block: bytes) -> bool:
-    """Whether a header block holds UTF-8 beyond ASCII.
-
-    The rule of sluice.delivery.client.utf8_header (8-bit text that is not
-    UTF-8, a legacy charset sent raw, does not count), but the block may
-    end in the middle of a character where read_header_block() cut it.
-    """
-    if block.isascii():
-        return False
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(block, final=False)
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _field(name: str, value: str) -> str:
@@ -232,7 +215,7 @@ def build_ndr(
         from_address = f"{from_address}@{reporting_mta}"
 
     global_status = not all(f.recipient.isascii() for f in failed)
-    global_headers = utf8 and _utf8_block(original_headers)
+    global_headers = utf8 and utf8_header(original_headers)
     # Only To: can need UTF-8 in the header block; the SMTP policy would
     # write it as encoded words, which an address may not hold.
     policy = SMTP if original_sender.isascii() else SMTPUTF8

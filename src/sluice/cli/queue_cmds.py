@@ -29,8 +29,14 @@ from typing import IO, Any
 
 from sluice.cli import CommandError, load
 from sluice.config import parse_duration
-from sluice.delivery.client import utf8_header
-from sluice.model import QueueEntry, QueueState, Selector, Submission
+from sluice.model import (
+    QueueEntry,
+    QueueState,
+    Selector,
+    Submission,
+    ascii_envelope,
+    utf8_header,
+)
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
 from sluice.store import Action, StorageError, narrow
@@ -181,8 +187,8 @@ def cmd_sendmail(args: argparse.Namespace) -> int:
     # As Postfix's sendmail (smtputf8_autodetect_classes = sendmail): a
     # message whose envelope or header is UTF-8 is flagged, so delivery
     # treats it as one received with SMTPUTF8 (docs/delivery.md).
-    smtputf8 = (args.smtputf8 or not sender.isascii()
-                or not all(r.isascii() for r in recipients) or utf8_header(header))
+    smtputf8 = (args.smtputf8 or not ascii_envelope(sender, recipients)
+                or utf8_header(header))
     sub = Submission(
         sender=sender, recipients=tuple(recipients), tenantid=args.tenant, jobid=args.job,
         transportid=args.transport, localip=tuple(args.localip), priority=args.priority,

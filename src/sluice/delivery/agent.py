@@ -94,10 +94,18 @@ from sluice.delivery.client import (
     SessionError,
     StartTls,
     default_ssl_context,
-    utf8_header,
 )
 from sluice.delivery.router import Host, NextHop
-from sluice.model import Delivered, Outcome, PermFail, QueueEntry, Reply, TempFail
+from sluice.model import (
+    Delivered,
+    Outcome,
+    PermFail,
+    QueueEntry,
+    Reply,
+    TempFail,
+    ascii_envelope,
+    utf8_header,
+)
 from sluice.queue import AttemptResult
 from sluice.scheduler.events import Transport
 
@@ -210,11 +218,11 @@ def smtputf8_refusal(env: Envelope, head: bytes, offered: bool, host: Host) -> P
     received with SMTPUTF8 but ASCII in its envelope and header block
     goes as it is, as Postfix delivers it: the client allowed UTF-8, the
     message does not use it.  One received without SMTPUTF8 goes as it
-    is too (see sluice.delivery.client.utf8_header).
+    is too (see sluice.model.utf8_header).
     """
     if offered:
         return None
-    if not (env.sender.isascii() and all(r.isascii() for r in env.recipients)):
+    if not ascii_envelope(env.sender, env.recipients):
         return PermFail(Reply(553, "5.6.7", f"SMTPUTF8 is required for non-ASCII "
                               f"addresses, but host {host} does not support it"))
     if env.smtputf8 and utf8_header(head):

@@ -76,7 +76,7 @@ from typing import IO, cast
 from sluice.config import DeliveryTimeouts
 from sluice.delivery.encoder import DataEncoder
 from sluice.delivery.router import Host
-from sluice.model import Reply
+from sluice.model import Reply, ascii_envelope, utf8_header
 
 __all__ = ["Envelope", "ServerReply", "Session", "SessionError", "StartTls"]
 
@@ -89,8 +89,6 @@ MAX_REPLY_LINE = 8192
 MAX_REPLY_LINES = 256
 
 _ENHANCED_RE = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?: |$)")
-#: The blank line that ends a header block (or content that starts with one).
-_HEADER_END_RE = re.compile(rb"(?:^|\n)\r?\n")
 
 
 class StartTls(StrEnum):
@@ -166,7 +164,7 @@ class Envelope:
     offered, it fails only if it uses UTF-8 (see
     sluice.delivery.agent.smtputf8_refusal).  Without it, a message whose
     header block has UTF-8 still asks for SMTPUTF8 where the server
-    offers it (see utf8_header), but does not fail where it is not offered.
+    offers it (see sluice.model.utf8_header), but does not fail where it is not offered.
     """
 
     sender: str
@@ -176,8 +174,7 @@ class Envelope:
 
     @property
     def needs_smtputf8(self) -> bool:
-        return self.smtputf8 or not (self.sender.isascii()
-                                     and all(r.isascii() for r in self.recipients))
+        return self.smtputf8 or not ascii_envelope(self.sender, self.recipients)
 
 
 class _ReplyReader(asyncio.Protocol):
@@ -626,28 +623,6 @@ class Session:
                 await self._drain("sending message content")
             chunk, nxt = nxt, content.read(READ_SIZE)
         return [await self._read(self.timeouts.data_done, "end of data") for _ in range(replies)]
-
-
-def utf8_header(head: bytes) -> bool:
-    """Whether the header block at the start of ``head`` holds UTF-8 beyond ASCII.
-
-    Such a message goes with SMTPUTF8 to a server that offers it (RFC 6531
-    3.4), whatever its addresses are; a server without SMTPUTF8 gets it as
-    it is, as Postfix does for mail that did not arrive with SMTPUTF8.
-    8-bit headers that are not UTF-8 (legacy charsets sent raw) do not
-    count: SMTPUTF8 would promise something the message does not keep.
-    """
-    if head.isascii():
-        return False
-    end = _HEADER_END_RE.search(head)
-    block = head[:end.start() + 1] if end is not None else head
-    if block.isascii():
-        return False
-    try:
-        block.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _ended(so_far: Sequence[ServerReply], reply: ServerReply, count: int
