@@ -2,7 +2,7 @@
 
 SUMMARY
     await Session.open(host, ...) -> Session, or SessionError
-    await session.send(Envelope, content) -> tuple[ServerReply, ...] per recipient
+    await session.send(Envelope, content, head) -> tuple[ServerReply, ...] per recipient
     session.close()
 
 DESCRIPTION
@@ -512,13 +512,13 @@ class Session:
         value = self.extensions.get("SIZE", "")
         return int(value) if value.isdigit() else 0
 
-    async def send(self, env: Envelope, content: IO[bytes], head: bytes | None = None
+    async def send(self, env: Envelope, content: IO[bytes], head: bytes
                    ) -> tuple[ServerReply, ...]:
         """One transaction; one reply per recipient (see DESCRIPTION).
 
-        ``head``: the first READ_SIZE bytes of the message when the caller
-        has read them from ``content`` already (the agent looks at the
-        header block before MAIL); the rest comes from ``content``.
+        ``head``: the first READ_SIZE bytes of the message, which the caller
+        has read from ``content`` already (the agent looks at the header
+        block before MAIL); the rest comes from ``content``.
         The caller checks SMTPUTF8 and SIZE first (these are outcomes, not
         protocol).  Raises SessionError when the session breaks; the
         session is then closed.
@@ -530,13 +530,13 @@ class Session:
             exc.stale = self.answers == 0
             raise
 
-    async def _transaction(self, env: Envelope, content: IO[bytes], head: bytes | None
+    async def _transaction(self, env: Envelope, content: IO[bytes], first: bytes
                            ) -> tuple[ServerReply, ...]:
         if not self.alive:
             raise SessionError(Reply(451, "4.4.2", f"connection to {self.host} is not usable"))
-        # Read ahead two pieces: when the second is empty the whole message
-        # is known, and a 7-bit one is sent without BODY=8BITMIME.
-        first = content.read(READ_SIZE) if head is None else head
+        # Two pieces ahead (the caller read the first): when the second is
+        # empty the whole message is known, and a 7-bit one is sent without
+        # BODY=8BITMIME.
         second = content.read(READ_SIZE) if first else b""
         ext = self.extensions
         params = []
