@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.config import Config
+from sluice.model import Selector, Submission
 from sluice.store import Action, Store, open_store
 from tests.conftest import make_config
 
@@ -178,3 +179,18 @@ def run_diskfull(flavour: str, size: str = "4m", ballast_mb: int = 1) -> dict[st
     assert proc.returncode == 0, f"the child failed: {proc.stderr[-3000:]}"
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
+
+
+def check_migrated_v1_queue(store: Store, spid: str, recipient: str, content: bytes,
+                            now: float) -> None:
+    """A queue written before the SMTPUTF8 flag, once migrated: its one
+    message (``spid`` to ``recipient``) reads as not flagged and keeps its
+    content, and a flagged message queued now keeps its flag."""
+    (old,) = store.entries(Selector())
+    assert (old.spid, old.recipient, old.smtputf8) == (spid, recipient, False)
+    new = store.submit(Submission("a@example.org", ("c@example.net",), smtputf8=True),
+                       b"new", now)
+    assert {e.spid: e.smtputf8 for e in store.claim(10, now, 10)} == {
+        spid: False, new.spid: True}
+    with store.open_content(spid) as stream:
+        assert stream.read() == content

@@ -19,7 +19,7 @@ from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition, open_store
 from sluice.store.postgres import CHUNK_SIZE, ENV_DSN, PgStore
 from tests.integration.pg import dsn_for, schema_for
-from tests.integration.stores import flavour_config, run_diskfull
+from tests.integration.stores import check_migrated_v1_queue, flavour_config, run_diskfull
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
@@ -267,14 +267,7 @@ def test_a_version_1_queue_is_migrated_when_opened(dsn: str, tmp_path: Path) -> 
     assert len(stores) == 2
     store = stores[0]
     try:
-        (old,) = store.entries(Selector())
-        assert (old.spid, old.recipient, old.smtputf8) == (OLD_SPID, "b@example.net", False)
-        new = store.submit(Submission("a@example.org", ("c@example.net",), smtputf8=True),
-                           b"new", T0 + 1)
-        assert {e.spid: e.smtputf8 for e in store.claim(10, T0 + 1, 10)} == {
-            OLD_SPID: False, new.spid: True}
-        with store.open_content(OLD_SPID) as stream:
-            assert stream.read() == b"hello"
+        check_migrated_v1_queue(store, OLD_SPID, "b@example.net", b"hello", T0 + 1)
     finally:
         for s in stores:
             s.close()

@@ -19,7 +19,7 @@ import sluice.store.sqlite as sqlite_module
 from sluice.model import Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition
 from sluice.store.sqlite import SqliteStore
-from tests.integration.stores import open_flavour
+from tests.integration.stores import check_migrated_v1_queue, open_flavour
 
 pytestmark = pytest.mark.integration
 
@@ -347,15 +347,8 @@ def test_a_version_1_queue_is_migrated_when_opened(tmp_path: Path) -> None:
     version, columns = _schema(db)
     assert version == "1" and "smtputf8" not in columns
     with _store(tmp_path) as store:
-        (old,) = store.entries(Selector())
-        assert (old.spid, old.recipient, old.smtputf8) == (OLD_SPID, "b@example.net", False)
         assert store.count().messages == 1
-        new = store.submit(Submission("a@example.org", ("c@example.net",), smtputf8=True),
-                           b"new", T0 + 1)
-        assert {e.spid: e.smtputf8 for e in store.claim(10, T0 + 1, 10)} == {
-            OLD_SPID: False, new.spid: True}
-        with store.open_content(OLD_SPID) as stream:
-            assert stream.read() == b"hello"
+        check_migrated_v1_queue(store, OLD_SPID, "b@example.net", b"hello", T0 + 1)
     version, columns = _schema(db)
     assert version == str(sqlite_module.SCHEMA_VERSION) == "2"
     assert columns.count("smtputf8") == 1
