@@ -25,7 +25,6 @@ SEE ALSO
 
 from __future__ import annotations
 
-import codecs
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -122,9 +121,11 @@ def utf8_header(head: bytes) -> bool:
     if block.isascii():
         return False
     try:
-        codecs.getincrementaldecoder("utf-8")().decode(block, final=False)
-    except UnicodeDecodeError:
-        return False
+        block.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # Decoding stops at the first fault: one that is only a character
+        # cut at the very end leaves everything before it valid.
+        return exc.end == len(block) and exc.reason == "unexpected end of data"
     return True
 
 
