@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import time
 from collections.abc import Callable
@@ -527,6 +528,57 @@ def test_smtputf8_needed_but_not_offered_is_permanent() -> None:
             b"Subject: t\r\n\r\nhello\r\n", LATIN1_HEADERS, UTF8_BODY_ONLY,
             b"Subject: t\r\n\r\nhello\r\n"]
         assert all("SMTPUTF8" not in m.mail_options for m in handler.messages)
+
+    run(scenario())
+
+
+def attachment(name: str, filler: int) -> bytes:
+    """A multipart message whose second part's header (``name``) comes
+    after ``filler`` bytes of the first part."""
+    return (
+        'Subject: report\r\nMIME-Version: 1.0\r\n'
+        'Content-Type: multipart/mixed; boundary="=_part"\r\n\r\n'
+        '--=_part\r\nContent-Type: text/plain\r\n\r\n' + ("x" * 76 + "\r\n") * (filler // 78)
+        + f'--=_part\r\nContent-Type: text/plain\r\nContent-Disposition: attachment; '
+        f'filename="{name}"\r\n\r\nattached\r\n--=_part--\r\n').encode()
+
+
+def test_a_utf8_attachment_header_past_the_head_needs_smtputf8() -> None:
+    """Received with SMTPUTF8, ASCII top header, a MIME part header with
+    UTF-8 after the first 64 KB (what the client reads before MAIL): the
+    agent reads the content through once more and refuses it at a server
+    without SMTPUTF8 (550 5.6.9), as Postfix, which flags attachment
+    headers too, would.  The ASCII twin goes, byte for byte; a content
+    that cannot be read the second time defers (451 4.3.0)."""
+    utf8 = attachment("Grüße.txt", 200_000)
+    ascii_twin = attachment("Gruesse.txt", 200_000)
+    opened: list[int] = []
+
+    def fails_second_time() -> io.BytesIO:
+        opened.append(1)
+        if len(opened) > 1:
+            raise OSError("the spool went away")
+        return io.BytesIO(utf8)
+
+    async def scenario() -> None:
+        handler = SinkHandler()
+        async with sink(handler, smtputf8=False) as s:
+            agent = make_agent()
+            refused = await agent.deliver(request(hop(s.port), "a@dest.test", smtputf8=True,
+                                                  data=utf8))
+            sent = await agent.deliver(request(hop(s.port), "b@dest.test", smtputf8=True,
+                                               data=ascii_twin))
+            unread = await agent.deliver(dataclasses.replace(
+                request(hop(s.port), "c@dest.test", smtputf8=True, data=utf8),
+                content=fails_second_time))
+            unflagged = await agent.deliver(request(hop(s.port), "d@dest.test", data=utf8))
+        assert outcomes(refused) == [("a@dest.test", PermFail, 550, "5.6.9")]
+        assert outcomes(sent) == [("b@dest.test", Delivered, 250, "2.0.0")]
+        assert outcomes(unread) == [("c@dest.test", TempFail, 451, "4.3.0")]
+        assert "the spool went away" in unread.outcomes[0][1].reply.text
+        assert outcomes(unflagged) == [("d@dest.test", Delivered, 250, "2.0.0")]
+        assert [(m.recipients, m.data) for m in handler.messages] == [
+            (("b@dest.test",), ascii_twin), (("d@dest.test",), utf8)]
 
     run(scenario())
 

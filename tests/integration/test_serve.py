@@ -91,11 +91,16 @@ def recording_sink(smtputf8: bool) -> Iterator[tuple[SinkHandler, int]]:
 def test_smtputf8_received_goes_on_only_where_the_next_hop_can_take_it(tmp_path: Path
                                                                       ) -> None:
     """Received with SMTPUTF8, ASCII addresses: to a next hop without
-    SMTPUTF8 a UTF-8 Subject bounces with 5.6.9 and an all-ASCII message is
+    SMTPUTF8 a UTF-8 Subject bounces with 5.6.9, and so does a UTF-8
+    attachment name far into the message; an all-ASCII message is
     delivered as it is; a next hop with SMTPUTF8 is told on MAIL, for the
     NDR too."""
     utf8_subject = "Subject: Grüße ☃\r\n\r\nbody\r\n".encode()
     ascii_only = b"Subject: plain\r\n\r\nbody\r\n"
+    utf8_attachment = (
+        b'Subject: plain\r\nContent-Type: multipart/mixed; boundary="b"\r\n\r\n'
+        b"--b\r\n\r\n" + (b"x" * 76 + b"\r\n") * 2000 + b"--b\r\nContent-Type: text/plain; "
+        + 'name="Grüße.txt"\r\n\r\nattached\r\n--b--\r\n'.encode())
     with recording_sink(smtputf8=False) as (old, old_port), \
             recording_sink(smtputf8=True) as (new, new_port):
         transport = {"old.example": f"smtp:[127.0.0.1]:{old_port}",
@@ -108,8 +113,10 @@ def test_smtputf8_received_goes_on_only_where_the_next_hop_can_take_it(tmp_path:
                                    ("ascii@new.example", ascii_only)):
                     c.sendmail("alice@sender.example", [rcpt], data,
                                mail_options=["SMTPUTF8"])
-            # The NDR goes to the sender, whose domain the "*" next hop takes.
-            assert wait_until(lambda: len(new.messages) == 3 and len(old.messages) == 1, 30), (
+                c.sendmail("bob@sender.example", ["attached@old.example"], utf8_attachment,
+                           mail_options=["SMTPUTF8"])
+            # The NDRs go to the senders, whose domain the "*" next hop takes.
+            assert wait_until(lambda: len(new.messages) == 4 and len(old.messages) == 1, 30), (
                 [m.recipients for m in old.messages], [m.recipients for m in new.messages],
                 srv.run("qlist").stdout)
             assert wait_until(lambda: srv.recipients_left() == 0, 30)
@@ -132,6 +139,14 @@ def test_smtputf8_received_goes_on_only_where_the_next_hop_can_take_it(tmp_path:
     assert "SMTPUTF8 is required" in status["Diagnostic-Code"]
     assert headers_part.get_content_type() == "message/global-headers"
     assert b"\r\n" + utf8_subject[:utf8_subject.index(b"\r\n") + 2] in ndr.data
+    # The attachment's NDR: the same refusal, and an ASCII header block.
+    report = email.message_from_bytes(by_rcpt["bob@sender.example"].data,
+                                      policy=email.policy.default)
+    _, status_part, headers_part = report.iter_parts()
+    status = status_part.get_payload()[1]
+    assert status["Final-Recipient"] == "rfc822; attached@old.example"
+    assert status["Status"] == "5.6.9"
+    assert headers_part.get_content_type() == "text/rfc822-headers"
 
 
 def test_greylisting_then_delivery_and_bounce_with_ndr(tmp_path: Path,

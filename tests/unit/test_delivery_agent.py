@@ -1,5 +1,5 @@
 """What the delivery agent decides before MAIL from the EHLO reply and the
-head of the content: may this message go to a host without SMTPUTF8?"""
+headers of the content: may this message go to a host without SMTPUTF8?"""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from sluice.delivery.agent import smtputf8_refusal
 from sluice.delivery.client import Envelope
+from sluice.delivery.mime import utf8_headers
 from sluice.delivery.router import Host
 
 pytestmark = pytest.mark.unit
@@ -20,9 +21,15 @@ LATIN1_HEADER = b"Subject: caf\xe9\r\n\r\nbody\r\n"
 
 def refusal(head: bytes, *, smtputf8: bool, offered: bool = False,
             sender: str = "a@src.test", rcpt: str = "b@dest.test") -> tuple[int, str] | None:
-    found = smtputf8_refusal(Envelope(sender, (rcpt,), len(head), smtputf8), head, offered,
-                             HOST)
+    found = smtputf8_refusal(Envelope(sender, (rcpt,), len(head), smtputf8),
+                             lambda: utf8_headers([head]), offered, HOST)
     return None if found is None else (found.reply.code, found.reply.enhanced)
+
+
+UTF8_ATTACHMENT = (
+    'Subject: hello\r\nContent-Type: multipart/mixed; boundary="b"\r\n\r\n'
+    '--b\r\nContent-Type: text/plain\r\n\r\nhi\r\n'
+    '--b\r\nContent-Type: text/plain; name="Grüße.txt"\r\n\r\nhi\r\n--b--\r\n').encode()
 
 
 @pytest.mark.parametrize(("head", "smtputf8", "want"), [
@@ -31,11 +38,12 @@ def refusal(head: bytes, *, smtputf8: bool, offered: bool = False,
     (ASCII, True, None),
     (UTF8_BODY, True, None),  # 8BITMIME carries a UTF-8 body
     (LATIN1_HEADER, True, None),  # 8-bit, but not UTF-8
+    (UTF8_ATTACHMENT, True, (550, "5.6.9")),  # a MIME part's header counts too
     # Received without it: goes as it is, whatever the header block holds.
     (UTF8_HEADER, False, None),
     (ASCII, False, None),
 ], ids=["flagged utf-8 header", "flagged ascii", "flagged utf-8 body", "flagged latin-1",
-        "unflagged utf-8 header", "unflagged ascii"])
+        "flagged utf-8 part header", "unflagged utf-8 header", "unflagged ascii"])
 def test_a_host_without_smtputf8(head: bytes, smtputf8: bool, want: tuple[int, str] | None
                                  ) -> None:
     assert refusal(head, smtputf8=smtputf8) == want
@@ -52,8 +60,18 @@ def test_a_host_with_smtputf8_takes_everything(head: bytes) -> None:
     assert refusal(head, smtputf8=True, offered=True, rcpt="jörg@dest.test") is None
 
 
+@pytest.mark.parametrize(("smtputf8", "offered", "rcpt"), [
+    (False, False, "b@dest.test"), (True, True, "b@dest.test"), (True, False, "jörg@dest.test")])
+def test_the_headers_are_looked_at_only_when_they_decide(smtputf8: bool, offered: bool,
+                                                         rcpt: str) -> None:
+    # Looking at them may mean reading the whole message once more.
+    def asked() -> bool:
+        raise AssertionError("utf8_headers() called")
+    smtputf8_refusal(Envelope("a@src.test", (rcpt,), 0, smtputf8), asked, offered, HOST)
+
+
 def test_the_refusal_names_the_host() -> None:
-    found = smtputf8_refusal(Envelope("a@src.test", ("b@dest.test",), 0, True), UTF8_HEADER,
-                             False, HOST)
+    found = smtputf8_refusal(Envelope("a@src.test", ("b@dest.test",), 0, True),
+                             lambda: True, False, HOST)
     assert found is not None and str(HOST) in found.reply.text
     assert "SMTPUTF8 is required" in found.reply.text

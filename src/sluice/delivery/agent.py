@@ -57,9 +57,11 @@ STRATEGIES
 
     SMTPUTF8 only where it is used (Postfix).  A message received with
     SMTPUTF8 goes to a server without SMTPUTF8 unless it really uses
-    UTF-8 there: its addresses, or its header block.  So the first piece
-    of the content (what the client sends first anyway) is read before
-    MAIL to look at the header block; see smtputf8_refusal().
+    UTF-8 there: its addresses, or a header block (the top one, or a MIME
+    part's).  So the first piece of the content (what the client sends
+    first anyway) is read before MAIL; only when it does not settle the
+    question, for such a message and such a server, is the content read
+    through once more; see smtputf8_refusal() and sluice.delivery.mime.
 
 INVARIANTS
     Every entry of a request gets exactly one outcome.  A session is in
@@ -95,6 +97,7 @@ from sluice.delivery.client import (
     StartTls,
     default_ssl_context,
 )
+from sluice.delivery.mime import HeaderScan
 from sluice.delivery.router import Host, NextHop
 from sluice.model import (
     Delivered,
@@ -104,7 +107,6 @@ from sluice.model import (
     Reply,
     TempFail,
     ascii_envelope,
-    utf8_header,
 )
 from sluice.queue import AttemptResult
 from sluice.scheduler.events import Transport
@@ -207,25 +209,27 @@ def outcome_of(reply: Reply) -> Outcome:
     return TempFail(Reply(451, "4.5.0", f"unexpected reply {reply.code}: {reply.text}"))
 
 
-def smtputf8_refusal(env: Envelope, head: bytes, offered: bool, host: Host) -> PermFail | None:
+def smtputf8_refusal(env: Envelope, utf8_headers: Callable[[], bool], offered: bool,
+                     host: Host) -> PermFail | None:
     """Why the message cannot go to ``host`` for want of SMTPUTF8, or None.
 
-    ``head`` is the start of the content (the header block is in it);
-    ``offered``: the host announced SMTPUTF8.  Without it, non-ASCII
-    addresses cannot be sent at all (RFC 6531 3.4: 553 5.6.7), and a
-    message received with SMTPUTF8 whose header block has UTF-8 would
-    reach a server that does not expect it (550 5.6.9).  A message
-    received with SMTPUTF8 but ASCII in its envelope and header block
-    goes as it is, as Postfix delivers it: the client allowed UTF-8, the
-    message does not use it.  One received without SMTPUTF8 goes as it
-    is too (see sluice.model.utf8_header).
+    ``utf8_headers()`` says whether a header block of the message (the
+    top one or a MIME part's, see sluice.delivery.mime) is UTF-8; it is
+    called only when the answer matters.  ``offered``: the host announced
+    SMTPUTF8.  Without it, non-ASCII addresses cannot be sent at all
+    (RFC 6531 3.4: 553 5.6.7), and a message received with SMTPUTF8 with
+    a UTF-8 header would reach a server that does not expect it (550
+    5.6.9).  A message received with SMTPUTF8 but ASCII in its envelope
+    and headers goes as it is, as Postfix delivers it: the client allowed
+    UTF-8, the message does not use it.  One received without SMTPUTF8
+    goes as it is too (see sluice.model.utf8_header).
     """
     if offered:
         return None
     if not ascii_envelope(env.sender, env.recipients):
         return PermFail(Reply(553, "5.6.7", f"SMTPUTF8 is required for non-ASCII "
                               f"addresses, but host {host} does not support it"))
-    if env.smtputf8 and utf8_header(head):
+    if env.smtputf8 and utf8_headers():
         return PermFail(Reply(550, "5.6.9", f"SMTPUTF8 is required for the UTF-8 header "
                               f"of this message, but host {host} does not support it"))
     return None
@@ -242,6 +246,37 @@ _Key = tuple[Transport, str, str]
 
 def _wire_safe(address: str) -> bool:
     return not any(c in address for c in "\r\n\0<>")
+
+
+class _Utf8Headers:
+    """Whether the message has a UTF-8 header block, MIME parts included:
+    worked out at most once per delivery, and only when asked.  The head
+    (first READ_SIZE bytes) often settles it; otherwise the content is
+    read once more from the start, in a second handle, so the one that
+    will be sent keeps its place."""
+
+    def __init__(self, request: DeliveryRequest, head: bytes) -> None:
+        self._request = request
+        self._head = head
+        self._answer: bool | None = None
+
+    def __call__(self) -> bool:
+        if self._answer is None:
+            self._answer = self._scan()
+        return self._answer
+
+    def _scan(self) -> bool:
+        scan = HeaderScan()
+        scan.feed(self._head)
+        if scan.settled or len(self._head) < READ_SIZE:  # the head is all there is
+            return scan.close()
+        scan = HeaderScan()
+        with self._request.content() as content:
+            for chunk in iter(lambda: content.read(READ_SIZE), b""):
+                scan.feed(chunk)
+                if scan.settled:
+                    break
+        return scan.close()
 
 
 def _open(request: DeliveryRequest) -> tuple[IO[bytes], bytes] | Reply:
@@ -391,6 +426,7 @@ class DeliveryAgent:
             return self._result(request, [TempFail(opened)] * count, route.hosts[0],
                                 started, new=False, failed=False)
         content, head = opened
+        utf8_headers = _Utf8Headers(request, head)
         try:
             for attempt in (1, 2):
                 session = self._pool.take(key)
@@ -403,7 +439,8 @@ class DeliveryAgent:
                     session = got
                 else:
                     self._reused += 1
-                refusal = self._refuse_before_mail(session, env := request.envelope(), head)
+                refusal = self._refuse_before_mail(session, env := request.envelope(),
+                                                   utf8_headers)
                 if refusal is not None:
                     self._pool.give(key, session)
                     return self._result(request, [refusal] * count, session.host, started,
@@ -456,11 +493,15 @@ class DeliveryAgent:
         return dataclasses.replace(part, outcomes=tuple(
             (e, done.get(e, bad)) for e in request.entries))
 
-    def _refuse_before_mail(self, session: Session, env: Envelope, head: bytes
-                            ) -> Outcome | None:
-        """Outcomes known from the EHLO reply and the head of the content
+    def _refuse_before_mail(self, session: Session, env: Envelope,
+                            utf8_headers: _Utf8Headers) -> Outcome | None:
+        """Outcomes known from the EHLO reply and the headers of the content
         (RFC 6531, RFC 1870)."""
-        refusal = smtputf8_refusal(env, head, "SMTPUTF8" in session.extensions, session.host)
+        try:
+            refusal = smtputf8_refusal(env, utf8_headers, "SMTPUTF8" in session.extensions,
+                                       session.host)
+        except Exception as exc:  # StorageError, OSError: reading the content again
+            return TempFail(Reply(451, "4.3.0", f"cannot read the queued message: {exc}"))
         if refusal is not None:
             return refusal
         limit = session.max_size
