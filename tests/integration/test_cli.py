@@ -63,7 +63,15 @@ def test_sendmail_then_qlist_in_mailismus_format(cfg: Path) -> None:
     assert run(cfg, "qcount").stdout.splitlines()[0] == totals
 
 
-def test_sendmail_flags_smtputf8_when_the_message_uses_utf8(cfg: Path) -> None:
+def multipart(name: str) -> bytes:
+    """An ASCII header, then a 355 KB part, then a part named ``name``."""
+    return ('Subject: files\nContent-Type: multipart/mixed; boundary="b"\n\n--b\n\n'
+            + ("y" * 70 + "\n") * 5000
+            + f'--b\nContent-Type: text/plain; name="{name}"\n\nattached\n--b--\n').encode()
+
+
+def test_sendmail_flags_smtputf8_when_the_message_uses_utf8(cfg: Path, tmp_path: Path
+                                                           ) -> None:
     utf8 = "Subject: Grüße\n\nbody\n".encode()
     latin1 = "Subject: Grüße\n\nbody\n".encode("latin-1")
     run(cfg, "sendmail", "-f", "a@example.org", "plain@example.net", stdin=MSG)
@@ -71,10 +79,18 @@ def test_sendmail_flags_smtputf8_when_the_message_uses_utf8(cfg: Path) -> None:
     run(cfg, "sendmail", "-f", "a@example.org", "legacy@example.net", stdin=latin1)
     run(cfg, "sendmail", "-f", "a@example.org", "jürgen@exämple.net", stdin=MSG)
     run(cfg, "sendmail", "-f", "a@example.org", "--smtputf8", "asked@example.net", stdin=MSG)
+    # A MIME part's header counts too; the body read for it is queued whole.
+    for rcpt, name in (("attached@example.net", "Grüße.txt"), ("ascii@example.net", "a.txt")):
+        run(cfg, "sendmail", "-f", "a@example.org", rcpt, stdin=multipart(name))
     entries = json.loads(run(cfg, "qlist", "--json").stdout)["entries"]
     assert {e["recipient"]: e["smtputf8"] for e in entries} == {
         "plain@example.net": False, "subject@example.net": True, "legacy@example.net": False,
-        "jürgen@exämple.net": True, "asked@example.net": True}
+        "jürgen@exämple.net": True, "asked@example.net": True,
+        "attached@example.net": True, "ascii@example.net": False}
+    spooled = [f.read_bytes() for f in (tmp_path / "spool").rglob("*.msg")]
+    for name in ("Grüße.txt", "a.txt"):
+        original = multipart(name)
+        assert sum(s.endswith(original[original.index(b"\n\n"):]) for s in spooled) == 1
 
 
 def test_sendmail_t_reads_recipients_and_strips_bcc(cfg: Path, tmp_path: Path) -> None:

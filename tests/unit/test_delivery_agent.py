@@ -7,8 +7,8 @@ import pytest
 
 from sluice.delivery.agent import smtputf8_refusal
 from sluice.delivery.client import Envelope
-from sluice.delivery.mime import utf8_headers
 from sluice.delivery.router import Host
+from sluice.mime import utf8_headers
 
 pytestmark = pytest.mark.unit
 

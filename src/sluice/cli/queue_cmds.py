@@ -14,12 +14,14 @@ DESCRIPTION
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import email.utils
 import io
 import itertools
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -29,13 +31,13 @@ from typing import IO, Any
 
 from sluice.cli import CommandError, load
 from sluice.config import parse_duration
+from sluice.mime import HeaderScan
 from sluice.model import (
     QueueEntry,
     QueueState,
     Selector,
     Submission,
     ascii_envelope,
-    utf8_header,
 )
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
@@ -185,21 +187,34 @@ def cmd_sendmail(args: argparse.Namespace) -> int:
         extra += b"From: <" + sender.encode() + b">" + eol
     delay_s = parse_duration(args.delay) if args.delay else 0.0
     # As Postfix's sendmail (smtputf8_autodetect_classes = sendmail): a
-    # message whose envelope or header is UTF-8 is flagged, so delivery
-    # treats it as one received with SMTPUTF8 (docs/delivery.md).
-    smtputf8 = (args.smtputf8 or not ascii_envelope(sender, recipients)
-                or utf8_header(header))
-    sub = Submission(
-        sender=sender, recipients=tuple(recipients), tenantid=args.tenant, jobid=args.job,
-        transportid=args.transport, localip=tuple(args.localip), priority=args.priority,
-        hold=args.hold, delay_s=delay_s, smtputf8=smtputf8,
-    )
-    content = itertools.chain([extra + header], iter(lambda: stdin.read(65536), b""))
-    with _open(args) as queue:
-        try:
-            accepted = queue.submit(sub, content)
-        except StorageError as exc:
-            raise CommandError(f"not queued: {exc}") from None
+    # message whose envelope or any header block (attachments' too) is
+    # UTF-8 is flagged, so delivery treats it as one received with SMTPUTF8
+    # (docs/delivery.md).  Only a MIME message needs its body read first;
+    # it waits in a temporary file (in memory up to 8 MB).
+    with contextlib.ExitStack() as stack:
+        body: IO[bytes] = stdin
+        smtputf8 = args.smtputf8 or not ascii_envelope(sender, recipients)
+        if not smtputf8:
+            scan = HeaderScan()
+            scan.feed(header)
+            if not scan.settled:
+                body = stack.enter_context(tempfile.SpooledTemporaryFile(max_size=8 << 20))
+                for chunk in iter(lambda: stdin.read(65536), b""):
+                    body.write(chunk)
+                    scan.feed(chunk)
+                body.seek(0)
+            smtputf8 = scan.close()
+        sub = Submission(
+            sender=sender, recipients=tuple(recipients), tenantid=args.tenant, jobid=args.job,
+            transportid=args.transport, localip=tuple(args.localip), priority=args.priority,
+            hold=args.hold, delay_s=delay_s, smtputf8=smtputf8,
+        )
+        content = itertools.chain([extra + header], iter(lambda: body.read(65536), b""))
+        with _open(args) as queue:
+            try:
+                accepted = queue.submit(sub, content)
+            except StorageError as exc:
+                raise CommandError(f"not queued: {exc}") from None
     print(f"queued {accepted.spid} for {len(accepted.qids)} recipient(s), {accepted.size} bytes")
     return 0
 

@@ -15,7 +15,6 @@ DESCRIPTION
     sluice.delivery.agent      one message to one next hop, sessions reused
     sluice.delivery.client     the SMTP/LMTP protocol on asyncio (pipelined)
     sluice.delivery.encoder    CRLF, dot-stuffing and the final dot, streamed
-    sluice.delivery.mime       is a header block (MIME parts too) UTF-8? streamed
     sluice.delivery.plan       the hooks and grouping around routing/delivery
     sluice.delivery.transport  transport(5) map syntax
 

@@ -61,7 +61,7 @@ STRATEGIES
     part's).  So the first piece of the content (what the client sends
     first anyway) is read before MAIL; only when it does not settle the
     question, for such a message and such a server, is the content read
-    through once more; see smtputf8_refusal() and sluice.delivery.mime.
+    through once more; see smtputf8_refusal() and sluice.mime.
 
 INVARIANTS
     Every entry of a request gets exactly one outcome.  A session is in
@@ -97,8 +97,8 @@ from sluice.delivery.client import (
     StartTls,
     default_ssl_context,
 )
-from sluice.delivery.mime import HeaderScan
 from sluice.delivery.router import Host, NextHop
+from sluice.mime import HeaderScan
 from sluice.model import (
     Delivered,
     Outcome,
@@ -214,7 +214,7 @@ def smtputf8_refusal(env: Envelope, utf8_headers: Callable[[], bool], offered: b
     """Why the message cannot go to ``host`` for want of SMTPUTF8, or None.
 
     ``utf8_headers()`` says whether a header block of the message (the
-    top one or a MIME part's, see sluice.delivery.mime) is UTF-8; it is
+    top one or a MIME part's, see sluice.mime) is UTF-8; it is
     called only when the answer matters.  ``offered``: the host announced
     SMTPUTF8.  Without it, non-ASCII addresses cannot be sent at all
     (RFC 6531 3.4: 553 5.6.7), and a message received with SMTPUTF8 with

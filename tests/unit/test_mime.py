@@ -1,4 +1,4 @@
-"""sluice.delivery.mime: is any header block of a message, MIME parts
+"""sluice.mime: is any header block of a message, MIME parts
 included, UTF-8?  As Postfix's cleanup flags it (every header line it
 writes, attachment headers too), from content fed in pieces."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.delivery.mime import HEADER_LIMIT, HeaderScan, utf8_headers
+from sluice.mime import HEADER_LIMIT, HeaderScan, utf8_headers
 
 pytestmark = pytest.mark.unit
 
