@@ -16,11 +16,13 @@ DESCRIPTION
     block of every MIME part (RFC 2046 multipart bodies, nested too), and
     the header block of an attached message (message/rfc822 and
     message/global).  A message received with SMTPUTF8 that has one cannot
-    go to a server without SMTPUTF8 (RFC 6531 3.4).  Sluice decides at
+    go to a server without SMTPUTF8 (RFC 6531 3.4).  Sluice asks at
     delivery time, from the content in the spool, and only for mail that
-    may need it (see sluice.delivery.agent.smtputf8_refusal), so the scan
-    streams: it keeps the boundaries in force and the header block being
-    read, never the body.
+    may need it (sluice.delivery.agent.smtputf8_refusal); ``sluice
+    sendmail`` asks before queueing, to flag the message.  Messages can be
+    large, so the scan streams: it keeps the boundaries in force and the
+    header block being read, never a body, and skips through bodies to
+    the next line that starts with ``--``.
 
     A header block counts as UTF-8 by the rule of sluice.model.utf8_header:
     8-bit text in a legacy charset does not.  Content-Type is read only for
