@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import ssl
 import time
@@ -98,7 +99,7 @@ from sluice.delivery.client import (
     default_ssl_context,
 )
 from sluice.delivery.router import Host, NextHop
-from sluice.mime import HeaderScan
+from sluice.mime import HeaderScan, utf8_headers
 from sluice.model import (
     Delivered,
     Outcome,
@@ -248,35 +249,21 @@ def _wire_safe(address: str) -> bool:
     return not any(c in address for c in "\r\n\0<>")
 
 
-class _Utf8Headers:
-    """Whether the message has a UTF-8 header block, MIME parts included:
-    worked out at most once per delivery, and only when asked.  The head
-    (first READ_SIZE bytes) often settles it; otherwise the content is
-    read once more from the start, in a second handle, so the one that
-    will be sent keeps its place."""
-
-    def __init__(self, request: DeliveryRequest, head: bytes) -> None:
-        self._request = request
-        self._head = head
-        self._answer: bool | None = None
-
-    def __call__(self) -> bool:
-        if self._answer is None:
-            self._answer = self._scan()
-        return self._answer
-
-    def _scan(self) -> bool:
-        scan = HeaderScan()
-        scan.feed(self._head)
-        if scan.settled or len(self._head) < READ_SIZE:  # the head is all there is
-            return scan.close()
-        scan = HeaderScan()
-        with self._request.content() as content:
-            for chunk in iter(lambda: content.read(READ_SIZE), b""):
-                scan.feed(chunk)
-                if scan.settled:
-                    break
+def _utf8_headers(request: DeliveryRequest, head: bytes) -> bool:
+    """Whether the message has a UTF-8 header block, MIME parts included.
+    The head (first READ_SIZE bytes) often settles it; otherwise the
+    content is read through once more, in a second handle, so the one
+    that will be sent keeps its place."""
+    scan = HeaderScan()
+    scan.feed(head)
+    if scan.settled or len(head) < READ_SIZE:  # the head is all there is
         return scan.close()
+    with request.content() as content:
+        return utf8_headers(iter(lambda: content.read(READ_SIZE), b""))
+
+
+def _unreadable(request: DeliveryRequest, exc: Exception) -> Reply:
+    return Reply(451, "4.3.0", f"cannot read the queued message {request.spid}: {exc}")
 
 
 def _open(request: DeliveryRequest) -> tuple[IO[bytes], bytes] | Reply:
@@ -285,12 +272,12 @@ def _open(request: DeliveryRequest) -> tuple[IO[bytes], bytes] | Reply:
     try:
         content = request.content()
     except Exception as exc:  # StorageError, OSError: the spool's fault, not the peer's
-        return Reply(451, "4.3.0", f"cannot read the queued message {request.spid}: {exc}")
+        return _unreadable(request, exc)
     try:
         return content, content.read(READ_SIZE)
     except Exception as exc:
         content.close()
-        return Reply(451, "4.3.0", f"cannot read the queued message {request.spid}: {exc}")
+        return _unreadable(request, exc)
 
 
 class _Pool:
@@ -426,7 +413,8 @@ class DeliveryAgent:
             return self._result(request, [TempFail(opened)] * count, route.hosts[0],
                                 started, new=False, failed=False)
         content, head = opened
-        utf8_headers = _Utf8Headers(request, head)
+        # Asked at most once per delivery, and only when it decides something.
+        utf8 = functools.cache(functools.partial(_utf8_headers, request, head))
         try:
             for attempt in (1, 2):
                 session = self._pool.take(key)
@@ -439,8 +427,8 @@ class DeliveryAgent:
                     session = got
                 else:
                     self._reused += 1
-                refusal = self._refuse_before_mail(session, env := request.envelope(),
-                                                   utf8_headers)
+                refusal = self._refuse_before_mail(session, request, env := request.envelope(),
+                                                   utf8)
                 if refusal is not None:
                     self._pool.give(key, session)
                     return self._result(request, [refusal] * count, session.host, started,
@@ -493,15 +481,15 @@ class DeliveryAgent:
         return dataclasses.replace(part, outcomes=tuple(
             (e, done.get(e, bad)) for e in request.entries))
 
-    def _refuse_before_mail(self, session: Session, env: Envelope,
-                            utf8_headers: _Utf8Headers) -> Outcome | None:
+    def _refuse_before_mail(self, session: Session, request: DeliveryRequest, env: Envelope,
+                            utf8: Callable[[], bool]) -> Outcome | None:
         """Outcomes known from the EHLO reply and the headers of the content
         (RFC 6531, RFC 1870)."""
         try:
-            refusal = smtputf8_refusal(env, utf8_headers, "SMTPUTF8" in session.extensions,
+            refusal = smtputf8_refusal(env, utf8, "SMTPUTF8" in session.extensions,
                                        session.host)
         except Exception as exc:  # StorageError, OSError: reading the content again
-            return TempFail(Reply(451, "4.3.0", f"cannot read the queued message: {exc}"))
+            return TempFail(_unreadable(request, exc))
         if refusal is not None:
             return refusal
         limit = session.max_size
