@@ -74,10 +74,10 @@ class HeaderScan:
         follow)."""
         return self.utf8 or (self._header is None and not self._boundaries)
 
-    def feed(self, data: bytes) -> bool:
-        """Take the next piece of the content; the answer so far."""
+    def feed(self, data: bytes) -> None:
+        """Take the next piece of the content."""
         if self.settled or not data:
-            return self.utf8
+            return
         buf = self._partial + data
         pos = 0  # always the start of a line
         while not self.settled:
@@ -96,7 +96,6 @@ class HeaderScan:
                 self.utf8 = True
         # A line longer than any header block kept is no delimiter either.
         self._partial = buf[pos:pos + HEADER_LIMIT + 1]
-        return self.utf8
 
     def close(self) -> bool:
         """The content has ended (or the rest cannot matter); the answer."""
