@@ -19,8 +19,8 @@ import pytest
 
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, Transition
-from sluice.store.fs import FsStore
 from sluice.store._fs_files import Name
+from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
 from tests.integration.stores import flavour_config, open_flavour, run_diskfull
 
