@@ -20,7 +20,7 @@ LIMITATIONS
     operator) move it.
 
 SEE ALSO
-    sluice.scheduler.core, sluice.retry, `sluice why QUEUEID`
+    sluice.scheduler.scheduler, sluice.retry, `sluice why QUEUEID`
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ INVARIANTS
     ids with case.
 
 SEE ALSO
-    sluice.scheduler.core (who enforces it), schemas/policy.schema.json,
+    sluice.scheduler.scheduler (who enforces it), schemas/policy.schema.json,
     seeds/004 section 2.3.1, docs/policies.md.
 """
 
@@ -397,6 +397,35 @@ class Policy:
             if c.id == counter_id:
                 return c
         raise KeyError(counter_id)
+
+    def with_condition(self, counter_id: str, cond: Condition, position: int = 0
+                       ) -> tuple[Policy, Condition]:
+        """This policy with ``cond`` inserted in a counter at ``position`` (0:
+        evaluated first); a condition with the same id is replaced.  A
+        condition without an id gets the first free ``cN``.  Returns the
+        new policy and the condition as inserted."""
+        counter = self.counter(counter_id)
+        conditions = list(counter.conditions)
+        if not cond.id:
+            taken = {c.id for c in conditions}
+            n = len(conditions) + 1
+            while f"c{n}" in taken:
+                n += 1
+            cond = Condition(cond.match, cond.thresholds, f"c{n}", cond.expires_at, cond.tag,
+                             cond.reason)
+        conditions = [c for c in conditions if c.id != cond.id]
+        conditions.insert(max(0, min(position, len(conditions))), cond)
+        return self._with(counter, tuple(conditions)), cond
+
+    def without_condition(self, counter_id: str, cond_id: str) -> Policy:
+        """This policy without a counter's condition ``cond_id``."""
+        counter = self.counter(counter_id)
+        return self._with(counter, tuple(c for c in counter.conditions if c.id != cond_id))
+
+    def _with(self, counter: Counter, conditions: tuple[Condition, ...]) -> Policy:
+        changed = Counter(counter.fields, conditions, counter.default, counter.id)
+        counters = tuple(changed if c is counter else c for c in self.counters)
+        return Policy(counters, self.suspensions, self.source)
 
     def to_data(self) -> dict[str, Any]:
         return {

@@ -51,7 +51,8 @@ from typing import Any
 
 from sluice.model import Delivered, Outcome, PermFail, Reply, TempFail
 from sluice.retry import RetryPolicy
-from sluice.scheduler.core import Scheduler, Settings
+from sluice.scheduler.scheduler import Scheduler
+from sluice.scheduler.settings import Settings
 from sluice.scheduler.events import (
     Command,
     DeferJob,
