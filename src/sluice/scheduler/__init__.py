@@ -51,10 +51,8 @@ from sluice.scheduler.policy import (
     Rate,
     Suspension,
     Thresholds,
-    parse_policy,
-    parse_suspension,
-    parse_suspensions,
 )
+from sluice.scheduler.policy_parse import parse_policy, parse_suspension, parse_suspensions
 from sluice.scheduler.scheduler import Scheduler
 from sluice.scheduler.settings import Settings
 from sluice.scheduler.views import (
@@ -79,15 +77,15 @@ __all__ = [
     "DeliveryFinished",
     "DeliveryJob",
     "DestinationView",
-    "Entry",
-    "EntryState",
     "EntriesClaimed",
     "EntriesModified",
+    "Entry",
+    "EntryState",
     "Event",
     "Explanation",
     "FieldSpec",
-    "GroupedLimits",
     "Group",
+    "GroupedLimits",
     "JobsQueued",
     "Limits",
     "MailArrived",

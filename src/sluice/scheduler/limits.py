@@ -84,7 +84,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from sluice.scheduler.events import Route
 from sluice.scheduler.explanation import Waiting
@@ -120,7 +120,8 @@ class Entry(Blocker):
 
     __slots__ = ("counter", "index", "key", "owner")
 
-    def __init__(self, owner: Limits, counter: Counter, index: int, key: tuple[str, ...]) -> None:
+    def __init__(self, owner: Limits[Any], counter: Counter, index: int,
+                 key: tuple[str, ...]) -> None:
         super().__init__()
         self.owner = owner
         self.counter = counter
@@ -282,28 +283,35 @@ class Binding(Protocol):
         set for it (0: none does)."""
 
 
-class Limits(Protocol):
-    """The checking and counting of pickups against the policy's thresholds."""
+B = TypeVar("B", bound=Binding)
+
+
+class Limits(Protocol[B]):
+    """The checking and counting of pickups against the policy's thresholds.
+
+    ``B`` is the implementation's own Binding: the scheduler only hands
+    back what bind() gave it.
+    """
 
     def load(self, policy: Policy, now: float) -> None:
         """Take a policy (first, or on a reload); every binding is void."""
 
-    def bind(self, route: Route, ip: str) -> Binding:
+    def bind(self, route: Route, ip: str) -> B:
         """The entries a pickup from ``route`` and ``ip`` counts in."""
 
-    def unbind(self, binding: Binding) -> None:
+    def unbind(self, binding: B) -> None:
         """The caller no longer uses ``binding`` (memory may be reclaimed)."""
 
-    def holder(self, binding: Binding, now: float) -> Entry | None:
+    def holder(self, binding: B, now: float) -> Entry | None:
         """None if the pickup may go now; else the first entry that holds it."""
 
-    def record(self, binding: Binding, now: float) -> None:
+    def record(self, binding: B, now: float) -> None:
         """A pickup went at ``now``: count it in flight and in every window."""
 
-    def recount(self, binding: Binding) -> None:
+    def recount(self, binding: B) -> None:
         """After load(): a delivery still in flight counts in ``binding``."""
 
-    def release(self, binding: Binding, now: float) -> None:
+    def release(self, binding: B, now: float) -> None:
         """A delivery that record() counted finished."""
 
     def free(self, entry: Entry, now: float) -> int:

@@ -51,6 +51,7 @@ SEE ALSO
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sluice.model import Reply, TempFail
 from sluice.scheduler import observe
@@ -99,10 +100,10 @@ class Scheduler:
 
     def __init__(self, settings: Settings | None = None, policy: Policy | None = None,
                  suspensions: Iterable[Suspension] = (), now: float = 0.0,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits[Any] | None = None) -> None:
         self.settings = s = settings or Settings()
         self._now = now
-        self._limits: Limits = limits if limits is not None else GroupedLimits()
+        self._limits: Limits[Any] = limits if limits is not None else GroupedLimits()
         self._timers = Timers()
         self._lines = Lines(self._set_slot_timer)
         self._susps = Suspensions()
