@@ -5,7 +5,8 @@ SUMMARY
     binding = limits.bind(route, ip)      what a pickup from (route, ip) must pass
     entry = limits.holder(binding, now)   may it go now?  None: yes
     limits.record(binding, now)           it went: count it
-    limits.release(binding, now)          its delivery finished
+    waited = limits.release(binding, now) its delivery finished; the entries
+                                          sub-queues wait on, to wake
     limits.free(entry, now)               how many more the entry lets through now
     limits.next_slot_at(entry, now)       when it lets one more through (None: an
                                           event will say: a delivery finishing)
@@ -311,8 +312,12 @@ class Limits(Protocol[B]):
     def recount(self, binding: B) -> None:
         """After load(): a delivery still in flight counts in ``binding``."""
 
-    def release(self, binding: B, now: float) -> None:
-        """A delivery that record() counted finished."""
+    def release(self, binding: B, now: float) -> list[Entry]:
+        """A delivery that record() counted finished.
+
+        Returns the entries of ``binding`` that sub-queues have waited on
+        (their lines exist), in the policy's order: the caller releases them.
+        """
 
     def free(self, entry: Entry, now: float) -> int:
         """How many more pickups ``entry`` lets through now."""
@@ -325,6 +330,9 @@ class Limits(Protocol[B]):
 
     def states(self, now: float) -> Iterator[EntryState]:
         """Every entry that is remembered, for the views."""
+
+    def count(self) -> int:
+        """How many entries are remembered (cheaply, for /metrics)."""
 
     def collect(self, now: float) -> None:
         """Forget what nothing uses and no window holds (called once per step)."""

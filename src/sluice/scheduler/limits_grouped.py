@@ -71,6 +71,9 @@ _MEMO_MAX = 100_000
 
 _Matcher = tuple[tuple[int, str | Pattern], ...]
 
+#: The pickup times of every row that has none (an empty deque costs 600 bytes).
+_NO_TIMES: deque[float] = deque(maxlen=0)
+
 
 class _Member:
     """A counter of a table, compiled."""
@@ -84,8 +87,9 @@ class _Member:
         self.matchers: tuple[tuple[_Matcher, Condition], ...] = tuple(
             (_compile(c, counter.field_names), c) for c in counter.conditions)
 
-    def choose(self, key: tuple[str, ...]) -> tuple[Thresholds, Condition | None]:
-        for matcher, cond in self.matchers:
+    def pick(self, key: tuple[str, ...]) -> int:
+        """The index of the first condition ``key`` meets; -1: the fall-back."""
+        for n, (matcher, _) in enumerate(self.matchers):
             for pos, want in matcher:
                 have = key[pos]
                 if isinstance(want, Pattern):
@@ -94,8 +98,14 @@ class _Member:
                 elif have != want:
                     break
             else:
-                return cond.thresholds, cond
-        return self.counter.default, None
+                return n
+        return -1
+
+    def chosen(self, n: int) -> tuple[Thresholds, Condition | None]:
+        if n < 0:
+            return self.counter.default, None
+        cond = self.matchers[n][1]
+        return cond.thresholds, cond
 
 
 def _compile(cond: Condition, names: tuple[str, ...]) -> _Matcher:
@@ -118,48 +128,77 @@ class _Entry(Entry):
                  slot: int) -> None:
         super().__init__(owner, member.counter, member.index, key)
         self.row = row
-        self.slot = slot  # its place in row.ths
+        self.slot = slot  # its place in the table's members
+
+
+class _Profile:
+    """The thresholds one key gets under each counter of a table; shared by
+    every key for which the same conditions (or fall-backs) are chosen."""
+
+    __slots__ = ("conc", "conds", "dest_concs", "ths")
+
+    def __init__(self, members: tuple[_Member, ...],
+                 chosen: list[tuple[Thresholds, Condition | None]]) -> None:
+        self.ths = tuple(th for th, _ in chosen)
+        self.conds = tuple(cond for _, cond in chosen)
+        self.dest_concs = tuple(th.concurrency for m, th in zip(members, self.ths, strict=True)
+                                if m.counter.limits_destination and th.concurrency is not None)
+        self.conc = min((th.concurrency for th in self.ths if th.concurrency is not None),
+                        default=_MANY)
 
 
 class _Row:
-    """The entries of one key of a table, counted once."""
+    """The entries of one key of a table, counted once.
 
-    __slots__ = ("busy", "conc", "conds", "dest_concs", "entries", "inflight", "key", "last_at",
-                 "table", "ths", "times", "users")
+    Its Entry objects (blockers) are made when first asked for -- most
+    rows never hold anything -- and its pickup times only once a counter
+    of its table has a rate.
+    """
+
+    __slots__ = ("busy", "conc", "inflight", "key", "last_at", "made", "prof", "table", "times",
+                 "users")
 
     def __init__(self, table: _Table, key: tuple[str, ...]) -> None:
         self.table = table
         self.key = key
         self.inflight = 0
-        self.times: deque[float] = deque()
+        self.times: deque[float] = _NO_TIMES
         self.last_at = -NEVER
         self.users = 0
-        self.ths: tuple[Thresholds, ...] = ()
-        self.conds: tuple[Condition | None, ...] = ()
-        self.entries: tuple[_Entry, ...] = ()
-        self.dest_concs: tuple[int, ...] = ()
+        self.prof: _Profile = table.no_profile
+        self.made: list[_Entry | None] | None = None
         self.conc = _MANY
         self.busy = -NEVER
 
-    def compile(self, owner: GroupedLimits) -> None:
+    def compile(self) -> None:
         """Work out the thresholds of its entries (a new row, a reload)."""
-        chosen = [m.choose(self.key) for m in self.table.members]
-        self.ths = tuple(th for th, _ in chosen)
-        self.conds = tuple(cond for _, cond in chosen)
-        self.entries = tuple(_Entry(owner, m, self.key, self, i)
-                             for i, m in enumerate(self.table.members))
-        self.dest_concs = tuple(th.concurrency for m, th in zip(self.table.members, self.ths,
-                                                                 strict=True)
-                                if m.counter.limits_destination and th.concurrency is not None)
-        self.conc = min((th.concurrency for th in self.ths if th.concurrency is not None),
-                        default=_MANY)
+        self.prof = self.table.profile(self.key)
+        self.conc = self.prof.conc
+        self.made = None  # a reload voids the old blockers
         self.stamp()
+
+    def entry(self, slot: int) -> _Entry:
+        """The blocker of its entry ``slot`` (made once)."""
+        made = self.made
+        if made is None:
+            made = self.made = [None] * len(self.prof.ths)
+        entry = made[slot]
+        if entry is None:
+            entry = made[slot] = _Entry(self.table.owner, self.table.members[slot], self.key,
+                                        self, slot)
+        return entry
+
+    def peek(self, slot: int) -> _Entry:
+        """Its entry ``slot`` for a view: the blocker if made, else a stand-in."""
+        if self.made is not None and self.made[slot] is not None:
+            return self.entry(slot)
+        return _Entry(self.table.owner, self.table.members[slot], self.key, self, slot)
 
     def stamp(self) -> None:
         """Until when a rate or an interval holds the next pickup."""
         busy = -NEVER
         times = self.times
-        for th in self.ths:
+        for th in self.prof.ths:
             rate = th.rate
             if rate is not None:
                 n = rate.count
@@ -187,10 +226,12 @@ class _Row:
 class _Table:
     """Counters over the same fields with the same history, and their rows."""
 
-    __slots__ = ("keeps", "members", "rows", "specs")
+    __slots__ = ("keeps", "members", "no_profile", "owner", "profiles", "rows", "specs")
 
-    def __init__(self, members: list[_Member]) -> None:
+    def __init__(self, owner: GroupedLimits, members: list[_Member]) -> None:
+        self.owner = owner
         self.rows: dict[tuple[str, ...], _Row] = {}
+        self.profiles: dict[tuple[int, ...], _Profile] = {}
         self.members: tuple[_Member, ...] = ()
         self.keeps = (0.0, 0.0)
         # Per field: its spec, and for a field with groups, the memo of its look-ups.
@@ -200,14 +241,30 @@ class _Table:
     def take(self, members: list[_Member]) -> None:
         self.members = tuple(members)
         self.keeps = (max(m.keeps[0] for m in members), max(m.keeps[1] for m in members))
+        self.profiles = {}
+        self.no_profile = _Profile((), [])
+
+    def profile(self, key: tuple[str, ...]) -> _Profile:
+        """The thresholds of ``key``, shared with every key that chooses alike."""
+        picks = tuple(m.pick(key) for m in self.members)
+        prof = self.profiles.get(picks)
+        if prof is None:
+            prof = self.profiles[picks] = _Profile(self.members, [
+                m.chosen(n) for m, n in zip(self.members, picks, strict=True)])
+        return prof
 
 
 @dataclass(frozen=True, slots=True)
 class _Binding:
-    rows: tuple[_Row, ...]
-    entries: tuple[_Entry, ...]
+    rows: tuple[_Row, ...]  # one per table, in the order of GroupedLimits.tables
+    order: tuple[tuple[int, int], ...]  # (table, slot) per entry, in the policy's order
     destination_limit: int
     generation: int
+
+    @property
+    def entries(self) -> tuple[_Entry, ...]:
+        rows = self.rows
+        return tuple(rows[t].entry(slot) for t, slot in self.order)
 
 
 class GroupedLimits:
@@ -216,6 +273,7 @@ class GroupedLimits:
     def __init__(self) -> None:
         self.policy = Policy()
         self.tables: list[_Table] = []
+        self.order: tuple[tuple[int, int], ...] = ()
         self.generation = 0
         # Per field with groups (by its signature): raw value -> key component.
         self.memos: dict[str, dict[str, str]] = {}
@@ -247,15 +305,18 @@ class GroupedLimits:
             for row in table.rows.values():
                 row.inflight = 0  # recounted from the deliveries in flight
                 row.users = 0
-                row.compile(self)
+                row.compile()
             tables.append(table)
         tables += seeded
-        tables += [_Table(members) for members in fresh.values()]
+        tables += [_Table(self, members) for members in fresh.values()]
         for table in tables:
             table.specs = tuple(
                 (spec, self.memos.setdefault(spec.signature, {}) if spec.groups else None)
                 for spec in table.members[0].counter.fields)
         self.tables = tables
+        self.order = tuple(sorted(((t, slot) for t, table in enumerate(tables)
+                                   for slot in range(len(table.members))),
+                                  key=lambda o: tables[o[0]].members[o[1]].index))
         self.policy = policy
         self.generation += 1
         self.gc = []
@@ -267,14 +328,16 @@ class GroupedLimits:
               now: float) -> _Table:
         """A table for a surviving counter whose memory changed: its rows
         start with what the old windows hold now."""
-        table = _Table([member])
+        table = _Table(self, [member])
         rate_keep, interval_keep = keeps
         for key, old_row in old.rows.items():
             row = _Row(table, key)
-            row.times = deque(t for t in old_row.times if t + rate_keep > now)
+            times = [t for t in old_row.times if t + rate_keep > now]
+            if times:
+                row.times = deque(times)
             if old_row.last_at + interval_keep > now:
                 row.last_at = old_row.last_at
-            row.compile(self)
+            row.compile()
             table.rows[key] = row
         return table
 
@@ -296,20 +359,17 @@ class GroupedLimits:
 
     def bind(self, route: Route, ip: str) -> _Binding:
         rows = []
-        entries: list[_Entry] = []
         concs: list[int] = []
         for table in self.tables:
             key = self._key(table, route, ip)
             row = table.rows.get(key)
             if row is None:
                 row = table.rows[key] = _Row(table, key)
-                row.compile(self)
+                row.compile()
             row.users += 1
             rows.append(row)
-            entries += row.entries
-            concs += row.dest_concs
-        entries.sort(key=lambda e: e.index)
-        return _Binding(tuple(rows), tuple(entries), limits.destination_limit(concs),
+            concs += row.prof.dest_concs
+        return _Binding(tuple(rows), self.order, limits.destination_limit(concs),
                         self.generation)
 
     def unbind(self, binding: _Binding) -> None:
@@ -328,11 +388,12 @@ class GroupedLimits:
                 break
         else:
             return None
-        for entry in binding.entries:  # the first in the policy's order
-            row = entry.row
-            if limits.held(row.ths[entry.slot], row.inflight, row.times, row.last_at,
+        rows = binding.rows
+        for t, slot in binding.order:  # the first in the policy's order
+            row = rows[t]
+            if limits.held(row.prof.ths[slot], row.inflight, row.times, row.last_at,
                            now) is not None:
-                return entry
+                return row.entry(slot)
         raise RuntimeError(f"broken invariant: a row of {binding} is full, but no entry")
 
     def record(self, binding: _Binding, now: float) -> None:
@@ -342,6 +403,8 @@ class GroupedLimits:
             rate_keep = row.table.keeps[0]
             if rate_keep:
                 times = row.times
+                if times is _NO_TIMES:
+                    row.times = times = deque()
                 times.append(now)
                 while times[0] + rate_keep <= now:
                     times.popleft()
@@ -351,22 +414,28 @@ class GroupedLimits:
         for row in binding.rows:
             row.inflight += 1
 
-    def release(self, binding: _Binding, now: float) -> None:
+    def release(self, binding: _Binding, now: float) -> list[Entry]:
         if binding.generation != self.generation:
             raise RuntimeError("broken invariant: a delivery released a binding of an old policy")
+        waited: list[_Entry] = []
         for row in binding.rows:
             if row.inflight <= 0:
                 raise RuntimeError(f"broken invariant: row {row.key} released more than recorded")
             row.inflight -= 1
+            if row.made is not None:
+                waited += (e for e in row.made if e is not None and e.waiters is not None)
             if not row.inflight and not row.users:
                 self._forget_later(row)
+        if len(waited) > 1:
+            waited.sort(key=lambda e: e.index)
+        return list(waited)
 
     # ------------------------------------------------------------ entries
 
     @staticmethod
     def _parts(entry: Entry) -> tuple[_Row, Thresholds]:
         assert isinstance(entry, _Entry)
-        return entry.row, entry.row.ths[entry.slot]
+        return entry.row, entry.row.prof.ths[entry.slot]
 
     def free(self, entry: Entry, now: float) -> int:
         row, th = self._parts(entry)
@@ -379,16 +448,19 @@ class GroupedLimits:
     def state(self, entry: Entry, now: float) -> EntryState:
         row, th = self._parts(entry)
         assert isinstance(entry, _Entry)
-        return EntryState(entry, th, row.conds[entry.slot], row.inflight,
+        return EntryState(entry, th, row.prof.conds[entry.slot], row.inflight,
                           limits.used(th, row.times, now), row.last_at,
                           limits.held(th, row.inflight, row.times, row.last_at, now),
                           limits.slot_at(th, row.inflight, row.times, row.last_at, now))
 
     def states(self, now: float) -> Iterator[EntryState]:
-        every = [e for table in self.tables for row in table.rows.values() for e in row.entries]
-        every.sort(key=lambda e: (e.index, e.key))
-        for entry in every:
-            yield self.state(entry, now)
+        for table in sorted(self.tables, key=lambda t: t.members[0].index):
+            for row in list(table.rows.values()):
+                for slot in range(len(table.members)):
+                    yield self.state(row.peek(slot), now)
+
+    def count(self) -> int:
+        return sum(len(t.rows) * len(t.members) for t in self.tables)
 
     # ----------------------------------------------------------- memory
 

@@ -114,12 +114,13 @@ class ReferenceLimits:
         for entry in binding.entries:
             self.tallies[_ident(entry)].inflight += 1
 
-    def release(self, binding: _Binding, now: float) -> None:
+    def release(self, binding: _Binding, now: float) -> list[Entry]:
         for entry in binding.entries:
             t = self.tallies[_ident(entry)]
             if t.inflight <= 0:
                 raise RuntimeError(f"broken invariant: {entry} released more than recorded")
             t.inflight -= 1
+        return [e for e in binding.entries if e.waiters is not None]
 
     def free(self, entry: Entry, now: float) -> int:
         th, t = self._look(entry)
@@ -139,6 +140,9 @@ class ReferenceLimits:
     def states(self, now: float) -> Iterator[EntryState]:
         for entry in sorted(self.entries.values(), key=lambda e: (e.index, e.key)):
             yield self.state(entry, now)
+
+    def count(self) -> int:
+        return len(self.entries)
 
     def collect(self, now: float) -> None:
         pass

@@ -55,8 +55,7 @@ def stats(sched: Scheduler) -> QueueStats:
         max_deliveries=sched.settings.max_deliveries,
         subqueues=sum(1 for sq in queues if sq.live),
         parked_subqueues=sum(1 for sq in queues if sq.parked_on),
-        counter_entries=sum(1 for st in sched._limits.states(sched.now)
-                            if not st.thresholds.is_empty),
+        counter_entries=sched._limits.count(),
         destinations=len(sched._dests),
         pickups=sched.pickups,
     )

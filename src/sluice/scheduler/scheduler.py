@@ -537,11 +537,9 @@ class Scheduler:
             if self._qids.get(qid) is flight:
                 del self._qids[qid]
         self._active.inflight -= len(flight.qids)
-        self._limits.release(flight.binding, now)
         dirty = self._lines.dirty
-        for entry in flight.binding.entries:
-            if entry.waiters is not None:
-                dirty[entry] = None  # released once the batch of results is in
+        for entry in self._limits.release(flight.binding, now):
+            dirty[entry] = None  # released once the batch of results is in
         dest = flight.dest
         reply: Reply | None = None
         if event.connection_failed:
