@@ -89,5 +89,8 @@ def enter_private_netns() -> None:
         err = ctypes.get_errno()
         raise RuntimeError(f"unshare(CLONE_NEWNET) failed: {os.strerror(err)} "
                            "(the many-destinations configs need root)")
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    try:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    except FileNotFoundError:
+        raise RuntimeError("`ip` is missing: apt-get install iproute2") from None
     check_private_netns()
