@@ -139,11 +139,9 @@ def test_a_min_share_is_held_while_its_tenant_waits(
     picked, held, waiting = run({"big": 3, "small": 1}, {"big": others, "small": 1}, window,
                                 per_sq=25, order=order, min_shares={"small": share})
     reserved = math.ceil(share * window)
-    finishes = 0
-    for step in range(1, len(held)):
+    for finishes, step in enumerate(range(1, len(held)), start=1):
         if "small" not in waiting[step]:
             break
-        finishes += 1
         if finishes >= reserved:
             assert held[step].get("small", 0) >= reserved, (
                 f"after {finishes} finishes small holds {held[step].get('small', 0)} "
