@@ -154,3 +154,25 @@ def test_a_tenant_with_many_sub_queues_does_not_crowd_out_one_with_a_single_one(
                        order=[0])
     first = picked[4:34]  # while "one" still has mail (20 jobs)
     assert abs(first.count("many") - first.count("one")) <= 2
+
+
+def test_without_fairness_sub_queues_take_turns_whatever_their_tenant() -> None:
+    # fair: false is plain round robin over sub-queues: fifty of one tenant
+    # against one of another give the first about fifty turns to one.
+    shares = Shares(fair=False)
+    sched = Scheduler(Settings(max_deliveries=1000, initial_destination_concurrency=4,
+                               default_destination_concurrency_limit=4, shares=shares))
+    jobs = [DeliveryJob(f"m{k}-{i}", f"m{k}-{i}", (f"m{k}-{i}-0",),
+                        Route("d.example", tenantid="many", jobid=f"j{k}"))
+            for i in range(4) for k in range(50)]
+    jobs += [DeliveryJob(f"o{i}", f"o{i}", (f"o{i}-0",), Route("d.example", tenantid="one"))
+             for i in range(20)]
+    inflight = [c for c in sched.handle(JobsQueued(tuple(jobs)), 0) if isinstance(c, StartDelivery)]
+    picked = []
+    for step in range(40):
+        done = inflight.pop(0)
+        new = [c for c in sched.handle(DeliveryFinished(done.job.ref, ((done.qids[0], OK),)),
+                                       step + 1.0) if isinstance(c, StartDelivery)]
+        inflight += new
+        picked += [c.job.route.tenantid for c in new]
+    assert picked.count("one") <= 2

@@ -80,12 +80,13 @@ class Settings:
             destination_cache_size=sched.destination_cache_size,
             refill_interval_s=sched.refill_interval,
             refill_batch=getattr(sched, "refill_batch", 1000),
-            shares=_shares(getattr(config, "tenants", None)),
+            shares=_shares(getattr(sched, "tenants", None)),
         )
 
 
 def _shares(tenants: Any) -> Shares:
-    """The config's ``tenants`` section (duck-typed), or equal shares."""
+    """The config's ``scheduler.tenants`` section (duck-typed), or equal shares."""
     if tenants is None:
         return Shares()
-    return Shares(dict(tenants.weights), tenants.default_weight, dict(tenants.min_shares))
+    return Shares(dict(tenants.weights), tenants.default_weight, dict(tenants.min_shares),
+                  fair=tenants.fair)

@@ -60,6 +60,7 @@ class Shares:
     weights: Mapping[str, float] = field(default_factory=dict)
     default_weight: float = 1.0
     min_shares: Mapping[str, float] = field(default_factory=dict)  # fractions, 0..1
+    fair: bool = True  # False: every sub-queue alike, whatever its tenant (plain round robin)
     _smallest: float = field(default=1.0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +87,11 @@ class Shares:
 
     @property
     def any_min_share(self) -> bool:
-        return bool(self.min_shares)
+        return self.fair and bool(self.min_shares)
+
+    def key(self, tenant: str) -> str:
+        """The tenant as lines tell them apart ("" for all when not fair)."""
+        return tenant if self.fair else ""
 
 
 class FairQueue:
@@ -112,13 +117,13 @@ class FairQueue:
 
     def push(self, sq: SubQueue) -> None:
         """At the back of its tenant's line."""
-        self._line(sq.tenant)[sq] = None
+        self._line(self.shares.key(sq.tenant))[sq] = None
         self.n += 1
 
     def push_front(self, sq: SubQueue) -> None:
         """Back where it was woken from: first of its tenant, its tenant's
         turn next, and the pickup it was charged for given back."""
-        tenant = sq.tenant
+        tenant = self.shares.key(sq.tenant)
         line = self._line(tenant)
         line[sq] = None
         line.move_to_end(sq, last=False)
@@ -127,7 +132,7 @@ class FairQueue:
         self.n += 1
 
     def discard(self, sq: SubQueue) -> None:
-        line = self.by_tenant.get(sq.tenant)
+        line = self.by_tenant.get(self.shares.key(sq.tenant))
         if line is not None and sq in line:
             del line[sq]
             self.n -= 1
@@ -173,7 +178,7 @@ class FairQueue:
         return self.n > 0
 
     def __contains__(self, sq: SubQueue) -> bool:
-        line = self.by_tenant.get(sq.tenant)
+        line = self.by_tenant.get(self.shares.key(sq.tenant))
         return line is not None and sq in line
 
     def __iter__(self) -> Iterator[SubQueue]:
