@@ -39,6 +39,7 @@ from sluice.scheduler import (
     parse_policy,
 )
 from sluice.scheduler.scheduler import Scheduler as CoreScheduler
+from sluice.scheduler.tenants import Shares
 
 pytestmark = pytest.mark.unit
 
@@ -726,3 +727,28 @@ def test_a_rate_added_on_a_reload_starts_empty_whatever_shares_the_group() -> No
     sent = starts(sched.handle(PolicyReloaded(parse_policy(
         [{"fields": ["tenantid"], "rate": "2/60"}])), 2))
     assert len(sent) == 2
+
+
+# --------------------------------------------------------------------------
+# Tenants: weights and minimum shares (deficit round robin).
+
+
+def test_why_names_the_tenant_share_a_recipient_waits_for() -> None:
+    shares = Shares({"big": 3.0}, 1.0, {"small": 0.5})
+    sched = Scheduler(Settings(initial_destination_concurrency=2,
+                               default_destination_concurrency_limit=2, shares=shares))
+    big = Route("d.example", tenantid="big")
+    small = Route("d.example", tenantid="small")
+    first = starts(sched.handle(JobsQueued(tuple(job(big) for _ in range(5))), 0))
+    assert [s.job.route.tenantid for s in first] == ["big", "big"]
+    sched.handle(JobsQueued((job(small), job(small))), 1)
+    waiting = f"{next(_ids) - 4:08X}-0"  # the third of big's jobs
+    why = sched.explain(waiting)
+    share = [r for r in why.reasons if r.kind is Waiting.TENANT_SHARE]
+    assert share and "small (below its min_share of 50%)" in share[0].text
+    # The freed slot goes to small, though big's weight is three times its own.
+    (s,) = starts(finish(sched, first[0], 2))
+    assert s.job.route.tenantid == "small"
+    views = {v.tenant: v for v in sched.tenants()}
+    assert views["small"].inflight == 1 and views["big"].pickups == 2
+    assert views["big"].queued_jobs == 3 and views["big"].weight == 3.0

@@ -65,8 +65,8 @@ _PAST = -float("inf")
 class Destination(Blocker):
     """Slow start and the status cache of one next hop."""
 
-    __slots__ = ("cap", "dead_until", "delivered", "fail_cohorts", "failed", "inflight",
-                 "ip_limits", "last_reply", "limit", "name", "subqueues", "window")
+    __slots__ = ("by_tenant", "cap", "dead_until", "delivered", "fail_cohorts", "failed",
+                 "inflight", "ip_limits", "last_reply", "limit", "name", "subqueues", "window")
 
     def __init__(self, name: str, window: float, cap: int) -> None:
         super().__init__()
@@ -77,6 +77,7 @@ class Destination(Blocker):
         # Per source IP, the tightest concurrency a destination counter sets (0: none).
         self.ip_limits: dict[str, int] = {}
         self.inflight = 0
+        self.by_tenant: dict[str, int] = {}  # in flight per tenant
         self.dead_until = _PAST
         self.fail_cohorts = 0.0
         self.last_reply: Reply | None = None
@@ -153,17 +154,24 @@ class Destinations:
             dest.ip_limits.clear()
             dest.set_cap(default)
 
-    def started(self, dest: Destination) -> None:
+    @staticmethod
+    def started(dest: Destination, tenant: str) -> None:
         dest.inflight += 1
+        dest.by_tenant[tenant] = dest.by_tenant.get(tenant, 0) + 1
 
-    def finished(self, dest: Destination, connection_failed: bool, reply: Reply | None,
-                 now: float) -> bool:
+    def finished(self, dest: Destination, tenant: str, connection_failed: bool,
+                 reply: Reply | None, now: float) -> bool:
         """A delivery to ``dest`` ended; True if that made it dead just now.
 
         ``reply`` is the temporary failure it got, if any (kept to tell the
         mail deferred while it is dead).
         """
         dest.inflight -= 1
+        n = dest.by_tenant[tenant] - 1
+        if n:
+            dest.by_tenant[tenant] = n
+        else:
+            del dest.by_tenant[tenant]
         if connection_failed:
             dest.failed += 1
             if reply is not None:

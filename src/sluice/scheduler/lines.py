@@ -18,10 +18,13 @@ DESCRIPTION
     passing, an interval elapsing, a suspension lifted or expiring.
 
 STRATEGIES
-    Round robin (Postfix fairness).  Ready sub-queues take turns in a ring,
-    one delivery each; priority 1 before priority 0; a sub-queue woken by
-    a blocker goes before the ring, so that a freed slot goes to the one
-    that waited for it.
+    Round robin (Postfix fairness), weighted by tenant.  Ready sub-queues
+    take turns in a ring, one delivery each; priority 1 before priority 0;
+    a sub-queue woken by a blocker goes before the ring, so that a freed
+    slot goes to the one that waited for it.  The ring and every line are
+    FairQueues (tenants.py): FIFO within a tenant, deficit round robin
+    between tenants by weight, and a tenant below its minimum share of a
+    limit served first when that limit frees a slot.
 
     Parking, not scanning.  A blocker with n free slots wakes at most n of
     its waiters, oldest first (``pending`` counts those woken and not yet
@@ -45,25 +48,29 @@ SEE ALSO
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from sluice.scheduler.tenants import FairQueue, Shares
 
 if TYPE_CHECKING:
     from sluice.scheduler.subqueues import SubQueue
 
 __all__ = ["Blocker", "Lines"]
 
-Line = OrderedDict["SubQueue", None]
+#: Given a blocker, who goes first when it frees slots: a test of a tenant
+#: (below its minimum share of that limit), and how many slots it still needs.
+Prefer = Callable[["Blocker"], Callable[[str], int] | None]
 
 
 class Blocker:
-    """Something that can hold sub-queues; it keeps them in line, per priority."""
+    """Something that can hold sub-queues; they wait in its lines, per priority."""
 
     __slots__ = ("pending", "timer_at", "waiters")
 
     def __init__(self) -> None:
-        self.waiters: tuple[Line, Line] | None = None  # per priority, made on first use
+        self.waiters: tuple[FairQueue, FairQueue] | None = None  # per priority, made on use
         self.pending = 0  # woken, not yet looked at
         self.timer_at: float | None = None
 
@@ -79,13 +86,8 @@ class Blocker:
         waiters = self.waiters
         return 0 if waiters is None else len(waiters[0]) + len(waiters[1])
 
-    def line(self, priority: int) -> Line:
-        if self.waiters is None:
-            self.waiters = (OrderedDict(), OrderedDict())
-        return self.waiters[priority]
-
     def members(self) -> list[SubQueue]:
-        """Its waiters, priority 1 first, oldest first."""
+        """Its waiters, priority 1 first, tenant by tenant."""
         if self.waiters is None:
             return []
         return [*self.waiters[1], *self.waiters[0]]
@@ -94,42 +96,53 @@ class Blocker:
 class Lines:
     """The ready ring, the woken sub-queues, and the waiters of every blocker."""
 
-    __slots__ = ("dirty", "ring", "set_timer", "woken")
+    __slots__ = ("dirty", "prefer", "ring", "set_timer", "shares", "woken")
 
-    def __init__(self, set_timer: Callable[[Blocker, float], None]) -> None:
+    def __init__(self, set_timer: Callable[[Blocker, float], None], shares: Shares,
+                 prefer: Prefer | None = None) -> None:
         self.set_timer = set_timer
+        self.shares = shares
+        self.prefer = prefer
         # Indexed by priority.
-        self.ring: tuple[deque[SubQueue], deque[SubQueue]] = (deque(), deque())
+        self.ring = (FairQueue(shares), FairQueue(shares))
         self.woken: tuple[deque[SubQueue], deque[SubQueue]] = (deque(), deque())
         # Blockers that finished deliveries freed, to release once per step.
         self.dirty: dict[Blocker, None] = {}
 
+    def line(self, blocker: Blocker, priority: int) -> FairQueue:
+        waiters = blocker.waiters
+        if waiters is None:
+            waiters = blocker.waiters = (FairQueue(self.shares), FairQueue(self.shares))
+        return waiters[priority]
+
     def ready(self, sq: SubQueue) -> None:
-        """``sq`` may go: to the back of the ring (unless it waits or is there)."""
+        """``sq`` may go: into the ring (unless it waits or is there)."""
         if not sq.in_ring and not sq.parked_on:
-            self.ring[sq.priority].append(sq)
+            self.ring[sq.priority].push(sq)
             sq.in_ring = True
 
-    def next(self) -> SubQueue | None:
-        """The next sub-queue to visit: woken first, then the ring; priority 1 first."""
+    def next(self, prefer: Callable[[str], bool] | None = None) -> SubQueue | None:
+        """The next sub-queue to visit: woken first, then the ring; priority 1
+        first; in the ring, a tenant ``prefer`` names before the others."""
         for p in (1, 0):
-            for queue in (self.woken[p], self.ring[p]):
-                if queue:
-                    sq = queue.popleft()
-                    sq.in_ring = False
-                    return sq
+            woken = self.woken[p]
+            sq = woken.popleft() if woken else self.ring[p].pop(prefer)
+            if sq is not None:
+                sq.in_ring = False
+                return sq
         return None
 
     def park(self, sq: SubQueue, blockers: list[Blocker], woken: Blocker | None,
              now: float) -> None:
-        """``sq`` waits on ``blockers``; at the head of ``woken``'s line (it
-        was woken there and keeps its place), at the back of the others."""
+        """``sq`` waits on ``blockers``; first in ``woken``'s line (it was
+        woken there and keeps its place), at the back of the others."""
         p = sq.priority
         for blocker in blockers:
-            line = blocker.line(p)
-            line[sq] = None
+            line = self.line(blocker, p)
             if blocker is woken:
-                line.move_to_end(sq, last=False)
+                line.push_front(sq)
+            else:
+                line.push(sq)
             at = blocker.free_at(now)
             if at is not None:
                 self.set_timer(blocker, at)
@@ -138,28 +151,38 @@ class Lines:
     def unpark(self, sq: SubQueue) -> None:
         p = sq.priority
         for blocker in sq.parked_on:
-            blocker.line(p).pop(sq, None)
+            self.line(blocker, p).discard(sq)
         sq.parked_on = ()
 
     def release(self, blocker: Blocker, now: float) -> None:
-        """Wake as many waiters as ``blocker`` has free slots not yet promised."""
+        """Wake as many waiters as ``blocker`` has free slots not yet promised:
+        tenants below their minimum share of it first, then in turn."""
         if not blocker.waiting():
             return
         free = blocker.free(now)
         room = free - blocker.pending
-        for p in (1, 0):
-            line = blocker.line(p)
-            while room > 0 and line:
-                sq, _ = line.popitem(last=False)
-                for other in sq.parked_on:
-                    if other is not blocker:
-                        other.line(p).pop(sq, None)
-                sq.parked_on = ()
-                sq.woken_by = blocker
-                sq.in_ring = True
-                self.woken[p].append(sq)
-                blocker.pending += 1
-                room -= 1
+        if room > 0:
+            needs = self.prefer(blocker) if self.prefer is not None else None
+            promised: dict[str, int] = {}
+
+            def short(tenant: str) -> bool:
+                return needs is not None and needs(tenant) > promised.get(tenant, 0)
+
+            for p in (1, 0):
+                line = self.line(blocker, p)
+                while room > 0 and line:
+                    sq = line.pop(short if needs is not None else None)
+                    assert sq is not None
+                    for other in sq.parked_on:
+                        if other is not blocker:
+                            self.line(other, p).discard(sq)
+                    sq.parked_on = ()
+                    sq.woken_by = blocker
+                    sq.in_ring = True
+                    self.woken[p].append(sq)
+                    blocker.pending += 1
+                    promised[sq.tenant] = promised.get(sq.tenant, 0) + 1
+                    room -= 1
         # Only a blocker without a free slot can be held by a timed limit.
         if free <= 0 and blocker.waiting():
             at = blocker.free_at(now)
@@ -183,7 +206,7 @@ class Lines:
         free = woken.free(now)
         if free - woken.pending > 0:
             return False
-        woken.line(sq.priority)[sq] = None
+        self.line(woken, sq.priority).push(sq)
         sq.parked_on = (woken,)
         if free <= 0:
             at = woken.free_at(now)
@@ -192,10 +215,8 @@ class Lines:
         return True
 
     def clear(self) -> None:
-        """Forget every line and promise (a reload: every sub-queue is looked at again)."""
+        """Forget every promise (a reload: every sub-queue is looked at again)."""
         for queue in (*self.woken, *self.ring):
             for sq in queue:
                 sq.woken_by = None
-                sq.in_ring = False
-            queue.clear()
         self.dirty.clear()

@@ -24,7 +24,7 @@ from sluice.scheduler.destinations import Destination
 from sluice.scheduler.explanation import Explanation, Reason, Waiting, format_at
 from sluice.scheduler.limits import NEVER, Entry, EntryState
 from sluice.scheduler.lines import Blocker
-from sluice.scheduler.subqueues import Flight
+from sluice.scheduler.subqueues import Flight, SubQueue
 from sluice.scheduler.suspensions import Suspended
 from sluice.scheduler.views import (
     CounterView,
@@ -32,12 +32,14 @@ from sluice.scheduler.views import (
     QueueStats,
     SubQueueView,
     SuspensionView,
+    TenantView,
 )
 
 if TYPE_CHECKING:
     from sluice.scheduler.scheduler import Scheduler
 
-__all__ = ["counters", "destination", "explain", "stats", "subqueues", "suspensions"]
+__all__ = ["counters", "destination", "explain", "stats", "subqueues", "suspensions",
+           "tenants"]
 
 
 def stats(sched: Scheduler) -> QueueStats:
@@ -66,6 +68,25 @@ def subqueues(sched: Scheduler) -> list[SubQueueView]:
                          entries=sq.entries(), parked=bool(sq.parked_on),
                          held_by=tuple(_blocker_text(sched, b) for b in sq.parked_on))
             for sq in sched._queues if sq.live]
+
+
+def tenants(sched: Scheduler) -> list[TenantView]:
+    shares = sched._shares
+    queued: dict[str, list[int]] = {}  # jobs, entries, parked sub-queues
+    for sq in sched._queues:
+        if sq.live:
+            q = queued.setdefault(sq.tenant, [0, 0, 0])
+            q[0] += sq.live
+            q[1] += sq.entries()
+            q[2] += bool(sq.parked_on)
+    names = sorted({*queued, *sched._tenant_inflight, *sched._tenant_pickups})
+    out = []
+    for t in names:
+        jobs, entries, parked = queued.get(t, (0, 0, 0))
+        out.append(TenantView(t, shares.weight(t), shares.min_shares.get(t, 0.0), jobs, entries,
+                              parked, sched._tenant_inflight.get(t, 0),
+                              sched._tenant_pickups.get(t, 0)))
+    return out
 
 
 def counters(sched: Scheduler, now: float) -> list[CounterView]:
@@ -138,6 +159,41 @@ def _blocker_text(sched: Scheduler, blocker: Blocker) -> str:
         return f"suspension {blocker.suspension.id}"
     if isinstance(blocker, Destination):
         return f"destination {blocker.name}: concurrency window {blocker.limit} full"
+    return repr(blocker)
+
+
+def _shares(sched: Scheduler, sq: SubQueue) -> list[Reason]:
+    """Where ``sq`` waits in line with other tenants: they take turns by
+    weight, and those below their minimum share of a destination go first."""
+    shares = sched._shares
+    out = []
+    for blocker in sq.parked_on:
+        line = blocker.waiters[sq.priority] if blocker.waiters is not None else None
+        others = [t for t in line.tenants() if t != sq.tenant] if line is not None else []
+        if not others:
+            continue
+        name = _blocker_name(blocker)
+        turns = ", ".join(f"{t or '(none)'} {shares.weight(t):g}" for t in [sq.tenant, *others])
+        text = f"tenant {sq.tenant or '(none)'} takes turns at {name} with {len(others)} " \
+               f"other tenant(s), by weight ({turns})"
+        if isinstance(blocker, Destination):
+            short = [t for t in others
+                     if shares.reserved(t, blocker.limit) > blocker.by_tenant.get(t, 0)]
+            if short:
+                text += "; freed slots go first to " + ", ".join(
+                    f"{t} (below its min_share of {shares.min_shares[t]:.0%})" for t in short)
+        out.append(Reason(Waiting.TENANT_SHARE, text))
+    return out
+
+
+def _blocker_name(blocker: Blocker) -> str:
+    if isinstance(blocker, Entry):
+        keys = ", ".join(f"{n}={v}" for n, v in blocker.fields) or "all mail"
+        return f"counter {blocker.counter.id} [{keys}]"
+    if isinstance(blocker, Suspended):
+        return f"suspension {blocker.suspension.id}"
+    if isinstance(blocker, Destination):
+        return f"destination {blocker.name}"
     return repr(blocker)
 
 
@@ -219,6 +275,7 @@ def explain(sched: Scheduler, qid: str, now: float) -> Explanation:
             best = None
         elif ahead == 0:
             reasons.append(Reason(Waiting.READY, "nothing holds it: it goes at the next pickup"))
+    reasons += _shares(sched, sq)
     if ahead:
         reasons.insert(0, Reason(Waiting.BEHIND, f"{ahead} earlier deliveries of its "
                                                  "sub-queue go first (FIFO)"))

@@ -50,7 +50,7 @@ SEE ALSO
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sluice.model import Reply, TempFail
@@ -90,6 +90,7 @@ from sluice.scheduler.views import (
     QueueStats,
     SubQueueView,
     SuspensionView,
+    TenantView,
 )
 
 __all__ = ["Scheduler"]
@@ -105,7 +106,9 @@ class Scheduler:
         self._now = now
         self._limits: Limits[Any] = limits if limits is not None else GroupedLimits()
         self._timers = Timers()
-        self._lines = Lines(self._set_slot_timer)
+        self._shares = s.shares
+        self._lines = Lines(self._set_slot_timer, s.shares,
+                            self._needs if s.shares.any_min_share else None)
         self._susps = Suspensions()
         self._dests = Destinations(s)
         self._queues = SubQueues(s.destination_cache_size + s.maxmemoryqueue, self._forget)
@@ -115,6 +118,9 @@ class Scheduler:
         self._policy = Policy()
         self._version = 0  # of the policy: sub-queues bound under another bind again
         self._pickups = 0
+        # Per tenant: deliveries in flight and started (for shares and /metrics).
+        self._tenant_inflight: dict[str, int] = {}
+        self._tenant_pickups: dict[str, int] = {}
         self._set_policy(policy or Policy(), now)
         for susp in suspensions:
             self._add_suspension(susp, now, from_file=False)
@@ -448,8 +454,9 @@ class Scheduler:
     def _select(self, now: float, out: list[Command]) -> None:
         limit = self.settings.max_deliveries
         lines = self._lines
+        short = self._short_of_capacity if self._shares.any_min_share else None
         while len(self._flights) < limit:
-            sq = lines.next()
+            sq = lines.next(short)
             if sq is None:
                 return
             woken = sq.woken_by
@@ -518,9 +525,12 @@ class Scheduler:
         sq.live -= 1
         ip, binding = sq.ips[i], sq.bindings[i]
         self._limits.record(binding, now)
-        sq.dest.inflight += 1
+        tenant = sq.tenant
+        Destinations.started(sq.dest, tenant)
+        self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
+        self._tenant_pickups[tenant] = self._tenant_pickups.get(tenant, 0) + 1
         job, qids = rec.job, rec.qids
-        flight = Flight(job, qids, ip, binding, sq.dest, now)
+        flight = Flight(job, qids, ip, binding, sq.dest, tenant, now)
         self._flights[job.ref] = flight
         for qid in qids:
             self._qids[qid] = flight
@@ -544,7 +554,13 @@ class Scheduler:
         reply: Reply | None = None
         if event.connection_failed:
             reply = next((o.reply for _, o in event.outcomes if isinstance(o, TempFail)), None)
-        if self._dests.finished(dest, event.connection_failed, reply, now):
+        tenant = flight.tenant
+        n = self._tenant_inflight[tenant] - 1
+        if n:
+            self._tenant_inflight[tenant] = n
+        else:
+            del self._tenant_inflight[tenant]
+        if self._dests.finished(dest, tenant, event.connection_failed, reply, now):
             self._timers.set(dest.dead_until, Timer.DEAD, dest)
             for sq in list(dest.subqueues):
                 if sq.live:
@@ -553,6 +569,25 @@ class Scheduler:
             dirty[dest] = None
         if not dest.inflight and not dest.subqueues:
             self._dests.forget(dest, now)
+
+    # ------------------------------------------------------------ shares
+
+    def _short_of_capacity(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds less than its minimum share of max_deliveries."""
+        reserved = self._shares.reserved(tenant, self.settings.max_deliveries)
+        return reserved > self._tenant_inflight.get(tenant, 0)
+
+    def _needs(self, blocker: Blocker) -> Callable[[str], int] | None:
+        """For a destination, the slots each tenant lacks of its minimum share."""
+        if not isinstance(blocker, Destination):
+            return None
+        shares = self._shares
+
+        def needs(tenant: str) -> int:
+            held = blocker.by_tenant.get(tenant, 0)
+            return shares.reserved(tenant, blocker.limit) - held
+
+        return needs
 
     # -------------------------------------------------------------- views
 
@@ -582,6 +617,10 @@ class Scheduler:
         dest = self._dests.by_name.get(name)
         return None if dest is None else observe.destination(
             dest, self._now if now is None else now)
+
+    def tenants(self) -> list[TenantView]:
+        """Per tenant with work or a delivery: its share, what waits, what went."""
+        return observe.tenants(self)
 
     def explain(self, qid: str, now: float | None = None) -> Explanation:
         """Why ``qid`` waits, and when it is expected to go."""

@@ -5,8 +5,9 @@ SUMMARY
 
 DESCRIPTION
     The knobs of the active queue (maxmemoryqueue, quota_deferred, the
-    refill), of the queue manager's total concurrency (max_deliveries) and
-    of Postfix's slow start and destination status cache.  The scheduler
+    refill), of the queue manager's total concurrency (max_deliveries), of
+    Postfix's slow start and destination status cache, and the tenants'
+    shares (weights and minimum shares, sluice.scheduler.tenants).  The scheduler
     imports no configuration: from_config() reads a sluice.config.Config
     duck-typed, so that the core stays free of files and schemas.
 
@@ -16,8 +17,10 @@ SEE ALSO
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from sluice.scheduler.tenants import Shares
 
 __all__ = ["Settings"]
 
@@ -51,6 +54,7 @@ class Settings:
     destination_cache_size: int = 10000
     refill_interval_s: float = 1.0
     refill_batch: int = 1000
+    shares: Shares = field(default_factory=Shares)
 
     def __post_init__(self) -> None:
         if self.maxmemoryqueue < 1 or self.max_deliveries < 1 or self.refill_batch < 1:
@@ -76,4 +80,13 @@ class Settings:
             destination_cache_size=sched.destination_cache_size,
             refill_interval_s=sched.refill_interval,
             refill_batch=getattr(sched, "refill_batch", 1000),
+            shares=_shares(getattr(sched, "tenants", None)),
         )
+
+
+def _shares(tenants: Any) -> Shares:
+    """The config's ``scheduler.tenants`` section (duck-typed), or equal shares."""
+    if tenants is None:
+        return Shares()
+    return Shares(dict(tenants.weights), tenants.default_weight, dict(tenants.min_shares),
+                  fair=tenants.fair)

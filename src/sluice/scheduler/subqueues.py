@@ -45,10 +45,12 @@ class SubQueue:
     """Jobs of one route and priority, oldest first."""
 
     __slots__ = ("bindings", "dest", "dropped", "in_ring", "ips", "jobs", "live", "parked_on",
-                 "priority", "route", "rr", "susp", "susp_version", "version", "woken_by")
+                 "priority", "route", "rr", "susp", "susp_version", "tenant", "version",
+                 "woken_by")
 
     def __init__(self, route: Route, priority: int, dest: Destination) -> None:
         self.route = route
+        self.tenant = route.tenantid
         self.priority = priority
         self.dest = dest
         self.jobs: deque[Job] = deque()
@@ -122,10 +124,11 @@ class Job:
 class Flight:
     """A delivery in flight: what it counts in, so that its end releases it."""
 
-    __slots__ = ("binding", "dest", "ip", "job", "qids", "started_at")
+    __slots__ = ("binding", "dest", "ip", "job", "qids", "started_at", "tenant")
 
     def __init__(self, job: DeliveryJob, qids: tuple[str, ...], ip: str, binding: Binding,
-                 dest: Destination, now: float) -> None:
+                 dest: Destination, tenant: str, now: float) -> None:
+        self.tenant = tenant
         self.job = job
         self.qids = qids
         self.ip = ip
