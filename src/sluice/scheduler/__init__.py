@@ -13,9 +13,12 @@ SEE ALSO
     docs/scheduler.md (the event loop), docs/policies.md (the file format)
 """
 
+from sluice.scheduler.cluster import ClusterLimits
 from sluice.scheduler.destinations import DEAD_REPLY
 from sluice.scheduler.events import (
+    AcquireGrants,
     ClockTicked,
+    ClusterModeChanged,
     Command,
     ConditionAdded,
     ConditionRemoved,
@@ -25,10 +28,14 @@ from sluice.scheduler.events import (
     EntriesClaimed,
     EntriesModified,
     Event,
+    Grant,
+    GrantRequest,
+    GrantsChanged,
     JobsQueued,
     MailArrived,
     PolicyReloaded,
     Refill,
+    ReturnGrants,
     Route,
     StartDelivery,
     SuspensionAdded,
@@ -66,7 +73,10 @@ from sluice.scheduler.views import (
 __all__ = [
     "DEAD_REPLY",
     "FIELDS",
+    "AcquireGrants",
     "ClockTicked",
+    "ClusterLimits",
+    "ClusterModeChanged",
     "Command",
     "Condition",
     "ConditionAdded",
@@ -84,6 +94,9 @@ __all__ = [
     "Event",
     "Explanation",
     "FieldSpec",
+    "Grant",
+    "GrantRequest",
+    "GrantsChanged",
     "Group",
     "GroupedLimits",
     "JobsQueued",
@@ -98,6 +111,7 @@ __all__ = [
     "Reason",
     "ReferenceLimits",
     "Refill",
+    "ReturnGrants",
     "Route",
     "Scheduler",
     "Settings",

@@ -87,7 +87,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from sluice.scheduler.events import Route
+from sluice.scheduler.events import Command, Event, Route
 from sluice.scheduler.explanation import Waiting
 from sluice.scheduler.lines import Blocker
 from sluice.scheduler.policy import Condition, Counter, Policy, Thresholds
@@ -336,3 +336,13 @@ class Limits(Protocol[B]):
 
     def collect(self, now: float) -> None:
         """Forget what nothing uses and no window holds (called once per step)."""
+
+    def handle(self, event: Event, now: float) -> list[Entry]:
+        """An event for limits held elsewhere (GrantsChanged, ClusterModeChanged);
+        returns the entries that may have room now."""
+
+    def outbox(self, now: float) -> list[Command]:
+        """What the runtime should ask of limits held elsewhere, after a step."""
+
+    def wakeup(self) -> float | None:
+        """When the limits next need a step of their own (None: never)."""

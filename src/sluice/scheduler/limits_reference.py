@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sluice.scheduler import limits
-from sluice.scheduler.events import Route
+from sluice.scheduler.events import Command, Event, Route
 from sluice.scheduler.limits import Entry, EntryState, Tally
 from sluice.scheduler.policy import Policy, Thresholds
 
@@ -143,6 +143,15 @@ class ReferenceLimits:
 
     def count(self) -> int:
         return len(self.entries)
+
+    def handle(self, event: Event, now: float) -> list[Entry]:
+        return []  # every limit is held here
+
+    def outbox(self, now: float) -> list[Command]:
+        return []
+
+    def wakeup(self) -> float | None:
+        return None
 
     def collect(self, now: float) -> None:
         pass

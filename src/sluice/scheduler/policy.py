@@ -66,6 +66,7 @@ __all__ = [
     "CASELESS_FIELDS",
     "DESTINATION_FIELDS",
     "FIELDS",
+    "SCOPES",
     "Condition",
     "Counter",
     "FieldSpec",
@@ -95,6 +96,10 @@ DESTINATION_FIELDS = frozenset({"grouping", "remoteip", "remotemx", "recipientdo
 
 #: Host names compare without case; ids (tenantid, jobid, transportid, grouping) with.
 CASELESS_FIELDS = frozenset({"recipientdomain", "remotemx"})
+
+#: Where a counter's thresholds hold when several nodes share a queue: across
+#: all of them (through the cluster's shared limits), or on each node alone.
+SCOPES = ("cluster", "node")
 
 
 
@@ -279,6 +284,7 @@ class Counter:
     conditions: tuple[Condition, ...] = ()
     default: Thresholds = field(default_factory=Thresholds)
     id: str = ""
+    scope: str = "cluster"  # SCOPES; only a cluster's shared limits read it
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -311,6 +317,8 @@ class Counter:
 
     def to_data(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "fields": [f.to_data() for f in self.fields]}
+        if self.scope != "cluster":
+            out["scope"] = self.scope
         if self.conditions:
             out["conditions"] = [c.to_data() for c in self.conditions]
         if not self.default.is_empty:
@@ -418,7 +426,7 @@ class Policy:
         return self._with(counter, tuple(c for c in counter.conditions if c.id != cond_id))
 
     def _with(self, counter: Counter, conditions: tuple[Condition, ...]) -> Policy:
-        changed = Counter(counter.fields, conditions, counter.default, counter.id)
+        changed = Counter(counter.fields, conditions, counter.default, counter.id, counter.scope)
         counters = tuple(changed if c is counter else c for c in self.counters)
         return Policy(counters, self.suspensions, self.source)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from sluice.scheduler.policy import (
     FIELDS,
+    SCOPES,
     Condition,
     Counter,
     FieldSpec,
@@ -254,8 +255,8 @@ def _parse_counter(item: object, path: str, problems: _Problems) -> Counter | No
     if not isinstance(item, Mapping):
         problems.add(path, "a counter is a mapping with 'fields'")
         return None
-    _check_keys(item, ("id", "fields", "conditions", "if", "default", *_THRESHOLD_KEYS),
-                path, problems)
+    _check_keys(item, ("id", "fields", "conditions", "if", "default", "scope",
+                       *_THRESHOLD_KEYS), path, problems)
     fields_data = item.get("fields", [])
     if fields_data is None:
         fields_data = []
@@ -308,7 +309,11 @@ def _parse_counter(item: object, path: str, problems: _Problems) -> Counter | No
     if not isinstance(cid, str):
         problems.add(_join(path, "id"), "an id is a string")
         cid = ""
-    return Counter(tuple(fields), tuple(conditions), default, cid)
+    scope = item.get("scope", "cluster")
+    if scope not in SCOPES:
+        problems.add(_join(path, "scope"), f"{scope!r} is not one of {', '.join(SCOPES)}")
+        scope = "cluster"
+    return Counter(tuple(fields), tuple(conditions), default, cid, scope)
 
 
 def parse_suspension(item: object, path: str = "", source: str = "<suspension>") -> Suspension:
@@ -401,7 +406,8 @@ def parse_policy(data: object, source: str = "<policy>") -> Policy:
         if c.id in seen:
             # Two counters over the same fields are legal; give the later an ordinal id.
             seen[c.id] += 1
-            counters[i] = Counter(c.fields, c.conditions, c.default, f"{c.id}#{seen[c.id]}")
+            counters[i] = Counter(c.fields, c.conditions, c.default, f"{c.id}#{seen[c.id]}",
+                                  c.scope)
         else:
             seen[c.id] = 1
     if problems.items:

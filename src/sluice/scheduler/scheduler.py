@@ -59,6 +59,7 @@ from sluice.scheduler.active import ActiveQueue
 from sluice.scheduler.destinations import Destination, Destinations
 from sluice.scheduler.events import (
     ClockTicked,
+    ClusterModeChanged,
     Command,
     ConditionAdded,
     ConditionRemoved,
@@ -68,6 +69,7 @@ from sluice.scheduler.events import (
     EntriesClaimed,
     EntriesModified,
     Event,
+    GrantsChanged,
     JobsQueued,
     MailArrived,
     PolicyReloaded,
@@ -195,15 +197,14 @@ class Scheduler:
         if refill is not None:
             out.append(refill)
         self._limits.collect(now)
+        out += self._limits.outbox(now)
         return out
 
     def next_wakeup(self) -> float | None:
         """When the scheduler next needs handle()/tick() if nothing else happens."""
-        at_timer = self._timers.next_at(self._timer_live)
-        at_refill = self._active.refill_at(self._now)
-        if at_timer is None or at_refill is None:
-            return at_refill if at_timer is None else at_timer
-        return min(at_timer, at_refill)
+        times = [self._timers.next_at(self._timer_live), self._active.refill_at(self._now),
+                 self._limits.wakeup()]
+        return min((t for t in times if t is not None), default=None)
 
     # ------------------------------------------------------------ events
 
@@ -266,8 +267,9 @@ class Scheduler:
                 self._add_suspension(susp, now, from_file=False)
             case SuspensionRemoved(suspension_id=sid):
                 self._remove_suspension(sid, now)
-            case ClockTicked():
-                pass
+            case GrantsChanged() | ClusterModeChanged() | ClockTicked():
+                for entry in self._limits.handle(event, now):
+                    self._lines.release(entry, now)
 
     # ------------------------------------------------------------ timers
 
