@@ -361,6 +361,17 @@ class AnalyticsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    redis: str | None = None
+    redis_password: str | None = None
+    redis_ca: str | None = _path(None)
+    lease_ttl: float = _dur("30s")
+    node_lease: float = _dur("30s")
+    heartbeat_interval: float = _dur("5s")
+    claim_per_destination: int = 20
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The effective configuration; ``source`` says where it came from."""
 
@@ -374,6 +385,7 @@ class Config:
     suppression: SuppressionConfig = field(default_factory=SuppressionConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     analytics: AnalyticsConfig = field(default_factory=AnalyticsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source: str = "<embedded defaults>"
     base_dir: str = "."
 

@@ -75,7 +75,7 @@ class SharedModel:
                 share = self.share(req.key, node, req.concurrency, now)
                 others = sum(n for who, n in held.items() if who != node)
                 free = req.concurrency - others
-                slots = max(req.in_use, min(req.slots, share, free))
+                slots = max(held.get(node, 0), req.in_use, min(req.slots, share, free))
                 held[node] = slots
             ats: list[float] = []
             retry = None
@@ -208,3 +208,16 @@ def test_unused_leases_go_back_and_a_request_carries_the_thresholds() -> None:
     assert sched.next_wakeup() == pytest.approx(2.1)  # one lease idle since 0.1
     back = [c for c in sched.tick(2.6) if isinstance(c, ReturnGrants)]
     assert back == [ReturnGrants(((req.key, 2),))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rate_holds_across_the_fall_back(seed: int) -> None:
+    # Pickups granted by the store before the switch and the shares' after it
+    # never share a window: the shares wait one window.
+    pickups, _, switched_at = run_cluster([{"fields": ["recipientdomain"], "rate": "5/1"}], 3,
+                                          800, seed, fallback_at=150)
+    times = sorted(t for t, _ in pickups)
+    for i, t in enumerate(times):
+        in_window = sum(1 for u in times[i:] if u < t + 1.0)
+        assert in_window <= 5 + 1, f"{in_window} pickups in the second from {t}"
+    assert any(t > switched_at + 1.0 for t in times), "the shares never picked up"

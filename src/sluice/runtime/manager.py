@@ -61,6 +61,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sluice.cluster.agent import ClusterAgent
+from sluice.cluster.shared_limits import SharedLimits
 from sluice.config import Config
 from sluice.delivery.agent import DeliveryAgent, DeliveryRequest
 from sluice.delivery.plan import Planner
@@ -70,6 +72,8 @@ from sluice.model import PermFail, QueueEntry, QueueState, Reply, TempFail
 from sluice.policyfile import load_policy_file, load_suspensions_file
 from sluice.queue import AttemptResult, Queue
 from sluice.scheduler import (
+    AcquireGrants,
+    ClusterLimits,
     Command,
     ConditionAdded,
     ConditionRemoved,
@@ -85,6 +89,7 @@ from sluice.scheduler import (
     PolicyError,
     PolicyReloaded,
     Refill,
+    ReturnGrants,
     Route,
     Scheduler,
     Settings,
@@ -99,6 +104,9 @@ __all__ = ["ManagerStats", "QueueManager"]
 log = logging.getLogger("sluice.manager")
 
 T = TypeVar("T")
+
+#: How soon a claim cut short by the per-domain cap (cluster mode) is tried again.
+CAPPED_RETRY_S = 0.05
 
 
 def _policy(path: str | None) -> Policy:
@@ -161,8 +169,11 @@ class QueueManager:
         policy = _policy(self.policy_path)
         suspensions = _suspensions(config.scheduler.suspensions)
         self._last_now = clock()
+        # Several nodes: limits shared through Redis (sluice.cluster).
+        shared = SharedLimits.from_config(config)
         self.scheduler = Scheduler(Settings.from_config(config), policy, suspensions,
-                                   now=self._last_now)
+                                   now=self._last_now,
+                                   limits=None if shared is None else ClusterLimits())
         self.stats = ManagerStats()
         self._events: list[Event] = []
         self._wake = asyncio.Event()
@@ -181,6 +192,8 @@ class QueueManager:
         self._policy_mtime = self._mtime(self.policy_path)
         self._change_seq = 0
         self._bounce_pending = False
+        self.cluster = (None if shared is None else
+                        ClusterAgent(config, queue, shared, post=self.post, clock=self._now))
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -248,6 +261,8 @@ class QueueManager:
             asyncio.ensure_future(self._sweep_expired()),
             asyncio.ensure_future(self._watch_policy()),
         ]
+        if self.cluster is not None:
+            background.append(asyncio.ensure_future(self.cluster.run(stop)))
         stopper = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
@@ -314,6 +329,9 @@ class QueueManager:
                         self._spawn(self._refill(limit))
                 case DeferJob(job=job, qids=qids, reply=reply):
                     self._defer_dead(job, qids, reply)
+                case AcquireGrants() | ReturnGrants():
+                    if self.cluster is not None:
+                        self.cluster.execute(cmd)
 
     # -- refill and routing ----------------------------------------------------------
 
@@ -332,6 +350,10 @@ class QueueManager:
         self.stats.claimed += len(entries)
         self._routing.update(e.qid for e in entries)
         self.post(EntriesClaimed(len(entries), exhausted=exhausted, next_due_at=next_due))
+        if getattr(self.queue.store, "last_claim_capped", False):
+            # Left behind for the per-domain cap, not for want of mail: look
+            # again soon, as this node's deliveries make room.
+            asyncio.get_running_loop().call_later(CAPPED_RETRY_S, self.notify_mail, 0)
         if not entries:
             return
         try:

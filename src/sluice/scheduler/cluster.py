@@ -38,7 +38,10 @@ STRATEGIES
     (ClusterModeChanged(shared=False, nodes, rank)), every cluster limit L
     becomes this node's share of it: L // nodes, plus one for the first
     L % nodes ranks, so that the shares add up to L and each node gets at
-    least one where L allows.  Grants are forgotten; when the store is back
+    least one where L allows.  A rate or an interval starts nothing for one
+    window after the switch (no window then mixes the store's pickups with
+    the shares'), and for ``transition_s`` (the leases' TTL) a node keeps no
+    more concurrency than the leases it held.  Grants are forgotten; when the store is back
     the node asks again, first for the slots of what it has in flight.
 
 INVARIANTS
@@ -116,6 +119,18 @@ class _Fallback:
     nodes: int
     rank: int
     until: float  # end of the transition: leases held before may still count elsewhere
+    since: float  # when the node fell back
+
+    def paused_until(self, th: Thresholds) -> float:
+        """Until when a rate or an interval starts nothing after the switch:
+        one window, so that no window holds pickups granted by the store and
+        pickups of the shares (which do not know each other's)."""
+        wait = 0.0
+        if th.rate is not None:
+            wait = th.rate.per_s
+        if th.connectinterval_s:
+            wait = max(wait, th.connectinterval_s)
+        return self.since + wait
 
     def share(self, limit: int) -> int:
         """This node's part of a cluster limit of ``limit``."""
@@ -185,6 +200,8 @@ class ClusterLimits(GroupedLimits):
         th = row.prof.ths[slot]
         grant = self._grant(row, slot)
         if self.fallback is not None:
+            if self.fallback.paused_until(th) > now:
+                return True
             return limits.held(self._fallen_back(self.fallback, th, grant, now), row.inflight,
                                row.times, row.last_at, now) is not None
         entry = row.entry(slot)
@@ -269,6 +286,8 @@ class ClusterLimits(GroupedLimits):
             return room
         row, th, grant = parts
         if self.fallback is not None:
+            if self.fallback.paused_until(th) > now:
+                return 0
             return min(room, limits.free(self._fallen_back(self.fallback, th, grant, now),
                                          row.inflight, row.times, row.last_at, now))
         if th.concurrency is not None:
@@ -287,6 +306,9 @@ class ClusterLimits(GroupedLimits):
         if self.fallback is not None:
             mine = limits.slot_at(self._fallen_back(self.fallback, th, grant, now),
                                   row.inflight, row.times, row.last_at, now)
+            paused = self.fallback.paused_until(th)
+            if paused > now:
+                mine = paused if mine is None else max(mine, paused)
         elif grant.slot_ats and grant.slot_ats[0] > now:
             mine = grant.slot_ats[0]
         elif grant.retry_at is not None and grant.retry_at > now:
@@ -324,7 +346,7 @@ class ClusterLimits(GroupedLimits):
             case ClusterModeChanged(shared=shared, nodes=nodes, rank=rank,
                                     transition_s=transition_s):
                 self.fallback = (None if shared else
-                                 _Fallback(max(1, nodes), rank, now + transition_s))
+                                 _Fallback(max(1, nodes), rank, now + transition_s, now))
                 self.returning.clear()  # the store forgets them (their TTL) or never heard
                 for grant in self.grants.values():
                     grant.switch_slots = grant.slots if self.fallback else 0

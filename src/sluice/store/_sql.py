@@ -333,16 +333,38 @@ class SqlQueue:
             out.extend(rows.fetchall())
         return out
 
-    def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str
-              ) -> list[QueueEntry]:
-        """Store.claim's selection and marking, on the write connection."""
+    def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str,
+              per_domain: int = 0) -> tuple[list[QueueEntry], bool]:
+        """Store.claim's selection and marking, on the write connection; and
+        whether ``per_domain`` (the most entries of one recipient domain
+        ``node`` may hold claimed; 0: no cap) left candidates behind."""
         incoming = self._pick(conn, QueueState.INCOMING, False, limit, now)
         deferred = self._pick(conn, QueueState.DEFERRED, True, limit, now)
         take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
         chosen = interleave(incoming[:take_i], deferred[:take_d])
+        capped = False
+        if chosen and per_domain > 0:
+            chosen, capped = self._within_cap(conn, chosen, node, per_domain)
         if chosen:
             self.dialect.change_rows(conn, self._activate, (node,), chosen)
-        return [entry((*row[:5], "active", *row[6:])) for row in chosen]
+        return [entry((*row[:5], "active", *row[6:])) for row in chosen], capped
+
+    def _within_cap(self, conn: Conn, rows: list[tuple[Any, ...]], node: str, cap: int
+                    ) -> tuple[list[tuple[Any, ...]], bool]:
+        """The rows that keep ``node`` within ``cap`` claimed entries per domain."""
+        domains = sorted({row[4] for row in rows})
+        cond, params = self.dialect.one_of("domain", domains)
+        held = dict(conn.execute(
+            f"SELECT domain, count(*) FROM {self.dialect.queue} WHERE owner = {self.dialect.p} "
+            f"AND state IN ('active', 'delivering') AND {cond} GROUP BY domain",
+            (node, *params)).fetchall())
+        out = []
+        for row in rows:
+            n = held.get(row[4], 0)
+            if n < cap:
+                held[row[4]] = n + 1
+                out.append(row)
+        return out, len(out) < len(rows)
 
     def claim_bounces(self, conn: Conn, limit: int, now: float, lease_s: float
                       ) -> list[QueueEntry]:

@@ -598,7 +598,7 @@ class SqliteStore:
         node = self.node_id
 
         def work(after: _Batch) -> list[QueueEntry]:
-            return self._sql.claim(after.conn, limit, now, quota_deferred, node)
+            return self._sql.claim(after.conn, limit, now, quota_deferred, node)[0]
 
         # A claim lost in a power cut leaves the entries where they were.
         result: list[QueueEntry] = self._call(work, durable=False)
