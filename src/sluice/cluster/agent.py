@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from sluice.accounting import EventKind, make_event
 from sluice.cluster.shared_limits import SharedLimits
@@ -71,6 +71,11 @@ __all__ = ["ClusterAgent", "ClusterStatus", "NodeStore"]
 log = logging.getLogger("sluice.cluster")
 
 _REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+#: How often a node that fell back tries Redis again; twice this (plus a
+#: timeout) is how long a node that came back keeps to its share.
+RETRY_S = 1.0
+COMEBACK_S = 2 * RETRY_S
 
 
 @runtime_checkable
@@ -155,7 +160,7 @@ class ClusterAgent:
             started = time.perf_counter()
             try:
                 if isinstance(cmd, AcquireGrants):
-                    answer = await self.shared.acquire(cmd, self.clock())
+                    answer = await self.shared.acquire(cmd, self.clock)
                     self.post(answer)
                 elif isinstance(cmd, ReturnGrants):
                     await self.shared.give_back(cmd)
@@ -178,7 +183,7 @@ class ClusterAgent:
                     self.state.live_nodes = live
                 if not self.state.shared:
                     self._come_back()
-            wait = 1.0 if not self.state.shared else interval
+            wait = RETRY_S if not self.state.shared else interval
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
 
@@ -192,6 +197,8 @@ class ClusterAgent:
             self._commands.get_nowait()
         nodes = self.state.live_nodes or [self.node_id]
         rank = nodes.index(self.node_id) if self.node_id in nodes else 0
+        if isinstance(exc, ResponseError):  # not an outage: Redis refused what we sent
+            log.error("cluster limits: Redis refused a request (%s)", _one_line(exc))
         log.warning("cluster limits: Redis unreachable (%s); each limit is now this node's "
                     "share of it (%d live nodes, rank %d) until Redis answers again",
                     _one_line(exc), len(nodes), rank)
@@ -201,7 +208,8 @@ class ClusterAgent:
         self.state.shared = True
         log.warning("cluster limits: Redis answers again; limits are shared across the "
                     "cluster once more")
-        self.post(ClusterModeChanged(True))
+        # The others notice within their retry (1 s) and a timeout.
+        self.post(ClusterModeChanged(True, transition_s=COMEBACK_S + self.shared.timeout_s))
 
     async def _watch_nodes(self, stop: asyncio.Event) -> None:
         store = self.nodes_store

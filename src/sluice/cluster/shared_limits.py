@@ -36,10 +36,12 @@ STRATEGIES
     GCRA for rate and connectinterval.  Pickups are handed out at dates
     spaced Y/X apart (the larger of that and the interval) from the
     entry's theoretical arrival time, never more than ``horizon`` ahead;
-    the node uses each within ``use_within`` of its date (less than the
+    the node uses each within ``use_within`` of its date (half the
     spacing), so any window of Y seconds holds at most X + 1 pickups of
     the whole cluster.  Dates travel as offsets from Redis's clock, so the
-    nodes' clocks need not agree.
+    nodes' clocks need not agree; a node places Redis's "now" in the middle
+    of the round trip, and the other half of the spacing absorbs the error
+    of that and of waking up on time.
 
 LIMITATIONS
     One Redis (a primary, with replicas for failover if wanted), not Redis
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import os
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -70,7 +73,9 @@ ENV_PASSWORD = "SLUICE_REDIS_PASSWORD"
 # ARGV: prefix, node, lease_ttl_ms, want_window_ms, horizon_ms, retry_ms, max_use_within_ms,
 #       then per request: key, concurrency (-1: none), spacing_ms (0: none), slots, pickups,
 #       in_use.
-# Returns per request: slots, share (-1: none), retry_ms (-1: none), use_within_ms, n, dates...
+# (spacing_ms may have a fraction: 1000/30 is not 33.)
+# Returns per request: slots, share (-1: none), retry_ms (-1: none), use_within_ms, n, then
+# n dates as microseconds from Redis's now.
 _ACQUIRE = """
 local p, node = ARGV[1], ARGV[2]
 local ttl, window, horizon = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -132,16 +137,16 @@ while i <= #ARGV do
     if tat < now then tat = now end
     for _ = 1, pickups do
       if tat > now + horizon then break end
-      table.insert(dates, tat - now)
+      table.insert(dates, math.floor((tat - now) * 1000))  -- microseconds
       tat = tat + spacing
     end
-    redis.call('SET', gk, tat, 'PX', math.max(ttl, tat - now + ttl))
+    redis.call('SET', gk, tat, 'PX', math.ceil(math.max(ttl, tat - now + ttl)))
     if #dates == 0 then
-      retry = tat - horizon - now
+      retry = math.ceil(tat - horizon - now)
     elseif #dates < pickups and retry < 0 then
-      retry = tat - horizon - now
+      retry = math.ceil(tat - horizon - now)
     end
-    within = math.min(max_within, math.floor(spacing * 0.9))
+    within = math.min(max_within, math.floor(spacing * 0.5))
   end
   table.insert(out, slots)
   table.insert(out, share)
@@ -189,6 +194,7 @@ class SharedLimits:
         self.node_id = node_id
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
+        self.timeout_s = timeout_s
         self._args = [prefix, node_id, str(int(lease_ttl_s * 1000)),
                       str(int(want_window_s * 1000)), str(int(horizon_s * 1000)),
                       str(int(retry_s * 1000)), str(int(max_use_within_s * 1000))]
@@ -222,8 +228,9 @@ class SharedLimits:
         live = await self._heartbeat(args=[*self._args[:2], self._args[2]])
         return [str(n) for n in live]
 
-    async def acquire(self, cmd: AcquireGrants, now: float) -> GrantsChanged:
-        """Ask for every request of ``cmd``; the answer in this node's time."""
+    async def acquire(self, cmd: AcquireGrants, clock: Callable[[], float]) -> GrantsChanged:
+        """Ask for every request of ``cmd``; the answer in this node's time
+        (``clock``'s): Redis's "now" is taken as the middle of the round trip."""
         args = list(self._args)
         for r in cmd.requests:
             spacing = 0.0
@@ -232,13 +239,15 @@ class SharedLimits:
             if r.interval_s:
                 spacing = max(spacing, r.interval_s)
             args += [r.key, str(-1 if r.concurrency is None else r.concurrency),
-                     str(int(spacing * 1000)), str(r.slots), str(r.pickups), str(r.in_use)]
+                     repr(spacing * 1000), str(r.slots), str(r.pickups), str(r.in_use)]
+        sent = clock()
         raw = [int(x) for x in await self._acquire(args=args)]
+        now = (sent + clock()) / 2
         grants = []
         pos = 0
         for r in cmd.requests:
             slots, share, retry, within, n = raw[pos:pos + 5]
-            dates = tuple(now + d / 1000 for d in raw[pos + 5:pos + 5 + n])
+            dates = tuple(now + d / 1e6 for d in raw[pos + 5:pos + 5 + n])
             pos += 5 + n
             grants.append(Grant(r.key, slots, dates, within / 1000,
                                 None if retry < 0 else now + retry / 1000,

@@ -41,7 +41,10 @@ STRATEGIES
     least one where L allows.  A rate or an interval starts nothing for one
     window after the switch (no window then mixes the store's pickups with
     the shares'), and for ``transition_s`` (the leases' TTL) a node keeps no
-    more concurrency than the leases it held.  Grants are forgotten; when the store is back
+    more concurrency than the leases it held.  Coming back
+    (ClusterModeChanged(shared=True, transition_s)), a node keeps to its
+    share and pauses rates one window more for ``transition_s``, while the
+    other nodes may not have noticed yet.  Grants are forgotten; when the store is back
     the node asks again, first for the slots of what it has in flight.
 
 INVARIANTS
@@ -91,8 +94,21 @@ def cluster_key(entry: Entry) -> str:
 class _Grant:
     """What this node holds of one cluster entry."""
 
-    __slots__ = ("asked", "entry", "idle_at", "retry_at", "share", "slot_ats", "slots",
-                 "switch_slots", "use_within_s", "used", "want_pickups", "want_slots")
+    __slots__ = (
+        "answered_at",
+        "asked",
+        "entry",
+        "idle_at",
+        "retry_at",
+        "share",
+        "slot_ats",
+        "slots",
+        "switch_slots",
+        "use_within_s",
+        "used",
+        "want_pickups",
+        "want_slots",
+    )
 
     def __init__(self, entry: _Entry) -> None:
         self.entry: _Entry | None = entry  # its blocker (None after a reload, until used)
@@ -107,6 +123,7 @@ class _Grant:
         self.idle_at = _NEVER  # since when a leased slot is unused
         self.share: int | None = None  # the most to keep while others want some
         self.switch_slots = 0  # leases held when the node fell back
+        self.answered_at = 0.0  # when the store last answered for it
 
     def room(self) -> int:
         """Leases free for a new delivery (within the node's share)."""
@@ -148,12 +165,15 @@ class _Fallback:
 class ClusterLimits(GroupedLimits):
     """GroupedLimits whose cluster-scoped entries also need a grant."""
 
-    def __init__(self, idle_s: float = 5.0, lookahead: int = 0) -> None:
+    def __init__(self, idle_s: float = 5.0, lookahead: int = 0, refresh_s: float = 1.0
+                 ) -> None:
         super().__init__()
         self.idle_s = idle_s
+        self.refresh_s = refresh_s  # how often spare leases ask for the node's share
         self.lookahead = lookahead  # slots asked for beyond the next pickup
         self.grants: dict[str, _Grant] = {}
         self.fallback: _Fallback | None = None
+        self.comeback: _Fallback | None = None  # left lately, others maybe not yet
         self.cluster: frozenset[str] = frozenset()  # counter ids with scope: cluster
         self.returning: list[tuple[str, int]] = []  # leases to give back at the next step
 
@@ -195,6 +215,11 @@ class ClusterLimits(GroupedLimits):
             mine = replace(mine, concurrency=min(mine.concurrency, grant.switch_slots))
         return mine
 
+    def _comeback(self, now: float) -> _Fallback | None:
+        """The fall-back just left, while the other nodes may still be in it."""
+        cb = self.comeback
+        return cb if cb is not None and now < cb.until else None
+
     def _lacks(self, row: _Row, slot: int, now: float) -> bool:
         """Whether the entry's grant (or, fallen back, its share) holds a pickup."""
         th = row.prof.ths[slot]
@@ -204,6 +229,10 @@ class ClusterLimits(GroupedLimits):
                 return True
             return limits.held(self._fallen_back(self.fallback, th, grant, now), row.inflight,
                                row.times, row.last_at, now) is not None
+        cb = self._comeback(now)
+        if cb is not None and (cb.paused_until(th) > now or (
+                th.concurrency is not None and grant.used >= cb.share(th.concurrency))):
+            return True
         entry = row.entry(slot)
         short = False
         if th.concurrency is not None and grant.room() <= 0:
@@ -292,6 +321,12 @@ class ClusterLimits(GroupedLimits):
                                          row.inflight, row.times, row.last_at, now))
         if th.concurrency is not None:
             room = min(room, grant.room())
+        cb = self._comeback(now)
+        if cb is not None:
+            if cb.paused_until(th) > now:
+                return 0
+            if th.concurrency is not None:
+                room = min(room, cb.share(th.concurrency) - grant.used)
         if th.rate is not None or th.connectinterval_s:
             self._drop_stale(grant, now)
             room = min(room, sum(1 for at in grant.slot_ats if at <= now))
@@ -309,6 +344,8 @@ class ClusterLimits(GroupedLimits):
             paused = self.fallback.paused_until(th)
             if paused > now:
                 mine = paused if mine is None else max(mine, paused)
+        elif (cb := self._comeback(now)) is not None and cb.paused_until(th) > now:
+            mine = cb.paused_until(th)
         elif grant.slot_ats and grant.slot_ats[0] > now:
             mine = grant.slot_ats[0]
         elif grant.retry_at is not None and grant.retry_at > now:
@@ -332,6 +369,7 @@ class ClusterLimits(GroupedLimits):
                             self.returning.append((g.key, g.slots))
                         continue
                     grant.asked = False
+                    grant.answered_at = now
                     grant.slots = max(g.slots, grant.used)  # in flight keeps its lease
                     grant.share = g.share
                     self._give_back_above_share(grant)
@@ -345,6 +383,10 @@ class ClusterLimits(GroupedLimits):
                 return freed
             case ClusterModeChanged(shared=shared, nodes=nodes, rank=rank,
                                     transition_s=transition_s):
+                # Coming back, the others may still keep their shares for a
+                # while: keep to ours (and pause rates one window) meanwhile.
+                self.comeback = (replace(self.fallback, until=now + transition_s, since=now)
+                                 if shared and self.fallback is not None else None)
                 self.fallback = (None if shared else
                                  _Fallback(max(1, nodes), rank, now + transition_s, now))
                 self.returning.clear()  # the store forgets them (their TTL) or never heard
@@ -361,6 +403,9 @@ class ClusterLimits(GroupedLimits):
             case ClockTicked() if self.fallback is not None and self.fallback.until <= now \
                     and self.fallback.until > 0:
                 self.fallback = replace(self.fallback, until=0.0)  # transition over: shares
+                return [g.entry for g in self.grants.values() if g.entry is not None]
+            case ClockTicked() if self.comeback is not None and self.comeback.until <= now:
+                self.comeback = None  # every node is back: the store's grants alone
                 return [g.entry for g in self.grants.values() if g.entry is not None]
         return []
 
@@ -388,17 +433,22 @@ class ClusterLimits(GroupedLimits):
                     if len(grant.slot_ats) < waiting:
                         grant.want_pickups = max(grant.want_pickups, waiting)
             wants = grant.want_slots > grant.slots or grant.want_pickups > 0
-            if wants and not grant.asked and (grant.retry_at is None or grant.retry_at <= now):
+            # Spare leases: ask again now and then to learn our share (others
+            # may want some now), and give back what is above it.
+            stale = (th.concurrency is not None and grant.slots > grant.used
+                     and grant.answered_at + self.refresh_s <= now)
+            if (not waiting and grant.slots > grant.used
+                    and grant.idle_at + self.idle_s <= now):
+                returns.append((key, grant.slots - grant.used))
+                grant.slots = grant.used
+                grant.idle_at = _NEVER
+            elif (wants or stale) and not grant.asked and (
+                    grant.retry_at is None or grant.retry_at <= now or stale):
                 requests.append(GrantRequest(
                     key, th.concurrency, th.rate, th.connectinterval_s or None,
                     max(grant.want_slots, grant.used), grant.want_pickups, grant.used))
                 grant.asked = True
                 grant.want_slots = grant.want_pickups = 0
-            elif (not waiting and grant.slots > grant.used
-                  and grant.idle_at + self.idle_s <= now):
-                returns.append((key, grant.slots - grant.used))
-                grant.slots = grant.used
-                grant.idle_at = _NEVER
         out: list[Command] = []
         if returns:  # first: a request counts on the leases the store holds for us
             out.append(ReturnGrants(tuple(returns)))
@@ -410,9 +460,12 @@ class ClusterLimits(GroupedLimits):
         times = []
         if self.fallback is not None and self.fallback.until > 0:
             times.append(self.fallback.until)  # the transition's end frees room
+        if self.comeback is not None:
+            times.append(self.comeback.until)
         for g in self.grants.values():
             if g.slots > g.used and g.idle_at < _NEVER:
                 times.append(g.idle_at + self.idle_s)  # an idle lease to give back
+                times.append(g.answered_at + self.refresh_s)  # and our share to learn
             if g.retry_at is not None and g.entry is not None and g.entry.waiting():
                 times.append(g.retry_at)  # ask again on behalf of waiters
         return min(times, default=None)
