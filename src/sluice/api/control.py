@@ -527,7 +527,9 @@ class Control:
         snap = Snapshot(at=now, counts=self._counts[1], scheduler=self.scheduler.stats(),
                         manual_suspensions=manual, automatic_suspensions=len(views) - manual,
                         dead_destinations=dead, manager=self.manager.stats,
-                        agent=self.manager.agent.stats)
+                        agent=self.manager.agent.stats,
+                        cluster=None if self.manager.cluster is None
+                        else self.manager.cluster.status())
         self.metrics.snapshot = snap
         return snap
 

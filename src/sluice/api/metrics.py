@@ -249,6 +249,7 @@ class Snapshot:
     dead_destinations: int
     manager: Any  # ManagerStats
     agent: Any  # AgentStats
+    cluster: Any = None  # sluice.cluster.agent.ClusterStatus, in a cluster
 
 
 class _SnapshotCollector(Collector):
@@ -330,6 +331,9 @@ class _SnapshotCollector(Collector):
         for event in ("claimed", "delivered", "deferred", "bounced", "unrouted"):
             c.add_metric([event], float(getattr(m, event)))
         yield c
+        if snap.cluster is not None:
+            from sluice.cluster.metrics import families
+            yield from families(snap.cluster)
 
 
 class Metrics:

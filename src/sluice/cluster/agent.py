@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from sluice.accounting import EventKind, make_event
 from sluice.cluster.shared_limits import SharedLimits
+from sluice.cluster.shared_state import SHARED_EVENTS, SharedState, encode
 from sluice.config import Config
 from sluice.model import QueueEntry
 from sluice.queue import Queue
@@ -65,6 +67,7 @@ from sluice.scheduler.events import (
     MailArrived,
     ReturnGrants,
 )
+from sluice.scheduler.policy import Policy
 
 __all__ = ["ClusterAgent", "ClusterStatus", "NodeStore"]
 
@@ -84,7 +87,8 @@ class NodeStore(Protocol):
 
     node_id: str
 
-    def heartbeat(self, host: str, started_at: float, now: float) -> None: ...
+    def heartbeat(self, host: str, started_at: float, now: float, limits: str = ...
+                  ) -> None: ...
 
     def nodes(self) -> list[Any]: ...
 
@@ -111,8 +115,9 @@ class ClusterAgent:
     """Carries the scheduler's cluster commands to Redis and keeps this node alive."""
 
     def __init__(self, config: Config, queue: Queue, shared: SharedLimits, *,
-                 post: Callable[[Event], None], clock: Callable[[], float] = time.time
-                 ) -> None:
+                 post: Callable[[Event], None], clock: Callable[[], float] = time.time,
+                 change: Callable[[Event], None] | None = None,
+                 policy: Callable[[], Policy] | None = None) -> None:
         self.config = config
         self.queue = queue
         self.shared = shared
@@ -125,6 +130,15 @@ class ClusterAgent:
         self.state = ClusterStatus(self.node_id,
                                    postgres_reachable=None if self.nodes_store is None else True)
         self._commands: asyncio.Queue[Command] = asyncio.Queue()
+        # Operator changes to and from the other nodes (the postgres queue only).
+        self.change = change
+        self.policy = policy
+        self.shared_state = None
+        if self.nodes_store is not None and change is not None:
+            dsn = os.environ.get("SLUICE_PG_DSN") or config.queue.postgres.dsn
+            if dsn:
+                self.shared_state = SharedState(dsn, self.node_id)
+        self._outgoing: asyncio.Queue[tuple[str, dict[str, Any] | None]] = asyncio.Queue()
         self._retry = asyncio.Event()
 
     # -- from the queue manager -----------------------------------------------------
@@ -137,6 +151,13 @@ class ClusterAgent:
     def status(self) -> ClusterStatus:
         return self.state
 
+    def publish(self, event: Event) -> None:
+        """An operator change made here: give it to the other nodes."""
+        if self.shared_state is None or not isinstance(event, SHARED_EVENTS):
+            return
+        assert self.policy is not None
+        self._outgoing.put_nowait(encode(event, self.policy()))
+
     # -- the tasks ------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -146,6 +167,11 @@ class ClusterAgent:
                      group.create_task(self._beat(stop), name="cluster-heartbeat")]
             if self.nodes_store is not None:
                 tasks.append(group.create_task(self._watch_nodes(stop), name="cluster-nodes"))
+            if self.shared_state is not None:
+                assert self.change is not None
+                tasks.append(group.create_task(self.shared_state.follow(self.change, stop),
+                                               name="cluster-follow"))
+                tasks.append(group.create_task(self._send_changes(), name="cluster-publish"))
             await stop.wait()
             for task in tasks:
                 task.cancel()
@@ -169,6 +195,22 @@ class ClusterAgent:
                 continue
             self.state.grant_round_trips += 1
             self.state.grant_seconds += time.perf_counter() - started
+
+    async def _send_changes(self) -> None:
+        state = self.shared_state
+        assert state is not None
+        while True:
+            key, body = await self._outgoing.get()
+            for attempt in range(5):
+                try:
+                    await asyncio.to_thread(state.publish, key, body)
+                    break
+                except Exception as exc:  # PostgreSQL down: try a few times, then say so
+                    if attempt == 4:
+                        log.error("cluster: change %s not given to the other nodes: %s",
+                                  key, _one_line(exc))
+                    else:
+                        await asyncio.sleep(0.5 * 2 ** attempt)
 
     async def _beat(self, stop: asyncio.Event) -> None:
         interval = self.config.cluster.heartbeat_interval
@@ -218,7 +260,8 @@ class ClusterAgent:
         while not stop.is_set():
             now = self.clock()
             try:
-                await asyncio.to_thread(store.heartbeat, self.host, self.started_at, now)
+                await asyncio.to_thread(store.heartbeat, self.host, self.started_at, now,
+                                        "shared" if self.state.shared else "fallback")
                 rows = await asyncio.to_thread(store.nodes)
                 self.state.postgres_reachable = True
                 self.state.live_nodes = sorted(

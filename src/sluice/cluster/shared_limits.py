@@ -39,9 +39,11 @@ STRATEGIES
     the node uses each within ``use_within`` of its date (half the
     spacing), so any window of Y seconds holds at most X + 1 pickups of
     the whole cluster.  Dates travel as offsets from Redis's clock, so the
-    nodes' clocks need not agree; a node places Redis's "now" in the middle
-    of the round trip, and the other half of the spacing absorbs the error
-    of that and of waking up on time.
+    nodes' clocks need not agree; a node reads them on its own clock
+    through the offset measured in the quickest of its last round trips
+    (Redis's time against the middle of the trip, as NTP does), so that a
+    late answer does not move them; the other half of the spacing absorbs
+    what error is left.
 
 LIMITATIONS
     One Redis (a primary, with replicas for failover if wanted), not Redis
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import os
 import ssl
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +87,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('SET', p .. 'node:' .. node, now, 'PX', ttl)
 redis.call('ZADD', p .. 'nodes', now, node)
-local out = {}
+local out = {tonumber(t[1]) * 1000000 + tonumber(t[2])}  -- Redis's now, microseconds
 local i = 8
 while i <= #ARGV do
   local key, conc, spacing = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
@@ -137,7 +140,7 @@ while i <= #ARGV do
     if tat < now then tat = now end
     for _ = 1, pickups do
       if tat > now + horizon then break end
-      table.insert(dates, math.floor((tat - now) * 1000))  -- microseconds
+      table.insert(dates, math.floor(tat * 1000))  -- microseconds, Redis's clock
       tat = tat + spacing
     end
     redis.call('SET', gk, tat, 'PX', math.ceil(math.max(ttl, tat - now + ttl)))
@@ -195,6 +198,7 @@ class SharedLimits:
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.timeout_s = timeout_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=32)  # (delay, offset)
         self._args = [prefix, node_id, str(int(lease_ttl_s * 1000)),
                       str(int(want_window_s * 1000)), str(int(horizon_s * 1000)),
                       str(int(retry_s * 1000)), str(int(max_use_within_s * 1000))]
@@ -230,7 +234,7 @@ class SharedLimits:
 
     async def acquire(self, cmd: AcquireGrants, clock: Callable[[], float]) -> GrantsChanged:
         """Ask for every request of ``cmd``; the answer in this node's time
-        (``clock``'s): Redis's "now" is taken as the middle of the round trip."""
+        (``clock``'s, through the measured offset of the two clocks)."""
         args = list(self._args)
         for r in cmd.requests:
             spacing = 0.0
@@ -242,17 +246,26 @@ class SharedLimits:
                      repr(spacing * 1000), str(r.slots), str(r.pickups), str(r.in_use)]
         sent = clock()
         raw = [int(x) for x in await self._acquire(args=args)]
-        now = (sent + clock()) / 2
+        received = clock()
+        offset = self._offset(raw[0] / 1e6, sent, received)
+        now = received
         grants = []
-        pos = 0
+        pos = 1
         for r in cmd.requests:
             slots, share, retry, within, n = raw[pos:pos + 5]
-            dates = tuple(now + d / 1e6 for d in raw[pos + 5:pos + 5 + n])
+            dates = tuple(d / 1e6 - offset for d in raw[pos + 5:pos + 5 + n])
             pos += 5 + n
             grants.append(Grant(r.key, slots, dates, within / 1000,
                                 None if retry < 0 else now + retry / 1000,
                                 None if share < 0 else share))
         return GrantsChanged(tuple(grants))
+
+    def _offset(self, redis_now: float, sent: float, received: float) -> float:
+        """Redis's clock minus this node's, from the round trips with the
+        least delay among the last few: a stalled event loop (a late
+        ``received``) must not move the dates."""
+        self._samples.append((received - sent, redis_now - (sent + received) / 2))
+        return min(self._samples)[1]
 
     async def give_back(self, cmd: ReturnGrants) -> None:
         """Return leases this node holds and does not use."""
@@ -270,6 +283,14 @@ class SharedLimits:
             if held:
                 out[str(key)[start:]] = {str(k): int(v) for k, v in held.items()}
         return out
+
+    async def nodes_seen(self) -> dict[str, float]:
+        """Every node's last heartbeat in Redis, as its age in seconds."""
+        secs, micros = await self.client.time()
+        now_ms = int(secs) * 1000 + int(micros) // 1000
+        seen: list[Any] = await self.client.zrange(f"{self.prefix}nodes", 0, -1,
+                                                   withscores=True)
+        return {str(node): max(0.0, (now_ms - float(score)) / 1000) for node, score in seen}
 
     async def ping(self) -> bool:
         """Whether Redis answers."""

@@ -193,7 +193,9 @@ class QueueManager:
         self._change_seq = 0
         self._bounce_pending = False
         self.cluster = (None if shared is None else
-                        ClusterAgent(config, queue, shared, post=self.post, clock=self._now))
+                        ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
+                                     change=functools.partial(self.change, publish=False),
+                                     policy=lambda: self.scheduler.policy))
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -210,14 +212,17 @@ class QueueManager:
         self._events.append(event)
         self._wake.set()
 
-    def change(self, event: Event) -> None:
+    def change(self, event: Event, *, publish: bool = True) -> None:
         """An operator's change (a policy reload, a condition or suspension
         added or removed): checked now -- ValueError says what is wrong, and
-        nothing changes -- then applied by the loop."""
+        nothing changes -- then applied by the loop, and in a cluster given
+        to the other nodes (``publish``: not when it came from them)."""
         if not isinstance(event, _OPERATOR_EVENTS):
             raise TypeError(f"{type(event).__name__} is not an operator change")
         self.scheduler.check(event)
         self.post(event)
+        if publish and self.cluster is not None:
+            self.cluster.publish(event)
 
     def notify_mail(self, count: int = 1) -> None:
         """New mail was queued: refill soon (receivers call this)."""

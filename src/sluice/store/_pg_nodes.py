@@ -11,9 +11,11 @@ DESCRIPTION
     heartbeat is older than the cluster's ``node_lease`` is dead: any
     other node returns the entries it had claimed (``owner`` = its id, in
     state active or delivering) to the queue as deferred and due now, and
-    removes its row.  The row is locked (FOR UPDATE SKIP LOCKED) and its age
-    checked again in the same transaction, so one node does it once, and a
-    node that comes back in the meantime keeps its claims.
+    removes its row.  The row is locked (FOR UPDATE SKIP LOCKED) and its
+    age checked again in the same transaction, so one node does it once,
+    and a node that comes back in the meantime keeps its claims.  The same
+    DDL makes ``sluice_cluster_state``, the operator changes every node
+    follows (sluice.cluster.shared_state).
 
     A node that comes back after it was taken over finds its row gone and
     writes a new one; the deliveries it still had in flight are then also
@@ -38,8 +40,18 @@ CREATE TABLE IF NOT EXISTS sluice_nodes (
     id           text PRIMARY KEY,
     host         text NOT NULL DEFAULT '',
     started_at   double precision NOT NULL,
-    heartbeat_at double precision NOT NULL
-)
+    heartbeat_at double precision NOT NULL,
+    limits       text NOT NULL DEFAULT 'shared'
+);
+CREATE SEQUENCE IF NOT EXISTS sluice_cluster_seq;
+CREATE TABLE IF NOT EXISTS sluice_cluster_state (
+    key     text PRIMARY KEY,
+    seq     bigint NOT NULL,
+    node    text NOT NULL,
+    at      timestamptz NOT NULL DEFAULT now(),
+    deleted boolean NOT NULL DEFAULT false,
+    body    jsonb
+);
 """
 
 
@@ -52,27 +64,31 @@ class NodeRow:
     started_at: float
     heartbeat_at: float
     claims: int
+    limits: str  # "shared" (through Redis) or "fallback" (its share, alone)
 
 
 def ensure(conn: Any) -> None:
     conn.execute(DDL)
 
 
-def heartbeat(conn: Any, node: str, host: str, started_at: float, now: float) -> None:
+def heartbeat(conn: Any, node: str, host: str, started_at: float, now: float,
+              limits: str = "shared") -> None:
     conn.execute(
-        "INSERT INTO sluice_nodes (id, host, started_at, heartbeat_at) VALUES (%s, %s, %s, %s) "
+        "INSERT INTO sluice_nodes (id, host, started_at, heartbeat_at, limits) "
+        "VALUES (%s, %s, %s, %s, %s) "
         "ON CONFLICT (id) DO UPDATE SET host = EXCLUDED.host, "
-        "started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at",
-        (node, host, started_at, now))
+        "started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at, "
+        "limits = EXCLUDED.limits",
+        (node, host, started_at, now, limits))
 
 
 def nodes(conn: Any) -> list[NodeRow]:
     rows = conn.execute(
-        "SELECT n.id, n.host, n.started_at, n.heartbeat_at, "
+        "SELECT n.id, n.host, n.started_at, n.heartbeat_at, n.limits, "
         "(SELECT count(*) FROM sluice_queue q WHERE q.owner = n.id "
         " AND q.state IN ('active', 'delivering')) "
         "FROM sluice_nodes n ORDER BY n.id").fetchall()
-    return [NodeRow(r[0], r[1], float(r[2]), float(r[3]), int(r[4])) for r in rows]
+    return [NodeRow(r[0], r[1], float(r[2]), float(r[3]), int(r[5]), r[4]) for r in rows]
 
 
 def take_over(conn: Any, dead: str, now: float, older_than: float) -> list[QueueEntry]:

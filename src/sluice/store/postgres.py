@@ -735,10 +735,11 @@ class PgStore:
 
     # -- the cluster's nodes (sluice.store._pg_nodes) -------------------------------------
 
-    def heartbeat(self, host: str, started_at: float, now: float) -> None:
-        """This node is alive (its row in sluice_nodes, made on first use)."""
+    def heartbeat(self, host: str, started_at: float, now: float, limits: str = "shared"
+                  ) -> None:
+        """This node is alive (its row in sluice_nodes), its limits so shared."""
         def work(batch: _Batch) -> None:
-            _pg_nodes.heartbeat(batch.conn, self.node_id, host, started_at, now)
+            _pg_nodes.heartbeat(batch.conn, self.node_id, host, started_at, now, limits)
         self._call(work)
 
     def nodes(self) -> list[_pg_nodes.NodeRow]:
