@@ -208,3 +208,51 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
             with contextlib.suppress(Exception):
                 node.stop(signal.SIGKILL)
         sink.stop_thread()
+
+
+def test_a_backlog_for_one_destination_spreads_over_two_nodes(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    # 40 messages for one slow destination, all handed to n0: n0 holds at most
+    # claim_per_destination (5) of them claimed, so n1 takes its part of the
+    # backlog instead of idling.
+    sink = Sink(default=Behaviour("slow", seconds=0.2))
+    sport = sink.start_in_thread()
+    dsn = dsn_for(tmp_path)
+    nodes: list[Serving] = []
+    try:
+        for name in ("n0", "n1"):
+            home = tmp_path / name
+            home.mkdir()
+            policy = home / "policy.yaml"
+            policy.write_text("- fields: [recipientdomain]\n  concurrency: 2\n")
+            port = free_port()
+            config = write_serve_config(
+                home, port, node={"id": name, "hostname": f"{name}.sluice.test"},
+                queue={"store": "postgres", "postgres": {"dsn": dsn}},
+                scheduler={"policy": str(policy)},
+                delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"},
+                          "timeouts": {"idle": 0}},
+                cluster={"redis": redis_server.url, "claim_per_destination": 5,
+                         "heartbeat_interval": "0.5s"})
+            nodes.append(start_serve_with(config, home, port))
+        for n in range(40):  # all to n0
+            with smtplib.SMTP("127.0.0.1", nodes[0].port, timeout=10) as client:
+                client.sendmail("s@sender.example", [f"r{n}@one.example"],
+                                b"Subject: spread\r\n\r\nx\r\n")
+        assert wait_until(lambda: sink.snapshot().total_delivered >= 40, 120)
+        by_node: Counter[str] = Counter()
+        for node in nodes:
+            for f in (node.dir / "log").glob("*.jsonl"):
+                for line in f.read_text().splitlines():
+                    event = json.loads(line)
+                    if event["event"] == "delivered":
+                        by_node[event["node"]] += 1
+        print(f"\nspread: {dict(by_node)}")
+        assert sum(by_node.values()) == 40
+        assert min(by_node["n0"], by_node["n1"]) >= 10, "one node kept the backlog"
+        assert sink.snapshot().peak_by_domain["one.example"] <= 2
+    finally:
+        for node in nodes:
+            with contextlib.suppress(Exception):
+                node.stop(signal.SIGKILL)
+        sink.stop_thread()
