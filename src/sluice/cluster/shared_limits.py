@@ -38,12 +38,14 @@ STRATEGIES
     entry's theoretical arrival time, never more than ``horizon`` ahead;
     the node uses each within ``use_within`` of its date (half the
     spacing), so any window of Y seconds holds at most X + 1 pickups of
-    the whole cluster.  Dates travel as offsets from Redis's clock, so the
-    nodes' clocks need not agree; a node reads them on its own clock
-    through the offset measured in the quickest of its last round trips
-    (Redis's time against the middle of the trip, as NTP does), so that a
-    late answer does not move them; the other half of the spacing absorbs
-    what error is left.
+    the whole cluster.  ``use_within`` is never under 5 ms (a node's step
+    takes about that): above 100 pickups a second per entry the bound
+    loosens by one pickup per spacing in 5 ms (0.5 % at 1,000/s).  Dates
+    travel in Redis's clock, so the nodes' clocks need not agree; a node
+    reads them on its own clock through the offset measured in the quickest
+    of its last round trips (Redis's time against the middle of the trip,
+    as NTP does), so that a late answer does not move them; the other half
+    of the spacing absorbs what error is left.
 
 LIMITATIONS
     One Redis (a primary, with replicas for failover if wanted), not Redis
@@ -74,21 +76,24 @@ ENV_PASSWORD = "SLUICE_REDIS_PASSWORD"
 
 # KEYS: none (the keys are computed; see LIMITATIONS).
 # ARGV: prefix, node, lease_ttl_ms, want_window_ms, horizon_ms, retry_ms, max_use_within_ms,
+#       min_use_within_ms,
 #       then per request: key, concurrency (-1: none), spacing_ms (0: none), slots, pickups,
 #       in_use.
 # (spacing_ms may have a fraction: 1000/30 is not 33.)
-# Returns per request: slots, share (-1: none), retry_ms (-1: none), use_within_ms, n, then
+# Returns per request: slots, share (-1: none), retry_ms (-1: none), use_within_us, n, then
 # n dates as microseconds from Redis's now.
 _ACQUIRE = """
 local p, node = ARGV[1], ARGV[2]
 local ttl, window, horizon = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local retry_ms, max_within = tonumber(ARGV[6]), tonumber(ARGV[7])
+local min_within = tonumber(ARGV[8])
+-- Requests begin after the eight arguments above.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('SET', p .. 'node:' .. node, now, 'PX', ttl)
 redis.call('ZADD', p .. 'nodes', now, node)
 local out = {tonumber(t[1]) * 1000000 + tonumber(t[2])}  -- Redis's now, microseconds
-local i = 8
+local i = 9
 while i <= #ARGV do
   local key, conc, spacing = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local want, pickups, in_use = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5])
@@ -149,7 +154,7 @@ while i <= #ARGV do
     elseif #dates < pickups and retry < 0 then
       retry = math.ceil(tat - horizon - now)
     end
-    within = math.min(max_within, math.floor(spacing * 0.5))
+    within = math.floor(math.max(min_within, math.min(max_within, spacing * 0.5)) * 1000)
   end
   table.insert(out, slots)
   table.insert(out, share)
@@ -192,7 +197,8 @@ class SharedLimits:
     def __init__(self, url: str, node_id: str, *, password: str | None = None,
                  ca: str | None = None, lease_ttl_s: float = 30.0, prefix: str = "sluice:",
                  timeout_s: float = 2.0, want_window_s: float = 2.0, horizon_s: float = 1.0,
-                 retry_s: float = 0.25, max_use_within_s: float = 0.5) -> None:
+                 retry_s: float = 0.25, max_use_within_s: float = 0.5,
+                 min_use_within_s: float = 0.005) -> None:
         self.url = url
         self.node_id = node_id
         self.prefix = prefix
@@ -201,7 +207,8 @@ class SharedLimits:
         self._samples: deque[tuple[float, float]] = deque(maxlen=32)  # (delay, offset)
         self._args = [prefix, node_id, str(int(lease_ttl_s * 1000)),
                       str(int(want_window_s * 1000)), str(int(horizon_s * 1000)),
-                      str(int(retry_s * 1000)), str(int(max_use_within_s * 1000))]
+                      str(int(retry_s * 1000)), str(int(max_use_within_s * 1000)),
+                      repr(min_use_within_s * 1000)]
         kwargs: dict[str, Any] = {"socket_timeout": timeout_s,
                                   "socket_connect_timeout": timeout_s,
                                   "decode_responses": True}
@@ -255,7 +262,7 @@ class SharedLimits:
             slots, share, retry, within, n = raw[pos:pos + 5]
             dates = tuple(d / 1e6 - offset for d in raw[pos + 5:pos + 5 + n])
             pos += 5 + n
-            grants.append(Grant(r.key, slots, dates, within / 1000,
+            grants.append(Grant(r.key, slots, dates, within / 1e6,
                                 None if retry < 0 else now + retry / 1000,
                                 None if share < 0 else share))
         return GrantsChanged(tuple(grants))

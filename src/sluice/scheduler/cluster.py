@@ -33,6 +33,10 @@ STRATEGIES
     sub-queues waiting on it.  One AcquireGrants per step carries every
     request, so the runtime makes one round trip per batch.  A request
     already asked for is not asked again until its answer or its retry time.
+    Dates come in batches: a grant that used every date it had asks for
+    twice as many next time (at most a quarter of the rate's count, and
+    64), one that let a date go stale for half as many, so a busy entry
+    costs a round trip per batch, not per pickup.
 
     Fall back to a share.  When the shared store is unreachable
     (ClusterModeChanged(shared=False, nodes, rank)), every cluster limit L
@@ -84,6 +88,7 @@ from sluice.scheduler.policy import Policy, Rate, Thresholds
 __all__ = ["ClusterLimits", "cluster_key"]
 
 _NEVER = float("inf")
+MAX_BATCH = 64
 
 
 def cluster_key(entry: Entry) -> str:
@@ -97,6 +102,7 @@ class _Grant:
     __slots__ = (
         "answered_at",
         "asked",
+        "batch",
         "entry",
         "idle_at",
         "retry_at",
@@ -124,6 +130,7 @@ class _Grant:
         self.share: int | None = None  # the most to keep while others want some
         self.switch_slots = 0  # leases held when the node fell back
         self.answered_at = 0.0  # when the store last answered for it
+        self.batch = 1  # dates to ask for at once; doubles while all are used
 
     def room(self) -> int:
         """Leases free for a new delivery (within the node's share)."""
@@ -246,10 +253,22 @@ class ClusterLimits(GroupedLimits):
         return short
 
     @staticmethod
+    def _batch_cap(th: Thresholds) -> int:
+        """The most dates to ask for at once: a quarter of a rate's count
+        (the other nodes get theirs too), at most MAX_BATCH."""
+        if th.rate is None:
+            return 1
+        return max(1, min(MAX_BATCH, th.rate.count // 4))
+
+    @staticmethod
     def _drop_stale(grant: _Grant, now: float) -> None:
         ats = grant.slot_ats
+        dropped = False
         while ats and ats[0] + grant.use_within_s < now:
             ats.popleft()
+            dropped = True
+        if dropped:  # asked for more than it could use: ask for fewer
+            grant.batch = max(1, grant.batch // 2)
 
     def holder(self, binding: _Binding, now: float) -> Entry | None:
         entry = super().holder(binding, now)
@@ -444,9 +463,14 @@ class ClusterLimits(GroupedLimits):
                 grant.idle_at = _NEVER
             elif (wants or stale) and not grant.asked and (
                     grant.retry_at is None or grant.retry_at <= now or stale):
+                pickups = grant.want_pickups
+                if pickups:
+                    if not grant.slot_ats:  # used every date it had: ask for more at once
+                        grant.batch = min(self._batch_cap(th), grant.batch * 2)
+                    pickups = max(pickups, grant.batch)
                 requests.append(GrantRequest(
                     key, th.concurrency, th.rate, th.connectinterval_s or None,
-                    max(grant.want_slots, grant.used), grant.want_pickups, grant.used))
+                    max(grant.want_slots, grant.used), pickups, grant.used))
                 grant.asked = True
                 grant.want_slots = grant.want_pickups = 0
         out: list[Command] = []
