@@ -524,12 +524,15 @@ class Control:
         views = self.scheduler.suspensions(self.now())
         manual = sum(1 for v in views if not v.automatic)
         dead = sum(1 for d in self.scheduler.destinations(self.now()) if d.dead)
+        tenants = self.scheduler.tenants()
+        self.metrics.observe_tenants(tenants)
         snap = Snapshot(at=now, counts=self._counts[1], scheduler=self.scheduler.stats(),
                         manual_suspensions=manual, automatic_suspensions=len(views) - manual,
                         dead_destinations=dead, manager=self.manager.stats,
                         agent=self.manager.agent.stats,
                         cluster=None if self.manager.cluster is None
-                        else self.manager.cluster.status())
+                        else self.manager.cluster.status(),
+                        tenants=tenants)
         self.metrics.snapshot = snap
         return snap
 
