@@ -183,6 +183,12 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
         assert {n for n, v in status["nodes"].items() if v.get("alive")} == {"n0", "n1"}
         assert all(status["nodes"][n]["limits"] == "shared" for n in ("n0", "n1"))
         auth = {"Authorization": f"Bearer {TOKEN}"}
+        api = httpx.get(f"http://127.0.0.1:{api_ports[1]}/api/v1/cluster", headers=auth).json()
+        assert api["this"]["shared"] and api["this"]["node"] == "n1"
+        assert {n for n, v in api["nodes"].items() if v.get("alive")} == {"n0", "n1"}
+        takeovers = httpx.get(f"http://127.0.0.1:{api_ports[0]}/api/v1/cluster",
+                              headers=auth).json()["this"]["takeovers"]
+        assert takeovers + api["this"]["takeovers"] == 1  # n2, by one of them, once
         metrics = httpx.get(f"http://127.0.0.1:{api_ports[0]}/metrics", headers=auth).text
         assert "sluice_cluster_limits_shared 1.0" in metrics
         assert re.search(r"^sluice_cluster_fallbacks_total [1-9]", metrics, re.MULTILINE)

@@ -63,6 +63,7 @@ from sluice.api.models import (
     AuditRecordModel,
     AuditRef,
     ChangeRequest,
+    ClusterReport,
     ConditionRequest,
     ConditionResult,
     CounterPage,
@@ -412,6 +413,15 @@ def build_app(control: Control, tokens: Tokens) -> FastAPI:
     async def throughput() -> dict[str, Any]:
         """Recipients accepted, delivered, deferred and bounced: totals and rates."""
         return control.throughput()
+
+    @api.get("/cluster", response_model=ClusterReport, tags=["scheduler"])
+    async def cluster() -> dict[str, Any]:
+        """The cluster as this node sees it (docs/cluster.md): every node's heartbeat
+        age, limits (shared or fallen back) and claims in flight, the shared counters
+        in use, and whether Redis and PostgreSQL answer."""
+        from sluice.cluster.report import cluster_report
+
+        return await cluster_report(control.config, control.manager.cluster)
 
     # -- policy and suspensions ------------------------------------------------------------
 

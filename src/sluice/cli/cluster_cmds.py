@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 from typing import Any
 
 from sluice.cli import CommandError, load
+from sluice.cluster.report import cluster_report
 from sluice.cluster.shared_limits import SharedLimits
-from sluice.config import Config
 
 
 def register(sub: Any) -> None:
@@ -28,63 +27,12 @@ def register(sub: Any) -> None:
     status.set_defaults(func=cmd_status)
 
 
-def gather(config: Config) -> dict[str, Any]:
-    """What `cluster status` shows, as plain data."""
-    out: dict[str, Any] = {"node": config.node.id, "redis": None, "postgres": None,
-                           "nodes": {}, "leases": {}}
-    if config.queue.store == "postgres":
-        out["postgres"] = _postgres(config, out["nodes"])
-    shared = SharedLimits.from_config(config)
-    if shared is not None:
-        out["redis"] = asyncio.run(_redis(shared, out))
-    return out
-
-
-def _postgres(config: Config, nodes: dict[str, Any]) -> dict[str, Any]:
-    from sluice.store.postgres import PgStore
-
-    try:
-        store = PgStore.from_config(config)
-    except Exception as exc:  # unreachable, refused: say so
-        return {"reachable": False, "error": str(exc).splitlines()[0]}
-    try:
-        now = time.time()
-        for row in store.nodes():
-            nodes.setdefault(row.id, {}).update(
-                host=row.host, heartbeat_age_s=round(now - row.heartbeat_at, 1),
-                alive=now - row.heartbeat_at < config.cluster.node_lease,
-                claims=row.claims, limits=row.limits,
-                up_s=round(now - row.started_at, 1))
-    finally:
-        store.close()
-    return {"reachable": True}
-
-
-async def _redis(shared: SharedLimits, out: dict[str, Any]) -> dict[str, Any]:
-    try:
-        if not await shared.ping():
-            return {"reachable": False, "url": _masked(shared.url)}
-        for node, age in (await shared.nodes_seen()).items():
-            out["nodes"].setdefault(node, {})["redis_heartbeat_age_s"] = round(age, 1)
-        out["leases"] = await shared.in_use()
-        return {"reachable": True, "url": _masked(shared.url)}
-    finally:
-        await shared.close()
-
-
-def _masked(url: str) -> str:
-    if "@" in url:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.rpartition('@')[2]}"
-    return url
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     config = load(args)
     if config.queue.store != "postgres" and SharedLimits.from_config(config) is None:
         raise CommandError(f"{config.source}: not a cluster: neither cluster.redis nor a "
                            "postgres queue is configured", 2)
-    data = gather(config)
+    data = asyncio.run(cluster_report(config))
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
