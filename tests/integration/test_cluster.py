@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -37,8 +38,10 @@ from tests.integration.serving import (
     wait_until,
     write_serve_config,
 )
+from tests.integration.test_web_admin import ROOT, browser
 
-__all__ = ["redis_server"]
+__all__ = ["browser", "redis_server"]
+SCREENSHOT = ROOT / "artifacts" / "web-cluster.png"
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -106,8 +109,29 @@ class Injector:
                 break
 
 
+def cluster_page(url: str, browser: Any) -> None:
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(15_000)
+    page.goto(url + "/")
+    page.fill("#token", TOKEN)
+    page.click("#login-button")
+    page.wait_for_selector("#cluster-panel", state="visible")
+    expect(page.locator("#cluster-stores")).to_contain_text("Redis reachable")
+    page.wait_for_selector("#cluster tr")
+    rows = page.eval_on_selector_all(
+        "#cluster tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+    live = {r[0].split(" ")[0]: r[1] for r in rows}
+    assert live["n0"] == "shared" and live["n1"] == "shared", rows
+    assert any("(this node)" in r[0] for r in rows)
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    page.close()
+
+
 def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
-        tmp_path: Path, redis_server: RedisServer) -> None:
+        tmp_path: Path, redis_server: RedisServer, browser: Any) -> None:
     sink = Sink(default=Behaviour("slow", seconds=0.03), keep=True)
     sport = sink.start_in_thread()
     dsn = dsn_for(tmp_path)
@@ -192,6 +216,9 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
         metrics = httpx.get(f"http://127.0.0.1:{api_ports[0]}/metrics", headers=auth).text
         assert "sluice_cluster_limits_shared 1.0" in metrics
         assert re.search(r"^sluice_cluster_fallbacks_total [1-9]", metrics, re.MULTILINE)
+
+        # The web page shows the same, in headless Chromium.
+        cluster_page(f"http://127.0.0.1:{api_ports[0]}", browser)
 
         # A suspension made on n0 holds on n1 within a second or so.
         made = time.monotonic()
