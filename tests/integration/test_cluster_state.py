@@ -59,34 +59,25 @@ def test_changes_reach_the_other_node_and_a_newcomer_finds_them(tmp_path: Path) 
     assert seen == changes  # in order, each once, none of b's own
     # A node that starts later finds the live state: s1 and the condition
     # (s2 was added and removed: nothing of it).
-    late: list[Event] = []
-
-    async def newcomer() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(SharedState(dsn, "c").follow(late.append, stop))
-        for _ in range(100):
-            if len(late) >= 2:
-                break
-            await asyncio.sleep(0.05)
-        stop.set()
-        await task
-
-    asyncio.run(newcomer())
-    assert late == changes[:2]
+    assert follow_until(dsn, "c") == changes[:2]
     # Installing a policy removes the conditions added at run time, for all.
     a.publish(*encode(PolicyReloaded(POLICY), POLICY))
-    last: list[Event] = []
+    last = follow_until(dsn, "d")
+    assert [type(e) for e in last] == [SuspensionAdded, PolicyReloaded]
+    assert ConditionRemoved not in [type(e) for e in last]
 
-    async def again() -> None:
+
+def follow_until(dsn: str, node: str) -> list[Event]:
+    """What a node that starts now applies when it first catches up."""
+    got: list[Event] = []
+
+    async def run() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(SharedState(dsn, "d").follow(last.append, stop))
-        for _ in range(100):
-            if len(last) >= 2:
-                break
-            await asyncio.sleep(0.05)
+        state = SharedState(dsn, node)
+        task = asyncio.create_task(state.follow(got.append, stop))
+        await asyncio.wait_for(state.following.wait(), 30)
         stop.set()
         await task
 
-    asyncio.run(again())
-    assert [type(e) for e in last] == [SuspensionAdded, PolicyReloaded]
-    assert ConditionRemoved not in [type(e) for e in last]
+    asyncio.run(run())
+    return got
