@@ -94,6 +94,9 @@ class SinkStats:
     peak_by_domain: collections.Counter[str] = field(default_factory=collections.Counter)
     peers: collections.Counter[str] = field(default_factory=collections.Counter)
     accepted_at: dict[str, list[float]] = field(default_factory=dict)
+    # per recipient, when its connection opened: the nearest the sink sees
+    # to the sender's pickup (rate tests; with no connection reuse)
+    connected_at: dict[str, list[float]] = field(default_factory=dict)
 
     def copy(self) -> SinkStats:
         return SinkStats(
@@ -107,6 +110,7 @@ class SinkStats:
             peak_by_domain=collections.Counter(self.peak_by_domain),
             peers=collections.Counter(self.peers),
             accepted_at={k: list(v) for k, v in self.accepted_at.items()},
+            connected_at={k: list(v) for k, v in self.connected_at.items()},
         )
 
     @property
@@ -133,8 +137,10 @@ class _SinkSMTP(SMTP):
         super().__init__(*args, **kwargs)
         self._sink = sink
         self._domains: set[str] = set()
+        self.connected_at = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.connected_at = time.time()
         super().connection_made(transport)
         self._sink._on_connect(self)
 
@@ -191,6 +197,9 @@ class Sink:
                 s.current_by_domain[domain] += 1
                 s.peak_by_domain[domain] = max(s.peak_by_domain[domain],
                                                s.current_by_domain[domain])
+        if isinstance(server, _SinkSMTP):
+            with self._lock:
+                self._stats.connected_at.setdefault(domain, []).append(server.connected_at)
         b = self.behaviour(domain)
         if b.kind == "reject":
             return self._reply(domain, 550, f"5.1.1 <{address}>: no such user here")

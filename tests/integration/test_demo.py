@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 
 import pytest
@@ -31,3 +32,14 @@ def test_demo_delivers_greylisted_mail_and_bounces_rejected_mail() -> None:
     summary = out[out.index("Done in"):].replace("\n", " ")
     assert "200 messages accepted" in summary
     assert "rejected and answered with" in summary
+
+
+@pytest.mark.slow
+def test_the_cluster_demo_holds_its_limit_across_two_nodes() -> None:
+    out = subprocess.run([SLUICE, "demo", "--nodes", "2", "--messages", "90", "--timeout", "90"],
+                         capture_output=True, text=True, timeout=240, env=subprocess_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    m = re.search(r"(\d+) of (\d+) messages delivered; peak (\d+) connections", out.stdout)
+    assert m and m.group(1) == m.group(2) == "90", out.stdout[-1500:]
+    assert int(m.group(3)) <= 3
+    assert "n1" in out.stdout and "Redis: reachable" in out.stdout

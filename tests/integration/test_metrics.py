@@ -107,6 +107,14 @@ def test_metrics_count_what_happened_with_bounded_labels(tmp_path: Path) -> None
     # processes, and this test, write through stores of their own).
     assert total(m, "sluice_store_write_seconds_count", op="submit") == 1
     assert total(m, "sluice_active_queue_limit_recipients") == 10000
+    # Per tenant, with the accounting log's bounded labels: every pickup counted
+    # once (13 deliveries and the greylisted retry's first try at least).
+    assert total(m, "sluice_tenant_pickups_total") >= 14
+    assert (total(m, "sluice_tenant_pickups_total", tenant="t1")
+            + total(m, "sluice_tenant_pickups_total", tenant="other")) == 2
+    assert {lab["tenant"] for lab, _ in m["sluice_tenant_pickups_total"]} <= {
+        "none", "t1", "other"}
+    assert "sluice_tenant_inflight_deliveries" in m and "sluice_tenant_queued_jobs" in m
     assert not any(name.endswith("_created") for name in m)
 
 

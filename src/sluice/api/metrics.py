@@ -263,6 +263,8 @@ class Snapshot:
     manager: Any  # sluice.api.ports.ManagerCounters
     agent: Any  # sluice.api.ports.ConnectionCounters
     parts: list[PartSample] = field(default_factory=list)
+    cluster: Any = None  # sluice.cluster.agent.ClusterStatus, in a cluster
+    tenants: Any = None  # list of sluice.scheduler.TenantView
 
 
 class _SnapshotCollector(Collector):
@@ -344,7 +346,34 @@ class _SnapshotCollector(Collector):
         for event in ("claimed", "delivered", "deferred", "bounced", "unrouted"):
             c.add_metric([event], float(getattr(m, event)))
         yield c
+        if snap.cluster is not None:
+            from sluice.cluster.metrics import families
+            yield from families(snap.cluster)
+        if snap.tenants is not None:
+            yield from self._tenant_families(snap.tenants)
+
         yield from _part_metrics(snap.parts)
+
+    def _tenant_families(self, views: Any) -> Iterator[Metric]:
+        queued: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        inflight: dict[str, int] = {}
+        for v in views:
+            label = self.metrics.tenant_label(v.tenant)
+            queued[label] = queued.get(label, 0) + v.queued_jobs
+            waiting[label] = waiting.get(label, 0) + v.waiting_subqueues
+            inflight[label] = inflight.get(label, 0) + v.inflight
+        for name, text, values in (
+            ("sluice_tenant_queued_jobs", "Jobs waiting for pickup in the active queue, by "
+             "tenant", queued),
+            ("sluice_tenant_waiting_subqueues", "Sub-queues parked on a limit, a suspension "
+             "or their tenant's turn, by tenant", waiting),
+            ("sluice_tenant_inflight_deliveries", "Deliveries in flight, by tenant", inflight),
+        ):
+            g = GaugeMetricFamily(name, text, labels=["tenant"])
+            for label, value in sorted(values.items()):
+                g.add_metric([label], float(value))
+            yield g
 
 
 def _part_metrics(parts: Sequence[PartSample]) -> Iterator[Metric]:
@@ -399,6 +428,10 @@ class Metrics:
         self.store_errors = Counter(
             "sluice_store_write_errors", "Store calls that commit and failed, by operation",
             ["op"], registry=self.registry)
+        self.tenant_pickups = Counter(
+            "sluice_tenant_pickups", "Deliveries picked up by the scheduler, by tenant",
+            ["tenant"], registry=self.registry)
+        self._tenant_pickups_seen: dict[str, int] = {}
         self.lines = Counter("sluice_accounting_lines_read",
                              "Accounting log lines read by the metrics tail",
                              registry=self.registry)
@@ -480,6 +513,27 @@ class Metrics:
         return tuple((b - a) / span for a, b in zip(first[1:], last[1:], strict=True))  # type: ignore[return-value]
 
     # -- scrape ---------------------------------------------------------------------------
+
+    def tenant_label(self, tenant: str) -> str:
+        """The tenant's label if the accounting log gave it one, else other/none."""
+        if not tenant:
+            return NONE
+        return tenant if tenant in self.tenants.admitted else OTHER
+
+    def observe_tenants(self, views: Any) -> None:
+        """Add the pickups each tenant made since the last look (the scheduler
+        forgets an idle tenant: a count that went down starts again)."""
+        seen = self._tenant_pickups_seen
+        for v in views:
+            before = seen.get(v.tenant, 0)
+            delta = v.pickups - before if v.pickups >= before else v.pickups
+            if delta:
+                self.tenant_pickups.labels(self.tenant_label(v.tenant)).inc(delta)
+            seen[v.tenant] = v.pickups
+        if len(seen) > 100_000:  # tenants come and go: keep the map bounded
+            live = {v.tenant for v in views}
+            for tenant in [t for t in seen if t not in live]:
+                del seen[tenant]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -439,3 +439,14 @@ class RollbackResult(BaseModel):
     rolled_back: int
     audit_id: int
 
+
+class ClusterReport(BaseModel):
+    """GET /api/v1/cluster (sluice.cluster.report): plain data, as `sluice cluster
+    status --json` prints it."""
+
+    node: str
+    redis: dict[str, Any] | None
+    postgres: dict[str, Any] | None
+    nodes: dict[str, dict[str, Any]]
+    leases: dict[str, dict[str, int]]
+    this: dict[str, Any] | None = None

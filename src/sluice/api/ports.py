@@ -24,7 +24,7 @@ SEE ALSO
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sluice.scheduler import (
     CounterView,
@@ -36,6 +36,10 @@ from sluice.scheduler import (
     SubQueueView,
     SuspensionView,
 )
+from sluice.scheduler.views import TenantView
+
+if TYPE_CHECKING:
+    from sluice.cluster.agent import ClusterAgent
 
 __all__ = ["ConnectionCounters", "Manager", "ManagerCounters", "PartStatus", "SchedulerViews"]
 
@@ -60,6 +64,8 @@ class SchedulerViews(Protocol):
     def destinations(self, now: float | None = None) -> list[DestinationView]: ...
 
     def explain(self, qid: str, now: float | None = None) -> Explanation: ...
+
+    def tenants(self) -> list[TenantView]: ...
 
 
 class ManagerCounters(Protocol):
@@ -145,6 +151,11 @@ class Manager(Protocol):
 
     @property
     def connections(self) -> ConnectionCounters: ...
+
+    @property
+    def cluster(self) -> ClusterAgent | None:
+        """This node's part in a cluster (limits shared through Redis), or None."""
+        ...
 
     def change(self, event: Event) -> None:
         """Hand the scheduler an operator change (a policy reload, a condition or

@@ -156,11 +156,16 @@ class Views:
         views = c.scheduler.suspensions(c.now())
         manual = sum(1 for v in views if not v.automatic)
         dead = sum(1 for d in c.scheduler.destinations(c.now()) if d.dead)
+        tenants = c.scheduler.tenants()
+        c.metrics.observe_tenants(tenants)
         parts = [PartSample(p.name, p.failing, p.failing_since_at, p.errors_total, p.storage)
                  for p in c.manager.parts()]
         snap = Snapshot(at=now, counts=cached[1], scheduler=c.scheduler.stats(),
                         manual_suspensions=manual, automatic_suspensions=len(views) - manual,
                         dead_destinations=dead, manager=c.manager.stats,
-                        agent=c.manager.connections, parts=parts)
+                        agent=c.manager.connections, parts=parts,
+                        cluster=None if c.manager.cluster is None
+                        else c.manager.cluster.status(),
+                        tenants=tenants)
         c.metrics.snapshot = snap
         return snap

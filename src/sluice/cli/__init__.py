@@ -34,6 +34,7 @@ COMMAND_MODULES = (
     "sluice.cli.policy_cmds",
     "sluice.cli.api_cmds",
     "sluice.cli.serve_cmds",
+    "sluice.cli.cluster_cmds",
     "sluice.cli.bench_cmds",
     "sluice.cli.analytics_cmds",
 )

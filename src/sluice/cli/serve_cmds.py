@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the demo's queue and logs")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="N > 1: a cluster of N nodes on a throwaway PostgreSQL and Redis")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("sink", help="run a programmable SMTP sink (a test next hop)")
@@ -64,6 +66,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.messages < 1 or args.domains < 5:
         raise CommandError("the demo needs at least 1 message and 5 domains", status=2)
+    if args.nodes > 1:
+        from sluice.runtime.cluster_demo import run_cluster_demo
+
+        if args.nodes > 8:
+            raise CommandError("--nodes: at most 8 on one machine", status=2)
+        messages = args.messages if args.messages != 1000 else 600
+        return run_cluster_demo(args.nodes, messages, args.seed, args.keep, args.timeout)
     return run_demo(args.messages, args.domains, args.seed, args.keep, args.timeout)
 
 

@@ -78,6 +78,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sluice.cluster.agent import ClusterAgent
+from sluice.cluster.shared_limits import SharedLimits
 from sluice.config import Config
 from sluice.delivery.agent import AgentStats, DeliveryAgent, DeliveryRequest
 from sluice.delivery.plan import Planner
@@ -89,6 +91,8 @@ from sluice.runtime.parts import Health, Supervisor, Trouble
 from sluice.runtime.policy_file import PolicyFile, load_suspensions
 from sluice.runtime.recorder import Recorder
 from sluice.scheduler import (
+    AcquireGrants,
+    ClusterLimits,
     Command,
     ConditionAdded,
     ConditionRemoved,
@@ -103,6 +107,7 @@ from sluice.scheduler import (
     Policy,
     PolicyReloaded,
     Refill,
+    ReturnGrants,
     Route,
     Scheduler,
     Settings,
@@ -116,6 +121,9 @@ __all__ = ["ManagerStats", "QueueManager"]
 log = logging.getLogger("sluice.manager")
 
 T = TypeVar("T")
+
+#: How soon a claim cut short by the per-domain cap (cluster mode) is tried again.
+CAPPED_RETRY_S = 0.05
 
 
 #: Events an operator sends (through the API or a signal), as opposed to the
@@ -171,8 +179,11 @@ class QueueManager:
         policy = self.policy_file.load()
         suspensions = load_suspensions(config.scheduler.suspensions)
         self._last_now = clock()
+        # Several nodes: limits shared through Redis (sluice.cluster).
+        shared = SharedLimits.from_config(config)
         self.scheduler = Scheduler(Settings.from_config(config), policy, suspensions,
-                                   now=self._last_now)
+                                   now=self._last_now,
+                                   limits=None if shared is None else ClusterLimits())
         self.stats = ManagerStats()
         self._events: list[Event] = []
         self._wake = asyncio.Event()
@@ -191,6 +202,10 @@ class QueueManager:
         self._claiming = self.health.part("claiming mail")
         self.recorder = Recorder(queue, self.stats, self.health, spawn=self._spawn, io=self._io,
                                  notify_mail=self.notify_mail, sleep=sleep)
+        self.cluster = (None if shared is None else
+                        ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
+                                     change=functools.partial(self.change, publish=False),
+                                     policy=lambda: self.scheduler.policy))
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -207,14 +222,17 @@ class QueueManager:
         self._events.append(event)
         self._wake.set()
 
-    def change(self, event: Event) -> None:
+    def change(self, event: Event, *, publish: bool = True) -> None:
         """An operator's change (a policy reload, a condition or suspension
         added or removed): checked now -- ValueError says what is wrong, and
-        nothing changes -- then applied by the loop."""
+        nothing changes -- then applied by the loop, and in a cluster given
+        to the other nodes (``publish``: not when it came from them)."""
         if not isinstance(event, _OPERATOR_EVENTS):
             raise TypeError(f"{type(event).__name__} is not an operator change")
         self.scheduler.check(event)
         self.post(event)
+        if publish and self.cluster is not None:
+            self.cluster.publish(event)
 
     def notify_mail(self, count: int = 1) -> None:
         """New mail was queued: refill soon (receivers call this)."""
@@ -262,6 +280,8 @@ class QueueManager:
                         duties.keep("change feed watcher", self._watch_changes)
                         duties.keep("expiry sweep", self._sweep_expired)
                         duties.keep("policy file watcher", self.policy_file.watch)
+                        if self.cluster is not None:
+                            duties.keep("cluster agent", self._cluster_part(stop))
                         await self._loop(stop)
                 finally:
                     await self._shutdown()
@@ -269,6 +289,16 @@ class QueueManager:
             self._group = None
             await self.agent.close()
             self._pool.shutdown(wait=True)
+
+    def _cluster_part(self, stop: asyncio.Event) -> Callable[[Trouble], Awaitable[None]]:
+        """The cluster agent as a part: Redis heartbeats, grants, shared changes."""
+        agent = self.cluster
+        assert agent is not None
+
+        async def run(trouble: Trouble) -> None:
+            await agent.run(stop)
+
+        return run
 
     async def _loop(self, stop: asyncio.Event) -> None:
         stopper = asyncio.ensure_future(stop.wait())
@@ -333,6 +363,9 @@ class QueueManager:
                         self.post(EntriesClaimed(0, exhausted=True))
                 case DeferJob(job=job, qids=qids, reply=reply):
                     self._defer_dead(job, qids, reply)
+                case AcquireGrants() | ReturnGrants():
+                    if self.cluster is not None:
+                        self.cluster.execute(cmd)
 
     # -- refill and routing ----------------------------------------------------------
 
@@ -354,6 +387,10 @@ class QueueManager:
         self.stats.claimed += len(entries)
         self._routing.update(e.qid for e in entries)
         self.post(EntriesClaimed(len(entries), exhausted=exhausted, next_due_at=next_due))
+        if getattr(self.queue.store, "last_claim_capped", False):
+            # Left behind for the per-domain cap, not for want of mail: look
+            # again soon, as this node's deliveries make room.
+            asyncio.get_running_loop().call_later(CAPPED_RETRY_S, self.notify_mail, 0)
         if not entries:
             return
         try:

@@ -13,9 +13,12 @@ SEE ALSO
     docs/scheduler.md (the event loop), docs/policies.md (the file format)
 """
 
-from sluice.scheduler.core import DEAD_REPLY, Scheduler, Settings
+from sluice.scheduler.cluster import ClusterLimits
+from sluice.scheduler.destinations import DEAD_REPLY
 from sluice.scheduler.events import (
+    AcquireGrants,
     ClockTicked,
+    ClusterModeChanged,
     Command,
     ConditionAdded,
     ConditionRemoved,
@@ -25,10 +28,14 @@ from sluice.scheduler.events import (
     EntriesClaimed,
     EntriesModified,
     Event,
+    Grant,
+    GrantRequest,
+    GrantsChanged,
     JobsQueued,
     MailArrived,
     PolicyReloaded,
     Refill,
+    ReturnGrants,
     Route,
     StartDelivery,
     SuspensionAdded,
@@ -36,6 +43,9 @@ from sluice.scheduler.events import (
     Transport,
 )
 from sluice.scheduler.explanation import Explanation, Reason, Waiting, explain_stored
+from sluice.scheduler.limits import Entry, EntryState, Limits
+from sluice.scheduler.limits_grouped import GroupedLimits
+from sluice.scheduler.limits_reference import ReferenceLimits
 from sluice.scheduler.policy import (
     FIELDS,
     Condition,
@@ -48,10 +58,10 @@ from sluice.scheduler.policy import (
     Rate,
     Suspension,
     Thresholds,
-    parse_policy,
-    parse_suspension,
-    parse_suspensions,
 )
+from sluice.scheduler.policy_parse import parse_policy, parse_suspension, parse_suspensions
+from sluice.scheduler.scheduler import Scheduler
+from sluice.scheduler.settings import Settings
 from sluice.scheduler.views import (
     CounterView,
     DestinationView,
@@ -63,7 +73,10 @@ from sluice.scheduler.views import (
 __all__ = [
     "DEAD_REPLY",
     "FIELDS",
+    "AcquireGrants",
     "ClockTicked",
+    "ClusterLimits",
+    "ClusterModeChanged",
     "Command",
     "Condition",
     "ConditionAdded",
@@ -76,11 +89,18 @@ __all__ = [
     "DestinationView",
     "EntriesClaimed",
     "EntriesModified",
+    "Entry",
+    "EntryState",
     "Event",
     "Explanation",
     "FieldSpec",
+    "Grant",
+    "GrantRequest",
+    "GrantsChanged",
     "Group",
+    "GroupedLimits",
     "JobsQueued",
+    "Limits",
     "MailArrived",
     "Pattern",
     "Policy",
@@ -89,7 +109,9 @@ __all__ = [
     "QueueStats",
     "Rate",
     "Reason",
+    "ReferenceLimits",
     "Refill",
+    "ReturnGrants",
     "Route",
     "Scheduler",
     "Settings",

@@ -20,7 +20,7 @@ DESCRIPTION
     which of its source IPs.
 
 SEE ALSO
-    sluice.scheduler.core, docs/scheduler.md
+    sluice.scheduler.scheduler, docs/scheduler.md
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from sluice.model import Outcome, Reply
-from sluice.scheduler.policy import Condition, Policy, Suspension
+from sluice.scheduler.policy import Condition, Policy, Rate, Suspension
 
 __all__ = [
+    "AcquireGrants",
     "ClockTicked",
+    "ClusterModeChanged",
     "Command",
     "ConditionAdded",
     "ConditionRemoved",
@@ -42,10 +44,14 @@ __all__ = [
     "EntriesClaimed",
     "EntriesModified",
     "Event",
+    "Grant",
+    "GrantRequest",
+    "GrantsChanged",
     "JobsQueued",
     "MailArrived",
     "PolicyReloaded",
     "Refill",
+    "ReturnGrants",
     "Route",
     "StartDelivery",
     "SuspensionAdded",
@@ -238,6 +244,48 @@ class ClockTicked:
     """Nothing happened but time passed (the runtime woke at next_wakeup())."""
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What a cluster's shared limits granted this node for one counter entry.
+
+    ``slots``: concurrency leases this node holds now (in all).  ``slot_ats``:
+    the pickups granted by a rate or an interval, each at its time (not
+    before it, and not after it by more than ``use_within_s``).
+    ``retry_at``: when asking again may give more than was granted (None:
+    when somebody's lease or slot frees, which the runtime hears).
+    ``share``: the most this node should hold now that others want some too
+    (None: no cap); leases above it go back as its deliveries end.
+    """
+
+    key: str
+    slots: int = 0
+    slot_ats: tuple[float, ...] = ()
+    use_within_s: float = 0.0
+    retry_at: float | None = None
+    share: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GrantsChanged:
+    """The runtime heard back from the cluster's shared limits."""
+
+    grants: tuple[Grant, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterModeChanged:
+    """The shared limits are reachable (``shared``) or not; when not, each
+    node keeps its part of every cluster limit by itself: ``nodes`` live
+    nodes, this one ``rank`` among them (0-based).  For ``transition_s``
+    after falling back (the leases' time to live) a node also keeps no more
+    than the leases it held, which the others may still count."""
+
+    shared: bool
+    nodes: int = 1
+    rank: int = 0
+    transition_s: float = 0.0
+
+
 Event = (
     MailArrived
     | EntriesClaimed
@@ -250,6 +298,8 @@ Event = (
     | SuspensionAdded
     | SuspensionRemoved
     | ClockTicked
+    | GrantsChanged
+    | ClusterModeChanged
 )
 
 
@@ -289,4 +339,36 @@ class DeferJob:
     dead_until_at: float
 
 
-Command = Refill | StartDelivery | DeferJob
+@dataclass(frozen=True, slots=True)
+class GrantRequest:
+    """Ask the cluster for capacity of one counter entry: concurrency leases
+    up to ``slots`` in all, and ``pickups`` more pickups under its rate and
+    interval (the thresholds come along: every node may not know them yet).
+    ``in_use``: leases its deliveries in flight use, which the store keeps
+    whatever else it decides."""
+
+    key: str
+    concurrency: int | None
+    rate: Rate | None
+    interval_s: float | None
+    slots: int
+    pickups: int
+    in_use: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireGrants:
+    """Ask the cluster's shared limits for these; answer with GrantsChanged."""
+
+    requests: tuple[GrantRequest, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnGrants:
+    """Give back concurrency leases this node holds but does not use:
+    (key, how many)."""
+
+    returns: tuple[tuple[str, int], ...]
+
+
+Command = Refill | StartDelivery | DeferJob | AcquireGrants | ReturnGrants

@@ -121,7 +121,7 @@ def entry_of(spid: str, meta: dict[str, Any], rec: dict[str, Any]) -> QueueEntry
         arrival_at=meta["arrival_at"],
         next_attempt_at=rec["n"],
         attempts=rec["a"],
-        last_reply=None if reply is None else Reply(int(reply[0]), reply[1], reply[2]),
+        last_reply=None if reply is None else Reply.from_record(reply),
         priority=rec["p"],
         tenantid=meta["tenantid"],
         jobid=meta["jobid"],
@@ -147,5 +147,5 @@ def edited(rec: dict[str, Any], edit: Edit) -> dict[str, Any]:
         new["p"] = edit.priority
     if edit.last_reply is not None:
         reply = edit.last_reply
-        new["r"] = [reply.code, reply.enhanced, reply.text]
+        new["r"] = reply.to_record()
     return new

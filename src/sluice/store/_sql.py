@@ -64,13 +64,14 @@ from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._actions import EFFECTS, OperatorChange, Value
 from sluice.store._refill import interleave, split_quota
 
-__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows"]
+__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows",
+           "reply_columns"]
 
 #: The queue table's columns in the order entry() reads them.
 COLUMNS = (
     "spid, idx, sender, recipient, domain, state, arrival_at, next_attempt_at, attempts, "
     "last_code, last_enhanced, last_text, priority, tenantid, jobid, transportid, localip, "
-    "is_report, size, smtputf8"
+    "is_report, size, smtputf8, last_mta, last_attempt_at"
 )
 
 #: Rows listed per query by entries().
@@ -93,7 +94,7 @@ def entry(row: Sequence[Any]) -> QueueEntry:
     """The QueueEntry of a row of COLUMNS."""
     reply = None
     if row[9] is not None:
-        reply = Reply(int(row[9]), row[10] or "", row[11] or "")
+        reply = Reply(int(row[9]), row[10] or "", row[11] or "", row[20] or "", row[21])
     return QueueEntry(
         spid=row[0], idx=row[1], sender=row[2], recipient=row[3], domain=row[4],
         state=QueueState(row[5]), arrival_at=row[6], next_attempt_at=row[7],
@@ -102,6 +103,13 @@ def entry(row: Sequence[Any]) -> QueueEntry:
         localip=tuple(row[16].split(",")) if row[16] else (),
         is_report=bool(row[17]), size=row[18], smtputf8=bool(row[19]),
     )
+
+
+def reply_columns(reply: Reply) -> tuple[Any, ...]:
+    """The values of last_code, last_enhanced, last_text, last_mta and
+    last_attempt_at for ``reply``; last_mta is '' (not NULL) for a reply
+    Sluice made, so that a reply always replaces the one before."""
+    return (reply.code, reply.enhanced, reply.text, reply.remote_mta, reply.attempt_at)
 
 
 class Dialect(ABC):
@@ -326,16 +334,38 @@ class SqlQueue:
             out.extend(rows.fetchall())
         return out
 
-    def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str
-              ) -> list[QueueEntry]:
-        """Store.claim's selection and marking, on the write connection."""
+    def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str,
+              per_domain: int = 0) -> tuple[list[QueueEntry], bool]:
+        """Store.claim's selection and marking, on the write connection; and
+        whether ``per_domain`` (the most entries of one recipient domain
+        ``node`` may hold claimed; 0: no cap) left candidates behind."""
         incoming = self._pick(conn, QueueState.INCOMING, False, limit, now)
         deferred = self._pick(conn, QueueState.DEFERRED, True, limit, now)
         take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
         chosen = interleave(incoming[:take_i], deferred[:take_d])
+        capped = False
+        if chosen and per_domain > 0:
+            chosen, capped = self._within_cap(conn, chosen, node, per_domain)
         if chosen:
             self.dialect.change_rows(conn, self._activate, (node,), chosen)
-        return [entry((*row[:5], "active", *row[6:])) for row in chosen]
+        return [entry((*row[:5], "active", *row[6:])) for row in chosen], capped
+
+    def _within_cap(self, conn: Conn, rows: list[tuple[Any, ...]], node: str, cap: int
+                    ) -> tuple[list[tuple[Any, ...]], bool]:
+        """The rows that keep ``node`` within ``cap`` claimed entries per domain."""
+        domains = sorted({row[4] for row in rows})
+        cond, params = self.dialect.one_of("domain", domains)
+        held = dict(conn.execute(
+            f"SELECT domain, count(*) FROM {self.dialect.queue} WHERE owner = {self.dialect.p} "
+            f"AND state IN ('active', 'delivering') AND {cond} GROUP BY domain",
+            (node, *params)).fetchall())
+        out = []
+        for row in rows:
+            n = held.get(row[4], 0)
+            if n < cap:
+                held[row[4]] = n + 1
+                out.append(row)
+        return out, len(out) < len(rows)
 
     def claim_bounces(self, conn: Conn, limit: int, now: float, lease_s: float
                       ) -> list[QueueEntry]:
@@ -441,8 +471,9 @@ def operator_set(change: OperatorChange, p: str) -> tuple[str, tuple[Any, ...]]:
             sets.append("state = CASE WHEN attempts = 0 THEN 'incoming' ELSE 'deferred' END")
         elif name == "last_reply":
             reply: Reply = change.resolve(value)
-            sets.append(f"last_code = {p}, last_enhanced = {p}, last_text = {p}")
-            params += [reply.code, reply.enhanced, reply.text]
+            sets.append(f"last_code = {p}, last_enhanced = {p}, last_text = {p}, "
+                        f"last_mta = {p}, last_attempt_at = {p}")
+            params += reply_columns(reply)
         elif name == "state":
             state: QueueState = change.resolve(value)
             sets.append(f"state = {p}")

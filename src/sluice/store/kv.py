@@ -373,7 +373,7 @@ class KvStore(Reading):
                     if t.next_attempt_at is not None:
                         new["n"] = t.next_attempt_at
                     if t.reply is not None:
-                        new["r"] = [t.reply.code, t.reply.enhanced, t.reply.text]
+                        new["r"] = t.reply.to_record()
                     if t.attempted:
                         new["a"] = rec["a"] + 1
                 self._change_state(view, spid, dz, rec, new, gone)

@@ -108,9 +108,9 @@ from sluice.model import (
     parse_qid,
 )
 from sluice.spool import Content, iter_chunks, spid_candidates
-from sluice.store import Action, Change, Counts, StorageError, Transition
+from sluice.store import Action, Change, Counts, StorageError, Transition, _pg_nodes
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows
+from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows, reply_columns
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -121,11 +121,15 @@ ENV_DSN = "SLUICE_PG_DSN"
 
 #: The version of _SCHEMA (kept in sluice_meta); _MIGRATIONS[v] takes a
 #: queue of version v to v + 1 when it is opened (sluice.store._sql.migrate).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
     1: ("ALTER TABLE sluice_queue ADD COLUMN smtputf8 boolean NOT NULL DEFAULT false",),
+    # 3: who gave the last reply and when (the NDR's Remote-MTA and
+    # Last-Attempt-Date); older replies read as Sluice's own, at no time.
+    2: ("ALTER TABLE sluice_queue ADD COLUMN last_mta text",
+        "ALTER TABLE sluice_queue ADD COLUMN last_attempt_at double precision"),
 }
 
 #: Content rows hold at most this many bytes.
@@ -164,6 +168,8 @@ CREATE TABLE IF NOT EXISTS sluice_queue (
     size            bigint NOT NULL DEFAULT 0,
     owner           text,
     smtputf8        boolean NOT NULL DEFAULT false,
+    last_mta        text,
+    last_attempt_at double precision,
     PRIMARY KEY (spid, idx)
 );
 CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
@@ -358,6 +364,10 @@ class PgStore:
                  max_batch: int = 2000, connect_timeout_s: float = 10.0) -> None:
         self.dsn = dsn
         self.node_id = node_id
+        #: The most entries of one recipient domain this node holds claimed
+        #: (0: no cap), and whether the last claim left some behind for it.
+        self.per_domain_cap = 0
+        self.last_claim_capped = False
         self._connect_timeout = max(1, math.ceil(connect_timeout_s))
         self._closed = False
         self._writer: psycopg.Connection[Any] | None = None
@@ -370,6 +380,7 @@ class PgStore:
                 # on a migration; a refused one rolls back the whole open.
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext('sluice schema'))")
                 conn.execute(_SCHEMA)
+                _pg_nodes.ensure(conn)
                 migrate(conn, _Postgres(), SCHEMA_VERSION, _MIGRATIONS, _where(conn))
         except (psycopg.Error, StorageError) as exc:
             with contextlib.suppress(psycopg.Error):
@@ -384,6 +395,7 @@ class PgStore:
 
     @classmethod
     def from_config(cls, config: Config) -> PgStore:
+        from sluice.cluster import enabled as cluster_enabled
         from sluice.config import ConfigError
 
         q = config.queue
@@ -391,8 +403,12 @@ class PgStore:
         if not dsn:
             raise ConfigError(config.source, "queue.postgres.dsn",
                               f"the postgres store needs a connection string (or ${ENV_DSN})")
-        return cls(dsn, node_id=config.node.id, pool_size=q.postgres.pool_size,
-                   max_batch=q.commit_max_batch)
+        store = cls(dsn, node_id=config.node.id, pool_size=q.postgres.pool_size,
+                    max_batch=q.commit_max_batch)
+        if cluster_enabled(config):
+            # Several nodes: hold no more of one domain than can start soon.
+            store.per_domain_cap = config.cluster.claim_per_destination
+        return store
 
     # -- connections --------------------------------------------------------------------
 
@@ -597,7 +613,9 @@ class PgStore:
         node = self.node_id
 
         def work(batch: _Batch) -> list[QueueEntry]:
-            return self._sql.claim(batch.conn, limit, now, quota_deferred, node)
+            entries, self.last_claim_capped = self._sql.claim(
+                batch.conn, limit, now, quota_deferred, node, self.per_domain_cap)
+            return entries
 
         result: list[QueueEntry] = self._call(work)
         return result
@@ -652,9 +670,10 @@ class PgStore:
                     reply = t.reply
                     params.append((
                         str(t.state), t.next_attempt_at,
+                        # code, enhanced, text, mta; the code again, then the time
+                        *(reply_columns(reply) if reply is not None else (None,) * 5)[:4],
                         None if reply is None else reply.code,
-                        None if reply is None else reply.enhanced,
-                        None if reply is None else reply.text,
+                        None if reply is None else reply.attempt_at,
                         1 if t.attempted else 0,
                         node if t.state in IN_FLIGHT_STATES else None,
                         spid, idx, [str(s) for s in t.expect], [str(s) for s in t.expect]))
@@ -664,6 +683,10 @@ class PgStore:
                     "last_code = COALESCE(%s, last_code), "
                     "last_enhanced = COALESCE(%s, last_enhanced), "
                     "last_text = COALESCE(%s, last_text), "
+                    "last_mta = COALESCE(%s, last_mta), "
+                    # A reply without a time replaces the time too.
+                    "last_attempt_at = CASE WHEN %s::integer IS NULL THEN last_attempt_at "
+                    "ELSE %s::double precision END, "
                     "attempts = attempts + %s, owner = %s "
                     "WHERE spid = %s AND idx = %s "
                     "AND (cardinality(%s::text[]) = 0 OR state = ANY(%s::text[])) "
@@ -709,6 +732,27 @@ class PgStore:
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
         return self._sql.expired(cutoff_at, reports_cutoff_at, limit)
+
+    # -- the cluster's nodes (sluice.store._pg_nodes) -------------------------------------
+
+    def heartbeat(self, host: str, started_at: float, now: float, limits: str = "shared"
+                  ) -> None:
+        """This node is alive (its row in sluice_nodes), its limits so shared."""
+        def work(batch: _Batch) -> None:
+            _pg_nodes.heartbeat(batch.conn, self.node_id, host, started_at, now, limits)
+        self._call(work)
+
+    def nodes(self) -> list[_pg_nodes.NodeRow]:
+        """The nodes that wrote a heartbeat, with their claims in flight."""
+        with self._reading() as conn:
+            return _pg_nodes.nodes(conn)
+
+    def take_over(self, dead: str, now: float, older_than: float) -> list[QueueEntry]:
+        """Return a dead node's claims to the queue (see _pg_nodes.take_over)."""
+        def work(batch: _Batch) -> list[QueueEntry]:
+            return _pg_nodes.take_over(batch.conn, dead, now, older_than)
+        result: list[QueueEntry] = self._call(work)
+        return result
 
     def due_at(self) -> float | None:
         return self._sql.due_at()

@@ -6,10 +6,13 @@ SEE ALSO
 """
 
 # No "from __future__ import annotations": FastAPI reads these annotations.
+from typing import Any
+
 from fastapi import APIRouter, Depends
 
 from sluice.api.control import Control
 from sluice.api.models import (
+    ClusterReport,
     CounterPage,
     DestinationPage,
     SchedulerStats,
@@ -50,5 +53,14 @@ def router(control: Control, auth: Auth) -> APIRouter:
     async def throughput() -> Throughput:
         """Recipients accepted, delivered, deferred and bounced: totals and rates."""
         return views.throughput()
+
+    @api.get("/cluster", response_model=ClusterReport)
+    async def cluster() -> dict[str, Any]:
+        """The cluster as this node sees it (docs/cluster.md): every node's heartbeat
+        age, limits (shared or fallen back) and claims in flight, the shared counters
+        in use, and whether Redis and PostgreSQL answer."""
+        from sluice.cluster.report import cluster_report
+
+        return await cluster_report(control.config, control.manager.cluster)
 
     return api

@@ -153,17 +153,39 @@ async function refreshFast() {
 
 async function refreshSlow() {
   try {
-    const [shape, audit] = await Promise.all([
+    const [shape, audit, cluster] = await Promise.all([
       call("GET", "/queue/shape?top=20"), call("GET", "/audit?limit=20"),
+      call("GET", "/cluster"),
     ]);
     drawShape(shape);
     drawAudit(audit);
+    drawCluster(cluster);
   } catch (err) {
     if (err.status !== 401) showError(err);
   }
 }
 
 // -- drawing ---------------------------------------------------------------------------
+
+function drawCluster(c) {
+  // Shown only when this node is part of a cluster (limits in Redis).
+  const panel = $("cluster-panel");
+  panel.hidden = c.redis === null;
+  if (panel.hidden) return;
+  const reach = (part) => part === null ? "not configured"
+    : part.reachable ? "reachable" : "UNREACHABLE";
+  $("cluster-stores").textContent =
+    `Redis ${reach(c.redis)}, PostgreSQL ${reach(c.postgres)}`;
+  const names = Object.keys(c.nodes).sort();
+  fill($("cluster"), names.map((name) => {
+    const n = c.nodes[name];
+    const beat = n.heartbeat_age_s ?? n.redis_heartbeat_age_s;
+    return row([name + (name === c.node ? " (this node)" : ""),
+      n.alive === false ? "dead" : (n.limits ?? "-"),
+      beat === undefined ? "-" : `${beat.toFixed(1)} s ago`,
+      n.claims ?? "-", n.up_s === undefined ? "-" : fmtSpan(n.up_s)]);
+  }));
+}
 
 function drawCounts(c) {
   for (const [state, n] of Object.entries(c.by_state)) {

@@ -1,0 +1,495 @@
+"""ClusterLimits: the limits seam when several nodes share the policy's limits.
+
+SUMMARY
+    Scheduler(settings, policy, limits=ClusterLimits())
+    -> commands AcquireGrants / ReturnGrants for the runtime (which asks Redis)
+    <- events GrantsChanged, ClusterModeChanged
+
+DESCRIPTION
+    Every counter with ``scope: cluster`` (the default) holds its thresholds
+    across all nodes for the same key.  The counts live in the cluster's
+    shared store (Redis), which this pure module never touches: a node
+    starts a delivery only against capacity granted to it ahead of time,
+    and asks for more when it needs it.  The local rules still apply (each
+    node also counts its own deliveries, as GroupedLimits does), so a
+    cluster limit is never looser than a node's.
+
+    concurrency   leases: a node holds ``slots`` of an entry, each a lease
+                  with a TTL that the runtime renews; a delivery needs a
+                  leased slot nobody on this node uses.  A slot unused for
+                  ``idle_s`` is given back (ReturnGrants), so that a node
+                  keeps no more than it can use soon.
+    rate, connectinterval
+                  dated slots: the cluster hands out pickup times spaced at
+                  least Y/X apart (GCRA) across every node; a node may use
+                  one from its time until ``use_within_s`` after it, and
+                  drops it otherwise.  Any Y-second window then holds at
+                  most X + 1 pickups in the whole cluster.
+
+STRATEGIES
+    Ask for what waits.  When an entry's grant holds a pickup, the entry is
+    the blocker the sub-queue parks on (as for a local limit) and a request
+    is noted: slots for what is in flight plus one, pickups for the
+    sub-queues waiting on it.  One AcquireGrants per step carries every
+    request, so the runtime makes one round trip per batch.  A request
+    already asked for is not asked again until its answer or its retry time.
+    Dates come in batches: a grant that used every date it had asks for
+    twice as many next time (at most a quarter of the rate's count, and
+    64), one that let a date go stale for half as many, so a busy entry
+    costs a round trip per batch, not per pickup.
+
+    Fall back to a share.  When the shared store is unreachable
+    (ClusterModeChanged(shared=False, nodes, rank)), every cluster limit L
+    becomes this node's share of it: L // nodes, plus one for the first
+    L % nodes ranks, so that the shares add up to L and each node gets at
+    least one where L allows.  A rate or an interval starts nothing for one
+    window after the switch (no window then mixes the store's pickups with
+    the shares'), and for ``transition_s`` (the leases' TTL) a node keeps no
+    more concurrency than the leases it held.  Coming back
+    (ClusterModeChanged(shared=True, transition_s)), a node keeps to its
+    share and pauses rates one window more for ``transition_s``, while the
+    other nodes may not have noticed yet.  Grants are forgotten; when the store is back
+    the node asks again, first for the slots of what it has in flight.
+
+INVARIANTS
+    used <= slots for every grant while shared; a dated slot is used at most
+    once, never before its time nor after its time + use_within_s.
+
+LIMITATIONS
+    A delivery that started during a fall-back holds no lease; when the
+    shared store returns, the node asks for leases for its deliveries in
+    flight first, and starts nothing new for the entry until it holds them.
+
+SEE ALSO
+    sluice.scheduler.limits (the seam), sluice.scheduler.limits_grouped,
+    docs/cluster.md
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+
+from sluice.scheduler import limits
+from sluice.scheduler.events import (
+    AcquireGrants,
+    ClockTicked,
+    ClusterModeChanged,
+    Command,
+    Event,
+    GrantRequest,
+    GrantsChanged,
+    ReturnGrants,
+)
+from sluice.scheduler.limits import Entry
+from sluice.scheduler.limits_grouped import GroupedLimits, _Binding, _Entry, _Row
+from sluice.scheduler.policy import Policy, Rate, Thresholds
+
+__all__ = ["ClusterLimits", "cluster_key"]
+
+_NEVER = float("inf")
+MAX_BATCH = 64
+
+
+def cluster_key(entry: Entry) -> str:
+    """The name of a counter entry in the shared store: counter id and key."""
+    return "\x1f".join((entry.counter.id, *entry.key))
+
+
+class _Grant:
+    """What this node holds of one cluster entry."""
+
+    __slots__ = (
+        "answered_at",
+        "asked",
+        "batch",
+        "entry",
+        "idle_at",
+        "retry_at",
+        "share",
+        "slot_ats",
+        "slots",
+        "switch_slots",
+        "use_within_s",
+        "used",
+        "want_pickups",
+        "want_slots",
+    )
+
+    def __init__(self, entry: _Entry) -> None:
+        self.entry: _Entry | None = entry  # its blocker (None after a reload, until used)
+        self.slots = 0  # leases held
+        self.used = 0  # deliveries in flight here (each needs a lease while shared)
+        self.slot_ats: deque[float] = deque()  # dated pickups granted, oldest first
+        self.use_within_s = 0.0
+        self.retry_at: float | None = None
+        self.asked = False  # a request is out
+        self.want_slots = 0
+        self.want_pickups = 0
+        self.idle_at = _NEVER  # since when a leased slot is unused
+        self.share: int | None = None  # the most to keep while others want some
+        self.switch_slots = 0  # leases held when the node fell back
+        self.answered_at = 0.0  # when the store last answered for it
+        self.batch = 1  # dates to ask for at once; doubles while all are used
+
+    def room(self) -> int:
+        """Leases free for a new delivery (within the node's share)."""
+        cap = self.slots if self.share is None else min(self.slots, self.share)
+        return cap - self.used
+
+
+@dataclass(frozen=True, slots=True)
+class _Fallback:
+    nodes: int
+    rank: int
+    until: float  # end of the transition: leases held before may still count elsewhere
+    since: float  # when the node fell back
+
+    def paused_until(self, th: Thresholds) -> float:
+        """Until when a rate or an interval starts nothing after the switch:
+        one window, so that no window holds pickups granted by the store and
+        pickups of the shares (which do not know each other's)."""
+        wait = 0.0
+        if th.rate is not None:
+            wait = th.rate.per_s
+        if th.connectinterval_s:
+            wait = max(wait, th.connectinterval_s)
+        return self.since + wait
+
+    def share(self, limit: int) -> int:
+        """This node's part of a cluster limit of ``limit``."""
+        return limit // self.nodes + (1 if self.rank < limit % self.nodes else 0)
+
+    def thresholds(self, th: Thresholds) -> Thresholds:
+        conc = None if th.concurrency is None else self.share(th.concurrency)
+        rate = None if th.rate is None else Rate(self.share(th.rate.count), th.rate.per_s)
+        interval = th.connectinterval_s
+        if interval:
+            interval *= self.nodes  # one pickup per interval in all: each its turn
+        return replace(th, concurrency=conc, rate=rate, connectinterval_s=interval)
+
+
+class ClusterLimits(GroupedLimits):
+    """GroupedLimits whose cluster-scoped entries also need a grant."""
+
+    def __init__(self, idle_s: float = 5.0, lookahead: int = 0, refresh_s: float = 1.0
+                 ) -> None:
+        super().__init__()
+        self.idle_s = idle_s
+        self.refresh_s = refresh_s  # how often spare leases ask for the node's share
+        self.lookahead = lookahead  # slots asked for beyond the next pickup
+        self.grants: dict[str, _Grant] = {}
+        self.fallback: _Fallback | None = None
+        self.comeback: _Fallback | None = None  # left lately, others maybe not yet
+        self.cluster: frozenset[str] = frozenset()  # counter ids with scope: cluster
+        self.returning: list[tuple[str, int]] = []  # leases to give back at the next step
+
+    def load(self, policy: Policy, now: float) -> None:
+        super().load(policy, now)
+        self.cluster = frozenset(c.id for c in policy.counters if c.scope == "cluster")
+        for grant in self.grants.values():
+            grant.asked = False  # thresholds may have changed: ask again as needed
+            grant.entry = None  # the old blockers are void; bound again on use
+
+    # ----------------------------------------------------------- pickups
+
+    def _cluster_entries(self, binding: _Binding) -> list[tuple[_Row, int]]:
+        out = []
+        rows = binding.rows
+        for t, slot in binding.order:
+            row = rows[t]
+            member = row.table.members[slot]
+            if member.counter.id in self.cluster and not row.prof.ths[slot].is_empty:
+                out.append((row, slot))
+        return out
+
+    def _grant(self, row: _Row, slot: int) -> _Grant:
+        entry = row.entry(slot)
+        key = cluster_key(entry)
+        grant = self.grants.get(key)
+        if grant is None:
+            grant = self.grants[key] = _Grant(entry)
+        elif grant.entry is not entry:
+            grant.entry = entry
+        return grant
+
+    def _fallen_back(self, fallback: _Fallback, th: Thresholds, grant: _Grant,
+                     now: float) -> Thresholds:
+        """The thresholds this node keeps alone: its share, and during the
+        transition no more concurrency than the leases it held."""
+        mine = fallback.thresholds(th)
+        if now < fallback.until and mine.concurrency is not None:
+            mine = replace(mine, concurrency=min(mine.concurrency, grant.switch_slots))
+        return mine
+
+    def _comeback(self, now: float) -> _Fallback | None:
+        """The fall-back just left, while the other nodes may still be in it."""
+        cb = self.comeback
+        return cb if cb is not None and now < cb.until else None
+
+    def _lacks(self, row: _Row, slot: int, now: float) -> bool:
+        """Whether the entry's grant (or, fallen back, its share) holds a pickup."""
+        th = row.prof.ths[slot]
+        grant = self._grant(row, slot)
+        if self.fallback is not None:
+            if self.fallback.paused_until(th) > now:
+                return True
+            return limits.held(self._fallen_back(self.fallback, th, grant, now), row.inflight,
+                               row.times, row.last_at, now) is not None
+        cb = self._comeback(now)
+        if cb is not None and (cb.paused_until(th) > now or (
+                th.concurrency is not None and grant.used >= cb.share(th.concurrency))):
+            return True
+        entry = row.entry(slot)
+        short = False
+        if th.concurrency is not None and grant.room() <= 0:
+            grant.want_slots = max(grant.want_slots, grant.used + 1 + self.lookahead)
+            short = True
+        if th.rate is not None or th.connectinterval_s:
+            self._drop_stale(grant, now)
+            if not grant.slot_ats or grant.slot_ats[0] > now:
+                grant.want_pickups = max(grant.want_pickups, 1 + entry.waiting())
+                short = True
+        return short
+
+    @staticmethod
+    def _batch_cap(th: Thresholds) -> int:
+        """The most dates to ask for at once: a quarter of a rate's count
+        (the other nodes get theirs too), at most MAX_BATCH."""
+        if th.rate is None:
+            return 1
+        return max(1, min(MAX_BATCH, th.rate.count // 4))
+
+    @staticmethod
+    def _drop_stale(grant: _Grant, now: float) -> None:
+        ats = grant.slot_ats
+        dropped = False
+        while ats and ats[0] + grant.use_within_s < now:
+            ats.popleft()
+            dropped = True
+        if dropped:  # asked for more than it could use: ask for fewer
+            grant.batch = max(1, grant.batch // 2)
+
+    def holder(self, binding: _Binding, now: float) -> Entry | None:
+        entry = super().holder(binding, now)
+        if entry is not None or not self.cluster:
+            return entry
+        for row, slot in self._cluster_entries(binding):
+            if self._lacks(row, slot, now):
+                return row.entry(slot)
+        return None
+
+    def record(self, binding: _Binding, now: float) -> None:
+        super().record(binding, now)
+        if not self.cluster:
+            return
+        for row, slot in self._cluster_entries(binding):
+            th = row.prof.ths[slot]
+            grant = self._grant(row, slot)
+            if th.concurrency is not None:
+                grant.used += 1  # counted in a fall-back too: its leases are asked for later
+                if grant.used >= grant.slots:
+                    grant.idle_at = _NEVER
+            if self.fallback is None and (th.rate is not None or th.connectinterval_s):
+                grant.slot_ats.popleft()
+
+    def release(self, binding: _Binding, now: float) -> list[Entry]:
+        waited = super().release(binding, now)
+        if not self.cluster:
+            return waited
+        for row, slot in self._cluster_entries(binding):
+            if row.prof.ths[slot].concurrency is None:
+                continue
+            grant = self._grant(row, slot)
+            if grant.used:
+                grant.used -= 1
+                self._give_back_above_share(grant)
+                if grant.slots > grant.used and grant.idle_at == _NEVER:
+                    grant.idle_at = now
+        return waited
+
+    def _give_back_above_share(self, grant: _Grant) -> None:
+        """Return at once the leases above the node's share that nothing uses."""
+        if grant.share is None or self.fallback is not None:
+            return
+        keep = max(grant.share, grant.used)
+        if grant.slots > keep and grant.entry is not None:
+            self.returning.append((cluster_key(grant.entry), grant.slots - keep))
+            grant.slots = keep
+
+    def _cluster_parts(self, entry: Entry) -> tuple[_Row, Thresholds, _Grant] | None:
+        """The row, thresholds and grant of a cluster entry (None: not one)."""
+        if entry.counter.id not in self.cluster:
+            return None
+        assert isinstance(entry, _Entry)
+        row, th = self._parts(entry)
+        if th.is_empty:
+            return None
+        return row, th, self._grant(row, entry.slot)
+
+    def free(self, entry: Entry, now: float) -> int:
+        room = super().free(entry, now)
+        parts = self._cluster_parts(entry)
+        if room <= 0 or parts is None:
+            return room
+        row, th, grant = parts
+        if self.fallback is not None:
+            if self.fallback.paused_until(th) > now:
+                return 0
+            return min(room, limits.free(self._fallen_back(self.fallback, th, grant, now),
+                                         row.inflight, row.times, row.last_at, now))
+        if th.concurrency is not None:
+            room = min(room, grant.room())
+        cb = self._comeback(now)
+        if cb is not None:
+            if cb.paused_until(th) > now:
+                return 0
+            if th.concurrency is not None:
+                room = min(room, cb.share(th.concurrency) - grant.used)
+        if th.rate is not None or th.connectinterval_s:
+            self._drop_stale(grant, now)
+            room = min(room, sum(1 for at in grant.slot_ats if at <= now))
+        return max(room, 0)
+
+    def next_slot_at(self, entry: Entry, now: float) -> float | None:
+        at = super().next_slot_at(entry, now)
+        parts = self._cluster_parts(entry)
+        if parts is None:
+            return at
+        row, th, grant = parts
+        if self.fallback is not None:
+            mine = limits.slot_at(self._fallen_back(self.fallback, th, grant, now),
+                                  row.inflight, row.times, row.last_at, now)
+            paused = self.fallback.paused_until(th)
+            if paused > now:
+                mine = paused if mine is None else max(mine, paused)
+        elif (cb := self._comeback(now)) is not None and cb.paused_until(th) > now:
+            mine = cb.paused_until(th)
+        elif grant.slot_ats and grant.slot_ats[0] > now:
+            mine = grant.slot_ats[0]
+        elif grant.retry_at is not None and grant.retry_at > now:
+            mine = grant.retry_at
+        else:
+            mine = None  # an answer or a freed slot will say
+        if at is None or mine is None:
+            return mine if at is None else at
+        return max(at, mine)
+
+    # ------------------------------------------------------------ events
+
+    def handle(self, event: Event, now: float) -> list[Entry]:
+        match event:
+            case GrantsChanged(grants=grants):
+                freed: list[Entry] = []
+                for g in grants:
+                    grant = self.grants.get(g.key)
+                    if grant is None:  # not asked for here: give any lease back
+                        if g.slots:
+                            self.returning.append((g.key, g.slots))
+                        continue
+                    grant.asked = False
+                    grant.answered_at = now
+                    grant.slots = max(g.slots, grant.used)  # in flight keeps its lease
+                    grant.share = g.share
+                    self._give_back_above_share(grant)
+                    grant.slot_ats.extend(sorted(g.slot_ats))
+                    grant.use_within_s = g.use_within_s
+                    grant.retry_at = g.retry_at
+                    if grant.slots > grant.used and grant.idle_at == _NEVER:
+                        grant.idle_at = now
+                    if grant.entry is not None:
+                        freed.append(grant.entry)
+                return freed
+            case ClusterModeChanged(shared=shared, nodes=nodes, rank=rank,
+                                    transition_s=transition_s):
+                # Coming back, the others may still keep their shares for a
+                # while: keep to ours (and pause rates one window) meanwhile.
+                self.comeback = (replace(self.fallback, until=now + transition_s, since=now)
+                                 if shared and self.fallback is not None else None)
+                self.fallback = (None if shared else
+                                 _Fallback(max(1, nodes), rank, now + transition_s, now))
+                self.returning.clear()  # the store forgets them (their TTL) or never heard
+                for grant in self.grants.values():
+                    grant.switch_slots = grant.slots if self.fallback else 0
+                    grant.share = None
+                    grant.asked = False
+                    grant.slot_ats.clear()
+                    grant.retry_at = None
+                    grant.slots = 0  # leases are asked for again, in flight first
+                    grant.want_slots = grant.used
+                    grant.idle_at = _NEVER
+                return [g.entry for g in self.grants.values() if g.entry is not None]
+            case ClockTicked() if self.fallback is not None and self.fallback.until <= now \
+                    and self.fallback.until > 0:
+                self.fallback = replace(self.fallback, until=0.0)  # transition over: shares
+                return [g.entry for g in self.grants.values() if g.entry is not None]
+            case ClockTicked() if self.comeback is not None and self.comeback.until <= now:
+                self.comeback = None  # every node is back: the store's grants alone
+                return [g.entry for g in self.grants.values() if g.entry is not None]
+        return []
+
+    def outbox(self, now: float) -> list[Command]:
+        if self.fallback is not None or not (self.grants or self.returning):
+            return []
+        requests = []
+        returns = self.returning
+        self.returning = []
+        for key, grant in self.grants.items():
+            entry = grant.entry
+            if entry is None:  # not used since a reload: only its idle leases matter
+                if grant.slots > grant.used and grant.idle_at + self.idle_s <= now:
+                    returns.append((key, grant.slots - grant.used))
+                    grant.slots = grant.used
+                    grant.idle_at = _NEVER
+                continue
+            _, th = self._parts(entry)
+            waiting = entry.waiting()
+            if waiting:  # parked sub-queues visit nothing: ask on their behalf
+                if th.concurrency is not None and grant.used + waiting > grant.slots:
+                    grant.want_slots = max(grant.want_slots, grant.used + waiting)
+                if th.rate is not None or th.connectinterval_s:
+                    self._drop_stale(grant, now)
+                    if len(grant.slot_ats) < waiting:
+                        grant.want_pickups = max(grant.want_pickups, waiting)
+            wants = grant.want_slots > grant.slots or grant.want_pickups > 0
+            # Spare leases: ask again now and then to learn our share (others
+            # may want some now), and give back what is above it.
+            stale = (th.concurrency is not None and grant.slots > grant.used
+                     and grant.answered_at + self.refresh_s <= now)
+            if (not waiting and grant.slots > grant.used
+                    and grant.idle_at + self.idle_s <= now):
+                returns.append((key, grant.slots - grant.used))
+                grant.slots = grant.used
+                grant.idle_at = _NEVER
+            elif (wants or stale) and not grant.asked and (
+                    grant.retry_at is None or grant.retry_at <= now or stale):
+                pickups = grant.want_pickups
+                if pickups:
+                    if not grant.slot_ats:  # used every date it had: ask for more at once
+                        grant.batch = min(self._batch_cap(th), grant.batch * 2)
+                    pickups = max(pickups, grant.batch)
+                requests.append(GrantRequest(
+                    key, th.concurrency, th.rate, th.connectinterval_s or None,
+                    max(grant.want_slots, grant.used), pickups, grant.used))
+                grant.asked = True
+                grant.want_slots = grant.want_pickups = 0
+        out: list[Command] = []
+        if returns:  # first: a request counts on the leases the store holds for us
+            out.append(ReturnGrants(tuple(returns)))
+        if requests:
+            out.append(AcquireGrants(tuple(requests)))
+        return out
+
+    def wakeup(self) -> float | None:
+        times = []
+        if self.fallback is not None and self.fallback.until > 0:
+            times.append(self.fallback.until)  # the transition's end frees room
+        if self.comeback is not None:
+            times.append(self.comeback.until)
+        for g in self.grants.values():
+            if g.slots > g.used and g.idle_at < _NEVER:
+                times.append(g.idle_at + self.idle_s)  # an idle lease to give back
+                times.append(g.answered_at + self.refresh_s)  # and our share to learn
+            if g.retry_at is not None and g.entry is not None and g.entry.waiting():
+                times.append(g.retry_at)  # ask again on behalf of waiters
+        return min(times, default=None)

@@ -1,0 +1,96 @@
+"""SharedLimits against a real Redis: leases, fair shares, dead nodes, GCRA dates."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+import redis
+
+from sluice.cluster._redisserver import RedisServer
+from sluice.cluster.shared_limits import SharedLimits
+from sluice.scheduler import AcquireGrants, GrantRequest, Rate, ReturnGrants
+from tests.integration.redis_srv import redis_server
+
+__all__ = ["redis_server"]
+
+pytestmark = pytest.mark.integration
+
+
+def conc(key: str, limit: int, slots: int, in_use: int = 0) -> AcquireGrants:
+    return AcquireGrants((GrantRequest(key, limit, None, None, slots, 0, in_use),))
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_nodes_share_a_concurrency_and_dead_nodes_free_theirs(redis_server: RedisServer
+                                                              ) -> None:
+    async def go() -> None:
+        a = SharedLimits(redis_server.url, "a")
+        b = SharedLimits(redis_server.url, "b")
+        try:
+            (g,) = (await a.acquire(conc("k", 4, 4), lambda: 100.0)).grants
+            assert (g.slots, g.share) == (4, 4)  # alone: all of it
+            (g,) = (await b.acquire(conc("k", 4, 4), lambda: 100.0)).grants
+            assert g.slots == 0 and g.share == 2 and g.retry_at is not None  # a holds 4
+            (g,) = (await a.acquire(conc("k", 4, 4, in_use=4), lambda: 100.0)).grants
+            assert (g.slots, g.share) == (4, 2)  # kept (in use), but its share is 2 now
+            await a.give_back(ReturnGrants((("k", 2),)))
+            (g,) = (await b.acquire(conc("k", 4, 4), lambda: 100.0)).grants
+            assert g.slots == 2
+            assert await a.in_use() == {"k": {"a": 2, "b": 2}}
+            # a dies: its node key expires (deleted here, as its TTL would) ...
+            raw = redis.Redis.from_url(redis_server.url)
+            raw.delete("sluice:node:a")
+            raw.close()
+            (g,) = (await b.acquire(conc("k", 4, 4), lambda: 100.0)).grants
+            assert g.slots == 2  # ... b's share is still 2 while a asked lately,
+            assert await b.in_use() == {"k": {"b": 2}}  # but a's leases are gone
+            assert "b" in await b.heartbeat()
+        finally:
+            await a.close()
+            await b.close()
+    run(go())
+
+
+def test_pickup_dates_are_spaced_across_nodes(redis_server: RedisServer) -> None:
+    async def go() -> None:
+        a = SharedLimits(redis_server.url, "a", horizon_s=1.0)
+        b = SharedLimits(redis_server.url, "b", horizon_s=1.0)
+        req = AcquireGrants((GrantRequest("r", None, Rate(10, 1.0), None, 0, 6),))
+        try:
+            # Each node reads the dates on its own clock (here the same one), to
+            # within the round trip.
+            (ga,) = (await a.acquire(req, time.time)).grants
+            (gb,) = (await b.acquire(req, time.time)).grants
+            dates = sorted(ga.slot_ats + gb.slot_ats)
+            # 10/s: 0.1 s apart, within a second ahead: 11 dates at most for both
+            assert 10 <= len(dates) <= 11
+            assert all(y - x >= 0.09 for x, y in itertools.pairwise(dates))
+            assert ga.slot_ats[0] < gb.slot_ats[0]
+            assert 0 < ga.use_within_s <= 0.05  # used within less than the spacing
+            assert gb.retry_at is not None  # b got fewer than it asked for
+        finally:
+            await a.close()
+            await b.close()
+    run(go())
+
+
+def test_an_unreachable_redis_raises_a_connection_error(redis_server: RedisServer) -> None:
+    async def go() -> None:
+        a = SharedLimits(redis_server.url, "a", timeout_s=0.5)
+        try:
+            assert await a.heartbeat() == ["a"]
+            redis_server.kill()
+            with pytest.raises((redis.ConnectionError, redis.TimeoutError, OSError)):
+                await a.acquire(conc("k", 1, 1), lambda: 0.0)
+            assert not await a.ping()
+            redis_server.run()
+            assert await a.heartbeat() == ["a"]  # back, empty: the node renews itself
+        finally:
+            await a.close()
+    run(go())

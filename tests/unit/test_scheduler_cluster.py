@@ -1,0 +1,257 @@
+"""ClusterLimits: three schedulers hold one policy's limits together.
+
+The shared store is played by SharedModel, the same rules the runtime's
+Redis scripts follow (concurrency leases; pickups handed out at dates spaced
+Y/X apart, GCRA), kept in this test: the pure core never talks to it.  Three
+nodes' schedulers, driven on one fake clock, must never exceed the cluster's
+concurrency together, nor the rate by more than one pickup in any window; a
+node that falls back (the store unreachable) keeps its share only; leases a
+node does not use go back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import defaultdict
+
+import pytest
+
+from sluice.model import Delivered, Reply
+from sluice.scheduler import (
+    AcquireGrants,
+    ClusterLimits,
+    ClusterModeChanged,
+    Command,
+    DeliveryFinished,
+    DeliveryJob,
+    Grant,
+    GrantsChanged,
+    JobsQueued,
+    ReturnGrants,
+    Route,
+    Scheduler,
+    Settings,
+    StartDelivery,
+    parse_policy,
+)
+
+pytestmark = pytest.mark.unit
+
+OK = Delivered(Reply(250, "2.0.0", "ok"))
+USE_WITHIN = 0.05
+
+
+class SharedModel:
+    """What Redis keeps for the cluster: leases per key, the nodes that asked
+    lately per key (a fair share each), and per key the theoretical arrival
+    time of GCRA (the next free pickup date)."""
+
+    WANT_WINDOW = 1.0
+
+    def __init__(self) -> None:
+        self.leases: dict[str, dict[str, int]] = defaultdict(dict)  # key -> node -> slots
+        self.asked: dict[str, dict[str, float]] = defaultdict(dict)  # key -> node -> when
+        self.tat: dict[str, float] = {}
+
+    def share(self, key: str, node: str, limit: int, now: float) -> int:
+        asked = self.asked[key]
+        asked[node] = now
+        wanting = sorted(n for n, at in asked.items() if at > now - self.WANT_WINDOW)
+        return limit // len(wanting) + (1 if wanting.index(node) < limit % len(wanting) else 0)
+
+    def serve(self, node: str, cmd: Command, now: float) -> GrantsChanged | None:
+        if isinstance(cmd, ReturnGrants):
+            for key, n in cmd.returns:
+                self.leases[key][node] = max(0, self.leases[key].get(node, 0) - n)
+            return None
+        assert isinstance(cmd, AcquireGrants)
+        grants = []
+        for req in cmd.requests:
+            slots = 0
+            share = None
+            if req.concurrency is not None:
+                held = self.leases[req.key]
+                share = self.share(req.key, node, req.concurrency, now)
+                others = sum(n for who, n in held.items() if who != node)
+                free = req.concurrency - others
+                slots = max(held.get(node, 0), req.in_use, min(req.slots, share, free))
+                held[node] = slots
+            ats: list[float] = []
+            retry = None
+            spacing = 0.0
+            if req.rate is not None:
+                spacing = req.rate.per_s / req.rate.count
+            if req.interval_s:
+                spacing = max(spacing, req.interval_s)
+            if spacing and req.pickups:
+                tat = max(self.tat.get(req.key, now), now)
+                for _ in range(req.pickups):
+                    if tat > now + 1.0:  # no dates more than a second ahead
+                        break
+                    ats.append(tat)
+                    tat += spacing
+                self.tat[req.key] = tat
+                if not ats:
+                    retry = tat - 1.0
+            if req.concurrency is not None and slots < req.slots and retry is None:
+                retry = now + 0.1  # less than asked: look again soon
+            grants.append(Grant(req.key, slots, tuple(ats), USE_WITHIN, retry, share))
+        return GrantsChanged(tuple(grants))
+
+
+def run_cluster(policy: list[dict[str, object]], nodes: int, steps: int, seed: int,
+                fallback_at: int | None = None, back_at: int | None = None,
+                ) -> tuple[list[tuple[float, str]], int, float]:
+    rnd = random.Random(seed)
+    model = SharedModel()
+    scheds = {f"n{i}": Scheduler(Settings(max_deliveries=50, initial_destination_concurrency=50,
+                                          default_destination_concurrency_limit=50),
+                                 parse_policy(policy), limits=ClusterLimits(idle_s=1.0))
+              for i in range(nodes)}
+    inflight: dict[str, list[StartDelivery]] = {n: [] for n in scheds}
+    pickups: list[tuple[float, str]] = []
+    peak = 0
+    ids = itertools.count()
+    now = 0.0
+    switched_at = 0.0
+
+    def apply(node: str, cmds: list[Command]) -> None:
+        for c in cmds:
+            if isinstance(c, StartDelivery):
+                inflight[node].append(c)
+                pickups.append((now, node))
+            elif isinstance(c, AcquireGrants | ReturnGrants):
+                answer = model.serve(node, c, now)
+                if answer is not None:
+                    apply(node, scheds[node].handle(answer, now))
+
+    for node, sched in scheds.items():
+        jobs = []
+        for _ in range(60):
+            i = next(ids)
+            jobs.append(DeliveryJob(f"j{i}", f"{i:08X}", (f"{i:08X}-0",), Route("d.example")))
+        apply(node, sched.handle(JobsQueued(tuple(jobs)), now))
+    for step in range(steps):
+        now += rnd.choice([0.01, 0.05, 0.2])
+        if fallback_at is not None and step == fallback_at:
+            switched_at = now
+            for rank, (node, sched) in enumerate(scheds.items()):
+                apply(node, sched.handle(ClusterModeChanged(False, nodes, rank, 5.0), now))
+        if back_at is not None and step == back_at:  # the store comes back empty
+            model.leases.clear()
+            model.asked.clear()
+            model.tat.clear()
+        if back_at is not None:  # the nodes notice it one after another
+            for rank, (node, sched) in enumerate(scheds.items()):
+                if step == back_at + 20 * rank:
+                    apply(node, sched.handle(ClusterModeChanged(True, transition_s=5.0), now))
+        node = rnd.choice(list(scheds))
+        sched = scheds[node]
+        if inflight[node] and rnd.random() < 0.7:
+            done = inflight[node].pop(rnd.randrange(len(inflight[node])))
+            apply(node, sched.handle(DeliveryFinished(done.job.ref, ((done.qids[0], OK),)),
+                                     now))
+        else:
+            apply(node, sched.tick(now))
+        peak = max(peak, sum(len(v) for v in inflight.values()))
+        for key, held in model.leases.items():  # each delivery holds a lease in the store
+            assert all(len(inflight[n]) <= held.get(n, 0) for n in scheds) or fallback_at, key
+    return pickups, peak, switched_at
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_three_nodes_never_exceed_the_concurrency_together(seed: int) -> None:
+    pickups, peak, _ = run_cluster([{"fields": ["recipientdomain"], "concurrency": 3}], 3, 600,
+                                seed)
+    assert peak <= 3
+    assert len(pickups) > 30, "the cluster hardly delivered"
+    assert len({node for _, node in pickups}) == 3, "a node never got a lease"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_three_nodes_keep_a_rate_within_one_in_every_window(seed: int) -> None:
+    pickups, _, _ = run_cluster([{"fields": ["recipientdomain"], "rate": "5/1"}], 3, 800, seed)
+    times = sorted(t for t, _ in pickups)
+    assert len(times) > 20
+    for i, t in enumerate(times):
+        in_window = sum(1 for u in times[i:] if u < t + 1.0)
+        assert in_window <= 5 + 1, f"{in_window} pickups in the second from {t}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_node_that_falls_back_keeps_its_share(seed: int) -> None:
+    # 4 across 3 nodes fallen back: shares of 2, 1 and 1 -- never more than 4 in all.
+    pickups, peak, switched_at = run_cluster([{"fields": ["recipientdomain"],
+                                               "concurrency": 4}], 3, 500, seed, fallback_at=100)
+    assert peak <= 4  # leases before, no more than them in the transition, shares after
+    late = {node for t, node in pickups if t > switched_at + 5.0}
+    assert late == {"n0", "n1", "n2"}, "a node delivered nothing on its share"
+    assert len(pickups) == 180
+
+
+def test_a_node_scoped_counter_needs_no_grant() -> None:
+    sched = Scheduler(Settings(initial_destination_concurrency=10,
+                               default_destination_concurrency_limit=10),
+                      parse_policy([{"fields": ["recipientdomain"], "concurrency": 2,
+                                     "scope": "node"}]), limits=ClusterLimits())
+    jobs = tuple(DeliveryJob(f"j{i}", f"{i:08X}", (f"{i:08X}-0",), Route("d.example"))
+                 for i in range(5))
+    cmds = sched.handle(JobsQueued(jobs), 0.0)
+    assert sum(isinstance(c, StartDelivery) for c in cmds) == 2
+    assert not any(isinstance(c, AcquireGrants) for c in cmds)
+
+
+def test_unused_leases_go_back_and_a_request_carries_the_thresholds() -> None:
+    sched = Scheduler(Settings(initial_destination_concurrency=10,
+                               default_destination_concurrency_limit=10),
+                      parse_policy([{"id": "dom", "fields": ["recipientdomain"],
+                                     "concurrency": 4}]), limits=ClusterLimits(idle_s=2.0))
+    job = DeliveryJob("j1", "00000001", ("00000001-0",), Route("d.example"))
+    (ask,) = [c for c in sched.handle(JobsQueued((job,)), 0.0) if isinstance(c, AcquireGrants)]
+    (req,) = ask.requests
+    assert req.concurrency == 4 and req.slots >= 1 and req.key == "dom\x1fd.example"
+    cmds = sched.handle(GrantsChanged((Grant(req.key, slots=2),)), 0.1)
+    (start,) = [c for c in cmds if isinstance(c, StartDelivery)]
+    sched.handle(DeliveryFinished(start.job.ref, ((start.qids[0], OK),)), 0.5)
+    # Spare leases ask again after refresh_s (1 s) to learn the node's share ...
+    assert sched.next_wakeup() == pytest.approx(1.1)
+    (again,) = [c for c in sched.tick(1.1) if isinstance(c, AcquireGrants)]
+    assert again.requests[0].in_use == 0
+    # ... give back at once what is above it, and the rest when idle for idle_s.
+    cmds = sched.handle(GrantsChanged((Grant(req.key, slots=2, share=1),)), 1.1)
+    assert [c for c in cmds if isinstance(c, ReturnGrants)] == [ReturnGrants(((req.key, 1),))]
+    back = [c for c in sched.tick(2.6) if isinstance(c, ReturnGrants)]
+    assert back == [ReturnGrants(((req.key, 1),))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rate_holds_across_the_fall_back(seed: int) -> None:
+    # Pickups granted by the store before the switch and the shares' after it
+    # never share a window: the shares wait one window.
+    pickups, _, switched_at = run_cluster([{"fields": ["recipientdomain"], "rate": "5/1"}], 3,
+                                          800, seed, fallback_at=150)
+    times = sorted(t for t, _ in pickups)
+    for i, t in enumerate(times):
+        in_window = sum(1 for u in times[i:] if u < t + 1.0)
+        assert in_window <= 5 + 1, f"{in_window} pickups in the second from {t}"
+    assert any(t > switched_at + 1.0 for t in times), "the shares never picked up"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nodes_that_come_back_one_by_one_keep_the_limit(seed: int) -> None:
+    # n0 is back while n1 and n2 still keep their shares: n0 keeps to its own.
+    pickups, peak, _ = run_cluster([{"fields": ["recipientdomain"], "concurrency": 4}], 3, 500,
+                                   seed, fallback_at=100, back_at=200)
+    assert peak <= 4
+    assert len(pickups) == 180
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rate_holds_when_the_nodes_come_back(seed: int) -> None:
+    pickups, _, _ = run_cluster([{"fields": ["recipientdomain"], "rate": "5/1"}], 3, 900, seed,
+                                fallback_at=150, back_at=300)
+    times = sorted(t for t, _ in pickups)
+    for i, t in enumerate(times):
+        in_window = sum(1 for u in times[i:] if u < t + 1.0)
+        assert in_window <= 5 + 1, f"{in_window} pickups in the second from {t}"
