@@ -361,6 +361,16 @@ class AnalyticsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """How `sluice serve` logs (sluice.logs, docs/observability.md)."""
+
+    format: str = "text"
+    level: str = "info"
+    levels: Mapping[str, str] = field(default_factory=dict)
+    maillog: str | None = _path(None)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The effective configuration; ``source`` says where it came from."""
 
@@ -374,6 +384,7 @@ class Config:
     suppression: SuppressionConfig = field(default_factory=SuppressionConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     analytics: AnalyticsConfig = field(default_factory=AnalyticsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<embedded defaults>"
     base_dir: str = "."
 

@@ -26,6 +26,7 @@ SECTION_DOCS = {
     "analytics": "analytics.md",
     "suppression": "analytics.md",
     "smtpd": "smtpd.md",
+    "logging": "observability.md",
 }
 
 
