@@ -359,6 +359,8 @@ class Metrics:
         self.store_errors = Counter(
             "sluice_store_write_errors", "Store calls that commit and failed, by operation",
             ["op"], registry=self.registry)
+        for op in STORE_OPS:  # present at zero, so rate() works before the first error
+            self.store_errors.labels(op)
         self.lines = Counter("sluice_accounting_lines_read",
                              "Accounting log lines read by the metrics tail",
                              registry=self.registry)
@@ -451,6 +453,10 @@ class Metrics:
             raise
         self.store_seconds.labels(op).observe(time.perf_counter() - start)
         return result
+
+
+#: The operations TimedStore times (the ``op`` label).
+STORE_OPS = ("submit", "claim", "claim_bounces", "apply", "modify", "recover")
 
 
 class TimedStore:
