@@ -208,6 +208,9 @@ def maillog_line(event: Mapping[str, Any], host: str = "", pid: int | None = Non
         return (f"{head} sluice/{service}[{proc}]: {qid}: to=<{event.get('recipient')}>, "
                 f"relay={relay}, delay={_secs(age)}, delays={delays}, dsn={dsn}, "
                 f"status={_STATUS[kind]} ({why})")
+    if kind == "ndr":
+        # Postfix names the notification's own queue id; the event has none.
+        return f"{head} sluice/bounce[{proc}]: {qid}: sender non-delivery notification: -"
     if kind == "expired":
         return (f"{head} sluice/qmgr[{proc}]: {qid}: from=<{event.get('sender') or ''}>, "
                 f"status=expired, returned to sender")
