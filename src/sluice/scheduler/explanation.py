@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from sluice.model import QueueEntry, QueueState, Reply
 
@@ -98,9 +99,21 @@ class Explanation:
             out.append(f"  expected: {format_at(self.expected_at, now)}")
         return out
 
+    def data(self, source: str, now: float) -> dict[str, Any]:
+        """As plain data (the REST API's and `sluice why --json`'s answer)."""
+        return {
+            "qid": self.qid, "state": self.state, "expected_at": self.expected_at,
+            "ahead": self.ahead, "source": source, "lines": self.lines(now),
+            "reasons": [{"kind": str(r.kind), "text": r.text, "localip": r.localip,
+                         "counter": r.counter, "key": dict(r.key), "threshold": r.threshold,
+                         "current": r.current, "suspension": r.suspension,
+                         "until_at": r.until_at}
+                        for r in self.reasons],
+        }
+
 
 def format_at(at: float, now: float) -> str:
-    """``at`` as "in 5m30s (at <POSIX seconds>)" relative to ``now``."""
+    """``at`` as "in 5m30s (at 2026-11-25 08:00:00 UTC)" relative to ``now``."""
     delta = at - now
     sign = "in " if delta >= 0 else ""
     ago = "" if delta >= 0 else " ago"
@@ -110,7 +123,8 @@ def format_at(at: float, now: float) -> str:
         if rest >= size or (unit == "s" and not parts):
             n, rest = divmod(rest, size)
             parts.append(f"{n}{unit}")
-    return f"{sign}{''.join(parts[:2])}{ago} (at {at:.0f})"
+    date = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"{sign}{''.join(parts[:2])}{ago} (at {date})"
 
 
 class _Retry(Protocol):
