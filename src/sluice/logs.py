@@ -124,13 +124,14 @@ def publish(events: Iterable[Mapping[str, Any]]) -> None:
     if not _enabled:
         return
     info = mail_log.isEnabledFor(logging.INFO)
+    warning = mail_log.isEnabledFor(logging.WARNING)
     maillog = _maillog
-    if not info and maillog is None:
+    if not warning and maillog is None:
         return
     lines: list[str] = []
     for event in events:
         kind = str(event.get("event"))
-        if info:
+        if info or (warning and kind in _FAILURES):
             level = logging.WARNING if kind in _FAILURES else logging.INFO
             mail_log.log(level, "%s", describe(event), extra={"event": event})
         if maillog is not None:

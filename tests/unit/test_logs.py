@@ -81,6 +81,15 @@ def test_json_lines_carry_the_event_and_never_span_lines(restore: None) -> None:
     assert second["message"] == "failed" and "ValueError: boom" in second["exc"]
 
 
+def test_failures_still_show_at_level_warning(restore: None) -> None:
+    out = io.StringIO()
+    logs.setup_logging(LoggingConfig(level="warning"), stream=out)
+    logs.publish([_event(EventKind.DELIVERED, reply=Reply(250, "2.0.0", "Ok")),
+                  _event(EventKind.EXPIRED)])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "WARNING sluice.mail: expired" in lines[0]
+
+
 def test_publish_is_silent_until_logging_is_set_up(restore: None,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     logs._enabled = False
