@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,12 @@ def restore() -> Iterator[None]:
     handlers, level = list(root.handlers), root.level
     named = {n: logging.getLogger(n).level for n in ("sluice.smtpd", "sluice.mail", "sluice.x")}
     enabled, maillog = logs._enabled, logs._maillog
+    env = os.environ.get(logs.LOG_LEVEL_ENV)
     yield
+    if env is None:
+        os.environ.pop(logs.LOG_LEVEL_ENV, None)
+    else:
+        os.environ[logs.LOG_LEVEL_ENV] = env
     for h in list(root.handlers):
         root.removeHandler(h)
     for h in handlers:
