@@ -88,6 +88,8 @@ def setup_logging(config: LoggingConfig, level: str | None = None, *, hostname: 
     global _maillog, _enabled
     if level:
         os.environ[LOG_LEVEL_ENV] = level  # for receiving processes spawned later
+    else:
+        os.environ.pop(LOG_LEVEL_ENV, None)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
