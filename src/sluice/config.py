@@ -372,6 +372,16 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """How `sluice serve` logs (sluice.logs, docs/observability.md)."""
+
+    format: str = "text"
+    level: str = "info"
+    levels: Mapping[str, str] = field(default_factory=dict)
+    maillog: str | None = _path(None)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The effective configuration; ``source`` says where it came from."""
 
@@ -386,6 +396,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     analytics: AnalyticsConfig = field(default_factory=AnalyticsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<embedded defaults>"
     base_dir: str = "."
 

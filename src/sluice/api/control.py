@@ -187,14 +187,7 @@ def route_data(route: Route) -> dict[str, Any]:
 
 
 def explanation_data(expl: Explanation, source: str, now: float) -> dict[str, Any]:
-    return {
-        "qid": expl.qid, "state": expl.state, "expected_at": expl.expected_at,
-        "ahead": expl.ahead, "source": source, "lines": expl.lines(now),
-        "reasons": [{"kind": str(r.kind), "text": r.text, "localip": r.localip,
-                     "counter": r.counter, "key": dict(r.key), "threshold": r.threshold,
-                     "current": r.current, "suspension": r.suspension, "until_at": r.until_at}
-                    for r in expl.reasons],
-    }
+    return expl.data(source, now)
 
 
 def write_atomically(path: str, text: str) -> None:

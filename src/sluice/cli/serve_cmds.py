@@ -15,8 +15,9 @@ from sluice.sink import Behaviour, Sink, parse_behaviour
 
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="receive, queue and deliver mail (the MTA)")
-    p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default=None,
+                   choices=["debug", "info", "warning", "error"],
+                   help="overrides logging.level of the configuration")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="show the whole flow locally: Sluice, a sink, 1000 messages")

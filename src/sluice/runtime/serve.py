@@ -36,7 +36,6 @@ import fcntl
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from sluice.config import Config
 from sluice.delivery.agent import DeliveryAgent
 from sluice.delivery.router import Router
 from sluice.hooks import Hooks
+from sluice.logs import ready, setup_logging
 from sluice.queue import Queue
 from sluice.runtime.manager import QueueManager
 from sluice.smtpd import Receiver, ReceiverPool, receiver_processes
@@ -170,20 +170,10 @@ class Server:
             await asyncio.shield(self._manager_task)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # aiosmtpd logs every connection at INFO; that is a debugging aid.
-    logging.getLogger("mail.log").setLevel(logging.WARNING)
-
-
-def serve(config: Config, *, log_level: str = "info",
+def serve(config: Config, *, log_level: str | None = None,
           on_ready: Callable[[Server], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
-    _setup_logging(log_level)
+    setup_logging(config.logging, log_level, hostname=config.hostname)
     try:
         import uvloop
 
@@ -207,10 +197,8 @@ def serve(config: Config, *, log_level: str = "info",
         where = ", ".join(f"{h}:{p}" for h, p in server.addresses)
         mode = (f"{len(server.pool.pids)} receiving processes" if server.pool
                 else "receiving in-process")
-        log.info("sluice serving SMTP on %s (%s), queue %s (%s)", where, mode,
-                 config.queue.path, config.queue.store)
-        print(f"sluice: serving SMTP on {where}; queue {config.queue.store} in "
-              f"{config.queue.path}", flush=True)
+        ready(f"sluice serving SMTP on {where} ({mode}), queue {config.queue.path} "
+              f"({config.queue.store})")
         if on_ready is not None:
             on_ready(server)
         await stop.wait()
