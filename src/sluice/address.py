@@ -41,11 +41,18 @@ from dataclasses import dataclass
 import idna
 
 __all__ = [
+    "BAD_DOMAIN",
+    "BAD_IDN",
+    "BAD_LOCAL",
     "DOMAIN",
+    "LITERAL",
     "LOCAL_PART",
+    "LONG_ADDRESS",
+    "LONG_LOCAL",
     "MAX_ADDRESS_OCTETS",
     "MAX_DOMAIN_OCTETS",
     "MAX_LOCAL_OCTETS",
+    "NO_AT",
     "Invalid",
     "Mailbox",
     "a_label",
@@ -65,6 +72,15 @@ DOMAIN = rf"(?:{_LABEL}\.)+{_LABEL}"
 MAX_LOCAL_OCTETS = 64
 MAX_DOMAIN_OCTETS = 253
 MAX_ADDRESS_OCTETS = 254
+
+#: Why an address is refused (the sendout's "invalid" outcomes say the same).
+NO_AT = "no local part and domain"
+BAD_LOCAL = "local part is not RFC 5321/6531 syntax"
+LONG_LOCAL = f"local part longer than {MAX_LOCAL_OCTETS} octets"
+LITERAL = "address literals are not accepted"
+BAD_IDN = "domain is not a valid internationalised domain name"
+BAD_DOMAIN = "domain is not a valid host name of two or more labels"
+LONG_ADDRESS = f"address longer than {MAX_ADDRESS_OCTETS} octets"
 
 _LOCAL_RE = re.compile(LOCAL_PART)
 _DOMAIN_RE = re.compile(DOMAIN)
@@ -104,19 +120,19 @@ def check(address: str) -> Mailbox | Invalid:
         text = text[1:-1].strip()
     local, at, domain = text.rpartition("@")
     if not at or not local:
-        return Invalid("no local part and domain")
+        return Invalid(NO_AT)
     if _LOCAL_RE.fullmatch(local) is None:
-        return Invalid("local part is not RFC 5321/6531 syntax")
+        return Invalid(BAD_LOCAL)
     if len(local.encode("utf-8")) > MAX_LOCAL_OCTETS:
-        return Invalid(f"local part longer than {MAX_LOCAL_OCTETS} octets")
+        return Invalid(LONG_LOCAL)
     if domain.startswith("["):
-        return Invalid("address literals are not accepted")
+        return Invalid(LITERAL)
     ascii_domain = a_label(domain)
     if ascii_domain is None:
-        return Invalid("domain is not a valid internationalised domain name")
+        return Invalid(BAD_IDN)
     if len(ascii_domain) > MAX_DOMAIN_OCTETS or _DOMAIN_RE.fullmatch(ascii_domain) is None:
-        return Invalid("domain is not a valid host name of two or more labels")
+        return Invalid(BAD_DOMAIN)
     normal = f"{local}@{ascii_domain}"
     if len(normal.encode("utf-8")) > MAX_ADDRESS_OCTETS:
-        return Invalid(f"address longer than {MAX_ADDRESS_OCTETS} octets")
+        return Invalid(LONG_ADDRESS)
     return Mailbox(normal, local, ascii_domain)
