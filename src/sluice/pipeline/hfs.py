@@ -2,6 +2,7 @@
 
 SUMMARY
     write_text(spark, path, text)    replace a small file atomically where the store allows
+    replace_with_part(spark, parts_dir, path)   a one-task Spark output becomes ``path``
     read_text(spark, path) -> str | None
     exists(spark, path) -> bool
     is_local(path) -> bool
@@ -10,9 +11,9 @@ DESCRIPTION
     Tables go through Spark's writers; the few files the driver makes
     itself (report.html, policy.yaml, the suppression list, a sendout's
     summary) go through here, so that ``--output hdfs:///analytics/day``
-    or ``s3a://bucket/day`` work like a local directory.  A local path
-    (no scheme, or ``file://``) is written by Python: temporary file,
-    fsync, rename, directory fsync.  Any other URI is written with the
+    or ``s3a://bucket/day`` work like a local directory.  A plain path
+    (no scheme) is written by Python: temporary file, fsync, rename,
+    directory fsync.  Any URI, ``file://`` too, is written with the
     Hadoop FileSystem of the running session -- the same classes and
     settings (``spark.hadoop.*``) Spark's own writers use -- to a
     temporary name, then renamed over the target with
@@ -30,6 +31,7 @@ SEE ALSO
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -37,16 +39,18 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-__all__ = ["exists", "is_local", "local_path", "read_text", "write_text"]
+__all__ = ["exists", "is_local", "local_path", "read_text", "replace_with_part", "write_text"]
 
 
 def is_local(path: str) -> bool:
-    scheme, sep, _ = path.partition("://")
-    return not sep or scheme == "file"
+    """A plain path (no scheme): Python writes it.  Every URI -- ``file://``
+    included -- goes through Hadoop, as Spark's own writers do."""
+    _, sep, _ = path.partition("://")
+    return not sep
 
 
 def local_path(path: str) -> Path:
-    return Path(path.removeprefix("file://"))
+    return Path(path)
 
 
 def _hadoop(spark: SparkSession, path: str) -> tuple[Any, Any, Any]:
@@ -97,6 +101,12 @@ def write_text(spark: SparkSession | None, path: str, text: str) -> str:
         out.hsync()
     finally:
         out.close()
+    _move_over(spark, jvm, fs, tmp, target, path)
+    return path
+
+
+def _move_over(spark: SparkSession, jvm: Any, fs: Any, source: Any, target: Any,
+               path: str) -> None:
     try:
         jsc: Any = spark.sparkContext._jsc
         conf = jsc.hadoopConfiguration()
@@ -105,14 +115,43 @@ def write_text(spark: SparkSession | None, path: str, text: str) -> str:
         gateway: Any = spark.sparkContext._gateway
         options = gateway.new_array(rename, 1)
         options[0] = rename.OVERWRITE
-        fc.rename(tmp, target, options)
+        fc.rename(source, target, options)
     except Exception:
         # A store without an AbstractFileSystem binding: not atomic, but whole.
         fs.delete(target, False)
-        if not fs.rename(tmp, target):
-            fs.delete(tmp, False)
+        if not fs.rename(source, target):
+            fs.delete(source, False)
             raise OSError(f"{path}: cannot rename the new file into place") from None
-    return path
+
+
+def replace_with_part(spark: SparkSession, parts_dir: str, path: str) -> None:
+    """Move the one part file of the Spark output ``parts_dir`` over ``path`` (fsynced
+    first where local), and remove ``parts_dir``."""
+    if is_local(parts_dir) and is_local(path):
+        parts = sorted(local_path(parts_dir).glob("part-*"))
+        if len(parts) != 1:
+            raise OSError(f"{parts_dir}: expected one part file, found {len(parts)}")
+        with parts[0].open("rb") as fh:
+            os.fsync(fh.fileno())
+        target = local_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(parts[0], 0o644)
+        os.replace(parts[0], target)
+        dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        shutil.rmtree(local_path(parts_dir), ignore_errors=True)
+        return
+    jvm, fs, directory = _hadoop(spark, parts_dir)
+    found = fs.globStatus(jvm.org.apache.hadoop.fs.Path(directory, "part-*"))
+    if found is None or len(found) != 1:
+        raise OSError(f"{parts_dir}: expected one part file")
+    _, _, target = _hadoop(spark, path)
+    fs.mkdirs(target.getParent())
+    _move_over(spark, jvm, fs, found[0].getPath(), target, path)
+    fs.delete(directory, True)
 
 
 def read_text(spark: SparkSession | None, path: str) -> str | None:
