@@ -212,7 +212,20 @@ def spark_error_line(exc: BaseException) -> str:
                 len(lines))
     raised = [line for line in lines[:stop]
               if re.match(r"^[\w.]+(Error|Exception): ", line)]
-    return (raised[-1] if raised else lines[0])[:500]
+    line = (raised[-1] if raised else lines[0])[:500]
+    if "S3AFileSystem" in line or 'No FileSystem for scheme "s3' in line:
+        line += f" (s3a:// needs --packages org.apache.hadoop:hadoop-aws:{_hadoop_version()})"
+    return line
+
+
+def _hadoop_version() -> str:
+    """The Hadoop version PySpark ships, which hadoop-aws must match."""
+    import pyspark
+
+    jars = Path(pyspark.__file__).parent / "jars"
+    for jar in jars.glob("hadoop-client-api-*.jar"):
+        return jar.stem.removeprefix("hadoop-client-api-")
+    return "<the Hadoop version of your Spark>"
 
 
 def _require_spark() -> None:
