@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/e2e.py [--runs 5] [--n 20000] [--sessions 20]
                                   [--configs base,big,rcpt5] [--no-postfix]
-                                  [--sync-method fsync|syncfs]
+                                  [--sync-method fsync|syncfs] [--profile DIR]
+    .venv/bin/python bench/e2e.py --configs base,many      # 1 vs 10,000 destinations
 
 Both MTAs are measured with the shared harness in ../shared/bench (run from
 there, not copied): e2e_run.py drives smtp-source against the MTA and
@@ -17,18 +18,49 @@ Configurations (as ../shared/bench/run_matrix.py):
   big    N x 100 KB
   rcpt5  5 recipients per message, 5 smtp-source processes with one domain
          each (smtp-source puts all recipients of one message in one domain)
+  many   N x 1 KB, 20 sessions, one recipient each, round robin over 10,000
+         domains d1.test .. d10000.test, each routed by the MTA's transport
+         map to its own next hop 127.10.X.Y:2526 (X = k >> 8, Y = k & 255), so
+         that both MTAs keep 10,000 destinations (queues, windows, connection
+         pools).  Mail comes from bench/many_inject.py (smtp-source cannot
+         spread one process over several domains; this one talks as it does:
+         HELO once, no pipelining), the run is driven by bench/many_run.py and
+         Postfix by bench/many_postfix.py (transport_maps = hash:, the
+         harness's settings otherwise).  One smtp-sink on 0.0.0.0:2526
+         receives for all next hops, which is why these configs run in a
+         private network namespace holding only lo: when one is chosen, this
+         script moves itself (and so everything it starts, the base runs
+         too) into a new namespace first.  Needs root.
+  many1  the control: the same injector, namespace and routing, one domain
+         (d1.test -> 127.10.0.1); many/many1 isolates the cost of the
+         destinations from that of the injector
 
 Runs are interleaved (Sluice, Postfix, Sluice, ...; the order alternates)
 and the medians of each MTA's runs are compared.  The machine is shared and
 noisy (about +-15 %): every run line carries the harness's contamination
-figures.  The last line reads
+figures and the load average (/proc/loadavg) when it started.  The table
+gives, per config and MTA, the medians of accept and end-to-end msg/s, the
+MTA's CPU per message (all its processes) and the injector's.  With both
+base and many chosen it then prints
+    sluice_many/sluice_base=X        (the goal: X >= 0.8)
+    many ratio vs postfix=Y          (the goal: Y >= 3)
+and the last line reads
     sluice_e2e=X postfix_e2e=Y ratio=X/Y
 for the base configuration.
+
+--profile DIR adds, after the measured runs of each config, one more Sluice
+run (not counted in the medians) under `py-spy record --subprocesses --gil`
+(the py-spy of the dev extra) of the serve process and its receivers,
+writing DIR/sluice-CONFIG.txt: py-spy's raw collapsed stacks, the input of a
+flame graph (flamegraph.pl, speedscope).  bench/profile_share.py then
+prints the share of the samples spent in sluice/scheduler/ frames -- the
+scheduler's share of Sluice's CPU -- and the busiest parts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -41,20 +73,35 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-HARNESS = (ROOT / ".." / "shared" / "bench").resolve()
-SLUICE = str(Path(sys.executable).parent / "sluice")
+import many_postfix
+import many_routes
+import profile_share
+from harness import harness_dir
 
-CONFIGS = {
+HERE = Path(__file__).resolve().parent
+HARNESS = harness_dir()
+SLUICE = str(Path(sys.executable).parent / "sluice")
+PY_SPY = str(Path(sys.executable).parent / "py-spy")
+PY_SPY_RATE = 100  # samples per second (see bench/profile_share.py on --gil)
+
+# "hops": each domain its own next hop, the mail from bench/many_inject.py (see above)
+CONFIGS: dict[str, dict[str, int]] = {
     "base": {"size": 1024, "rcpts": 1, "domains": 1},
     "big": {"size": 102400, "rcpts": 1, "domains": 1},
     "rcpt5": {"size": 1024, "rcpts": 5, "domains": 5},
+    "many": {"size": 1024, "rcpts": 1, "domains": 10000, "hops": 1},
+    "many1": {"size": 1024, "rcpts": 1, "domains": 1, "hops": 1},
 }
 FIELD_RE = re.compile(r"(\w+)=([^\s]+)")
 
 
 def parse(line: str) -> dict[str, str]:
     return dict(FIELD_RE.findall(line))
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
 
 
 def wait_port_free(port: int, timeout: float = 30) -> None:
@@ -70,41 +117,68 @@ SYNC_METHOD = "fsync"  # queue.spool.sync_method for Sluice's runs (--sync-metho
 RECEIVERS = 0  # smtpd.processes for Sluice's runs (--receivers; 0 = the default)
 
 
-def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> dict[str, str]:
+def sluice_config(work: Path, port: int, sink_port: int, cfg: dict[str, int]) -> str:
+    """Sluice's configuration for one run: everything to the sink, or each domain its hop."""
+    if cfg.get("hops"):
+        # JSON is YAML: one flow mapping of 10,000 entries, no quoting to get wrong
+        transport = json.dumps(many_routes.sluice_transport(cfg["domains"], sink_port))
+    else:
+        transport = f"{{'*': 'smtp:[127.0.0.1]:{sink_port}'}}"
+    return ("node: {hostname: mta.sluice.test, id: bench}\n"
+            f"queue: {{path: {work}/queue, spool: {{rootpath: {work}/spool, "
+            f"sync_method: {SYNC_METHOD}}}}}\n"
+            f"accounting: {{path: {work}/log}}\n"
+            f"smtpd: {{listen: ['127.0.0.1:{port}'], processes: {RECEIVERS}}}\n"
+            f"delivery: {{transport: {transport}}}\n"
+            "api: {enabled: false}\n")
+
+
+def driver_cmd(label: str, port: int, sink_port: int, n: int, sessions: int,
+               cfg: dict[str, int], quiet_wait: int, workdir: Path) -> list[str]:
+    """The run's driver: the shared e2e_run.py, or bench/many_run.py for the "hops" mixes."""
+    common = ["--label", label, "--mta-port", str(port), "--sink-port", str(sink_port),
+              "--n", str(n), "--sessions", str(sessions), "--size", str(cfg["size"]),
+              "--domains", str(cfg["domains"]), "--quiet-wait", str(quiet_wait),
+              "--workdir", str(workdir)]
+    if cfg.get("hops"):
+        return [sys.executable, str(HERE / "many_run.py"), *common]
+    return [sys.executable, str(HARNESS / "e2e_run.py"), *common, "--rcpts", str(cfg["rcpts"])]
+
+
+def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
+               profile: Path | None = None) -> dict[str, str]:
+    """One Sluice run; with `profile`, under py-spy writing raw stacks there."""
     work = Path(tempfile.mkdtemp(prefix="sluice-e2e-", dir="/tmp"))
     port, sink_port = 2528, 2526
     config = work / "sluice.yaml"
-    config.write_text(
-        "node: {hostname: mta.sluice.test, id: bench}\n"
-        f"queue: {{path: {work}/queue, spool: {{rootpath: {work}/spool, "
-        f"sync_method: {SYNC_METHOD}}}}}\n"
-        f"accounting: {{path: {work}/log}}\n"
-        f"smtpd: {{listen: ['127.0.0.1:{port}'], processes: {RECEIVERS}}}\n"
-        f"delivery: {{transport: {{'*': 'smtp:[127.0.0.1]:{sink_port}'}}}}\n"
-        "api: {enabled: false}\n")
+    config.write_text(sluice_config(work, port, sink_port, cfg))
     wait_port_free(port)
     proc = subprocess.Popen([SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
+    spy: subprocess.Popen[bytes] | None = None
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if "serving SMTP" not in line:
             raise RuntimeError(f"sluice serve did not start: {line}{proc.stdout.read()}")
-        cmd = [sys.executable, str(HARNESS / "e2e_run.py"), "--label", "sluice",
-               "--mta-port", str(port), "--sink-port", str(sink_port), "--n", str(n),
-               "--sessions", str(sessions), "--rcpts", str(cfg["rcpts"]),
-               "--size", str(cfg["size"]), "--domains", str(cfg["domains"]),
-               "--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool"),
-               "--quiet-wait", str(quiet_wait), "--workdir", str(work / "run")]
+        if profile is not None:
+            # the driver's idle wait (5 s at least) lets py-spy attach before the clock starts
+            spy = subprocess.Popen([PY_SPY, "record", "--subprocesses", "--pid", str(proc.pid),
+                                    "--format", "raw", "--rate", str(PY_SPY_RATE), "--gil",
+                                    "--output", str(profile)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cmd = driver_cmd("sluice", port, sink_port, n, sessions, cfg, quiet_wait, work / "run")
+        cmd += ["--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool")]
         (work / "run").mkdir()
         out = subprocess.run(cmd, cwd=HARNESS, capture_output=True, text=True, timeout=1800)
         last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
         if out.returncode != 0 or not last.startswith("sluice "):
             raise RuntimeError(f"sluice run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        print("   ", last, flush=True)
         return parse(last)
     finally:
+        if spy is not None:
+            stop_py_spy(spy)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -117,7 +191,28 @@ def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> d
         shutil.rmtree(work, ignore_errors=True)
 
 
+def stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
+    """Stop a recording as Control-C does, so that py-spy writes its file."""
+    if spy.poll() is None:
+        spy.send_signal(signal.SIGINT)
+    try:
+        _, err = spy.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        _, err = spy.communicate()
+    if spy.returncode != 0:
+        print(f"    py-spy exited {spy.returncode}: {err.decode(errors='replace')[-500:]}",
+              flush=True)
+
+
 def run_postfix(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> dict[str, str]:
+    if cfg.get("hops"):
+        wait_port_free(2525)
+        try:
+            res = many_postfix.run(n, sessions, cfg["size"], cfg["domains"], quiet_wait)
+        except (RuntimeError, subprocess.SubprocessError) as exc:
+            raise RuntimeError(f"postfix run failed: {exc}") from exc
+        return res
     env = {**os.environ, "QUIET_WAIT": str(quiet_wait)}
     cmd = ["bash", str(HARNESS / "postfix_e2e.sh"), "-n", str(n), "-s", str(sessions),
            "-r", str(cfg["rcpts"]), "-l", str(cfg["size"]), "-d", str(cfg["domains"])]
@@ -127,7 +222,6 @@ def run_postfix(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int) -> 
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     if out.returncode != 0 or not last.startswith("postfix "):
         raise RuntimeError(f"postfix run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    print("   ", last, flush=True)
     return parse(last)
 
 
@@ -135,12 +229,52 @@ def median(runs: list[dict[str, str]], key: str) -> float:
     return statistics.median(float(r[key]) for r in runs)
 
 
+def summary(results: dict[str, dict[str, list[dict[str, str]]]],
+            shares: dict[str, float]) -> None:
+    """The medians per config and MTA, the ratios, and the goal lines (see the module doc)."""
+    print()
+    print(f"{'config':8} {'MTA':8} {'accept/s':>9} {'e2e/s':>9} {'cpu ms/msg':>10} "
+          f"{'src ms/msg':>10} {'load':>5} {'contaminated':>12} runs")
+    for name, by_mta in results.items():
+        for mta, runs in by_mta.items():
+            if not runs:
+                continue
+            cpu = statistics.median(float(r["mta_cpu_s"]) * 1000 / float(r["n"]) for r in runs)
+            src = statistics.median(float(r["source_cpu_s"]) * 1000 / float(r["n"])
+                                    for r in runs)
+            dirty = sum(int(r.get("contaminated", "0")) for r in runs)
+            print(f"{name:8} {mta:8} {median(runs, 'accept_msgs_per_s'):9.0f} "
+                  f"{median(runs, 'e2e_msgs_per_s'):9.0f} {cpu:10.2f} {src:10.2f} "
+                  f"{median(runs, 'load'):5.2f} {dirty:12d} {len(runs)}")
+        if by_mta["postfix"] and by_mta["sluice"]:
+            ratio = (median(by_mta["sluice"], "e2e_msgs_per_s")
+                     / median(by_mta["postfix"], "e2e_msgs_per_s"))
+            print(f"{name:8} ratio    e2e {ratio:.2f}")
+    for name, share in shares.items():
+        print(f"{name:8} scheduler share of Sluice's CPU (py-spy samples) {100 * share:.1f}%")
+
+    def e2e(name: str, mta: str = "sluice") -> float:
+        runs = results.get(name, {}).get(mta)
+        return median(runs, "e2e_msgs_per_s") if runs else float("nan")
+
+    if "many" in results:
+        if "base" in results:
+            print(f"sluice_many/sluice_base={e2e('many') / e2e('base'):.2f}")
+        if "many1" in results:
+            print(f"sluice_many/sluice_many1={e2e('many') / e2e('many1'):.2f}")
+        print(f"many ratio vs postfix={e2e('many') / e2e('many', 'postfix'):.2f}")
+    base = "base" if "base" in results else next(iter(results))
+    print(f"sluice_e2e={e2e(base):.0f} postfix_e2e={e2e(base, 'postfix'):.0f} "
+          f"ratio={e2e(base) / e2e(base, 'postfix'):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--sessions", type=int, default=20)
-    ap.add_argument("--configs", default="base,big,rcpt5")
+    ap.add_argument("--configs", default="base,big,rcpt5",
+                    help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--no-postfix", action="store_true")
     ap.add_argument("--sync-method", choices=("fsync", "syncfs"), default="fsync",
                     help="Sluice's queue.spool.sync_method (both keep fsync before 250)")
@@ -148,50 +282,61 @@ def main() -> None:
                     help="Sluice's smtpd.processes (receiving processes; 0 = one per core but one)")
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds the harness waits for an idle box before each run")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="one more Sluice run per config under py-spy; stacks to DIR")
     args = ap.parse_args()
+    names = args.configs.split(",")
+    if unknown := [n for n in names if n not in CONFIGS]:
+        ap.error(f"unknown config {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     if not (HARNESS / "e2e_run.py").exists():
         sys.exit(f"the shared harness is not at {HARNESS}")
     for tool in ("smtp-source", "smtp-sink"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             sys.exit(f"{tool} is missing: apt-get install postfix (scripts/setup does)")
+    if args.profile is not None:
+        if not Path(PY_SPY).exists():
+            sys.exit(f"{PY_SPY} is missing: pip install the dev extra (py-spy)")
+        args.profile.mkdir(parents=True, exist_ok=True)
+    if any(CONFIGS[n].get("hops") for n in names):
+        try:
+            many_routes.enter_private_netns()
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            sys.exit(f"e2e: {exc}")
+        print("# in a private network namespace (interfaces: lo only), for the "
+              "many-destinations configs; every run of this sitting is inside", flush=True)
     results: dict[str, dict[str, list[dict[str, str]]]] = {}
+    shares: dict[str, float] = {}
     global SYNC_METHOD, RECEIVERS
     SYNC_METHOD = args.sync_method
     RECEIVERS = args.receivers
-    for name in args.configs.split(","):
+    for name in names:
         cfg = CONFIGS[name]
         results[name] = {"sluice": [], "postfix": []}
         print(f"== {name}: n={args.n} size={cfg['size']} rcpts={cfg['rcpts']} "
-              f"domains={cfg['domains']} sessions={args.sessions}", flush=True)
+              f"domains={cfg['domains']} next hops={cfg['domains'] if cfg.get('hops') else 1} "
+              f"sessions={args.sessions}", flush=True)
         for i in range(args.runs):
             order = ["sluice", "postfix"] if i % 2 == 0 else ["postfix", "sluice"]
             for mta in order:
                 if mta == "postfix" and args.no_postfix:
                     continue
                 runner = run_sluice if mta == "sluice" else run_postfix
-                results[name][mta].append(runner(args.n, args.sessions, cfg, args.quiet_wait))
-    print()
-    print(f"{'config':8} {'MTA':8} {'accept/s':>9} {'e2e/s':>9} {'cpu ms/msg':>10} "
-          f"{'contaminated':>12} runs")
-    for name, by_mta in results.items():
-        for mta, runs in by_mta.items():
-            if not runs:
-                continue
-            cpu = statistics.median(float(r["mta_cpu_s"]) * 1000 / float(r["n"]) for r in runs)
-            dirty = sum(int(r.get("contaminated", "0")) for r in runs)
-            print(f"{name:8} {mta:8} {median(runs, 'accept_msgs_per_s'):9.0f} "
-                  f"{median(runs, 'e2e_msgs_per_s'):9.0f} {cpu:10.2f} {dirty:12d} {len(runs)}")
-        if by_mta["postfix"]:
-            ratio = (median(by_mta["sluice"], "e2e_msgs_per_s")
-                     / median(by_mta["postfix"], "e2e_msgs_per_s"))
-            print(f"{name:8} ratio    e2e {ratio:.2f}")
-    base = results.get("base") or next(iter(results.values()))
-    s = median(base["sluice"], "e2e_msgs_per_s")
-    if base["postfix"]:
-        p = median(base["postfix"], "e2e_msgs_per_s")
-        print(f"sluice_e2e={s:.0f} postfix_e2e={p:.0f} ratio={s / p:.2f}")
-    else:
-        print(f"sluice_e2e={s:.0f} postfix_e2e=nan ratio=nan")
+                load = loadavg()
+                res = runner(args.n, args.sessions, cfg, args.quiet_wait)
+                res.setdefault("load", load)
+                print(f"    {mta} " + " ".join(f"{k}={v}" for k, v in res.items()), flush=True)
+                results[name][mta].append(res)
+        if args.profile is not None:
+            path = args.profile / f"sluice-{name}.txt"
+            print(f"-- {name}: one more Sluice run under py-spy (not in the medians) -> {path}",
+                  flush=True)
+            res = run_sluice(args.n, args.sessions, cfg, args.quiet_wait, profile=path)
+            print("    sluice(py-spy) " + " ".join(f"{k}={v}" for k, v in res.items()),
+                  flush=True)
+            shares[name] = profile_share.report(str(path), rate=PY_SPY_RATE)
+            print(f"  the run's MTA CPU in the measured window: {res['mta_cpu_s']} cpu-s",
+                  flush=True)
+    summary(results, shares)
 
 
 if __name__ == "__main__":

@@ -66,9 +66,8 @@ def policy_data(counters: int, inflight: int) -> list[dict[str, object]]:
     sub-queues, so that every run is the same steady state (sub-queues wait
     for a slot, and each finished delivery lets the next one go).  The
     others are concurrencies just below it, or rates that are never
-    reached: thresholds the scheduler must track and check on every pickup
-    (one at or above what can be in flight would not be, see _cannot_bind
-    in sluice.scheduler.core).  Each also has a condition for a value
+    reached: thresholds the scheduler must check on every pickup.  Each
+    also has a condition for a value
     nobody has, and some roll MXs up into groups, as Halon's gsuite example
     does.
     """
@@ -130,18 +129,18 @@ def run(n_subqueues: int, entries: int, pickups: int, counters: int, batch: int)
     entries, groups = per_pickup(sched)
     print(f"  sub-queues={n_subqueues:>7} (suspended {suspended:>6}, parked "
           f"{stats.parked_subqueues:>6}) counter entries={stats.counter_entries:>7} "
-          f"per pickup: entries={entries} groups={groups} "
+          f"per pickup: entries={entries} rows={groups} "
           f"pickups={done} in {elapsed:.2f}s -> {done / elapsed:,.0f} pickups/s", flush=True)
     return done / elapsed
 
 
 def per_pickup(sched: Scheduler) -> tuple[int, int]:
-    """The counter entries one active sub-queue checks, and the groups they
+    """The counter entries one active sub-queue checks, and the rows they
     are counted in (what a pickup actually touches)."""
-    for sq in sched._subqueues.values():  # a look inside, for the report line
-        if sq.live and not any(type(b).__name__ == "_Susp" for b in sq.parked_on):
-            groups = sq.groups[0]
-            return sum(len(r.prof.items) for g in groups for r in g.rows), len(groups)
+    for sq in sched._queues:  # a look inside, for the report line
+        if sq.live and not any(type(b).__name__ == "Suspended" for b in sq.parked_on):
+            binding = sq.bindings[0]
+            return len(binding.entries), len(getattr(binding, "rows", binding.entries))
     return 0, 0
 
 
@@ -165,12 +164,9 @@ def main() -> None:
 
     first, last = results[counts[0]], results[counts[-1]]
     if len(counts) > 2:
-        # With one sub-queue all 100 counter entries are one group (counted
-        # as one), and it takes the free slots in a row; from a few
-        # sub-queues on, a pickup counts in one group per set of sub-queues
-        # sharing its entries (tenant, IP, ...: 6 or 7), and round robin
-        # visits another sub-queue each time.  This ratio compares runs
-        # with the same groups.
+        # With one sub-queue, it takes the free slots in a row; from a few
+        # sub-queues on, round robin visits another sub-queue each time.
+        # This ratio compares runs that do the same work per pickup.
         middle = results[counts[1]]
         print(f"pickups_per_s_{label(counts[1])}={middle:.0f} "
               f"ratio_{label(counts[-1])}_vs_{label(counts[1])}={last / middle:.2f}")

@@ -205,6 +205,37 @@ class BounceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantsConfig:
+    """Tenants' shares of every contended limit (deficit round robin)."""
+
+    fair: bool = True
+    default_weight: float = 1.0
+    shares: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {t: float(v.get("weight", self.default_weight)) for t, v in self.shares.items()}
+
+    @property
+    def min_shares(self) -> dict[str, float]:
+        out = {}
+        for tenant, v in self.shares.items():
+            share = v.get("min_share")
+            if share is not None:
+                out[tenant] = parse_fraction(share)
+        return out
+
+
+def parse_fraction(value: object) -> float:
+    """A share as ``0.2`` or ``"20%"``."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        return float(value.strip()[:-1]) / 100
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{value!r} is not a share (use 0.2 or \"20%\")")
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     policy: str | None = _path(None)
     suspensions: str | None = _path(None)
@@ -216,6 +247,7 @@ class SchedulerConfig:
     refill_interval: float = _dur("1s")
     refill_batch: int = 1000
     max_deliveries: int = 0
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,6 +493,10 @@ def _semantic_checks(cfg: Config) -> Config:
         raise ConfigError(
             cfg.source, "queue.minimal_backoff", "must not exceed queue.maximal_backoff"
         )
+    tenants = cfg.scheduler.tenants
+    if sum(tenants.min_shares.values()) > 1:
+        raise ConfigError(cfg.source, "scheduler.tenants.shares",
+                          "the min_share values add up to more than 100 %")
     hostname = cfg.node.hostname or socket.gethostname() or "localhost"
     node = NodeConfig(hostname=hostname, id=cfg.node.id or hostname)
     return dataclasses.replace(cfg, queue=queue, node=node)

@@ -26,9 +26,10 @@ SEE ALSO
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 __all__ = [
     "Accepted",
@@ -131,11 +132,26 @@ def utf8_header(head: bytes) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """An SMTP reply: basic code, RFC 3463 enhanced code and text."""
+    """An SMTP reply: basic code, RFC 3463 enhanced code and text.
+
+    A reply a delivery attempt got also says who gave it and when, for
+    the NDR (RFC 3464) and the operator:
+
+    ``remote_mta``  the host name of the next hop that sent this reply;
+                    empty for a reply Sluice made itself (no connection,
+                    a SIZE the server announced, an expiry, a hook, an
+                    operator).  ``text`` is then the server's text alone:
+                    "host X said:" is for people, see describe().
+    ``attempt_at``  when the queue recorded the attempt that got it; None
+                    for a reply no attempt got (an operator's bounce, a
+                    dead destination's deferral).
+    """
 
     code: int
     enhanced: str = ""
     text: str = ""
+    remote_mta: str = ""
+    attempt_at: float | None = None
 
     def __str__(self) -> str:
         parts = [str(self.code)]
@@ -144,6 +160,27 @@ class Reply:
         if self.text:
             parts.append(self.text)
         return " ".join(parts)
+
+    def describe(self) -> str:
+        """The reply for a person: "host mx.example.com said: 550 5.1.1 ..."
+        when a server gave it, else what Sluice said."""
+        return f"host {self.remote_mta} said: {self}" if self.remote_mta else str(self)
+
+    def to_record(self) -> list[object]:
+        """The reply as a JSON list, as the record-based stores keep it."""
+        record: list[object] = [self.code, self.enhanced, self.text]
+        if self.remote_mta or self.attempt_at is not None:
+            record += [self.remote_mta, self.attempt_at]
+        return record
+
+    @classmethod
+    def from_record(cls, record: Sequence[Any]) -> Reply:
+        """The reply of to_record(); a three-item record (written before
+        Sluice kept who and when) reads as a reply Sluice made, at no time."""
+        mta = record[3] if len(record) > 3 else ""
+        at = record[4] if len(record) > 4 else None
+        return cls(int(record[0]), record[1] or "", record[2] or "", mta or "",
+                   None if at is None else float(at))
 
     @property
     def is_permanent(self) -> bool:

@@ -39,6 +39,7 @@ SEE ALSO
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -241,16 +242,20 @@ class Queue:
         planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]] = []
         for res in results:
             e = res.entry
+            reply = res.outcome.reply
+            if res.attempted:
+                # The reply says when it was got: the NDR's Last-Attempt-Date.
+                reply = dataclasses.replace(reply, attempt_at=now)
             match res.outcome:
-                case Delivered(reply):
+                case Delivered():
                     transitions.append(Transition(e.qid, None, reply=reply))
                     planned.append((res, None, EventKind.DELIVERED, reply))
-                case PermFail(reply):
+                case PermFail():
                     transitions.append(Transition(
                         e.qid, QueueState.BOUNCE, next_attempt_at=now, reply=reply,
                         attempted=res.attempted, expect=IN_FLIGHT_STATES))
                     planned.append((res, QueueState.BOUNCE, EventKind.BOUNCED, reply))
-                case TempFail(reply):
+                case TempFail():
                     failures = e.attempts + 1
                     at = self.retry.next_attempt_at(now, failures, e.arrival_at, e.is_report)
                     if at is None:
@@ -357,7 +362,8 @@ class Queue:
             FailedRecipient(
                 recipient=e.recipient,
                 reply=e.last_reply,
-                last_attempt_at=now if e.attempts else None,
+                last_attempt_at=e.last_reply.attempt_at if e.last_reply else None,
+                remote_mta=(e.last_reply.remote_mta or None) if e.last_reply else None,
                 expired=self.retry.is_expired(now, e.arrival_at, e.is_report)
                 or (e.last_reply is not None and e.last_reply.is_transient),
             )

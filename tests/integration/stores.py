@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from sluice.config import Config
-from sluice.model import Selector, Submission
-from sluice.store import Action, Store, open_store
+from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.store import Action, Store, Transition, open_store
 from tests.conftest import make_config
 
 #: ``sqlite`` keeps small content in the database (the default);
@@ -183,14 +183,21 @@ def run_diskfull(flavour: str, size: str = "4m", ballast_mb: int = 1) -> dict[st
 
 def check_migrated_v1_queue(store: Store, spid: str, recipient: str, content: bytes,
                             now: float) -> None:
-    """A queue written before the SMTPUTF8 flag, once migrated: its one
-    message (``spid`` to ``recipient``) reads as not flagged and keeps its
-    content, and a flagged message queued now keeps its flag."""
+    """A queue written before the SMTPUTF8 flag and before replies said who
+    and when, once migrated: its one message (``spid`` to ``recipient``)
+    reads as not flagged and keeps its content, a flagged message queued
+    now keeps its flag, and a reply recorded now keeps its remote MTA and
+    time."""
     (old,) = store.entries(Selector())
     assert (old.spid, old.recipient, old.smtputf8) == (spid, recipient, False)
     new = store.submit(Submission("a@example.org", ("c@example.net",), smtputf8=True),
                        b"new", now)
-    assert {e.spid: e.smtputf8 for e in store.claim(10, now, 10)} == {
-        spid: False, new.spid: True}
+    claimed = store.claim(10, now, 10)
+    assert {e.spid: e.smtputf8 for e in claimed} == {spid: False, new.spid: True}
     with store.open_content(spid) as stream:
         assert stream.read() == content
+    said = Reply(451, "4.2.0", "busy", remote_mta="mx.example.net", attempt_at=now)
+    store.apply([Transition(f"{spid}-0", QueueState.DEFERRED, next_attempt_at=now + 60,
+                            reply=said, attempted=True)])
+    got = store.get(f"{spid}-0")
+    assert got is not None and got.last_reply == said

@@ -198,4 +198,5 @@ def test_a_queued_message_is_streamed_from_the_spool_and_recorded(tmp_path: Path
         assert left[0].spid == accepted.spid and left[0].attempts == 1
         reply = left[0].last_reply
         assert reply is not None and (reply.code, reply.enhanced) == (452, "4.2.2")
-        assert reply.text.endswith("said: full")
+        assert (reply.text, reply.remote_mta) == ("full", "127.0.0.1")
+        assert reply.attempt_at is not None  # recorded with the time of the attempt

@@ -146,7 +146,9 @@ def test_one_transaction_per_message_with_per_recipient_results(pipelining: bool
             ("ok2@dest.test", Delivered, 250, "2.0.0"),
         ]
         busy = res.outcomes[1][1].reply
-        assert busy.text == f"host mx0.test[127.0.0.1]:{s.port} said: mailbox busy, try later"
+        # The server's words alone, and who said them (the NDR's Remote-MTA).
+        assert (busy.text, busy.remote_mta) == ("mailbox busy, try later", "mx0.test")
+        assert busy.describe() == "host mx0.test said: 451 4.2.1 mailbox busy, try later"
         assert [m.recipients for m in handler.messages] == [("ok@dest.test", "ok2@dest.test")]
         assert (res.remotemx, res.remoteip, res.port) == ("mx0.test", "127.0.0.1", s.port)
         assert res.new_connection and not res.connection_failed

@@ -7,8 +7,10 @@ transition written to the accounting log.
 
 from __future__ import annotations
 
+import dataclasses
 import email
 import email.policy
+import email.utils
 import json
 import time
 from collections.abc import Iterator
@@ -119,7 +121,7 @@ def test_retry_schedule_then_success(queue: Queue, clock: Clock, cfg: Config) ->
     e = queue.store.get(qid)
     assert e is not None
     assert (e.state, e.attempts, e.next_attempt_at) == (S.DEFERRED, 1, t0 + 30 * 60)
-    assert e.last_reply == GREY.reply
+    assert e.last_reply == dataclasses.replace(GREY.reply, attempt_at=t0)  # and when
 
     clock.advance(29 * 60)
     assert queue.claim(10) == []  # not due yet
@@ -228,6 +230,42 @@ def test_expiry_bounces_with_the_last_reply_and_ndr_says_so(queue: Queue, clock:
     assert blocks[1]["Action"] == "failed"
     assert "connection refused" in blocks[1]["Diagnostic-Code"]
     assert [x["event"] for x in log_lines(cfg)].count("expired") == 1
+
+
+def test_the_ndr_names_the_server_and_the_time_of_the_attempt(queue: Queue, clock: Clock
+                                                              ) -> None:
+    # RFC 3464: Remote-MTA and an smtp Diagnostic-Code for what a server said;
+    # X-Sluice for what Sluice said itself; Last-Attempt-Date from the attempt.
+    queue.submit(Submission("alice@example.org", ("bob@example.net", "carol@example.com",
+                                                  "dave@example.org")), message())
+    tried_at = clock.now
+    attempt(queue, {
+        "bob@example.net": PermFail(Reply(550, "5.1.1", "no such user",
+                                          remote_mta="mx1.example.net")),
+        "carol@example.com": PermFail(Reply(552, "5.3.4", "message size 99 exceeds the limit "
+                                            "of 10 bytes of host mx.example.com")),
+        "dave@example.org": GREY,
+    })
+    clock.advance(30 * 60)
+    queue.store.modify(Selector(recipient="dave@example.org"), Action.BOUNCE, clock.now)
+    clock.advance(3 * H)  # the NDR is built well after the attempt
+    assert queue.run_bounces() == 1
+    (ndr,) = _ndrs(queue)
+    blocks = {b["Final-Recipient"]: b for b in
+              list(_parse(queue, ndr.spid).iter_parts())[1].get_payload()[1:]}
+    bob = blocks["rfc822; bob@example.net"]
+    assert bob["Remote-MTA"] == "dns; mx1.example.net"
+    assert bob["Diagnostic-Code"] == "smtp; 550 5.1.1 no such user"
+    assert email.utils.parsedate_to_datetime(bob["Last-Attempt-Date"]).timestamp() == tried_at
+    carol = blocks["rfc822; carol@example.com"]
+    assert carol["Remote-MTA"] is None
+    assert carol["Diagnostic-Code"] == ("X-Sluice; message size 99 exceeds the limit of 10 "
+                                        "bytes of host mx.example.com")
+    assert carol["Last-Attempt-Date"] == bob["Last-Attempt-Date"]
+    # The operator's bounce replaced the reply: no attempt got it.
+    dave = blocks["rfc822; dave@example.org"]
+    assert dave["Diagnostic-Code"] == "X-Sluice; bounced by the operator"
+    assert dave["Last-Attempt-Date"] is None
 
 
 def test_expiry_sweep_bounces_deferred_mail_without_an_attempt(queue: Queue,

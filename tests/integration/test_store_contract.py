@@ -239,6 +239,33 @@ def test_deferral_records_reply_attempts_and_time(store: Store) -> None:
         S.DEFERRED, T0 + 1800, 1, reply)
 
 
+def test_a_reply_keeps_who_gave_it_and_when_until_the_next_replaces_it(store: Store) -> None:
+    # The NDR's Remote-MTA and Last-Attempt-Date (RFC 3464) come from here.
+    acc = store.submit(sub(), body(), T0)
+    (e,) = store.claim(10, T0, 10)
+    said = Reply(452, "4.2.2", "mailbox full", remote_mta="mx1.example.net", attempt_at=T0 + 5)
+    store.apply([Transition(e.qid, S.DEFERRED, next_attempt_at=T0 + 60, reply=said,
+                            attempted=True)])
+    got = store.get(acc.qids[0])
+    assert got is not None and got.last_reply == said
+    assert (got.last_reply.remote_mta, got.last_reply.attempt_at) == ("mx1.example.net", T0 + 5)
+    # A transition without a reply keeps it; one with Sluice's own replaces all of it.
+    store.modify(Selector(qids=acc.qids), Action.HOLD, T0 + 6)
+    store.modify(Selector(qids=acc.qids), Action.RELEASE, T0 + 7)
+    assert store.get(acc.qids[0]).last_reply == said  # type: ignore[union-attr]
+    (e,) = store.claim(10, T0 + 60, 10)
+    own = Reply(451, "4.4.1", "connect to mx1.example.net[192.0.2.1]:25: refused",
+                attempt_at=T0 + 61)
+    store.apply([Transition(e.qid, S.DEFERRED, next_attempt_at=T0 + 120, reply=own,
+                            attempted=True)])
+    assert store.get(acc.qids[0]).last_reply == own  # type: ignore[union-attr]
+    # An operator's bounce: Sluice's reply, given at no attempt.
+    store.modify(Selector(qids=acc.qids), Action.BOUNCE, T0 + 130)
+    got = store.get(acc.qids[0])
+    assert got is not None and got.last_reply is not None
+    assert (got.last_reply.remote_mta, got.last_reply.attempt_at) == ("", None)
+
+
 def test_a_late_failure_loses_to_an_operator_hold(store: Store) -> None:
     acc = store.submit(sub(), body(), T0)
     (e,) = store.claim(10, T0, 10)

@@ -272,7 +272,8 @@ def test_a_version_1_queue_is_migrated_when_opened(dsn: str, tmp_path: Path) -> 
         for s in stores:
             s.close()
     version, columns = _schema(dsn, tmp_path)
-    assert version == "2" and columns.count("smtputf8") == 1
+    assert version == "3"
+    assert [columns.count(c) for c in ("smtputf8", "last_mta", "last_attempt_at")] == [1, 1, 1]
     PgStore(dsn, node_id="n1").close()  # opening again changes nothing
     assert _schema(dsn, tmp_path) == (version, columns)
 
@@ -281,8 +282,8 @@ def test_a_queue_newer_than_the_code_is_refused_and_left_alone(dsn: str, tmp_pat
                                                                ) -> None:
     PgStore(dsn, node_id="n1").close()
     with psycopg.connect(dsn) as conn:
-        conn.execute("UPDATE sluice_meta SET value = '3' WHERE key = 'schema_version'")
+        conn.execute("UPDATE sluice_meta SET value = '4' WHERE key = 'schema_version'")
     before = _schema(dsn, tmp_path)
-    with pytest.raises(StorageError, match=rf"schema {schema_for(tmp_path)}.*schema version 3"):
+    with pytest.raises(StorageError, match=rf"schema {schema_for(tmp_path)}.*schema version 4"):
         PgStore(dsn, node_id="n1")
     assert _schema(dsn, tmp_path) == before

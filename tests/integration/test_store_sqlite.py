@@ -350,8 +350,8 @@ def test_a_version_1_queue_is_migrated_when_opened(tmp_path: Path) -> None:
         assert store.count().messages == 1
         check_migrated_v1_queue(store, OLD_SPID, "b@example.net", b"hello", T0 + 1)
     version, columns = _schema(db)
-    assert version == str(sqlite_module.SCHEMA_VERSION) == "2"
-    assert columns.count("smtputf8") == 1
+    assert version == str(sqlite_module.SCHEMA_VERSION) == "3"
+    assert [columns.count(c) for c in ("smtputf8", "last_mta", "last_attempt_at")] == [1, 1, 1]
     with _store(tmp_path) as store:  # opening again changes nothing
         assert len(list(store.entries(Selector()))) == 2
     assert _schema(db) == (version, columns)
@@ -363,7 +363,7 @@ def test_processes_opening_a_version_1_queue_at_once_migrate_it_once(tmp_path: P
         db = _v1_queue(root)
         assert _open_at_once(root, 4) == ["ok"] * 4
         version, columns = _schema(db)
-        assert version == "2" and columns.count("smtputf8") == 1
+        assert version == "3" and columns.count("smtputf8") == columns.count("last_mta") == 1
 
 
 def test_a_queue_newer_than_the_code_is_refused_and_left_alone(tmp_path: Path) -> None:
@@ -371,8 +371,8 @@ def test_a_queue_newer_than_the_code_is_refused_and_left_alone(tmp_path: Path) -
         store.submit(MSG, b"kept", T0)
     db = tmp_path / "queue" / "queue.db"
     with contextlib.closing(sqlite3.connect(db)) as conn, conn:
-        conn.execute("UPDATE qmeta SET value = '3' WHERE key = 'schema_version'")
+        conn.execute("UPDATE qmeta SET value = '4' WHERE key = 'schema_version'")
     before = _schema(db)
-    with pytest.raises(StorageError, match=rf"{db}.*schema version 3.*newer"):
+    with pytest.raises(StorageError, match=rf"{db}.*schema version 4.*newer"):
         _store(tmp_path)
     assert _schema(db) == before

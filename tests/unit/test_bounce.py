@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import email
+import email.message
 import email.policy
+import email.utils
 import io
 import re
+from datetime import UTC, datetime
 
 import pytest
 
@@ -74,6 +77,49 @@ def test_one_block_per_failed_recipient_with_its_own_status() -> None:
     assert blocks[2]["Last-Attempt-Date"] is None
 
 
+def _blocks(raw: bytes) -> list[email.message.Message]:
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    blocks: list[email.message.Message] = list(msg.iter_parts())[1].get_payload()[1:]
+    return blocks
+
+
+def test_what_a_server_said_is_smtp_and_names_the_server_apart() -> None:
+    raw = _ndr([FailedRecipient("a@x.org", Reply(550, "5.1.1", "user unknown"), NOW - 600,
+                                "mx1.x.org")])
+    (block,) = _blocks(raw)
+    assert block["Remote-MTA"] == "dns; mx1.x.org"
+    # The server's reply as it sent it: our "host X said:" is only for people.
+    assert block["Diagnostic-Code"] == "smtp; 550 5.1.1 user unknown"
+    human = email.message_from_bytes(raw, policy=email.policy.default).get_payload()[0]
+    assert "<a@x.org>: delivery failed permanently (host mx1.x.org said: 550 5.1.1 user " \
+           "unknown)" in human.get_content()
+
+
+@pytest.mark.parametrize("reply", [
+    Reply(552, "5.3.4", "message size 9000 exceeds the limit of 1000 bytes of host "
+          "mx1.x.org[192.0.2.1]:25"),
+    Reply(550, "5.6.9", "SMTPUTF8 is required for the UTF-8 header of this message"),
+    Reply(451, "4.4.1", "connect to mx1.x.org[192.0.2.1]:25: Connection refused"),
+    Reply(550, "5.0.0", "bounced by the operator"),
+])
+def test_what_sluice_said_itself_is_x_sluice_without_a_remote_mta(reply: Reply) -> None:
+    # RFC 3464 2.3.6: "smtp" is for replies of an SMTP server; no server sent these.
+    (block,) = _blocks(_ndr([FailedRecipient("a@x.org", reply, NOW - 600)]))
+    assert block["Diagnostic-Code"] == f"X-Sluice; {reply.text}"
+    assert block["Remote-MTA"] is None
+
+
+def test_last_attempt_date_is_the_attempts_not_the_reports() -> None:
+    (tried, never) = _blocks(_ndr([
+        FailedRecipient("a@x.org", Reply(451, "4.2.0", "busy"), NOW - 7200, "mx1.x.org",
+                        expired=True),
+        FailedRecipient("b@x.org", Reply(451, "4.4.7", "delivery time expired"), None,
+                        expired=True)]))
+    assert tried["Last-Attempt-Date"] == email.utils.format_datetime(
+        datetime.fromtimestamp(NOW - 7200, UTC))
+    assert never["Last-Attempt-Date"] is None
+
+
 @pytest.mark.parametrize(
     ("reply", "expired", "status"),
     [
@@ -100,7 +146,7 @@ def test_8bit_original_headers_survive() -> None:
 def test_a_reply_with_8bit_text_is_kept_for_the_reader_and_ascii_for_the_report() -> None:
     # The client decodes replies as UTF-8, with U+FFFD for bytes that are not.
     reply = Reply(550, "5.1.1", "Benutzer unbekannt \u2013 gr\u00fc\u00dfe \ufffd")
-    raw = _ndr([FailedRecipient("a@x.org", reply, NOW)])
+    raw = _ndr([FailedRecipient("a@x.org", reply, NOW, "mx.x.org")])
     msg = email.message_from_bytes(raw, policy=email.policy.default)
     human, status, _ = msg.iter_parts()
     assert human.get_content_charset() == "utf-8"
@@ -133,7 +179,7 @@ UTF8_HEADERS = "From: Jürgen <jürgen@exämple.org>\r\nSubject: Grüße ☃\r\n
 
 def test_a_utf8_recipient_is_reported_in_a_global_delivery_status_part() -> None:
     long_reply = Reply(550, "5.1.1", "Postfach unbekannt: " + "Grüße " * 20)
-    raw = _ndr([FailedRecipient("usér@exämple.net", long_reply, NOW),
+    raw = _ndr([FailedRecipient("usér@exämple.net", long_reply, NOW, "mx.example.net"),
                 FailedRecipient("bob@example.net", GONE, NOW)], utf8=True)
     msg = email.message_from_bytes(raw, policy=email.policy.default)
     assert msg.get_param("report-type") == "delivery-status"  # RFC 6533 keeps it

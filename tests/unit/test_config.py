@@ -151,3 +151,20 @@ def test_receiving_processes(monkeypatch: pytest.MonkeyPatch, setting: int, core
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     config = config_from_dict({"smtpd": {"processes": setting}})
     assert receiver_processes(config, shared) == want
+
+
+def test_tenant_shares_are_read_with_percentages_and_checked() -> None:
+    from sluice.scheduler import Settings
+
+    cfg = config_from_dict({"scheduler": {"tenants": {
+        "default_weight": 2, "shares": {"acme": {"weight": 3}, "small": {"min_share": "20%"}}}}})
+    shares = Settings.from_config(cfg).shares
+    assert shares.weight("acme") == 3 and shares.weight("small") == 2
+    assert shares.weight("other") == 2 and shares.min_shares == {"small": 0.2}
+    with pytest.raises(ConfigError, match=r"x\.yaml: scheduler\.tenants\.shares: .*100 %"):
+        config_from_dict({"scheduler": {"tenants": {"shares": {
+            "a": {"min_share": "70%"}, "b": {"min_share": 0.5}}}}}, source="x.yaml")
+    with pytest.raises(ConfigError, match=r"scheduler\.tenants\.shares\.a\.min_share"):
+        config_from_dict({"scheduler": {"tenants": {"shares": {"a": {"min_share": "170%"}}}}})
+    with pytest.raises(ConfigError, match=r"scheduler\.tenants\.shares\.a\.weight"):
+        config_from_dict({"scheduler": {"tenants": {"shares": {"a": {"weight": 0}}}}})

@@ -38,7 +38,8 @@ from sluice.scheduler import (
     Waiting,
     parse_policy,
 )
-from sluice.scheduler.core import Scheduler as CoreScheduler
+from sluice.scheduler.scheduler import Scheduler as CoreScheduler
+from sluice.scheduler.tenants import Shares
 
 pytestmark = pytest.mark.unit
 
@@ -339,9 +340,8 @@ def test_a_waiter_woken_by_another_blocker_leaves_the_line_it_also_waited_in() -
     for t in range(1, 101):
         (s,) = starts(finish(sched, s, t))
         assert s.job.route == pools[t % 5] and s.localip == IP1
-    (susp,) = sched._susps.values()
-    line = susp.waiters[0]
-    assert line.live == 5 and len(line) <= 2 * 5 + 32  # stale entries are dropped
+    (susp,) = sched._susps
+    assert susp.waiting() == 5
     assert [v.waiting_subqueues for v in sched.suspensions() if not v.automatic] == [5]
     (s2,) = starts(sched.handle(SuspensionRemoved(f"localip={IP2}"), 101))
     assert s2.localip == IP2 and s2.job.route == pools[1]
@@ -727,3 +727,28 @@ def test_a_rate_added_on_a_reload_starts_empty_whatever_shares_the_group() -> No
     sent = starts(sched.handle(PolicyReloaded(parse_policy(
         [{"fields": ["tenantid"], "rate": "2/60"}])), 2))
     assert len(sent) == 2
+
+
+# --------------------------------------------------------------------------
+# Tenants: weights and minimum shares (deficit round robin).
+
+
+def test_why_names_the_tenant_share_a_recipient_waits_for() -> None:
+    shares = Shares({"big": 3.0}, 1.0, {"small": 0.5})
+    sched = Scheduler(Settings(initial_destination_concurrency=2,
+                               default_destination_concurrency_limit=2, shares=shares))
+    big = Route("d.example", tenantid="big")
+    small = Route("d.example", tenantid="small")
+    first = starts(sched.handle(JobsQueued(tuple(job(big) for _ in range(5))), 0))
+    assert [s.job.route.tenantid for s in first] == ["big", "big"]
+    sched.handle(JobsQueued((job(small), job(small))), 1)
+    waiting = f"{next(_ids) - 4:08X}-0"  # the third of big's jobs
+    why = sched.explain(waiting)
+    share = [r for r in why.reasons if r.kind is Waiting.TENANT_SHARE]
+    assert share and "small (below its min_share of 50%)" in share[0].text
+    # The freed slot goes to small, though big's weight is three times its own.
+    (s,) = starts(finish(sched, first[0], 2))
+    assert s.job.route.tenantid == "small"
+    views = {v.tenant: v for v in sched.tenants()}
+    assert views["small"].inflight == 1 and views["big"].pickups == 2
+    assert views["big"].queued_jobs == 3 and views["big"].weight == 3.0

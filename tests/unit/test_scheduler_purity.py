@@ -74,7 +74,7 @@ def walk_package() -> dict[str, set[str]]:
 
 def test_the_package_imports_only_pure_standard_library_modules() -> None:
     modules = walk_package()
-    assert "sluice.scheduler.core" in modules and "sluice.model" in modules
+    assert "sluice.scheduler.scheduler" in modules and "sluice.model" in modules
     bad = {
         (name, imported)
         for name, imports in modules.items()
@@ -105,7 +105,7 @@ def test_importing_the_package_loads_no_io_module() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     loaded = set(json.loads(out.stdout))
-    assert "sluice.scheduler.core" in loaded
+    assert "sluice.scheduler.scheduler" in loaded
     assert not (loaded & IO_MODULES), sorted(loaded & IO_MODULES)
 
 

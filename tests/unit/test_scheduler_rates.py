@@ -1,13 +1,12 @@
-"""Rate windows kept for the whole scheduler ("quiet" rate classes), against a log per entry.
+"""Rate windows: X pickups in any Y seconds, at the window's edge too, across reloads.
 
-A rate class whose windows are far from full keeps no pickup times per
-group: its pickups are found in one log of every pickup's groups, and a
-bound on what a window can hold says when the class must be checked again
-(sluice.scheduler.core, _Rates and _Pickups).  These tests hold it to the
-semantics of a log per entry: no window of Y seconds holds more than X
-pickups of an entry, one more goes as soon as a window allows it (at the
-window's edge too), and counts survive a split, a reload and the switch
-from quiet to logged.
+The scheduler keeps the pickup times of each counter entry (a row of
+sluice.scheduler.limits_grouped for counters over the same fields).  These
+tests hold it to the semantics of a log per entry: no window of Y seconds
+holds more than X pickups of an entry, one more goes as soon as a window
+allows it (at the window's edge too), counts are shared by counters over
+other fields exactly as the deliveries are, and a reload keeps what the old
+windows hold.
 """
 
 from __future__ import annotations
@@ -32,7 +31,8 @@ from sluice.scheduler import (
     StartDelivery,
     parse_policy,
 )
-from sluice.scheduler.core import Scheduler as CoreScheduler
+from sluice.scheduler.limits_grouped import GroupedLimits
+from sluice.scheduler.scheduler import Scheduler as CoreScheduler
 
 pytestmark = pytest.mark.unit
 
@@ -62,19 +62,13 @@ def sched_for(policy: object) -> CoreScheduler:
                          parse_policy(policy))
 
 
-def quiet_groups(sched: CoreScheduler) -> int:
-    """How many groups of the sub-queues keep no pickup times of their own."""
-    return len({grp for sq in sched._subqueues.values() for groups in sq.groups
-                for grp in groups if grp.rc.rates and grp.mode == 0})
-
-
-def test_a_quiet_rate_lets_x_through_per_window_and_one_more_at_the_edge() -> None:
-    # 4/10 starts quiet (no pickup yet); the fourth pickup fills the window.
+def test_a_rate_lets_x_through_per_window_and_one_more_at_the_edge() -> None:
+    # 4/10: the fourth pickup fills the window.
     sched = sched_for([{"fields": ["recipientdomain"], "rate": "4/10"}])
     route = Route("example.com")
     first = starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(2))), 0))
-    assert len(first) == 2 and quiet_groups(sched) == 1
-    assert [v.rate_used for v in sched.counters()] == [2]  # counted from the shared log
+    assert len(first) == 2
+    assert [v.rate_used for v in sched.counters()] == [2]
     more = starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(9))), 3))
     assert len(more) == 2
     assert sched.next_wakeup() == 10  # the pickups at 0 leave the window (0, 10] then
@@ -85,31 +79,13 @@ def test_a_quiet_rate_lets_x_through_per_window_and_one_more_at_the_edge() -> No
     assert len(starts(sched.tick(13))) == 2
 
 
-def test_a_class_is_checked_again_when_its_bound_is_reached_and_then_logs() -> None:
-    sched = sched_for([{"fields": ["recipientdomain"], "rate": "10/5"}])
-    routes = [Route(f"d{i}.example") for i in range(3)]
-    # Four pickups: fewer than half of 10 in the window, the class stays quiet.
-    sent = starts(sched.handle(JobsQueued(tuple(job(r) for r in routes[:2] for _ in range(2))), 0))
-    assert len(sent) == 4 and quiet_groups(sched) == 2
-    done(sched, sent, 0.5)
-    # Pickup number 10 reaches the bound (4 in the window + 6 since): checked
-    # again, 10 pickups are in the window, its groups get their pickup times.
-    sent = starts(sched.handle(JobsQueued(tuple(job(routes[2]) for _ in range(20))), 1))
-    assert len(sent) == 10  # d2 is alone with its entry: 10 of 10
-    assert quiet_groups(sched) == 0
-    assert {v.key[0][1]: v.rate_used for v in sched.counters()} == \
-        {"d0.example": 2, "d1.example": 2, "d2.example": 10}
-    assert sched.next_wakeup() == 6
-
-
-def test_a_split_half_inherits_the_quiet_pickups_of_its_group() -> None:
+def test_an_entry_shared_by_two_sub_queues_counts_the_pickups_of_both() -> None:
     sched = sched_for([{"fields": ["tenantid"], "rate": "5/10"},
                        {"fields": ["recipientdomain"], "rate": "1000/10"}])
     a = Route("a.example", tenantid="t1")
     b = Route("b.example", tenantid="t1")
     assert len(starts(sched.handle(JobsQueued(tuple(job(a) for _ in range(2))), 0))) == 2
-    assert quiet_groups(sched) == 1  # the tenant's and a's entries: one group
-    # b needs the tenant's entry only: it splits off with a's two pickups.
+    # b shares the tenant's entry, which has a's two pickups.
     assert len(starts(sched.handle(JobsQueued(tuple(job(b) for _ in range(9))), 1))) == 3
     used = {(v.counter, v.key[0][1]): v.rate_used for v in sched.counters()}
     assert used == {("tenantid", "t1"): 5, ("recipientdomain", "a.example"): 2,
@@ -119,14 +95,14 @@ def test_a_split_half_inherits_the_quiet_pickups_of_its_group() -> None:
     assert len(starts(sched.tick(11))) == 3
 
 
-def test_a_reload_keeps_the_quiet_window_of_an_unchanged_counter() -> None:
+def test_a_reload_keeps_the_window_of_an_unchanged_counter() -> None:
     policy = [{"id": "t", "fields": ["tenantid"], "rate": "6/60"}]
     sched = sched_for(policy)
     route = Route("example.com", tenantid="t1")
     sent = starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(2))), 0))
-    assert len(sent) == 2 and quiet_groups(sched) == 1
+    assert len(sent) == 2
     sched.handle(PolicyReloaded(parse_policy(policy)), 1)
-    assert quiet_groups(sched) == 0 or [v.rate_used for v in sched.counters()] == [2]
+    assert [v.rate_used for v in sched.counters()] == [2]
     assert len(starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(9))), 2))) == 4
     assert sched.next_wakeup() == 60
 
@@ -145,7 +121,7 @@ def test_a_reload_that_lengthens_a_window_carries_the_old_windows_pickups() -> N
     assert len(starts(sched.handle(JobsQueued(tuple(job(route) for _ in range(9))), 6))) == 2
 
 
-def test_the_shared_log_keeps_only_the_longest_quiet_window() -> None:
+def test_an_entry_keeps_only_the_pickup_times_of_its_window() -> None:
     sched = sched_for([{"fields": ["recipientdomain"], "rate": "100000/2", "concurrency": 10}])
     route = Route("example.com")
     now = 0.0
@@ -154,10 +130,11 @@ def test_the_shared_log_keeps_only_the_longest_quiet_window() -> None:
         now += 0.05
         sent = done(sched, sent, now)
         assert len(sent) == 10
-    pk = sched._pk
-    assert quiet_groups(sched) == 1
-    assert len(pk.times) - pk.head <= 2 / 0.05 + 1  # the calls of one window
-    assert sum(len(c) for c in pk.groups[pk.head:]) <= 10 * 41
+    limits = sched._limits
+    assert isinstance(limits, GroupedLimits)
+    (table,) = limits.tables
+    (row,) = table.rows.values()
+    assert len(row.times) <= 10 * (2 / 0.05 + 1)  # one window's pickups, not 4000
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -228,7 +205,7 @@ def test_random_traffic_never_exceeds_a_rate_and_never_idles(seed: int) -> None:
             for (cid, k), times in picks.items():
                 if cid == c.id:
                     for a, b in zip(times, times[rate.count:], strict=False):
-                        # As the scheduler adds (see _Group.stamp): a + Y is
+                        # As the scheduler adds (see limits.slot_at): a + Y is
                         # when a leaves the window.
                         assert a + rate.per_s <= b, f"{cid} {k}: {rate} exceeded"
         for route, n in queued.items():

@@ -11,14 +11,23 @@ DESCRIPTION
     1. a text/plain explanation for a person;
     2. ``message/delivery-status`` (RFC 3464): per-message fields
        Reporting-MTA and Arrival-Date, then per recipient Final-Recipient,
-       Action: failed, Status (an RFC 3463 code), Remote-MTA when known,
-       Diagnostic-Code (the SMTP reply) and Last-Attempt-Date;
+       Action: failed, Status (an RFC 3463 code), Remote-MTA (the server
+       that gave the last reply, when one did), Diagnostic-Code and
+       Last-Attempt-Date (when the attempt that got the last reply was
+       recorded; absent when none was made);
     3. ``text/rfc822-headers``: the header of the original message.
 
     It goes from the null sender ``<>`` to the original envelope sender and
     is queued like any message, with retry_maxtime_reports.  Never an NDR
     for an NDR, nor for mail from the null sender (RFC 5321 section 6.1):
     the caller discards those and logs it.
+
+    Diagnostic-Code: ``smtp;`` with the reply as the remote server sent
+    it (code, enhanced code, text -- never our "host X said:", which the
+    human part adds), or ``X-Sluice;`` with the text of a diagnostic
+    Sluice made itself (no connection, a size over the server's SIZE, no
+    SMTPUTF8, an expiry, a hook's or an operator's bounce): RFC 3464
+    2.3.6 keeps ``smtp`` for what an SMTP server said.
 
     Status codes: the enhanced code of the last reply when it has one of
     the right class; otherwise 5.0.0 for a permanent failure and 4.4.7
@@ -58,6 +67,7 @@ DESCRIPTION
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 from collections.abc import Sequence
@@ -78,7 +88,13 @@ _ENHANCED_RE = re.compile(r"^[245]\.\d{1,3}\.\d{1,3}$")
 
 @dataclass(frozen=True, slots=True)
 class FailedRecipient:
-    """One recipient an NDR reports on."""
+    """One recipient an NDR reports on.
+
+    ``reply``: the last reply (None: expired before any attempt).
+    ``last_attempt_at``: when the attempt that got it was made (None: no
+    attempt; no Last-Attempt-Date).  ``remote_mta``: the server that
+    sent ``reply``, None when Sluice made the reply itself.
+    """
 
     recipient: str
     reply: Reply | None
@@ -106,17 +122,25 @@ def _rfc5322_date(at: float) -> str:
     return format_datetime(datetime.fromtimestamp(at, UTC))
 
 
-def _diagnostic(reply: Reply | None, utf8: bool = False) -> str:
+def _diagnostic(reply: Reply | None, remote_mta: str | None, utf8: bool = False) -> str:
+    """Diagnostic-Code (RFC 3464 2.3.6): ``smtp;`` and the reply as the
+    remote server sent it, or ``X-Sluice;`` and the text of a diagnostic
+    Sluice made itself (a private diagnostic-type, as Postfix writes
+    X-Postfix), whose SMTP code no server ever sent."""
     if reply is None:
         return "X-Sluice; delivery time expired before any attempt"
-    # RFC 3464 2.3.6: the SMTP reply, as one line, in US-ASCII: a reply
-    # with 8-bit text (decoded with U+FFFD for what was not UTF-8) keeps its
-    # words, with "?" for the rest; the human part has it all.  RFC 6533
-    # 6.2: in a global delivery-status part it may be UTF-8.
-    text = " ".join(str(reply).split())
-    if utf8:
-        return f"smtp; {text}"
-    return f"smtp; {text.encode('ascii', 'replace').decode('ascii')}"
+    if remote_mta:
+        kind, said = "smtp", str(reply)
+    else:
+        kind, said = "X-Sluice", reply.text or str(reply)
+    # One line, in US-ASCII: a reply with 8-bit text (decoded with U+FFFD
+    # for what was not UTF-8) keeps its words, with "?" for the rest; the
+    # human part has it all.  RFC 6533 6.2: in a global delivery-status
+    # part it may be UTF-8.
+    text = " ".join(said.split())
+    if not utf8:
+        text = text.encode("ascii", "replace").decode("ascii")
+    return f"{kind}; {text}"
 
 
 def _field(name: str, value: str) -> str:
@@ -140,14 +164,17 @@ class _Generator(BytesGenerator):
     through an ASCII codec.  message/global-delivery-status and
     message/global-headers hold lines of UTF-8: they are written like a
     text part, CRLF line ends and the bytes of a surrogate-escaped payload
-    as they are (see _surrogates).  The generator finds a handler by the
-    name ``_handle_<maintype>_<subtype>``.
+    as they are (see _surrogates).  message/delivery-status is written the
+    same way, from the text build_ndr() folded itself.  The generator finds
+    a handler by the name ``_handle_<maintype>_<subtype>``.
     """
 
     def _handle_message_global_delivery_status(self, msg: Message) -> None:
         self._handle_text(msg)  # type: ignore[attr-defined]
 
     _handle_message_global_headers = _handle_message_global_delivery_status
+    # The ASCII part too: its fields are folded by _field, not by the package.
+    _handle_message_delivery_status = _handle_message_global_delivery_status
 
 
 def read_header_block(stream: IO[bytes], limit: int = 65536) -> bytes:
@@ -174,7 +201,8 @@ def _human_text(hostname: str, failed: Sequence[FailedRecipient]) -> str:
     ]
     for f in failed:
         why = "the retry period expired" if f.expired else "delivery failed permanently"
-        reply = f" ({' '.join(str(f.reply).split())})" if f.reply else ""
+        said = dataclasses.replace(f.reply, remote_mta=f.remote_mta or "") if f.reply else None
+        reply = f" ({' '.join(said.describe().split())})" if said else ""
         lines.append(f"<{f.recipient}>: {why}{reply}")
     lines.append("")
     return "\r\n".join(lines)
@@ -260,30 +288,22 @@ def build_ndr(
         ]
         if f.remote_mta:
             block.append(("Remote-MTA", f"dns; {f.remote_mta}"))
-        block.append(("Diagnostic-Code", _diagnostic(f.reply, global_status)))
+        block.append(("Diagnostic-Code", _diagnostic(f.reply, f.remote_mta, global_status)))
         if f.last_attempt_at is not None:
             block.append(("Last-Attempt-Date", _rfc5322_date(f.last_attempt_at)))
         fields.append(block)
 
     status = Message(policy=SMTP)
+    # Written by hand (_field): the email package would fold a long
+    # Diagnostic-Code right after its name, and long UTF-8 words into
+    # encoded words even with the SMTPUTF8 policy.
+    text = "\n".join("".join(_field(n, v) for n, v in b) for b in fields)
+    status.set_type("message/global-delivery-status" if global_status
+                    else "message/delivery-status")
+    status["Content-Description"] = "Delivery report"
     if global_status:
-        # Written by hand: the email package would fold long UTF-8 words
-        # into encoded words even with the SMTPUTF8 policy.
-        status.set_type("message/global-delivery-status")
-        status["Content-Description"] = "Delivery report"
         status["Content-Transfer-Encoding"] = "8bit"
-        text = "\n".join("".join(_field(n, v) for n, v in b) for b in fields)
-        status.set_payload(_surrogates(text.encode("utf-8")))
-    else:
-        status.set_type("message/delivery-status")
-        status["Content-Description"] = "Delivery report"
-        blocks: list[Message | str] = []
-        for b in fields:
-            part = Message(policy=SMTP)
-            for name, value in b:
-                part[name] = value
-            blocks.append(part)
-        status.set_payload(blocks)
+    status.set_payload(_surrogates(text.encode("utf-8")))
 
     headers = Message(policy=SMTP)
     headers.set_type("message/global-headers" if global_headers else "text/rfc822-headers")

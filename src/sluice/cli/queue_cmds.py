@@ -249,7 +249,8 @@ def _row(e: QueueEntry) -> list[str]:
         e.qid, e.spid, e.state.value, e.sender or "<>", e.recipient, e.domain,
         _time(e.arrival_at), _time(e.next_attempt_at), str(e.attempts), str(e.priority),
         e.tenantid, e.jobid, e.transportid, ",".join(e.localip),
-        str(e.last_reply) if e.last_reply else "", str(e.size), "yes" if e.is_report else "no",
+        e.last_reply.describe() if e.last_reply else "", str(e.size),
+        "yes" if e.is_report else "no",
     ]
 
 

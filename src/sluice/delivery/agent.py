@@ -237,9 +237,9 @@ def smtputf8_refusal(env: Envelope, utf8_headers: Callable[[], bool], offered: b
 
 
 def _peer_outcome(reply: ServerReply, host: Host) -> Outcome:
-    if 200 <= reply.code < 300:
-        return Delivered(reply.to_reply())
-    return outcome_of(reply.to_reply(f"host {host} said: "))
+    """What the server said, marked as its own (the NDR's Remote-MTA and
+    "smtp;" Diagnostic-Code); Reply.describe() adds "host X said:"."""
+    return outcome_of(dataclasses.replace(reply.to_reply(), remote_mta=host.name))
 
 
 _Key = tuple[Transport, str, str]

@@ -13,7 +13,7 @@ SEE ALSO
     docs/scheduler.md (the event loop), docs/policies.md (the file format)
 """
 
-from sluice.scheduler.core import DEAD_REPLY, Scheduler, Settings
+from sluice.scheduler.destinations import DEAD_REPLY
 from sluice.scheduler.events import (
     ClockTicked,
     Command,
@@ -36,6 +36,9 @@ from sluice.scheduler.events import (
     Transport,
 )
 from sluice.scheduler.explanation import Explanation, Reason, Waiting, explain_stored
+from sluice.scheduler.limits import Entry, EntryState, Limits
+from sluice.scheduler.limits_grouped import GroupedLimits
+from sluice.scheduler.limits_reference import ReferenceLimits
 from sluice.scheduler.policy import (
     FIELDS,
     Condition,
@@ -48,10 +51,10 @@ from sluice.scheduler.policy import (
     Rate,
     Suspension,
     Thresholds,
-    parse_policy,
-    parse_suspension,
-    parse_suspensions,
 )
+from sluice.scheduler.policy_parse import parse_policy, parse_suspension, parse_suspensions
+from sluice.scheduler.scheduler import Scheduler
+from sluice.scheduler.settings import Settings
 from sluice.scheduler.views import (
     CounterView,
     DestinationView,
@@ -76,11 +79,15 @@ __all__ = [
     "DestinationView",
     "EntriesClaimed",
     "EntriesModified",
+    "Entry",
+    "EntryState",
     "Event",
     "Explanation",
     "FieldSpec",
     "Group",
+    "GroupedLimits",
     "JobsQueued",
+    "Limits",
     "MailArrived",
     "Pattern",
     "Policy",
@@ -89,6 +96,7 @@ __all__ = [
     "QueueStats",
     "Rate",
     "Reason",
+    "ReferenceLimits",
     "Refill",
     "Route",
     "Scheduler",

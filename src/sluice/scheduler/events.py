@@ -20,7 +20,7 @@ DESCRIPTION
     which of its source IPs.
 
 SEE ALSO
-    sluice.scheduler.core, docs/scheduler.md
+    sluice.scheduler.scheduler, docs/scheduler.md
 """
 
 from __future__ import annotations

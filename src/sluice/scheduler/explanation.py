@@ -20,7 +20,7 @@ LIMITATIONS
     operator) move it.
 
 SEE ALSO
-    sluice.scheduler.core, sluice.retry, `sluice why QUEUEID`
+    sluice.scheduler.scheduler, sluice.retry, `sluice why QUEUEID`
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Waiting(StrEnum):
     DESTINATION_WINDOW = "destination-window"  # slow start: the window is full
     DESTINATION_DEAD = "destination-dead"  # the destination status cache
     CAPACITY = "capacity"  # the queue manager has its maximum in flight
+    TENANT_SHARE = "tenant-share"  # other tenants take their turns (weights, min_share)
     DELIVERING = "delivering"  # a delivery attempt is under way
     INCOMING = "incoming"  # in the store, waiting for a refill
     DEFERRED = "deferred"  # in the store, waiting for its retry time

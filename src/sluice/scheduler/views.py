@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from sluice.scheduler.events import Route
 
-__all__ = ["CounterView", "DestinationView", "QueueStats", "SubQueueView", "SuspensionView"]
+__all__ = ["CounterView", "DestinationView", "QueueStats", "SubQueueView", "SuspensionView",
+           "TenantView"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,3 +93,17 @@ class DestinationView:
     dead_until_at: float | None
     failed_cohorts: float
     queued_jobs: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    """A tenant's share and what it has in the active queue (no recipients)."""
+
+    tenant: str
+    weight: float
+    min_share: float
+    queued_jobs: int
+    queued_entries: int
+    waiting_subqueues: int  # parked on a limit or a suspension
+    inflight: int
+    pickups: int

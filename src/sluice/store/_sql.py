@@ -63,13 +63,14 @@ from sluice.model import (
 from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError
 from sluice.store._refill import interleave, split_quota
 
-__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows"]
+__all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows",
+           "reply_columns"]
 
 #: The queue table's columns in the order entry() reads them.
 COLUMNS = (
     "spid, idx, sender, recipient, domain, state, arrival_at, next_attempt_at, attempts, "
     "last_code, last_enhanced, last_text, priority, tenantid, jobid, transportid, localip, "
-    "is_report, size, smtputf8"
+    "is_report, size, smtputf8, last_mta, last_attempt_at"
 )
 
 #: Rows listed per query by entries().
@@ -92,7 +93,7 @@ def entry(row: Sequence[Any]) -> QueueEntry:
     """The QueueEntry of a row of COLUMNS."""
     reply = None
     if row[9] is not None:
-        reply = Reply(int(row[9]), row[10] or "", row[11] or "")
+        reply = Reply(int(row[9]), row[10] or "", row[11] or "", row[20] or "", row[21])
     return QueueEntry(
         spid=row[0], idx=row[1], sender=row[2], recipient=row[3], domain=row[4],
         state=QueueState(row[5]), arrival_at=row[6], next_attempt_at=row[7],
@@ -101,6 +102,13 @@ def entry(row: Sequence[Any]) -> QueueEntry:
         localip=tuple(row[16].split(",")) if row[16] else (),
         is_report=bool(row[17]), size=row[18], smtputf8=bool(row[19]),
     )
+
+
+def reply_columns(reply: Reply) -> tuple[Any, ...]:
+    """The values of last_code, last_enhanced, last_text, last_mta and
+    last_attempt_at for ``reply``; last_mta is '' (not NULL) for a reply
+    Sluice made, so that a reply always replaces the one before."""
+    return (reply.code, reply.enhanced, reply.text, reply.remote_mta, reply.attempt_at)
 
 
 class Dialect(ABC):
@@ -444,6 +452,6 @@ def _operator_set(action: Action, p: str, now: float, priority: int | None,
     if action is Action.BOUNCE:
         bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
         return (f"state = 'bounce', owner = NULL, next_attempt_at = {p}, last_code = {p}, "
-                f"last_enhanced = {p}, last_text = {p}"
-                ), (now, bounce.code, bounce.enhanced, bounce.text)
+                f"last_enhanced = {p}, last_text = {p}, last_mta = {p}, last_attempt_at = {p}"
+                ), (now, *reply_columns(bounce))
     raise ValueError(f"{action} is not an UPDATE")

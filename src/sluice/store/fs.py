@@ -275,8 +275,7 @@ class _Control:
             "transportid": m.transportid, "localip": list(m.localip),
             "is_report": m.is_report, "size": m.size, "smtputf8": m.smtputf8,
             "rcpts": [[r.idx, r.rcpt, r.attempts,
-                       None if r.reply is None else [r.reply.code, r.reply.enhanced,
-                                                     r.reply.text]]
+                       None if r.reply is None else r.reply.to_record()]
                       for r in self.rcpts],
         }
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
@@ -288,8 +287,7 @@ class _Control:
                      doc["transportid"], tuple(doc["localip"]), doc["is_report"], doc["size"],
                      # Absent from files written before Sluice kept the flag.
                      doc.get("smtputf8", False))
-        rcpts = [_Rcpt(r[0], r[1], r[2], None if r[3] is None else Reply(r[3][0], r[3][1],
-                                                                             r[3][2]))
+        rcpts = [_Rcpt(r[0], r[1], r[2], None if r[3] is None else Reply.from_record(r[3]))
                  for r in doc["rcpts"]]
         return cls(doc["spid"], doc["domain"], state, doc["next_at"], doc["priority"], meta,
                    rcpts, doc["gen"], path)

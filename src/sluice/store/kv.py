@@ -372,7 +372,7 @@ def _entry(spid: str, meta: dict[str, Any], rec: dict[str, Any]) -> QueueEntry:
         arrival_at=meta["arrival_at"],
         next_attempt_at=rec["n"],
         attempts=rec["a"],
-        last_reply=None if reply is None else Reply(int(reply[0]), reply[1], reply[2]),
+        last_reply=None if reply is None else Reply.from_record(reply),
         priority=rec["p"],
         tenantid=meta["tenantid"],
         jobid=meta["jobid"],
@@ -950,7 +950,7 @@ class KvStore:
                     if t.next_attempt_at is not None:
                         new["n"] = t.next_attempt_at
                     if t.reply is not None:
-                        new["r"] = [t.reply.code, t.reply.enhanced, t.reply.text]
+                        new["r"] = t.reply.to_record()
                     if t.attempted:
                         new["a"] = rec["a"] + 1
                 self._change_state(view, spid, dz, rec, new, gone)
@@ -1168,7 +1168,7 @@ class KvStore:
                 elif action is Action.BOUNCE:
                     new["s"] = "bounce"
                     new["n"] = now
-                    new["r"] = [bounce.code, bounce.enhanced, bounce.text]
+                    new["r"] = bounce.to_record()
                 elif action is Action.DELETE:
                     new = None
                 self._change_state(view, spid, dz, rec, new, gone)

@@ -110,7 +110,7 @@ from sluice.model import (
 from sluice.spool import Content, iter_chunks, spid_candidates
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows
+from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows, reply_columns
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -121,11 +121,15 @@ ENV_DSN = "SLUICE_PG_DSN"
 
 #: The version of _SCHEMA (kept in sluice_meta); _MIGRATIONS[v] takes a
 #: queue of version v to v + 1 when it is opened (sluice.store._sql.migrate).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
     1: ("ALTER TABLE sluice_queue ADD COLUMN smtputf8 boolean NOT NULL DEFAULT false",),
+    # 3: who gave the last reply and when (the NDR's Remote-MTA and
+    # Last-Attempt-Date); older replies read as Sluice's own, at no time.
+    2: ("ALTER TABLE sluice_queue ADD COLUMN last_mta text",
+        "ALTER TABLE sluice_queue ADD COLUMN last_attempt_at double precision"),
 }
 
 #: Content rows hold at most this many bytes.
@@ -164,6 +168,8 @@ CREATE TABLE IF NOT EXISTS sluice_queue (
     size            bigint NOT NULL DEFAULT 0,
     owner           text,
     smtputf8        boolean NOT NULL DEFAULT false,
+    last_mta        text,
+    last_attempt_at double precision,
     PRIMARY KEY (spid, idx)
 );
 CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
@@ -652,9 +658,10 @@ class PgStore:
                     reply = t.reply
                     params.append((
                         str(t.state), t.next_attempt_at,
+                        # code, enhanced, text, mta; the code again, then the time
+                        *(reply_columns(reply) if reply is not None else (None,) * 5)[:4],
                         None if reply is None else reply.code,
-                        None if reply is None else reply.enhanced,
-                        None if reply is None else reply.text,
+                        None if reply is None else reply.attempt_at,
                         1 if t.attempted else 0,
                         node if t.state in IN_FLIGHT_STATES else None,
                         spid, idx, [str(s) for s in t.expect], [str(s) for s in t.expect]))
@@ -664,6 +671,10 @@ class PgStore:
                     "last_code = COALESCE(%s, last_code), "
                     "last_enhanced = COALESCE(%s, last_enhanced), "
                     "last_text = COALESCE(%s, last_text), "
+                    "last_mta = COALESCE(%s, last_mta), "
+                    # A reply without a time replaces the time too.
+                    "last_attempt_at = CASE WHEN %s::integer IS NULL THEN last_attempt_at "
+                    "ELSE %s::double precision END, "
                     "attempts = attempts + %s, owner = %s "
                     "WHERE spid = %s AND idx = %s "
                     "AND (cardinality(%s::text[]) = 0 OR state = ANY(%s::text[])) "

@@ -105,7 +105,7 @@ from sluice.spool import Content, SpoolFile, SpoolIOError, new_spid
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError, Transition
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows
+from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows, reply_columns
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -114,11 +114,15 @@ __all__ = ["SqliteStore"]
 
 #: The version of _SCHEMA (kept in qmeta); _MIGRATIONS[v] takes a queue
 #: of version v to v + 1 when it is opened (sluice.store._sql.migrate).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
     1: ("ALTER TABLE queue ADD COLUMN smtputf8 INTEGER NOT NULL DEFAULT 0",),
+    # 3: who gave the last reply and when (the NDR's Remote-MTA and
+    # Last-Attempt-Date); older replies read as Sluice's own, at no time.
+    2: ("ALTER TABLE queue ADD COLUMN last_mta TEXT",
+        "ALTER TABLE queue ADD COLUMN last_attempt_at REAL"),
 }
 
 _SCHEMA = """
@@ -144,6 +148,8 @@ CREATE TABLE IF NOT EXISTS queue (
     size            INTEGER NOT NULL DEFAULT 0,
     owner           TEXT,
     smtputf8        INTEGER NOT NULL DEFAULT 0,
+    last_mta        TEXT,
+    last_attempt_at REAL,
     PRIMARY KEY (spid, idx)
 ) WITHOUT ROWID;
 -- due-deferred selection, incoming FIFO, listing and counting by state
@@ -627,8 +633,9 @@ class SqliteStore:
                         sets.append("next_attempt_at = ?")
                         params.append(t.next_attempt_at)
                     if t.reply is not None:
-                        sets += ["last_code = ?", "last_enhanced = ?", "last_text = ?"]
-                        params += [t.reply.code, t.reply.enhanced, t.reply.text]
+                        sets += ["last_code = ?", "last_enhanced = ?", "last_text = ?",
+                                 "last_mta = ?", "last_attempt_at = ?"]
+                        params += reply_columns(t.reply)
                     if t.attempted:
                         sets.append("attempts = attempts + 1")
                     sets.append("owner = ?")
