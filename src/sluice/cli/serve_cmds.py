@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the demo's queue and logs")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip the Spark report over the demo's accounting log")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("sink", help="run a programmable SMTP sink (a test next hop)")
@@ -61,7 +63,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.messages < 1 or args.domains < 5:
         raise CommandError("the demo needs at least 1 message and 5 domains", status=2)
-    return run_demo(args.messages, args.domains, args.seed, args.keep, args.timeout)
+    return run_demo(args.messages, args.domains, args.seed, args.keep, args.timeout,
+                    report=not args.no_report)
 
 
 def _behaviours(args: argparse.Namespace) -> dict[str, Behaviour]:
