@@ -124,6 +124,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--policy", dest="policy_path", metavar="FILE")
     p.set_defaults(func=_all)
 
+    p = jobs.add_parser("ingest", parents=[common],
+                        help="append new accounting lines to a Parquet table by day "
+                             "(-o TABLE; idempotent); reports then read -i TABLE")
+    p.set_defaults(func=_ingest)
+
     p = jobs.add_parser("maillog", parents=[common],
                         help="a Postfix maillog as accounting events (DIR/events.parquet)")
     p.add_argument("--year", type=int, help="year of traditional syslog stamps (default: now)")
@@ -312,7 +317,8 @@ def print_results(result: Any) -> None:
             print(f"  {key} -> {path}")
 
 
-def _run(args: argparse.Namespace, job_name: str, **kwargs: Any) -> int:
+def _run(args: argparse.Namespace, job_name: str, module: str = "sluice.pipeline.jobs",
+         **kwargs: Any) -> int:
     since = _when(args.since, "--since")
     until = _when(args.until, "--until")
     if since and until and since >= until:
@@ -324,8 +330,9 @@ def _run(args: argparse.Namespace, job_name: str, **kwargs: Any) -> int:
         expand_inputs(args.input)
 
     def work(spark: Any, step: Callable[[str], None]) -> Any:
-        from sluice.pipeline import jobs
+        import importlib
 
+        jobs = importlib.import_module(module)
         job: Callable[..., Any] = getattr(jobs, job_name)
         return job(spark, args.input, args.output, since=since, until=until, step=step,
                    **kwargs)
@@ -381,6 +388,10 @@ def _all(args: argparse.Namespace) -> int:
 
 def _shape(args: argparse.Namespace) -> int:
     return _run(args, "run_shape", policy_path=args.policy_path)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    return _run(args, "run_ingest", module="sluice.pipeline.ingest")
 
 
 def _maillog(args: argparse.Namespace) -> int:
