@@ -328,6 +328,17 @@ class SuppressionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class InjectConfig:
+    """The HTTP injection API (POST /api/v1/inject, docs/api.md)."""
+
+    max_queue: int = 1_000_000
+    max_commit_time: float = _dur("2s")
+    retry_after: float = _dur("5s")
+    idempotency_window: float = _dur("24h")
+    max_recipients: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
 class ApiConfig:
     """The REST API, web page and /metrics (docs/api.md).
 
@@ -344,6 +355,7 @@ class ApiConfig:
     metrics_min_count: int = 10
     metrics_domain_groups: Mapping[str, Sequence[str]] = field(default_factory=dict)
     history_max_bytes: int = 1 << 30
+    inject: InjectConfig = field(default_factory=InjectConfig)
 
     @property
     def named_tokens(self) -> tuple[tuple[str, str], ...]:

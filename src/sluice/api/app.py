@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.api.auth import Tokens
 from sluice.api.control import ApiError, Control
+from sluice.api.inject import inject_router
 from sluice.api.models import (
     ANY_ID_PATTERN,
     MAX_SELECTOR_IDS,
@@ -537,6 +538,7 @@ def build_app(control: Control, tokens: Tokens) -> FastAPI:
     app.add_middleware(Guard)
     app.include_router(public)
     app.include_router(api)
+    app.include_router(inject_router(control, principal, COMMON))
     app.include_router(metrics)
 
     # -- the web page ----------------------------------------------------------------------------
