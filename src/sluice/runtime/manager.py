@@ -66,7 +66,7 @@ from sluice.delivery.agent import DeliveryAgent, DeliveryRequest
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
 from sluice.hooks import Drop, Hold, Hooks
-from sluice.model import PermFail, QueueEntry, QueueState, Reply, TempFail
+from sluice.model import PermFail, QueueEntry, QueueState, Reply, Selector, TempFail
 from sluice.policyfile import load_policy_file, load_suspensions_file
 from sluice.queue import AttemptResult, Queue
 from sluice.scheduler import (
@@ -93,6 +93,8 @@ from sluice.scheduler import (
     SuspensionAdded,
     SuspensionRemoved,
 )
+from sluice.shaping.runtime import Shaper
+from sluice.store import Action as QueueAction
 
 __all__ = ["ManagerStats", "QueueManager"]
 
@@ -102,7 +104,8 @@ T = TypeVar("T")
 
 
 def _policy(path: str | None) -> Policy:
-    return load_policy_file(path) if path else Policy()
+    # shaping: the counters a back-off condition needs (sluice.shaping.runtime).
+    return Shaper.augment(load_policy_file(path) if path else Policy())
 
 
 def _suspensions(path: str | None) -> tuple[Suspension, ...]:
@@ -181,6 +184,9 @@ class QueueManager:
         self._policy_mtime = self._mtime(self.policy_path)
         self._change_seq = 0
         self._bounce_pending = False
+        # shaping: remote replies change the limits (sluice.shaping; docs/shaping.md).
+        self.shaper = Shaper(config, self.post, lambda: self.scheduler.policy, self._now)
+        self.shaper.bounce = self._shaping_bounce
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -253,6 +259,9 @@ class QueueManager:
             while not stop.is_set():
                 self._step()
                 wake = self.scheduler.next_wakeup()
+                shaping_wake = self.shaper.next_wakeup()  # shaping
+                if shaping_wake is not None and (wake is None or shaping_wake < wake):
+                    wake = shaping_wake
                 timeout = None if wake is None else max(0.0, wake - self.clock())
                 waiter = asyncio.ensure_future(self._wake.wait())
                 await asyncio.wait({waiter, stopper}, timeout=timeout,
@@ -267,6 +276,7 @@ class QueueManager:
             await self._shutdown()
 
     def _step(self) -> None:
+        self.shaper.tick(self._now())  # shaping: expiries and recovery steps, as events
         try:
             self._decide()
         finally:
@@ -437,6 +447,7 @@ class QueueManager:
                 localip=localip, smtputf8=entries[0].smtputf8)
             result = await self.agent.deliver(request)
             results = await self.planner.finish(result)
+            self.shaper.observe(info.job.route, results)  # shaping
             self.post(DeliveryFinished(
                 ref, tuple((r.entry.qid, r.outcome) for r in results),
                 connection_failed=result.connection_failed,
@@ -586,6 +597,8 @@ class QueueManager:
     async def _watch_policy(self) -> None:
         while True:
             await asyncio.sleep(self.policy_poll_s)
+            if self.shaper.changed():  # shaping: the rules file changed
+                self.shaper.reload()
             mtime = self._mtime(self.policy_path)
             if mtime == self._policy_mtime:
                 continue
@@ -605,6 +618,27 @@ class QueueManager:
         self.post(PolicyReloaded(policy))
         log.info("policy reloaded from %s", self.policy_path)
         return policy
+
+    def _shaping_bounce(self, fired: Any) -> None:
+        """shaping: bounce the queued mail of a group that will never accept."""
+        domain = dict(fired.fields).get("recipientdomain")
+        if not domain:
+            log.error("shaping rule %s: bounce needs a recipient domain; nothing bounced",
+                      fired.rule)
+            return
+        reply = Reply(550, "5.1.10" if "5.1.10" in fired.reply else "5.4.4",
+                      f"destination will never accept: {fired.reply} "
+                      f"(shaping rule {fired.rule})")
+        selector = Selector(domain=domain, states=(QueueState.INCOMING, QueueState.DEFERRED))
+
+        async def run() -> None:
+            touched = await self._io(functools.partial(self.queue.act, selector,
+                                                       QueueAction.BOUNCE, reply=reply))
+            if touched:
+                self.apply_changes({e.qid for e in touched})
+                self._bounce_soon()
+
+        self._spawn(run())
 
     # -- stopping ----------------------------------------------------------------------------
 
