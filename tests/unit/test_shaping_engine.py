@@ -94,41 +94,59 @@ def test_a_pattern_group_counts_every_host_of_the_provider_together() -> None:
 
 
 def test_backoff_halves_to_the_floor_and_recovers_step_by_step_to_the_ceiling() -> None:
-    b = Backoff(factor=0.5, floor_concurrency=2, floor_rate=Rate(10, 60), step_concurrency=2,
-                step_rate=20, quiet_s=100)
+    b = Backoff(factor=0.5, floor_concurrency=2, floor_rate=Rate(1, 1), step_concurrency=2,
+                step_rate=4, quiet_s=100, hold_s=0)
     rule = Rule("gm", Action.BACKOFF, GMAIL, RATE, duration_s=1000, backoff=b)
-    engine = Engine([rule], ceiling=lambda group: (8, Rate(120, 60)))
+    engine = Engine([rule], ceiling=lambda group: (8, Rate(16, 1)))
     [first] = engine.observe(refused(0))
     assert isinstance(first, Apply)
-    assert (first.fired.concurrency, first.fired.rate) == (4, Rate(60, 60))
+    assert (first.fired.concurrency, first.fired.rate) == (4, Rate(8, 1))
     [second] = engine.observe(refused(10))
     assert isinstance(second, Apply) and not second.new
-    assert (second.fired.concurrency, second.fired.rate) == (2, Rate(30, 60))
+    assert (second.fired.concurrency, second.fired.rate) == (2, Rate(4, 1))
     [third] = engine.observe(refused(20))
-    assert (third.fired.concurrency, third.fired.rate) == (2, Rate(15, 60))
+    assert (third.fired.concurrency, third.fired.rate) == (2, Rate(2, 1))
     engine.observe(refused(30))
-    assert engine.active()[0].rate == Rate(10, 60)  # the floor
+    engine.observe(refused(31))
+    assert engine.active()[0].rate == Rate(1, 1)  # the floor
     assert engine.backing_off() == 1
     # quiet for 100 s after the last firing: one step up each 100 s
-    assert engine.next_wakeup() == 130
-    assert engine.tick(129) == []
-    [up] = engine.tick(130)
+    assert engine.next_wakeup() == 131
+    assert engine.tick(130) == []
+    [up] = engine.tick(131)
     assert isinstance(up, Apply)
-    assert (up.fired.concurrency, up.fired.rate) == (4, Rate(30, 60))
-    assert up.fired.until_at == 1130
-    [up] = engine.tick(230)
-    assert (up.fired.concurrency, up.fired.rate) == (6, Rate(50, 60))
-    engine.tick(330)
-    engine.tick(430)
-    engine.tick(530)
-    [done] = engine.tick(630)
+    assert (up.fired.concurrency, up.fired.rate) == (4, Rate(5, 1))
+    assert up.fired.until_at == 1131
+    [up] = engine.tick(231)
+    assert (up.fired.concurrency, up.fired.rate) == (6, Rate(9, 1))
+    [up] = engine.tick(331)
+    assert (up.fired.concurrency, up.fired.rate) == (8, Rate(13, 1))  # concurrency at ceiling
+    [done] = engine.tick(431)
     assert isinstance(done, Lift) and done.why == "recovered"
     assert engine.active() == [] and engine.backing_off() == 0
 
 
+def test_refusals_within_the_hold_time_decrease_only_once() -> None:
+    rule = Rule("gm", Action.BACKOFF, GMAIL, RATE, backoff=Backoff(hold_s=30))
+    engine = Engine([rule], ceiling=lambda group: (8, Rate(10, 1)))
+    for t in range(0, 29, 2):
+        engine.observe(refused(t))
+    assert (engine.active()[0].concurrency, engine.active()[0].rate) == (4, Rate(5, 1))
+    engine.observe(refused(31))
+    assert (engine.active()[0].concurrency, engine.active()[0].rate) == (2, Rate(2, 1))
+    assert engine.firings == {"gm": 16}
+
+
+def test_slow_rates_are_written_as_one_per_interval() -> None:
+    rule = Rule("gm", Action.BACKOFF, GMAIL, RATE, backoff=Backoff(floor_rate=Rate(1, 60)))
+    engine = Engine([rule], ceiling=lambda group: (1, Rate(1, 4)))
+    [out] = engine.observe(refused(0))
+    assert out.fired.rate == Rate(1, 8)
+
+
 def test_a_firing_during_recovery_decreases_again() -> None:
     rule = Rule("gm", Action.BACKOFF, GMAIL, RATE,
-                backoff=Backoff(quiet_s=100, step_concurrency=1))
+                backoff=Backoff(quiet_s=100, step_concurrency=1, hold_s=0))
     engine = Engine([rule], ceiling=lambda group: (8, None))
     engine.observe(refused(0))          # 4
     [up] = engine.tick(100)              # 5
@@ -189,7 +207,7 @@ def test_replace_keeps_actions_in_force_and_forgets_windows() -> None:
 
 def test_the_engine_and_rules_are_pure() -> None:
     src = Path(__file__).resolve().parents[2] / "src" / "sluice" / "shaping"
-    allowed = {"__future__", "collections", "collections.abc", "dataclasses", "enum", "re",
+    allowed = {"__future__", "math", "collections", "collections.abc", "dataclasses", "enum", "re",
                "typing"}
     for name in ("engine.py", "rules.py"):
         tree = ast.parse((src / name).read_text())

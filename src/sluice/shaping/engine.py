@@ -49,6 +49,7 @@ SEE ALSO
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -132,12 +133,12 @@ def _no_ceiling(_: tuple[tuple[str, str], ...]) -> tuple[int | None, Rate | None
     return None, None
 
 
-def _rate(per_second: float, per_s: float) -> Rate:
-    """A Rate near ``per_second`` written over ``per_s`` seconds (at least 1 pickup)."""
-    count = round(per_second * per_s)
-    if count >= 1:
-        return Rate(count, per_s)
-    return Rate(1, max(1.0, round(1.0 / per_second)) if per_second > 0 else per_s)
+def _rate(per_second: float) -> Rate:
+    """A Rate near ``per_second`` over the shortest whole window: "5/1", not "300/60",
+    since a rate is a sliding window and "300/60" lets 300 go in the first second."""
+    if per_second >= 1:
+        return Rate(round(per_second), 1.0)
+    return Rate(1, float(round(1.0 / per_second)))
 
 
 class Engine:
@@ -215,13 +216,18 @@ class Engine:
             ceiling_c = conc if conc is not None else b.start_concurrency
             ceiling_r = rate.count / rate.per_s
             state = _Aimd(ceiling_c, ceiling_r, rate.per_s, ceiling_c, ceiling_r,
-                          base.since_at, base.since_at)
+                          -math.inf, -math.inf)
             self._aimd[base.key] = state
+        else:
+            if base.since_at < state.last_fire_at + b.hold_s:
+                # Refusals of deliveries already under way: no new news.
+                state.last_step_at = base.since_at
+                return replace(base, concurrency=state.c, rate=_rate(state.r))
         floor_r = b.floor_rate.count / b.floor_rate.per_s
         state.c = max(b.floor_concurrency, min(state.c, int(state.c * b.factor)))
         state.r = max(floor_r, state.r * b.factor)
         state.last_fire_at = state.last_step_at = base.since_at
-        return replace(base, concurrency=state.c, rate=_rate(state.r, state.per_s))
+        return replace(base, concurrency=state.c, rate=_rate(state.r))
 
     def lift(self, key: str, now: float) -> list[Command]:
         """An operator ends an action before its time."""
@@ -260,7 +266,7 @@ class Engine:
             del self._aimd[key]
             return [Lift(fired, "recovered")]
         duration = rule.duration_s if rule else fired.until_at - fired.since_at
-        changed = replace(fired, concurrency=state.c, rate=_rate(state.r, state.per_s),
+        changed = replace(fired, concurrency=state.c, rate=_rate(state.r),
                           until_at=now + duration)
         self._active[key] = changed
         return [Apply(changed, new=False)]

@@ -98,7 +98,8 @@ def _one(item: dict[str, Any], path: str, problems: list[tuple[str, str]]) -> Ru
             _rate(b["start_rate"]) if "start_rate" in b else d.start_rate,
             int(b.get("step_concurrency", d.step_concurrency)),
             int(b.get("step_rate", d.step_rate)),
-            parse_duration(b.get("quiet", d.quiet_s)))
+            parse_duration(b.get("quiet", d.quiet_s)),
+            parse_duration(b.get("hold", d.hold_s)))
         th = item.get("thresholds") or {}
         action = Action(item["action"])
         if action is Action.CONDITION and not th:

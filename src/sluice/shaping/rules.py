@@ -219,6 +219,10 @@ _START_RATE = Rate(600, 60.0)
 class Backoff:
     """AIMD: multiply by ``factor`` on a firing, add a step after a quiet period.
 
+    Decrease at most once per ``hold_s``: the refusals of deliveries that
+    were already in flight when the first came back say nothing new
+    (TCP halves its window once per round trip, not once per lost packet).
+
     The ceiling is the policy's value for the group (the runtime says it);
     ``start_*`` stands in where the policy sets none.
     """
@@ -231,6 +235,7 @@ class Backoff:
     step_concurrency: int = 1
     step_rate: int = 10
     quiet_s: float = 300.0
+    hold_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.factor < 1:
