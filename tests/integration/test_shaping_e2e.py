@@ -144,6 +144,7 @@ def run(tmp: Path, dns: AuthoritativeDns, *, rules: bool) -> tuple[Provider, dic
                     return False
 
                 seen["why_found"] = wait_until(why_names_the_rule, 20, step=0.2)
+                seen["status"] = srv.run("shaping", "status").stdout
             delivered_all = wait_until(lambda: srv.recipients_left() == 0, 240, step=0.5)
             seen["left"] = srv.recipients_left()
             assert delivered_all, f"{seen['left']} recipients still queued"
@@ -171,6 +172,7 @@ def test_default_rules_bring_the_refused_share_below_ten_percent(
     assert share_without > 0.5
     assert late_share < 0.10 and late_tries > 50
     assert "sluice_shaping_backoff_groups" in seen["metrics"]
+    assert "backed off to concurrency 5, rate 5/1 by rule gmail-rate" in seen["status"]
     assert seen["why_found"], "no queued entry's why named the rule"
     assert "after reply \"421 4.7.28" in seen["why"] and f"from host {MX}" in seen["why"]
     actions = [r["action"] for r in seen["audit"]["records"]]

@@ -36,6 +36,7 @@ COMMAND_MODULES = (
     "sluice.cli.serve_cmds",
     "sluice.cli.bench_cmds",
     "sluice.cli.analytics_cmds",
+    "sluice.cli.shaping_cmds",
 )
 
 
