@@ -530,7 +530,8 @@ def build_app(control: Control, tokens: Tokens) -> FastAPI:
     app.include_router(api)
     app.include_router(metrics)
     # shaping: its own router (sluice.shaping.api), same token as /api/v1.
-    app.include_router(shaping_router(lambda: control.manager.shaper, [Depends(principal)]))
+    app.include_router(shaping_router(lambda: control.manager.shaper, [Depends(principal)],
+                                      COMMON, E404))
 
     # -- the web page ----------------------------------------------------------------------------
 

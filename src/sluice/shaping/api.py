@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, params
+from fastapi import APIRouter, params
 
+from sluice.api.control import ApiError
 from sluice.shaping.rulefile import ShapingError
 from sluice.shaping.runtime import Shaper, fired_data
 
@@ -32,10 +33,12 @@ def status_data(shaper: Shaper) -> dict[str, Any]:
     }
 
 
-def shaping_router(shaper: Callable[[], Shaper], dependencies: Sequence[params.Depends]
-                   ) -> APIRouter:
+def shaping_router(shaper: Callable[[], Shaper], dependencies: Sequence[params.Depends],
+                   responses: dict[int | str, dict[str, Any]],
+                   not_found: dict[int | str, dict[str, Any]]) -> APIRouter:
+    """``responses``: the errors every /api/v1 operation documents (401, 413, 422)."""
     router = APIRouter(prefix="/api/v1/shaping", tags=["shaping"],
-                       dependencies=list(dependencies))
+                       dependencies=list(dependencies), responses=responses)
 
     @router.get("")
     async def status() -> dict[str, Any]:
@@ -48,14 +51,15 @@ def shaping_router(shaper: Callable[[], Shaper], dependencies: Sequence[params.D
         try:
             shaper().reload(who="api", raise_errors=True)
         except ShapingError as exc:
-            raise HTTPException(422, str(exc)) from None
+            raise ApiError(422, "invalid shaping rules",
+                           [{"path": p, "message": m} for p, m in exc.problems]) from None
         return status_data(shaper())
 
-    @router.post("/actions/lift")
+    @router.post("/actions/lift", responses=not_found)
     async def lift(key: str) -> dict[str, Any]:
         """End the automatic action ``key`` now (the web page's lift button)."""
         if not shaper().lift(key, who="api"):
-            raise HTTPException(404, f"no automatic action {key!r}")
+            raise ApiError(404, "not found", f"no automatic action {key!r}")
         return status_data(shaper())
 
     return router
