@@ -152,3 +152,32 @@ def test_a_broken_rules_file_on_reload_keeps_the_running_rules(tmp_path: Path) -
     rules = shaper.reload()
     assert rules is not None and [r.name for r in rules] == ["x"]
     assert shaper.loads == 2
+
+
+def test_the_post_delivery_hook_returns_a_shaping_action(tmp_path: Path) -> None:
+    import asyncio
+
+    from sluice.hooks import Hooks, PostDelivery, Shape
+
+    def post(ctx: PostDelivery) -> Shape | None:
+        if ctx.outcome.reply.code == 421 and "custom throttle" in ctx.outcome.reply.text:
+            return Shape("suspend", duration_s=120, where=("domain", "tenant"),
+                         name="custom", note="our own rule")
+        return None
+
+    hooks = Hooks(post_delivery=post)
+    shaper, sched, events, clock = setup(tmp_path, "rules: []\n")
+    e = QueueEntry("0000000B", 0, "s@x.test", "u@corp.test", QueueState.DELIVERING, 0.0, 0.0,
+                   tenantid="acme", domain="corp.test")
+    outcome = TempFail(Reply(421, "4.7.0", "custom throttle", remote_mta="mx.corp.test"))
+    final = asyncio.run(hooks.run_post_delivery(PostDelivery(e, outcome, remotemx="mx.corp.test")))
+    assert final == outcome  # the outcome stays
+    shaper.take(hooks)
+    [added] = events
+    assert isinstance(added, SuspensionAdded)
+    assert added.suspension.fields == (("recipientdomain", "corp.test"), ("tenantid", "acme"))
+    assert added.suspension.expires_at == clock.now + 120
+    assert "rule hook:custom" in added.suspension.reason
+    assert hooks.shaping == []
+    shaper.take(hooks)
+    assert len(events) == 1

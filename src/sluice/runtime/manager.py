@@ -448,6 +448,7 @@ class QueueManager:
             result = await self.agent.deliver(request)
             results = await self.planner.finish(result)
             self.shaper.observe(info.job.route, results)  # shaping
+            self.shaper.take(self.hooks)  # shaping: Shape decisions of the post hook
             self.post(DeliveryFinished(
                 ref, tuple((r.entry.qid, r.outcome) for r in results),
                 connection_failed=result.connection_failed,

@@ -55,14 +55,23 @@ from sluice.scheduler.events import (
     SuspensionAdded,
     SuspensionRemoved,
 )
-from sluice.scheduler.policy import Condition, Counter, FieldSpec, Policy, Suspension, Thresholds
+from sluice.scheduler.policy import (
+    Condition,
+    Counter,
+    FieldSpec,
+    Policy,
+    Rate,
+    Suspension,
+    Thresholds,
+)
 from sluice.shaping.engine import Apply, Bounce, Command, Engine, Fired, Lift
 from sluice.shaping.rulefile import ShapingError, load_rules
-from sluice.shaping.rules import Action, Observation, Rule
+from sluice.shaping.rules import WHERE_FIELDS, Action, Observation, Rule, Where
 
 if TYPE_CHECKING:
     from sluice.api.audit import AuditLog
     from sluice.config import Config
+    from sluice.hooks import Hooks, PostDelivery, Shape
     from sluice.queue import AttemptResult
 
 __all__ = ["Shaper", "describe"]
@@ -100,6 +109,22 @@ def fired_data(fired: Fired) -> dict[str, Any]:
             "host": fired.host, "concurrency": fired.concurrency,
             "rate": str(fired.rate) if fired.rate is not None else None,
             "note": fired.note, "text": describe(fired)}
+
+
+def hook_rule(shape: Shape, ctx: PostDelivery) -> Rule:
+    """The rule a post-delivery hook's Shape stands for: its group is the
+    attempt's own values of the fields it names."""
+    entry = ctx.entry
+    values = {"domain": entry.domain, "mx": ctx.remotemx, "remoteip": ctx.remoteip,
+              "localip": ctx.localip, "tenant": entry.tenantid, "job": entry.jobid}
+    where = Where(tuple(sorted((WHERE_FIELDS[k], values[k]) for k in shape.where)))
+    rate = None
+    if shape.rate:
+        count, _, per = shape.rate.partition("/")
+        rate = Rate(int(count), float(per) if per else 1.0)
+    return Rule(f"hook:{shape.name or shape.action}", Action(shape.action), where,
+                duration_s=shape.duration_s, concurrency=shape.concurrency, rate=rate,
+                note=shape.note)
 
 
 class Shaper:
@@ -215,14 +240,21 @@ class Shaper:
                               route.tenantid, route.jobid)
             self._run(self.engine.observe(obs))
 
-    def fire(self, rule: Rule, route: Route, result: AttemptResult) -> None:
-        """Take ``rule``'s action at once (the post-delivery hook asked for it)."""
-        reply = result.outcome.reply
-        obs = Observation(self.clock(), reply.code, reply.enhanced, reply.text, "",
-                          route.recipientdomain, result.remotemx or route.remotemx,
-                          result.remoteip or route.remoteip, result.localip or "",
-                          route.tenantid, route.jobid)
-        self._run(self.engine.fire(rule, obs))
+    def take(self, hooks: Hooks) -> None:
+        """Take the actions the post-delivery hook returned (Shape) since the last call."""
+        requests, hooks.shaping[:] = list(hooks.shaping), []
+        for shape, ctx in requests:
+            try:
+                rule = hook_rule(shape, ctx)
+            except (ValueError, KeyError) as exc:
+                log.error("post-delivery hook: bad Shape %r: %s", shape, exc)
+                continue
+            reply = ctx.outcome.reply
+            entry = ctx.entry
+            obs = Observation(self.clock(), reply.code, reply.enhanced, reply.text, "",
+                              entry.domain, ctx.remotemx or reply.remote_mta, ctx.remoteip,
+                              ctx.localip, entry.tenantid, entry.jobid)
+            self._run(self.engine.fire(rule, obs), who="hook")
 
     def tick(self, now: float) -> None:
         wake = self.engine.next_wakeup()
