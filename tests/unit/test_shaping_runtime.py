@@ -166,7 +166,7 @@ def test_the_post_delivery_hook_returns_a_shaping_action(tmp_path: Path) -> None
         return None
 
     hooks = Hooks(post_delivery=post)
-    shaper, sched, events, clock = setup(tmp_path, "rules: []\n")
+    shaper, _sched, events, clock = setup(tmp_path, "rules: []\n")
     e = QueueEntry("0000000B", 0, "s@x.test", "u@corp.test", QueueState.DELIVERING, 0.0, 0.0,
                    tenantid="acme", domain="corp.test")
     outcome = TempFail(Reply(421, "4.7.0", "custom throttle", remote_mta="mx.corp.test"))
