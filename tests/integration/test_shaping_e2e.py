@@ -29,6 +29,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from tests.integration.serving import Serving, free_port, serving, wait_until
 from tests.integration.test_delivery_peers import SOA, AuthoritativeDns, dns_server
+from tests.integration.test_web_admin import browser  # noqa: F401  (the Chromium fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +102,30 @@ def _api(srv: Serving, path: str, token: str) -> Any:
     return body if path == "/metrics" else json.loads(body)
 
 
-def run(tmp: Path, dns: AuthoritativeDns, *, rules: bool) -> tuple[Provider, dict[str, Any]]:
+def check_page(srv: Serving, token: str, page_browser: Any) -> str:
+    """The web page lists the automatic action; its Lift button ends it."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=15_000)
+    page = page_browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(15_000)
+    page.goto(f"http://127.0.0.1:{srv.api_port}/")  # type: ignore[attr-defined]
+    page.fill("#token", token)
+    page.click("#login-button")
+    page.wait_for_selector("#dashboard", state="visible")
+    table = page.locator("#shaping tbody")
+    expect(table).to_contain_text("gmail-rate")
+    expect(table).to_contain_text("backed off to concurrency 5")
+    text = str(table.inner_text())
+    page.locator("#shaping tbody button").first.click()
+    expect(page.locator("#shaping tbody tr")).to_have_count(0)
+    expect(page.locator("#shaping-summary")).to_contain_text("0 groups backed off")
+    page.close()
+    return text
+
+
+def run(tmp: Path, dns: AuthoritativeDns, *, rules: bool,
+        page_browser: Any = None) -> tuple[Provider, dict[str, Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
     provider = Provider()
     sink_port = free_port()
@@ -148,15 +172,19 @@ def run(tmp: Path, dns: AuthoritativeDns, *, rules: bool) -> tuple[Provider, dic
             delivered_all = wait_until(lambda: srv.recipients_left() == 0, 240, step=0.5)
             seen["left"] = srv.recipients_left()
             assert delivered_all, f"{seen['left']} recipients still queued"
+            if page_browser is not None:
+                seen["page"] = check_page(srv, token, page_browser)
+                seen["after_lift"] = _api(srv, "/api/v1/shaping", token)
+                seen["audit_after"] = _api(srv, "/api/v1/audit", token)
     finally:
         controller.stop()
     return provider, seen
 
 
 def test_default_rules_bring_the_refused_share_below_ten_percent(
-        tmp_path: Path, dns: AuthoritativeDns) -> None:
+        tmp_path: Path, dns: AuthoritativeDns, browser: Any) -> None:  # noqa: F811
     without, _ = run(tmp_path / "without", dns, rules=False)
-    with_rules, seen = run(tmp_path / "with", dns, rules=True)
+    with_rules, seen = run(tmp_path / "with", dns, rules=True, page_browser=browser)
     share_without, tries_without = without.refused_share()
     share_with, tries_with = with_rules.refused_share()
     # After the first firing (and a hold time), the provider is respected.
@@ -180,3 +208,8 @@ def test_default_rules_bring_the_refused_share_below_ten_percent(
     fire = next(r for r in seen["audit"]["records"] if r["action"] == "shaping.fire")
     assert fire["after"]["rule"] == "gmail-rate"
     assert "4.7.28" in fire["after"]["reply"] and fire["after"]["host"] == MX
+    # The web page showed it and lifted it; the lift is audited.
+    assert "gmail-rate" in seen["page"]
+    assert seen["after_lift"]["active"] == []
+    ends = [r for r in seen["audit_after"]["records"] if r["action"] == "shaping.end"]
+    assert ends and ends[0]["reason"] == "lifted" and ends[0]["who"] == "api"
