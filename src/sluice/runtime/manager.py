@@ -609,6 +609,7 @@ class QueueManager:
     def reload_policy(self, *, raise_errors: bool = False) -> Policy | None:
         """Read the policy file again; on error keep the running policy (and
         return None, or raise the PolicyError when ``raise_errors``)."""
+        self.shaper.reload()  # shaping: its rules reload with the policy (SIGHUP, API)
         try:
             policy = _policy(self.policy_path)
         except PolicyError as exc:
