@@ -177,10 +177,14 @@ class Shaper:
                 raise
             return None
         before = [r.name for r in self.engine.rules]
+        changed = rules != self.engine.rules
         self.engine.replace(rules)
         self.loads += 1
-        self._audit(who, "shaping.reload", self.path or "(defaults)", "reloaded", before,
-                    [r.name for r in rules])
+        if self.path or changed:
+            # Without an own file, a policy reload (which reloads these too)
+            # that changes nothing here leaves no shaping record.
+            self._audit(who, "shaping.reload", self.path or "(defaults)", "reloaded", before,
+                        [r.name for r in rules])
         log.info("shaping rules reloaded: %d rules", len(rules))
         return rules
 
