@@ -319,6 +319,8 @@ class DeliveryConfig:
     timeouts: DeliveryTimeouts = field(default_factory=DeliveryTimeouts)
     pre_hook: str | None = None
     post_hook: str | None = None
+    shaping: str | None = _path(None)
+    shaping_defaults: bool = True
 
 
 @dataclass(frozen=True, slots=True)

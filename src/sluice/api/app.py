@@ -90,6 +90,7 @@ from sluice.api.models import (
     WhyResponse,
 )
 from sluice.model import QueueState, Selector
+from sluice.shaping.api import shaping_router
 from sluice.store import Action
 
 __all__ = ["MAX_BODY", "build_app"]
@@ -540,6 +541,9 @@ def build_app(control: Control, tokens: Tokens) -> FastAPI:
     app.include_router(api)
     app.include_router(inject_router(control, principal, COMMON))
     app.include_router(metrics)
+    # shaping: its own router (sluice.shaping.api), same token as /api/v1.
+    app.include_router(shaping_router(lambda: control.manager.shaper, [Depends(principal)],
+                                      COMMON, E404))
 
     # -- the web page ----------------------------------------------------------------------------
 

@@ -356,7 +356,8 @@ class Control:
         out = []
         for entry in entries:
             memory = self.scheduler.explain(entry.qid, now)
-            if memory.state != "unknown":
+            # A held entry is held, whatever the memory still says of it (issue 17).
+            if memory.state != "unknown" and entry.state is not QueueState.HOLD:
                 out.append(explanation_data(memory, "memory", now))
             else:
                 out.append(explanation_data(explain_stored(entry, now, self.retry), "store",

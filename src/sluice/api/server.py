@@ -44,6 +44,7 @@ from sluice.config import Config
 from sluice.queue import Queue
 from sluice.runtime.manager import QueueManager
 from sluice.runtime.serve import ServeError
+from sluice.shaping.metrics import ShapingCollector
 
 __all__ = ["ApiServer", "parse_listen", "start_api"]
 
@@ -80,6 +81,8 @@ class ApiServer:
         self.metrics = Metrics(config)
         audit_path = config.api.audit_path or str(Path(config.queue.path) / "api-audit.jsonl")
         self.audit = AuditLog(audit_path)
+        manager.shaper.audit = self.audit  # shaping: automatic actions are audited too
+        self.metrics.registry.register(ShapingCollector(manager.shaper))  # shaping
         self.control = Control(config, queue, manager, self.audit, self.metrics)
         self.tokens = Tokens(config.api.named_tokens)
         self.app = build_app(self.control, self.tokens)

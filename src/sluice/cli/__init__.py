@@ -38,6 +38,7 @@ COMMAND_MODULES = (
     "sluice.cli.bench_cmds",
     "sluice.cli.analytics_cmds",
     "sluice.cli.sendout_cmds",
+    "sluice.cli.shaping_cmds",
 )
 
 

@@ -68,7 +68,7 @@ from sluice.delivery.agent import DeliveryAgent, DeliveryRequest
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
 from sluice.hooks import Drop, Hold, Hooks
-from sluice.model import PermFail, QueueEntry, QueueState, Reply, TempFail
+from sluice.model import PermFail, QueueEntry, QueueState, Reply, Selector, TempFail
 from sluice.policyfile import load_policy_file, load_suspensions_file
 from sluice.queue import AttemptResult, Queue
 from sluice.scheduler import (
@@ -98,6 +98,8 @@ from sluice.scheduler import (
     SuspensionAdded,
     SuspensionRemoved,
 )
+from sluice.shaping.runtime import Shaper
+from sluice.store import Action as QueueAction
 
 __all__ = ["ManagerStats", "QueueManager"]
 
@@ -110,7 +112,8 @@ CAPPED_RETRY_S = 0.05
 
 
 def _policy(path: str | None) -> Policy:
-    return load_policy_file(path) if path else Policy()
+    # shaping: the counters a back-off condition needs (sluice.shaping.runtime).
+    return Shaper.augment(load_policy_file(path) if path else Policy())
 
 
 def _suspensions(path: str | None) -> tuple[Suspension, ...]:
@@ -196,6 +199,9 @@ class QueueManager:
                         ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
                                      change=functools.partial(self.change, publish=False),
                                      policy=lambda: self.scheduler.policy))
+        # shaping: remote replies change the limits (sluice.shaping; docs/shaping.md).
+        self.shaper = Shaper(config, self.post, lambda: self.scheduler.policy, self._now)
+        self.shaper.bounce = self._shaping_bounce
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -273,6 +279,9 @@ class QueueManager:
             while not stop.is_set():
                 self._step()
                 wake = self.scheduler.next_wakeup()
+                shaping_wake = self.shaper.next_wakeup()  # shaping
+                if shaping_wake is not None and (wake is None or shaping_wake < wake):
+                    wake = shaping_wake
                 timeout = None if wake is None else max(0.0, wake - self.clock())
                 waiter = asyncio.ensure_future(self._wake.wait())
                 await asyncio.wait({waiter, stopper}, timeout=timeout,
@@ -287,6 +296,7 @@ class QueueManager:
             await self._shutdown()
 
     def _step(self) -> None:
+        self.shaper.tick(self._now())  # shaping: expiries and recovery steps, as events
         try:
             self._decide()
         finally:
@@ -464,6 +474,8 @@ class QueueManager:
                 localip=localip, smtputf8=entries[0].smtputf8)
             result = await self.agent.deliver(request)
             results = await self.planner.finish(result)
+            self.shaper.observe(info.job.route, results)  # shaping
+            self.shaper.take(self.hooks)  # shaping: Shape decisions of the post hook
             self.post(DeliveryFinished(
                 ref, tuple((r.entry.qid, r.outcome) for r in results),
                 connection_failed=result.connection_failed,
@@ -613,6 +625,8 @@ class QueueManager:
     async def _watch_policy(self) -> None:
         while True:
             await asyncio.sleep(self.policy_poll_s)
+            if self.shaper.changed():  # shaping: the rules file changed
+                self.shaper.reload()
             mtime = self._mtime(self.policy_path)
             if mtime == self._policy_mtime:
                 continue
@@ -622,6 +636,7 @@ class QueueManager:
     def reload_policy(self, *, raise_errors: bool = False) -> Policy | None:
         """Read the policy file again; on error keep the running policy (and
         return None, or raise the PolicyError when ``raise_errors``)."""
+        self.shaper.reload()  # shaping: its rules reload with the policy (SIGHUP, API)
         try:
             policy = _policy(self.policy_path)
         except PolicyError as exc:
@@ -632,6 +647,27 @@ class QueueManager:
         self.post(PolicyReloaded(policy))
         log.info("policy reloaded from %s", self.policy_path)
         return policy
+
+    def _shaping_bounce(self, fired: Any) -> None:
+        """shaping: bounce the queued mail of a group that will never accept."""
+        domain = dict(fired.fields).get("recipientdomain")
+        if not domain:
+            log.error("shaping rule %s: bounce needs a recipient domain; nothing bounced",
+                      fired.rule)
+            return
+        reply = Reply(550, "5.1.10" if "5.1.10" in fired.reply else "5.4.4",
+                      f"destination will never accept: {fired.reply} "
+                      f"(shaping rule {fired.rule})")
+        selector = Selector(domain=domain, states=(QueueState.INCOMING, QueueState.DEFERRED))
+
+        async def run() -> None:
+            touched = await self._io(functools.partial(self.queue.act, selector,
+                                                       QueueAction.BOUNCE, reply=reply))
+            if touched:
+                self.apply_changes({e.qid for e in touched})
+                self._bounce_soon()
+
+        self._spawn(run())
 
     # -- stopping ----------------------------------------------------------------------------
 
