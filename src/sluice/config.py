@@ -268,6 +268,7 @@ class SmtpdConfig:
     hostname: str | None = None
     mynetworks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     relay_domains: tuple[str, ...] = ()
+    allow_routed_local_parts: bool = False
     max_message_size: int = 52428800
     max_recipients: int = 1000
     max_line_length: int = 998
