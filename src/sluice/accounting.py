@@ -35,6 +35,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from sluice.logs import publish
 from sluice.model import QueueEntry, Reply
 
 __all__ = ["EVENT_FIELDS", "AccountingLog", "EventKind", "iso_time", "make_event"]
@@ -170,9 +171,11 @@ class AccountingLog:
     def record(self, events: Iterable[Mapping[str, Any]], now: float | None = None) -> int:
         """Append ``events`` (dicts from make_event); returns how many."""
         lines = []
+        written = []
         for event in events:
             if self.node and not event.get("node"):
                 event = {**event, "node": self.node}
+            written.append(event)
             lines.append(json.dumps(event, separators=(",", ":"), ensure_ascii=False))
         if not lines:
             return 0
@@ -183,6 +186,7 @@ class AccountingLog:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+        publish(written)  # the log lines and mail log (sluice.logs), once logging is set up
         return len(lines)
 
     def _file_for(self, at: float) -> int:

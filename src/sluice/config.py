@@ -268,6 +268,7 @@ class SmtpdConfig:
     hostname: str | None = None
     mynetworks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     relay_domains: tuple[str, ...] = ()
+    allow_routed_local_parts: bool = False
     max_message_size: int = 52428800
     max_recipients: int = 1000
     max_line_length: int = 998
@@ -319,12 +320,25 @@ class DeliveryConfig:
     timeouts: DeliveryTimeouts = field(default_factory=DeliveryTimeouts)
     pre_hook: str | None = None
     post_hook: str | None = None
+    shaping: str | None = _path(None)
+    shaping_defaults: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class SuppressionConfig:
     path: str | None = _path(None)
     mode: str = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class InjectConfig:
+    """The HTTP injection API (POST /api/v1/inject, docs/api.md)."""
+
+    max_queue: int = 1_000_000
+    max_commit_time: float = _dur("2s")
+    retry_after: float = _dur("5s")
+    idempotency_window: float = _dur("24h")
+    max_recipients: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +358,7 @@ class ApiConfig:
     metrics_min_count: int = 10
     metrics_domain_groups: Mapping[str, Sequence[str]] = field(default_factory=dict)
     history_max_bytes: int = 1 << 30
+    inject: InjectConfig = field(default_factory=InjectConfig)
 
     @property
     def named_tokens(self) -> tuple[tuple[str, str], ...]:
@@ -372,6 +387,16 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """How `sluice serve` logs (sluice.logs, docs/observability.md)."""
+
+    format: str = "text"
+    level: str = "info"
+    levels: Mapping[str, str] = field(default_factory=dict)
+    maillog: str | None = _path(None)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The effective configuration; ``source`` says where it came from."""
 
@@ -386,6 +411,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     analytics: AnalyticsConfig = field(default_factory=AnalyticsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<embedded defaults>"
     base_dir: str = "."
 

@@ -4,7 +4,7 @@ SUMMARY
     Hooks.from_config(config) -> Hooks, or ConfigError naming the key.
     End of DATA:     EndOfData -> Accept | Reject | None
     Pre-delivery:    PreDelivery -> Proceed | Hold | Defer | Drop | Bounce | None
-    Post-delivery:   PostDelivery -> Delivered | TempFail | PermFail | None
+    Post-delivery:   PostDelivery -> Delivered | TempFail | PermFail | Shape | None
 
 DESCRIPTION
     Three places in a message's life where an operator's code decides, as
@@ -63,7 +63,7 @@ import logging
 import re
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.message import Message
 from email.parser import BytesHeaderParser
 from email.policy import compat32
@@ -93,6 +93,7 @@ __all__ = [
     "PreDeliveryHook",
     "Proceed",
     "Reject",
+    "Shape",
     "load_hook",
 ]
 
@@ -307,12 +308,35 @@ class PostDelivery:
     duration_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Post-delivery: take a traffic shaping action (docs/shaping.md), as a
+    rule would, for the attempt's destination -- and keep the outcome, or
+    replace it with ``outcome``.
+
+    ``action``: suspend, suspend-tenant, suspend-job, backoff, condition
+    (with ``concurrency`` and/or ``rate`` such as "1/10") or bounce.
+    ``where``: the fields that name the group, from domain, mx, remoteip,
+    localip, tenant, job; their values are the attempt's.  ``name`` is
+    what the audit history and `why` call it (``hook:NAME``).
+    """
+
+    action: str
+    duration_s: float = 3600.0
+    where: tuple[str, ...] = ("domain",)
+    name: str = ""
+    note: str = ""
+    concurrency: int | None = None
+    rate: str | None = None
+    outcome: Outcome | None = None
+
+
 EndOfDataHook: TypeAlias = Callable[
     [EndOfData], EndOfDataDecision | Awaitable[EndOfDataDecision | None] | None]
 PreDeliveryHook: TypeAlias = Callable[
     [PreDelivery], PreDecision | Awaitable[PreDecision | None] | None]
 PostDeliveryHook: TypeAlias = Callable[
-    [PostDelivery], Outcome | Awaitable[Outcome | None] | None]
+    [PostDelivery], Outcome | Shape | Awaitable[Outcome | Shape | None] | None]
 
 _PRE_TYPES = (Proceed, Hold, Defer, Drop, Bounce)
 _EOD_TYPES = (Accept, Reject)
@@ -413,6 +437,9 @@ class Hooks:
     end_of_data: EndOfDataHook | None = None
     pre_delivery: PreDeliveryHook | None = None
     post_delivery: PostDeliveryHook | None = None
+    #: Shape decisions of the post-delivery hook, with their context, until
+    #: the queue manager takes them (sluice.shaping.runtime.Shaper.take).
+    shaping: list[tuple[Shape, PostDelivery]] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: Config) -> Hooks:
@@ -480,6 +507,9 @@ class Hooks:
             return context.outcome
         if result is None:
             return context.outcome
+        if isinstance(result, Shape):
+            self.shaping.append((result, context))
+            return result.outcome if isinstance(result.outcome, _POST_TYPES) else context.outcome
         if not isinstance(result, _POST_TYPES):
             log.error("post-delivery hook %s returned %r for %s, not Delivered, TempFail, "
                       "PermFail or None", _hook_name(hook), result, context.entry.qid)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import re
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,19 @@ def test_demo_delivers_greylisted_mail_and_bounces_rejected_mail() -> None:
     summary = out[out.index("Done in"):].replace("\n", " ")
     assert "200 messages accepted" in summary
     assert "rejected and answered with" in summary
+    if importlib.util.find_spec("pyspark") is None:
+        assert "No Spark report: the analytics extra" in out
+        return
+    # It ends with the Spark report over its own accounting log: the hard
+    # bounces Spark classed are the recipients the sink rejected.
+    rejected = int(re.search(r"(\d+) rejected and answered", summary)[1])  # type: ignore[index]
+    page = Path(re.search(r"Spark report in [\d.]+ s: (\S+report\.html)", out.replace("\n", ""))[1])  # type: ignore[index]
+    try:
+        assert "<svg" in page.read_text()
+        assert re.search(rf"bounced\s*│\s*bad-mailbox\s*│\s*yes\s*│\s*{rejected}\s", out), out
+        assert "per domain" in out and "d01.demo.example" in out
+    finally:
+        shutil.rmtree(page.parent, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -87,6 +87,9 @@ def test_metrics_count_what_happened_with_bounded_labels(tmp_path: Path) -> None
     assert total(m, r, event="delivered", domain="bigmail") == 8
     assert total(m, r, event="bounced", domain="other") == 1
     assert total(m, r, event="deferred", domain="other") >= 1  # greylisted once
+    # Messages: 10 through SMTP, 2 submitted, the held one and the NDR.
+    assert total(m, "sluice_messages_accepted_total") == 14
+    assert total(m, "sluice_message_bytes_accepted_total") > 14 * 20
     # Histograms: one latency per delivered recipient, one duration per attempt.
     assert total(m, "sluice_delivery_latency_seconds_count") == 13
     assert total(m, "sluice_delivery_attempt_seconds_count", outcome="delivered") == 13

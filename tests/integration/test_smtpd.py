@@ -747,3 +747,28 @@ def test_a_big_message_goes_through_a_temporary_file(serve: Callable[..., Runnin
     stored = run.content(entry.spid)
     assert after_received(stored) == body
     assert entry.size == len(stored)
+
+
+def test_garbage_after_starttls_logs_one_line_without_traceback(
+        serve: Callable[..., Running], certificate: tuple[str, str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    cert, key = certificate
+    run = serve(smtpd={"tls": {"cert": cert, "key": key}})
+    caplog.set_level("DEBUG", logger="sluice")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", run.port), timeout=10) as s:
+            s.recv(1024)
+            s.sendall(b"EHLO garbage.test\r\nSTARTTLS\r\n")
+            time.sleep(0.2)  # let both replies arrive before the garbage
+            s.sendall(b"\x16\x03\x01\x00\x05garbage-not-a-handshake\r\n" * 4)
+            try:
+                while s.recv(4096):
+                    pass
+            except OSError:
+                pass
+    with run.smtp() as c:  # the server still answers
+        assert c.ehlo()[0] == 250
+    run.stop()
+    records = caplog.records  # ours and aiosmtpd's
+    assert not [r for r in records if r.exc_info or "Traceback" in r.getMessage()]
+    assert len([r for r in records if r.levelno >= 30]) <= 3

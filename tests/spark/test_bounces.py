@@ -107,7 +107,15 @@ def test_summary_counts(spark):
 
 @pytest.mark.parametrize(("text", "masked"), [
     ("<bob@example.com>: user unknown", "<addr>: user unknown"),
-    ("Try again at https://postmaster.example.com/421?x=1 later", "Try again at <url> later"),
+    ("Try again at https://postmaster.example.com/421?x=1 later",
+     "Try again at <url:postmaster.example.com> later"),
+    # A peer named by its IP (no PTR) is one host, not two IPs.
+    ("host 127.0.0.1[127.0.0.1] said: 550 5.1.1 unknown", "host <host> said: <n> <n> unknown"),
+    ("connect to mx.example.com[203.0.113.5]:25: refused", "connect to <host>: refused"),
+    ("conversation with mx.spamexperts.com timed out", "conversation with <host> timed out"),
+    # An id of digits only is the same id as one with letters.
+    ("user unknown (id 4711081542)", "user unknown (id <id>)"),
+    ("user unknown (id 8F2A9C01D3)", "user unknown (id <id>)"),
     ("Client [192.0.2.44]:25123 refused, ref 4.16.55", "Client <ip> refused, ref <n>"),
     ("queued as 4Xb9Lq0Y2Wz5MkN  (id a1b2c3d4e5f6)", "queued as <id> (id <id>)"),
     ("from 2001:db8::1 blocked", "from <ip> blocked"),

@@ -27,6 +27,7 @@ SECTION_DOCS = {
     "suppression": "analytics.md",
     "smtpd": "smtpd.md",
     "cluster": "cluster.md",
+    "logging": "observability.md",
 }
 
 

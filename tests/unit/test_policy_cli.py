@@ -7,6 +7,7 @@ integration although they live next to the policy's unit tests.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -193,6 +194,15 @@ def test_why_explains_stored_entries(tmp_path: Path, capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "deferred until in " in out and '"451 4.7.1 greylisted"' in out
     assert "attempt 1" in out and "expires in" in out
+    # Dates, not POSIX seconds: "in 59m59s (at 2026-11-25 08:50:00 UTC)".
+    assert re.search(r"deferred until in \S+ \(at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)", out)
+    assert not re.search(r"\(at \d{9,}\)", out)
+    assert main(["-c", str(cfg_path), "why", "--json", b]) == 0
+    [data] = json.loads(capsys.readouterr().out)
+    assert (data["qid"], data["state"], data["source"]) == (b, "deferred", "store")
+    assert data["reasons"][0]["kind"] == "deferred" and data["reasons"][0]["until_at"] > 0
+    assert data["recipient"] == "b@y.example" and data["attempts"] == 1
+    assert data["lines"][0] == f"{b}: deferred"
     assert main(["-c", str(cfg_path), "why", c]) == 0
     assert "on hold" in capsys.readouterr().out
     # A bare SPID explains every recipient of the message.

@@ -402,7 +402,13 @@ def test_a_dead_destination_carries_the_last_reply() -> None:
     route = Route("down.example")
     (a,) = starts(sched.handle(JobsQueued((job(route), job(route))), 0))
     (deferred,) = defers(finish(sched, a, 1, failed=True))
-    assert deferred.reply == REFUSED.reply
+    # Same code, and a text that says the destination is dead (issue 17),
+    # then the last error, so nobody takes it for a fresh attempt's answer.
+    assert (deferred.reply.code, deferred.reply.enhanced) == (REFUSED.reply.code,
+                                                              REFUSED.reply.enhanced)
+    assert deferred.reply.text.startswith("destination ")
+    assert "is dead, not tried" in deferred.reply.text
+    assert deferred.reply.text.endswith(str(REFUSED.reply))
     explanation = sched.explain(a.qids[0])
     assert explanation.state == "unknown"
 

@@ -181,3 +181,24 @@ def test_bad_sha256_entry_names_the_user(tmp_path: Path) -> None:
         Credentials.from_config(cfg)
     assert err.value.keypath == "smtpd.auth.users.bob"
     assert "64 hex digits" in str(err.value)
+
+
+def test_routed_local_parts_are_refused_to_outsiders_unless_allowed() -> None:
+    routed = ["x%outside.example@local.test", '"x@outside.example"@local.test',
+              "x!outside.example@local.test"]
+    policy = ReceivePolicy(mynetworks=["127.0.0.1/32"], relay_domains=["local.test"])
+    outsider = policy.client("192.0.2.9")
+    for address in routed:
+        verdict = policy.recipient(outsider, address, 0)
+        assert verdict.action is RcptAction.REFUSE, address
+        assert (verdict.reply.code, verdict.reply.enhanced) == (554, "5.7.1")
+    assert policy.recipient(outsider, "x@local.test", 0).action is RcptAction.ACCEPT
+    # a client allowed to relay may route anyway
+    for address in routed:
+        assert policy.recipient(policy.client("127.0.0.1"), address, 0).action \
+            is RcptAction.ACCEPT
+    lenient = ReceivePolicy(mynetworks=["127.0.0.1/32"], relay_domains=["local.test"],
+                            allow_routed_local_parts=True)
+    for address in routed:
+        assert lenient.recipient(lenient.client("192.0.2.9"), address, 0).action \
+            is RcptAction.ACCEPT

@@ -43,8 +43,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sluice.api.auth import Tokens
 from sluice.api.control import Control
 from sluice.api.errors import ApiError
+from sluice.api.inject import inject_router
 from sluice.api.routes import audit, metrics, page, policy, queue, scheduler, suspensions
-from sluice.api.routes.common import Auth
+from sluice.api.routes.common import COMMON, E404, Auth
+from sluice.shaping.api import shaping_router
 
 __all__ = ["MAX_BODY", "build_app"]
 
@@ -232,6 +234,10 @@ def build_app(control: Control, tokens: Tokens) -> FastAPI:
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
+    app.include_router(inject_router(control, auth, COMMON))
+    # shaping: its own router (sluice.shaping.api), same token as /api/v1.
+    app.include_router(shaping_router(lambda: control.manager.shaper, [Depends(auth)],
+                                      COMMON, E404))
     app.include_router(metrics.router(control, auth))
     page.add_page(app)
     return app

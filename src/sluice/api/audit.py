@@ -91,6 +91,10 @@ class AuditAction(StrEnum):
     QUEUE_DELETE = "queue.delete"
     QUEUE_PRIORITY = "queue.priority"
     QUEUE_BOUNCE = "queue.bounce"
+    SHAPING_FIRE = "shaping.fire"  # an automatic action began (sluice.shaping)
+    SHAPING_END = "shaping.end"
+    SHAPING_BOUNCE = "shaping.bounce"
+    SHAPING_RELOAD = "shaping.reload"
 
 
 #: The record of each queue action.

@@ -432,6 +432,15 @@ class Metrics:
             "sluice_tenant_pickups", "Deliveries picked up by the scheduler, by tenant",
             ["tenant"], registry=self.registry)
         self._tenant_pickups_seen: dict[str, int] = {}
+        for op in STORE_OPS:  # present at zero, so rate() works before the first error
+            self.store_errors.labels(op)
+        self.messages = Counter("sluice_messages_accepted",
+                                "Messages queued (SMTP and HTTP), from the accounting log",
+                                registry=self.registry)
+        self.message_bytes = Counter("sluice_message_bytes_accepted",
+                                     "Bytes of the messages queued, from the accounting log",
+                                     registry=self.registry)
+        self._accepted = [0, 0]  # messages, bytes since the last flush
         self.lines = Counter("sluice_accounting_lines_read",
                              "Accounting log lines read by the metrics tail",
                              registry=self.registry)
@@ -472,6 +481,11 @@ class Metrics:
         key = (name, domain, tenant)
         self._pending[key] = self._pending.get(key, 0) + 1
         self.totals[name] += 1
+        if name == "accepted" and str(event.get("qid", "")).endswith("-0"):
+            # A message's recipients are numbered from 0: count it once.
+            self._accepted[0] += 1
+            size = event.get("size")
+            self._accepted[1] += size if isinstance(size, int) else 0
         duration = event.get("duration_s")
         if name != "accepted" and isinstance(duration, int | float):
             self.attempt_seconds.labels(name).observe(float(duration))
@@ -485,6 +499,10 @@ class Metrics:
         pending, self._pending = self._pending, {}
         for (name, domain, tenant), n in pending.items():
             self.recipients.labels(name, domain, tenant).inc(n)
+        if self._accepted[0]:
+            self.messages.inc(self._accepted[0])
+            self.message_bytes.inc(self._accepted[1])
+            self._accepted = [0, 0]
         if self._lines:
             self.lines.inc(self._lines)
             self._lines = 0
@@ -547,6 +565,10 @@ class Metrics:
             raise
         self.store_seconds.labels(op).observe(time.perf_counter() - start)
         return result
+
+
+#: The operations TimedStore times (the ``op`` label).
+STORE_OPS = ("submit", "claim", "claim_bounces", "apply", "modify", "recover")
 
 
 class TimedStore:

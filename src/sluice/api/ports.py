@@ -40,6 +40,7 @@ from sluice.scheduler.views import TenantView
 
 if TYPE_CHECKING:
     from sluice.cluster.agent import ClusterAgent
+    from sluice.shaping.runtime import Shaper
 
 __all__ = ["ConnectionCounters", "Manager", "ManagerCounters", "PartStatus", "SchedulerViews"]
 
@@ -151,6 +152,11 @@ class Manager(Protocol):
 
     @property
     def connections(self) -> ConnectionCounters: ...
+
+    @property
+    def shaper(self) -> Shaper:
+        """Adaptive shaping (sluice.shaping): its rules, actions and their audit."""
+        ...
 
     @property
     def cluster(self) -> ClusterAgent | None:

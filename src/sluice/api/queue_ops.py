@@ -48,7 +48,7 @@ from sluice.api.models import (
     ShapeRow,
     WhyResponse,
 )
-from sluice.model import QueueEntry, Selector
+from sluice.model import QueueEntry, QueueState, Selector
 from sluice.queue import QSHAPE_EDGES_MIN
 from sluice.render import counts_json, entry_json, shape_table
 from sluice.scheduler import Explanation, explain_stored
@@ -70,14 +70,7 @@ def entry_model(entry: QueueEntry) -> EntryModel:
 
 
 def explanation_model(expl: Explanation, source: str, now: float) -> ExplanationModel:
-    return ExplanationModel.model_validate({
-        "qid": expl.qid, "state": expl.state, "expected_at": expl.expected_at,
-        "ahead": expl.ahead, "source": source, "lines": expl.lines(now),
-        "reasons": [{"kind": str(r.kind), "text": r.text, "localip": r.localip,
-                     "counter": r.counter, "key": dict(r.key), "threshold": r.threshold,
-                     "current": r.current, "suspension": r.suspension, "until_at": r.until_at}
-                    for r in expl.reasons],
-    })
+    return ExplanationModel.model_validate(expl.data(source, now))
 
 
 class QueueOps:
@@ -176,7 +169,8 @@ class QueueOps:
         out = []
         for entry in entries:
             memory = self.c.scheduler.explain(entry.qid, now)
-            if memory.state != "unknown":
+            # A held entry is held, whatever the memory still says of it (issue 17).
+            if memory.state != "unknown" and entry.state is not QueueState.HOLD:
                 out.append(explanation_model(memory, "memory", now))
             else:
                 out.append(explanation_model(explain_stored(entry, now, self.c.retry), "store",

@@ -48,6 +48,7 @@ from sluice.api.metrics import Metrics, TimedStore
 from sluice.api.ports import Manager
 from sluice.config import Config
 from sluice.queue import Queue
+from sluice.shaping.metrics import ShapingCollector
 
 __all__ = ["ApiServer", "ApiStartError", "parse_listen"]
 
@@ -93,6 +94,8 @@ class ApiServer:
         self.queue = queue
         self.metrics = Metrics(config)
         self.audit = audit
+        manager.shaper.audit = audit  # shaping: automatic actions are audited too
+        self.metrics.registry.register(ShapingCollector(manager.shaper))  # shaping
         self.control = Control(config, queue, manager, audit, self.metrics)
         self.tokens = Tokens(config.api.named_tokens)
         self.app = build_app(self.control, self.tokens)

@@ -37,6 +37,8 @@ COMMAND_MODULES = (
     "sluice.cli.cluster_cmds",
     "sluice.cli.bench_cmds",
     "sluice.cli.analytics_cmds",
+    "sluice.cli.sendout_cmds",
+    "sluice.cli.shaping_cmds",
 )
 
 

@@ -92,6 +92,8 @@ def register(sub: Any) -> None:
 
     why = sub.add_parser("why", help="explain why a queued recipient waits")
     why.add_argument("qid", metavar="QUEUEID", help="a queue id (SPID-N) or a SPID")
+    why.add_argument("--json", action="store_true",
+                     help="the explanations as JSON (state, reasons, expected_at, lines)")
     why.set_defaults(func=cmd_why)
 
 
@@ -255,6 +257,9 @@ def cmd_why(args: argparse.Namespace) -> int:
     if answered is not None:
         if not answered:
             raise CommandError(f"no entry {args.qid} in the queue (delivered, or never queued)")
+        if getattr(args, "json", False):
+            print(json.dumps(answered, indent=2))
+            return 0
         for item in answered:
             print("\n".join(item["lines"]))
         return 0
@@ -276,6 +281,12 @@ def cmd_why(args: argparse.Namespace) -> int:
         raise CommandError(f"no entry {args.qid} in the queue (delivered, or never queued)")
     retry = RetryPolicy.from_config(cfg.queue)
     now = time.time()
+    if getattr(args, "json", False):
+        print(json.dumps([{**explain_stored(entry, now, retry).data("store", now),
+                           "recipient": entry.recipient, "sender": entry.sender,
+                           "attempts": entry.attempts, "priority": entry.priority}
+                          for entry in entries], indent=2))
+        return 0
     for entry in entries:
         explanation = explain_stored(entry, now, retry)
         print("\n".join(explanation.lines(now)))

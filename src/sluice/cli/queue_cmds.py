@@ -321,6 +321,17 @@ def cmd_qshape(args: argparse.Namespace) -> int:
 
 # -- actions ---------------------------------------------------------------------------------
 
+def working(text: str) -> contextlib.AbstractContextManager[object]:
+    """A spinner on stderr while a long call runs (a bulk action); nothing
+    when stderr is not a terminal (scripts, pipes, logs)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return contextlib.nullcontext()
+    return console.status(text)
+
+
 def cmd_action(args: argparse.Namespace) -> int:
     action: Action = args.action
     selector = selector_from_args(args)
@@ -335,9 +346,11 @@ def cmd_action(args: argparse.Namespace) -> int:
             print(f"{action.value}: would change {n} recipient(s)")
             return 0
         priority = getattr(args, "value", None)
-        touched = queue.act(selector, action, priority=priority)
+        with working(f"{action.value}: changing the selected recipients"):
+            touched = queue.act(selector, action, priority=priority)
         if action is Action.BOUNCE:
-            queue.run_bounces()
+            with working(f"bounce: queueing NDRs for {len(touched)} recipient(s)"):
+                queue.run_bounces()
         if touched:
             _audit(args, action, selector, [e.qid for e in touched], priority)
     verb = {"hold": "held", "release": "released", "retry": "scheduled for retry now",

@@ -15,8 +15,9 @@ from sluice.sink import Behaviour, Sink, parse_behaviour
 
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="receive, queue and deliver mail (the MTA)")
-    p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default=None,
+                   choices=["debug", "info", "warning", "error"],
+                   help="overrides logging.level of the configuration")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="show the whole flow locally: Sluice, a sink, 1000 messages")
@@ -27,6 +28,8 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS")
     p.add_argument("--nodes", type=int, default=1, metavar="N",
                    help="N > 1: a cluster of N nodes on a throwaway PostgreSQL and Redis")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip the Spark report over the demo's accounting log")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("sink", help="run a programmable SMTP sink (a test next hop)")
@@ -73,7 +76,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise CommandError("--nodes: at most 8 on one machine", status=2)
         messages = args.messages if args.messages != 1000 else 600
         return run_cluster_demo(args.nodes, messages, args.seed, args.keep, args.timeout)
-    return run_demo(args.messages, args.domains, args.seed, args.keep, args.timeout)
+    return run_demo(args.messages, args.domains, args.seed, args.keep, args.timeout,
+                    report=not args.no_report)
 
 
 def _behaviours(args: argparse.Namespace) -> dict[str, Behaviour]:

@@ -130,6 +130,7 @@ class ClusterAgent:
         self.state = ClusterStatus(self.node_id,
                                    postgres_reachable=None if self.nodes_store is None else True)
         self._commands: asyncio.Queue[Command] = asyncio.Queue()
+        self._back_at: float | None = None  # came back from the fall-back, others maybe not
         # Operator changes to and from the other nodes (the postgres queue only).
         self.change = change
         self.policy = policy
@@ -250,8 +251,14 @@ class ClusterAgent:
         self.state.shared = True
         log.warning("cluster limits: Redis answers again; limits are shared across the "
                     "cluster once more")
-        # The others notice within their retry (1 s) and a timeout.
-        self.post(ClusterModeChanged(True, transition_s=COMEBACK_S + self.shared.timeout_s))
+        # The others notice within their retry (1 s) and a timeout or two.
+        # With the nodes in PostgreSQL this node keeps to its share until
+        # every live node says it shares again (_watch_nodes), for a lease at
+        # most; without, for a few retries.
+        self._back_at = self.clock()
+        wait = (self.config.cluster.lease_ttl if self.nodes_store is not None
+                else COMEBACK_S + 2 * self.shared.timeout_s)
+        self.post(ClusterModeChanged(True, transition_s=wait))
 
     async def _watch_nodes(self, stop: asyncio.Event) -> None:
         store = self.nodes_store
@@ -264,8 +271,12 @@ class ClusterAgent:
                                         "shared" if self.state.shared else "fallback")
                 rows = await asyncio.to_thread(store.nodes)
                 self.state.postgres_reachable = True
-                self.state.live_nodes = sorted(
-                    r.id for r in rows if r.heartbeat_at >= now - c.node_lease)
+                live = [r for r in rows if r.heartbeat_at >= now - c.node_lease]
+                self.state.live_nodes = sorted(r.id for r in live)
+                if self._back_at is not None and self.state.shared and all(
+                        r.limits == "shared" and r.heartbeat_at > self._back_at for r in live):
+                    self._back_at = None  # every node shares again: the come-back is over
+                    self.post(ClusterModeChanged(True, transition_s=0.0))
                 for row in rows:
                     if row.id != self.node_id and row.heartbeat_at < now - c.node_lease:
                         await self._take_over(store, row.id, row.heartbeat_at, now)

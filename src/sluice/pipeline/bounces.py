@@ -60,9 +60,10 @@ __all__ = [
 
 
 #: Up to this many distinct (event, enhanced, masked reason) keys are
-#: classified on the driver; more (a log whose replies defeat the masking)
-#: are classified by the Spark expression instead.
-DRIVER_KEYS_MAX = 200_000
+#: classified on the driver -- an aggregate, a few hundred KB at most; more
+#: (a log whose replies defeat the masking) are classified by the Spark
+#: expression instead, without collecting anything.
+DRIVER_KEYS_MAX = 20_000
 
 #: The masked reply text that with_masked_reply() adds (null but for failures).
 MASKED_COLUMN = "_masked"

@@ -73,7 +73,8 @@ def is_parquet(path: str) -> bool:
     if _is_uri(path):
         return False
     p = Path(path)
-    return p.is_dir() and any(p.glob("*.parquet"))
+    # (A table partitioned by day, as ingest writes it, has its files one level down.)
+    return p.is_dir() and (any(p.glob("*.parquet")) or any(p.glob("*=*/*.parquet")))
 
 
 def read_events(spark: SparkSession, paths: Iterable[str]) -> DataFrame:

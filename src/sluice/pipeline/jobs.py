@@ -57,7 +57,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from pyspark import StorageLevel
@@ -65,7 +65,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from sluice.accounting import iso_time
-from sluice.pipeline import load
+from sluice.pipeline import hfs, load
 from sluice.pipeline.bounces import (
     MASKED_COLUMN,
     bounce_summary,
@@ -78,17 +78,23 @@ from sluice.pipeline.extract import expand_inputs, read_events, read_lines
 from sluice.pipeline.html import ReportData, render_report
 from sluice.pipeline.maillog import maillog_events, parse_lines
 from sluice.pipeline.policy import build_policy, limits_from_findings, policy_yaml
-from sluice.pipeline.report import OUTCOME_COLUMNS, Level, level, outcomes, reasons, top_reasons
-from sluice.pipeline.rules import FAILURE_EVENTS
-from sluice.pipeline.shape import throttle_findings
-from sluice.pipeline.suppress import last_delivered, suppressions
-from sluice.suppression import (
-    SuppressionEntry,
-    SuppressionList,
-    SuppressionReason,
-    merge_entries,
-    write_suppression_list,
+from sluice.pipeline.report import (
+    OUTCOME_COLUMNS,
+    Level,
+    largest_domains,
+    level,
+    outcomes,
+    reasons,
+    top_reasons,
 )
+from sluice.pipeline.rules import FAILURE_EVENTS
+from sluice.pipeline.shape import per_destination, throttle_findings
+from sluice.pipeline.suppress import last_delivered, suppressions
+from sluice.pipeline.suppress_list import merge_lists, read_list, write_list
+
+#: Domains the HTML report draws (the charts keep the 15 largest by attempts
+#: and by deliveries; both sets are fetched).
+CHART_DOMAINS = 15
 
 __all__ = [
     "JOBS",
@@ -174,13 +180,18 @@ def report_job(
             "outcomes_by_domain": level(outcome_rows, Level.DOMAIN),
             "outcomes_total": level(outcome_rows, Level.TOTAL),
         }
+        layout: dict[str, dict[str, Any]] = {"outcomes_hourly": {"by_day": "hour"},
+                  "outcomes_by_hour": {"by_day": "hour", "single": True},
+                  "outcomes_by_domain": {},
+                  "outcomes_total": {"single": True}}
         for name, df in tables.items():
             step(f"report: {name}")
-            _tables(written, name, load.write_table(df, output, name))
+            _tables(written, name, load.write_table(df, output, name, **layout[name]))
         step("report: reasons")
         top_all = top_reasons(reason_rows, top)
         by_domain = top_reasons(reason_rows, top, by_domain=True)
-        _tables(written, "reasons_top", load.write_table(top_all, output, "reasons_top"))
+        _tables(written, "reasons_top",
+                load.write_table(top_all, output, "reasons_top", single=True))
         _tables(written, "reasons_by_domain",
                 load.write_table(by_domain, output, "reasons_by_domain"))
         totals_rows = load.rows(tables["outcomes_total"])
@@ -193,12 +204,14 @@ def report_job(
                 generated_at=iso_time(time.time()),
                 totals=totals,
                 by_hour=by_hour,
-                by_domain=load.rows(tables["outcomes_by_domain"]),
+                by_domain=load.rows(largest_domains(tables["outcomes_by_domain"],
+                                                    CHART_DOMAINS)),
                 reasons=load.rows(top_all),
                 inputs=source.paths,
                 period=period,
             )
-            written["html"] = load.write_file(output, "report.html", render_report(data))
+            written["html"] = load.write_file(events.sparkSession, output, "report.html",
+                                              render_report(data))
     finally:
         outcome_rows.unpersist()
         reason_rows.unpersist()
@@ -217,7 +230,8 @@ def bounces_job(source: Source, output: str, *, step: Step = _no_step) -> JobRes
     )
     try:
         written: dict[str, str] = {}
-        _tables(written, "bounces", load.write_table(classified, output, "bounces", csv=False))
+        _tables(written, "bounces", load.write_table(classified, output, "bounces", csv=False,
+                                                     by_day="time"))
         step("bounces: summary")
         summary = classified.transform(bounce_summary).persist(StorageLevel.MEMORY_AND_DISK)
         _tables(written, "bounce_summary", load.write_table(summary, output, "bounce_summary"))
@@ -235,26 +249,6 @@ def bounces_job(source: Source, output: str, *, step: Step = _no_step) -> JobRes
     return JobResult("bounces", written, counts, time.monotonic() - started)
 
 
-def _entry(row: dict[str, Any]) -> SuppressionEntry:
-    def at(value: Any) -> float | None:
-        if value is None:
-            return None
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
-
-    return SuppressionEntry(
-        address=row["address"],
-        reason=SuppressionReason(row["reason"]),
-        category=row.get("category") or "",
-        code=row.get("code"),
-        enhanced=row.get("enhanced") or "",
-        response=row.get("response") or "",
-        first_at=at(row.get("first_at")),
-        last_at=at(row.get("last_at")),
-        count=int(row.get("count") or 1),
-        expires_at=at(row.get("expires_at")),
-    )
-
-
 def suppress_job(
     source: Source,
     output: str,
@@ -266,7 +260,11 @@ def suppress_job(
     now: float | None = None,
     step: Step = _no_step,
 ) -> JobResult:
-    """Find suppressions, write them as tables and merge them into the list."""
+    """Find suppressions, write them as tables and merge them into the list.
+
+    The list is read, merged and written by Spark (sluice.pipeline.
+    suppress_list): however long it is, no entry passes through the driver.
+    """
     started = time.monotonic()
     step("suppress: finding recipients")
     spark = source.events.sparkSession
@@ -280,28 +278,25 @@ def suppress_job(
         until=source.until,
         classified=source.classified,
     ).persist(StorageLevel.MEMORY_AND_DISK)
-    written: dict[str, str] = {}
-    _tables(written, "suppression", load.write_table(found, output, "suppression"))
-    step("suppress: merging the list")
-    new = [_entry(r) for r in load.rows(found)]
-    found.unpersist()
-    old = list(SuppressionList.load(target))
-    delivered: dict[str, float] = {}
-    if old:
-        listed = spark.createDataFrame([(e.address,) for e in old], "address string")
-        for r in load.rows(last_delivered(events).join(F.broadcast(listed), "address")):
-            delivered[r["address"]] = datetime.fromisoformat(
-                r["delivered_at"].replace("Z", "+00:00")
-            ).timestamp()
-    at = time.time() if now is None else now
-    merged = merge_entries(old, new, delivered, at)
-    write_suppression_list(target, merged, generated_at=at)
+    try:
+        written: dict[str, str] = {}
+        _tables(written, "suppression", load.write_table(found, output, "suppression"))
+        step("suppress: merging the list")
+        found_by = {r["reason"]: r["n"] for r in load.rows(
+            found.groupBy("reason").agg(F.count(F.lit(1)).alias("n")))}
+        at = datetime.fromtimestamp(time.time() if now is None else now, UTC)
+        old = read_list(spark, target)
+        before = old.count() if old is not None else 0
+        merged = merge_lists(old, found, last_delivered(events), at)
+        after = write_list(spark, merged, target, at)
+    finally:
+        found.unpersist()
     written["list"] = target
     counts = {
-        "found_hard": sum(1 for e in new if e.reason is SuppressionReason.HARD),
-        "found_soft": sum(1 for e in new if e.reason is SuppressionReason.SOFT),
-        "listed_before": len(old),
-        "listed_now": len(merged),
+        "found_hard": found_by.get("hard", 0),
+        "found_soft": found_by.get("soft", 0),
+        "listed_before": before,
+        "listed_now": after,
     }
     return JobResult("suppress", written, counts, time.monotonic() - started)
 
@@ -321,8 +316,8 @@ def shape_job(
     try:
         written: dict[str, str] = {}
         _tables(written, "throttle_findings",
-                load.write_table(findings, output, "throttle_findings"))
-        rows = load.rows(findings)
+                load.write_table(findings, output, "throttle_findings", single=True))
+        rows = load.rows(per_destination(findings))
     finally:
         findings.unpersist()
     limits = limits_from_findings(rows)
@@ -333,11 +328,11 @@ def shape_job(
         "concurrency = one below the in-flight count at throttling. Review before use."
     )
     text = policy_yaml(build_policy(limits), comment)
+    spark = events.sparkSession
     if policy_path:
-        directory, _, name = policy_path.rpartition("/")
-        written["policy"] = load.write_file(directory or ".", name, text)
+        written["policy"] = hfs.write_text(spark, policy_path, text)
     else:
-        written["policy"] = load.write_file(output, "policy.yaml", text)
+        written["policy"] = load.write_file(spark, output, "policy.yaml", text)
     counts = {"destinations": len(limits), "throttled_attempts": sum(r["throttled"] for r in rows)}
     return JobResult("shape", written, counts, time.monotonic() - started)
 
@@ -364,7 +359,8 @@ def run_maillog(
     )
     try:
         written: dict[str, str] = {}
-        _tables(written, "events", load.write_table(events, output, "events", csv=False))
+        _tables(written, "events", load.write_table(events, output, "events", csv=False,
+                                                    by_day="time"))
         by_kind = load.rows(events.groupBy("event").count())
     finally:
         events.unpersist()

@@ -1,35 +1,44 @@
 """Load: where the pipeline's tables and files go.
 
 SUMMARY
-    write_table(df, out_dir, name, csv=True) -> dict[str, str]
-    write_file(out_dir, name, text) -> str
+    write_table(df, out_dir, name, csv=True, single=False, by_day=None) -> dict[str, str]
+    write_file(spark, out_dir, name, text) -> str
     rows(df) -> list[dict]          a small table on the driver, times as ISO text
     is_local_dir(path) -> bool
 
 DESCRIPTION
     Every table is written as Parquet (``NAME.parquet/``, for the next
-    program) and, when asked, as CSV with a header (``NAME.csv/``, one
-    part file, for a person or a spreadsheet).  Both are directories of
-    Spark's part files, so the same code writes to a local disk, HDFS or an
-    object store.  Files the driver writes itself (the HTML page, the
-    policy YAML, the suppression list) need a local directory.
+    program) and, when asked, as CSV with a header (``NAME.csv/``, for a
+    person or a spreadsheet).  Both are directories of Spark's part
+    files, so the same code writes to a local disk, HDFS or an object
+    store.  Tables with a time column are partitioned by day in Parquet
+    (``NAME.parquet/day=2026-11-22/``), so a reader of one day reads one
+    directory.  Files the driver writes itself (the HTML page, the policy
+    YAML) go through sluice.pipeline.hfs: a local path or any URI the
+    Hadoop FileSystem knows.
 
     Existing outputs of the same name are replaced: a job run twice on the
     same input leaves the same result.
 
+STRATEGIES
+    One CSV file only where it is small by construction (``single``: the
+    totals, the hours, the top reasons, the throttle findings): the one
+    task that writes it cannot be big.  Every other table is written by
+    as many tasks as computed it.
+
 SEE ALSO
-    sluice.pipeline.jobs
+    sluice.pipeline.jobs, sluice.pipeline.hfs
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from sluice.pipeline import hfs
 
 __all__ = ["is_local_dir", "join", "rows", "write_file", "write_table"]
 
@@ -38,24 +47,29 @@ TIME_FORMAT = "yyyy-MM-dd'T'HH:mm:ss.SSSXXX"
 
 
 def is_local_dir(path: str) -> bool:
-    scheme, sep, _ = path.partition("://")
-    return not sep or scheme == "file"
+    return hfs.is_local(path)
 
 
 def join(out_dir: str, name: str) -> str:
     return out_dir.rstrip("/") + "/" + name
 
 
-def write_table(df: DataFrame, out_dir: str, name: str, csv: bool = True) -> dict[str, str]:
-    """``out_dir/name.parquet`` and ``out_dir/name.csv``; returns their paths."""
+def write_table(df: DataFrame, out_dir: str, name: str, csv: bool = True,
+                single: bool = False, by_day: str | None = None) -> dict[str, str]:
+    """``out_dir/name.parquet`` (partitioned by the day of ``by_day``, when given)
+    and ``out_dir/name.csv`` (one part file when ``single``); returns their paths."""
     out = {"parquet": join(out_dir, name + ".parquet")}
-    df.write.mode("overwrite").parquet(out["parquet"])
+    if by_day is not None:
+        (df.withColumn("day", F.to_date(F.col(by_day)))
+         .write.mode("overwrite").partitionBy("day").parquet(out["parquet"]))
+    else:
+        df.write.mode("overwrite").parquet(out["parquet"])
     if csv:
         out["csv"] = join(out_dir, name + ".csv")
+        # repartition, not coalesce: coalesce(1) would pull the work that
+        # produces df into one task as well.
         (
-            # repartition, not coalesce: coalesce(1) would pull the work
-            # that produces df into one task as well.
-            df.repartition(1)
+            (df.repartition(1) if single else df)
             .write.mode("overwrite")
             .option("header", True)
             .option("timestampFormat", TIME_FORMAT)
@@ -64,25 +78,9 @@ def write_table(df: DataFrame, out_dir: str, name: str, csv: bool = True) -> dic
     return out
 
 
-def write_file(out_dir: str, name: str, text: str) -> str:
-    """Write a driver-side file atomically (temporary name, fsync, rename)."""
-    if not is_local_dir(out_dir):
-        raise ValueError(f"{out_dir}: {name} can only be written to a local directory")
-    directory = Path(out_dir.removeprefix("file://"))
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / name
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return str(target)
+def write_file(spark: SparkSession | None, out_dir: str, name: str, text: str) -> str:
+    """Write a driver-side file atomically, to a local directory or any Hadoop URI."""
+    return hfs.write_text(spark, join(out_dir, name), text)
 
 
 def _plain(value: Any) -> Any:

@@ -25,6 +25,9 @@ DESCRIPTION
     the connection set-up plus transmission parts of delays=, transportid
     the delivery agent's service name, node the logging host.
 
+    Sluice's own mail log (``logging.maillog``, sluice.logs) has the same
+    lines under the program name ``sluice/...``; it is read the same way.
+
     Both time stamp forms are read: the traditional ``Nov 22 10:00:00``
     (optionally with microseconds, as postlogd writes them) and RFC 3339
     (``2026-11-22T10:00:00.123456+00:00``).  Traditional stamps have no year
@@ -104,7 +107,10 @@ def parse_lines(
         program.alias("program"),
         F.regexp_extract(program, r"([^/]+)$", 1).alias("service"),
         message.alias("message"),
-    ).where(F.col("time").isNotNull() & F.col("program").startswith("postfix"))
+    ).where(
+        F.col("time").isNotNull()
+        & (F.col("program").startswith("postfix") | F.col("program").startswith("sluice/"))
+    )
     return records.select(
         "time",
         "host",

@@ -4,6 +4,8 @@ SUMMARY
     with SparkProgress(spark, enabled=True) as progress:
         progress.step("report: outcomes")
         ...Spark actions...
+    with CountProgress(enabled=True) as counts:
+        run_sendout(..., progress=counts.follow)     # rows injected, per second
 
 DESCRIPTION
     Spark's own console progress bar is turned off (it writes over log
@@ -24,13 +26,16 @@ SEE ALSO
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 from pyspark.sql import SparkSession
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-__all__ = ["SparkProgress"]
+__all__ = ["CountProgress", "SparkProgress"]
 
 
 class SparkProgress:
@@ -109,3 +114,63 @@ class SparkProgress:
                     # The bar follows the stages running now; a step runs
                     # several stages one after another.
                     self._progress.update(self._task, total=total, completed=done)
+
+
+class CountProgress:
+    """A bar fed by Spark accumulators: rows injected of the total, and the rate.
+
+    The job hands its accumulators to follow() when the injection starts;
+    a thread reads them (Spark adds a task's counts when the task ends).
+    """
+
+    def __init__(self, enabled: bool = True, console: Console | None = None,
+                 interval_s: float = 0.5) -> None:
+        self.enabled = enabled
+        self.interval_s = interval_s
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed:,.0f}/{task.total:,.0f} rows"),
+            TextColumn("{task.fields[detail]}"),
+            TimeElapsedColumn(),
+            console=console or Console(stderr=True),
+            transient=False,
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> CountProgress:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._progress.stop()
+
+    def follow(self, counters: Mapping[str, Any], total: int) -> None:
+        if not self.enabled or self._thread is not None:
+            return
+        task = self._progress.add_task("injecting", total=max(total, 1), detail="")
+        self._progress.start()
+        started = time.monotonic()
+
+        def show() -> None:
+            injected = int(counters["injected"].value)
+            rate = injected / max(1e-3, time.monotonic() - started)
+            self._progress.update(task, completed=injected, detail=(
+                f"queued {int(counters['queued'].value):,} · refused "
+                f"{int(counters['refused'].value):,} · {rate:,.0f}/s"))
+
+        def poll() -> None:
+            while not self._stop.wait(self.interval_s):
+                show()
+            show()
+
+        self._thread = threading.Thread(target=poll, name="sendout-progress", daemon=True)
+        self._thread.start()

@@ -5,6 +5,7 @@ SUMMARY
     level(outcomes, Level.HOURLY) -> DataFrame
     reasons(events) -> DataFrame           (event, domain, reason) counts
     top_reasons(reasons, n, by_domain=False) -> DataFrame
+    largest_domains(by_domain, n) -> DataFrame   what the HTML page's charts draw
 
 DESCRIPTION
     An operator's daily view of a sending platform.  Per recipient domain,
@@ -58,6 +59,7 @@ __all__ = [
     "MEASURES",
     "OUTCOME_COLUMNS",
     "Level",
+    "largest_domains",
     "level",
     "outcomes",
     "reasons",
@@ -178,6 +180,16 @@ def level(outcome_rows: DataFrame, which: Level) -> DataFrame:
     rows = outcome_rows.where(F.col("level") == str(which)).select(*keys, *MEASURES)
     # The detail can be millions of cells: sorting them is the reader's job.
     return rows.orderBy(*keys) if keys and which is not Level.HOURLY else rows
+
+
+def largest_domains(by_domain: DataFrame, n: int) -> DataFrame:
+    """The ``n`` largest domains of the domain level by attempts, and the ``n``
+    largest by deliveries: all the HTML report's charts draw (at most 2n rows,
+    however many domains there are)."""
+    attempts = F.col("delivered") + F.col("deferred") + F.col("bounced") + F.col("expired")
+    by_attempts = by_domain.orderBy(attempts.desc(), "domain").limit(n)
+    by_delivered = by_domain.orderBy(F.col("delivered").desc(), "domain").limit(n)
+    return by_attempts.unionByName(by_delivered).distinct()
 
 
 def reasons(events: DataFrame) -> DataFrame:

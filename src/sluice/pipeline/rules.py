@@ -120,12 +120,16 @@ _I = "(?i)"
 BOUNCE_RULES: tuple[BounceRule, ...] = (
     # Events that say it all.
     BounceRule(C.MESSAGE_EXPIRED, event="expired"),
+    # A temporary DNS failure says nothing about the domain, whatever the
+    # text around it ("Host or domain name not found ... try again").
+    BounceRule(C.ROUTING_ERRORS, enhanced=r"4\.4\.3"),
     # Specific wording.
     BounceRule(C.VIRUS_RELATED, _I + r"virus|malware|infected|trojan|ransomware"),
     BounceRule(
         C.SPAM_RELATED,
         _I + r"spam|black ?list|block ?list|dnsbl|\brbl\b|spamhaus|spamcop|barracuda"
-        r"|reputation|junk|unsolicited|blocked using|listed (at|in|on|by)|complaints",
+        r"|reputation|junk|unsolicited|blocked using|listed (at|in|on|by)|complaints"
+        r"|banned sending ip|not accepted from this ip|ipcheck\.|permanently deferred",
     ),
     BounceRule(
         C.RELAYING_ISSUES,
@@ -135,12 +139,18 @@ BOUNCE_RULES: tuple[BounceRule, ...] = (
     BounceRule(
         C.INVALID_SENDER,
         _I + r"sender (address )?(rejected|invalid|unknown|verify failed|domain)"
-        r"|domain of sender|sender verification|invalid sender|bad sender",
+        r"|domain of sender|sender verification|invalid sender|bad sender"
+        r"|sender address has null mx",
     ),
     BounceRule(C.INVALID_SENDER, enhanced=r"[45]\.1\.[78]"),
+    # Rules of a recipient's own organisation (Exchange's group restrictions).
+    # and a sender's own list hygiene ("excessive unknown recipients").
+    BounceRule(C.POLICY_RELATED,
+               _I + r"delivery restriction|notauthenticatedforgroup|excessive unknown recipients"),
     BounceRule(
         C.INACTIVE_MAILBOX,
-        _I + r"inactive|disabled|deactivated|account (has been )?(closed|suspended|expired)"
+        _I + r"inactiv(e|ity)|disabled|deactivated|discontinued"
+        r"|account (has been )?(closed|suspended|expired)"
         r"|mailbox (is )?(suspended|frozen|locked)|no longer (active|available|in use)"
         r"|expired account|account (is )?(locked|terminated)",
     ),
@@ -148,22 +158,27 @@ BOUNCE_RULES: tuple[BounceRule, ...] = (
         C.QUOTA_ISSUES,
         _I + r"quota|mailbox (is )?full|over (the )?(storage )?limit|insufficient (system )?storage"
         r"|exceeds? (the )?(storage|mailbox)|mailbox size limit|out of (disk )?(space|storage)"
-        r"|storage (space|allocation)",
+        r"|storage (space|allocation)|receiving mail (too quickly|at a rate)",
     ),
     BounceRule(
         C.BAD_DOMAIN,
         _I + r"host (or domain )?(name )?not found|domain (not found|does not exist|unknown)"
-        r"|no (mx|mail exchanger|such domain)|nxdomain|unknown domain|null mx"
-        r"|does not accept (e-?)?mail|unrouteable domain|domain (is )?not (valid|configured)",
+        r"|no (mx|mail exchanger|such domain)|nxdomain|unknown domain|null ?mx"
+        r"|(does not|doesn't) accept (e-?)?mail|unrouteable domain"
+        r"|domain (is )?not (valid|configured)",
     ),
     BounceRule(
         C.BAD_MAILBOX,
         _I + r"user unknown|unknown user|no such (user|mailbox|recipient|account|address)"
         r"|(mailbox|user|recipient|address|account) (does not|doesn't|not) exist"
         r"|does not exist|invalid (recipient|mailbox|address|user)"
-        r"|recipient (address )?(not found|unknown|invalid)|unknown (recipient|mailbox|address)"
+        r"|recipient (address |<addr> )?(not found|unknown|invalid)|recipientnotfound"
+        r"|unknown (recipient|mailbox|address)"
         r"|mailbox (not found|unavailable)|not a valid (recipient|mailbox|user)"
-        r"|addressee unknown|user not found|no mailbox|unrouteable address|mailbox not available",
+        r"|addressee unknown|user not found|no mailbox|unrouteable address|mailbox not available"
+        # Exchange Online's directory-based edge blocking: no such recipient.
+        r"|recipient address rejected: access denied"
+        r"|(doesn't|does not) have an? .{1,40} account|not our customer",
     ),
     BounceRule(
         C.CONTENT_RELATED,
@@ -180,15 +195,19 @@ BOUNCE_RULES: tuple[BounceRule, ...] = (
         _I + r"misconfigur|configuration error|tls (is )?required|must issue a starttls"
         r"|starttls (is )?required|encryption required|certificate|authentication required",
     ),
-    BounceRule(
-        C.NO_ANSWER_FROM_HOST,
-        _I + r"timed out|timeout|no answer|not responding|no response|connection refused"
-        r"|host (is )?down|(host|network) (is )?unreachable|no route to host",
-    ),
+    # A session that broke after it began (RFC 3463 X.4.2) -- a timeout in
+    # the middle of a conversation is not "no answer".
     BounceRule(
         C.BAD_CONNECTION,
         _I + r"lost connection|connection (reset|closed|dropped|lost)|broken pipe"
-        r"|handshake (failed|failure)|unexpected (eof|end of file)",
+        r"|handshake (failed|failure)|unexpected (eof|end of file)|read error"
+        r"|conversation with .{0,80}timed out|timed out while|timeout exceeded",
+    ),
+    BounceRule(
+        C.NO_ANSWER_FROM_HOST,
+        _I + r"connection refused|connection timed out|connect to .{0,80}timed out"
+        r"|no answer|not responding|no response|host (is )?down|(host|network) (is )?unreachable"
+        r"|no route to host",
     ),
     BounceRule(
         C.MESSAGE_EXPIRED,
@@ -208,20 +227,27 @@ BOUNCE_RULES: tuple[BounceRule, ...] = (
     BounceRule(C.CONTENT_RELATED, enhanced=r"[45]\.2\.3|[45]\.3\.4|[45]\.6\.\d{1,3}"),
     BounceRule(C.BAD_CONFIGURATION, enhanced=r"[45]\.3\.5|[45]\.7\.1[01]"),
     BounceRule(C.MESSAGE_EXPIRED, enhanced=r"[45]\.4\.7"),
-    BounceRule(C.NO_ANSWER_FROM_HOST, enhanced=r"[45]\.4\.1"),
+    # X.4.1 is "no answer from host" -- a 5.4.1 came from a host that did
+    # answer (Exchange Online uses it for refusals), so only 4.4.1 counts.
+    BounceRule(C.NO_ANSWER_FROM_HOST, enhanced=r"4\.4\.1"),
     BounceRule(C.BAD_CONNECTION, enhanced=r"[45]\.4\.2"),
     BounceRule(C.ROUTING_ERRORS, enhanced=r"[45]\.4\.[03-6]"),
     # RFC 7372: X.7.20-X.7.29 are DKIM/SPF/DMARC failures of the sender.
     BounceRule(C.POLICY_RELATED, enhanced=r"[45]\.7\.2[0-9]"),
+    # Addressing status (X.1.x) says more than broad wording such as
+    # "Address rejected" (IronPort's 5.1.0).
+    BounceRule(C.BAD_MAILBOX, enhanced=r"[45]\.1\.\d{1,3}"),
+    # A timeout without a code or context: nobody answered.
+    BounceRule(C.NO_ANSWER_FROM_HOST, _I + r"timed out|timeout"),
     # Broad wording.
     BounceRule(
         C.POLICY_RELATED,
-        _I + r"policy|not (allowed|authori[sz]ed|permitted)|access denied|denied|prohibited"
+        _I + r"policy|not (allowed|authori[sz]ed|permitted)|access denied|denied|prohibit"
         r"|rejected|blocked|refused|gr[ae]ylist|try again later|rate limit|too many"
-        r"|throttl|\bspf\b|dkim|dmarc|reverse dns|\bptr\b",
+        r"|throttl|\bspf\b|dkim|dmarc|reverse dns|\bptr\b|restrict"
+        r"|concurrent (server )?connections|connection limit",
     ),
     # The code's class.
-    BounceRule(C.BAD_MAILBOX, enhanced=r"[45]\.1\.\d{1,3}"),
     BounceRule(C.ROUTING_ERRORS, enhanced=r"[45]\.4\.\d{1,3}"),
     BounceRule(C.PROTOCOL_ERRORS, enhanced=r"[45]\.5\.\d{1,3}"),
     BounceRule(C.POLICY_RELATED, enhanced=r"[45]\.7\.\d{1,3}"),
@@ -269,13 +295,27 @@ def category_of(event: str, enhanced: str | None, masked_text: str) -> BounceCat
 #: (pattern, replacement, guard), applied in order.  A rule with a guard
 #: runs only on texts that contain one of the guard's strings -- which any
 #: match needs anyway -- so most texts skip the costly patterns.
+#: Replacements are in Java's syntax (``$1``), which Spark's
+#: regexp_replace takes; mask() translates them for Python.
 MASK_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    (r"\b(https?://|www\.)[^\s<>()\"']+", "<url>", ("://", "www.")),
+    # A URL keeps its host (who sent us there says something); its path
+    # and query, full of addresses and ids, go.
+    (r"\b(?:https?://|www\.)([^\s<>()\"'/?#:]+)[^\s<>()\"']*", "<url:$1>", ("://", "www.")),
     (r"<?[^\s<>@()\[\]\";:,]+@[^\s<>@()\[\]\";:,]+>?", "<addr>", ("@",)),
+    # A peer as Postfix and Sluice name it, NAME[IP]:PORT, is one token
+    # (NAME is the IP itself when it has no PTR record): its name must not
+    # decide the category ("host mx.spamexperts.com[...] said: 550 5.1.1
+    # User unknown" is a bad mailbox).
+    (r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\[(IPv6:)?[0-9A-Fa-f:.]+\](:\d+)?", "<host>", ("[",)),
+    # So is a host name after the words replies put before one.
+    (r"(?i)(?:(?<=\bhost )|(?<=\bwith )|(?<=\bto )|(?<=\bfrom )|(?<=\bby ))"
+     r"(?:[a-z0-9_-]+\.)+[a-z][a-z0-9-]*\b\.?(:\d+)?", "<host>", (".",)),
     (r"\[?(IPv6:)?(\d{1,3}\.){3}\d{1,3}\]?(:\d+)?", "<ip>", (".",)),
     (r"(?i)\[?(IPv6:)?([0-9a-f]{1,4}:)+:([0-9a-f]{1,4}:?)*[0-9a-f]{0,4}\]?", "<ip>", ("::",)),
     (r"(?i)\[?(IPv6:)?([0-9a-f]{1,4}:){5,7}[0-9a-f]{1,4}\]?", "<ip>", (":",)),
-    (r"\b(?=[A-Za-z_-]*[0-9])(?=[0-9_-]*[A-Za-z])[A-Za-z0-9_-]{8,}\b", "<id>", ()),
+    # Ids: tokens of eight or more characters with a digit in them, digits
+    # only included ("id 8F2A9C01D3" and "id 4711081542" are one reason).
+    (r"\b(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]{8,}\b", "<id>", ()),
     (r"\d+([.,:/]\d+)*", "<n>", ()),
     (r"\s+", " ", ()),
 )
@@ -283,13 +323,19 @@ MASK_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 #: Longest masked reason kept; the rest adds nothing to grouping.
 MASK_MAX = 200
 
+_JAVA_GROUP = re.compile(r"\$(\d)")
+
+
+def _python_replacement(java: str) -> str:
+    return _JAVA_GROUP.sub(r"\\g<\1>", java)
+
 
 def mask(text: str | None) -> str:
     """The reply text with its variable parts masked (reference version)."""
     out = text or ""
     for pattern, replacement, guard in MASK_RULES:
         if not guard or any(g in out for g in guard):
-            out = re.sub(pattern, replacement, out)
+            out = re.sub(pattern, _python_replacement(replacement), out)
     return out.strip()[:MASK_MAX]
 
 

@@ -3,6 +3,7 @@
 SUMMARY
     attempts(events) -> DataFrame            delivery attempts with group and throttle kind
     throttle_findings(events) -> DataFrame   one row per (localip, destination) that throttled
+    per_destination(findings) -> DataFrame   the lowest advice per destination (the policy's rows)
 
 DESCRIPTION
     Large mailbox providers answer "421 4.7.0 Try again later, closing
@@ -34,6 +35,13 @@ STRATEGIES
     A running sum over start (+1) and end (-1) marks per destination gives
     the count at each start; ends sort before starts at the same instant.
 
+    No skew.  One running sum over all of a (source IP, destination)'s
+    marks would sort them in one task -- a third of a day's attempts when
+    the destination is Gmail.  The sum is taken in two levels instead:
+    per minute (the minute's own marks, sorted in its own task) plus the
+    sum of all earlier minutes (a running sum over one row per minute).
+    Same counts, and a key's work spreads over its minutes.
+
 LIMITATIONS
     An estimate from what happened, not a measurement of the limit: a
     destination that was never pushed hard shows no throttling and gets no
@@ -53,7 +61,7 @@ from pyspark.sql import functions as F
 from sluice.pipeline import expressions as X
 from sluice.pipeline.rules import ThrottleKind
 
-__all__ = ["attempts", "throttle_findings"]
+__all__ = ["attempts", "inflight_marks", "per_destination", "throttle_findings"]
 
 #: Part of the accepted rate we advise: stay a little under what worked.
 RATE_MARGIN = 0.9
@@ -78,7 +86,13 @@ def attempts(events: DataFrame) -> DataFrame:
     )
 
 
-def _inflight_at_throttle(tried: DataFrame) -> DataFrame:
+#: In-flight counts are summed per minute first (see Strategies).
+BUCKET_US = 60_000_000
+
+
+def inflight_marks(tried: DataFrame) -> DataFrame:
+    """Each attempt's start (+1) and end (-1) with the count in flight after it:
+    localip, destination, t (µs), delta, thr, inflight."""
     timed = tried.where(F.col("duration_s").isNotNull())
     end_us = F.unix_micros(F.col("time"))
     start_us = end_us - (F.col("duration_s") * 1_000_000).cast("long")
@@ -93,10 +107,24 @@ def _inflight_at_throttle(tried: DataFrame) -> DataFrame:
             )
         ).alias("m"),
     ).select("localip", "destination", "m.t", "m.delta", "m.thr")
-    running = Window.partitionBy("localip", "destination").orderBy("t", "delta").rowsBetween(
-        Window.unboundedPreceding, Window.currentRow
-    )
-    inflight = marks.withColumn("inflight", F.sum("delta").over(running))
+    keys = ["localip", "destination"]
+    marks = marks.withColumn("_b", F.floor(F.col("t") / F.lit(BUCKET_US)))
+    # The count entering each minute: the deltas of all earlier minutes.  One
+    # row per key and minute, so this window stays small however busy a key is.
+    carry = marks.groupBy(*keys, "_b").agg(F.sum("delta").alias("_d")).withColumn(
+        "_carry",
+        F.coalesce(F.sum("_d").over(Window.partitionBy(*keys).orderBy("_b").rowsBetween(
+            Window.unboundedPreceding, -1)), F.lit(0)),
+    ).drop("_d")
+    within = Window.partitionBy(*keys, "_b").orderBy("t", "delta").rowsBetween(
+        Window.unboundedPreceding, Window.currentRow)
+    return (marks.join(carry, [*keys, "_b"])
+            .withColumn("inflight", F.col("_carry") + F.sum("delta").over(within))
+            .drop("_b", "_carry"))
+
+
+def _inflight_at_throttle(tried: DataFrame) -> DataFrame:
+    inflight = inflight_marks(tried)
     return inflight.groupBy("localip", "destination").agg(
         F.max("inflight").alias("max_inflight"),
         F.percentile_approx(
@@ -186,3 +214,15 @@ def throttle_findings(events: DataFrame) -> DataFrame:
         "first_at",
         "last_at",
     ).orderBy(*keys)
+
+
+def per_destination(findings: DataFrame) -> DataFrame:
+    """One row per destination, as sluice.pipeline.policy.limits_from_findings
+    combines them: the lowest rate and concurrency, the longest interval."""
+    return findings.groupBy("destination").agg(
+        F.min("sample_mx").alias("sample_mx"),
+        F.min("rate_per_min").alias("rate_per_min"),
+        F.min("concurrency").alias("concurrency"),
+        F.max("connectinterval_s").alias("connectinterval_s"),
+        F.sum("throttled").alias("throttled"),
+    ).orderBy("destination")

@@ -11,7 +11,10 @@ DESCRIPTION
     NDR), a few are slow, and one is down for good (its mail stays
     deferred).  It then sends ``messages`` messages over ``domains``
     domains through SMTP, shows live what the queue and the sink see,
-    and ends with the shape of what is left (qshape) and a summary.
+    and ends with the shape of what is left (qshape), a summary, and the
+    Spark report over the demo's own accounting log (per-domain outcomes
+    and bounce classes in the terminal, report.html in a directory it
+    names; sluice.runtime.demo_report).
 
     Retries are seconds apart instead of hours, so the demo ends in about
     half a minute.
@@ -39,6 +42,7 @@ from sluice.config import Config, config_from_dict
 from sluice.model import QueueState, Selector
 from sluice.queue import QSHAPE_EDGES_MIN
 from sluice.render import shape_table
+from sluice.runtime.demo_report import spark_report
 from sluice.runtime.serve import Server
 from sluice.sink import Behaviour, Sink
 
@@ -231,11 +235,17 @@ async def _demo(messages: int, domains: int, seed: int, console: Console,
 
 
 def run_demo(messages: int = 1000, domains: int = 50, seed: int = 1, keep: bool = False,
-             timeout_s: float = 120.0) -> int:
+             timeout_s: float = 120.0, report: bool = True) -> int:
     console = Console()
     base = Path(tempfile.mkdtemp(prefix="sluice-demo-"))
     try:
-        return asyncio.run(_demo(messages, domains, seed, console, base, timeout_s))
+        status = asyncio.run(_demo(messages, domains, seed, console, base, timeout_s))
+        if report:
+            # The page outlives the demo's state: it goes to a directory of its own.
+            out = Path(tempfile.mkdtemp(prefix="sluice-demo-report-"))
+            if not spark_report(base / "log", out, console):
+                out.rmdir()
+        return status
     finally:
         if keep:
             console.print(f"state kept in {base}")

@@ -85,7 +85,7 @@ from sluice.delivery.agent import AgentStats, DeliveryAgent, DeliveryRequest
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
 from sluice.hooks import Drop, Hold, Hooks
-from sluice.model import QueueEntry, QueueState, Reply, TempFail
+from sluice.model import QueueEntry, QueueState, Reply, Selector, TempFail
 from sluice.queue import AttemptResult, Queue
 from sluice.runtime.parts import Health, Supervisor, Trouble
 from sluice.runtime.policy_file import PolicyFile, load_suspensions
@@ -115,6 +115,8 @@ from sluice.scheduler import (
     SuspensionAdded,
     SuspensionRemoved,
 )
+from sluice.shaping.runtime import Shaper
+from sluice.store import Action as QueueAction
 
 __all__ = ["ManagerStats", "QueueManager"]
 
@@ -175,7 +177,8 @@ class QueueManager:
         self._sleep = sleep
         self.policy_file = PolicyFile(config.scheduler.policy, post=self.post,
                                       running=lambda: self.scheduler.policy,
-                                      poll_s=policy_poll_s)
+                                      poll_s=policy_poll_s,
+                                      augment=Shaper.augment)  # shaping: back-off counters
         policy = self.policy_file.load()
         suspensions = load_suspensions(config.scheduler.suspensions)
         self._last_now = clock()
@@ -206,6 +209,10 @@ class QueueManager:
                         ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
                                      change=functools.partial(self.change, publish=False),
                                      policy=lambda: self.scheduler.policy))
+        # shaping: remote replies change the limits (sluice.shaping; docs/shaping.md).
+        self.shaper = Shaper(config, self.post, lambda: self.scheduler.policy, self._now)
+        self.shaper.bounce = self._shaping_bounce
+        self.policy_file.on_poll = self._poll_shaping  # shaping: its rules file is watched
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -306,6 +313,9 @@ class QueueManager:
             while not stop.is_set():
                 self._step()
                 wake = self.scheduler.next_wakeup()
+                shaping_wake = self.shaper.next_wakeup()  # shaping
+                if shaping_wake is not None and (wake is None or shaping_wake < wake):
+                    wake = shaping_wake
                 timeout = None if wake is None else max(0.0, wake - self.clock())
                 waiter = asyncio.ensure_future(self._wake.wait())
                 try:
@@ -318,6 +328,7 @@ class QueueManager:
             stopper.cancel()
 
     def _step(self) -> None:
+        self.shaper.tick(self._now())  # shaping: expiries and recovery steps, as events
         try:
             self._decide()
         finally:
@@ -502,6 +513,8 @@ class QueueManager:
                 localip=localip, smtputf8=entries[0].smtputf8)
             result = await self.agent.deliver(request)
             results = await self.planner.finish(result)
+            self.shaper.observe(info.job.route, results)  # shaping
+            self.shaper.take(self.hooks)  # shaping: Shape decisions of the post hook
             self.post(DeliveryFinished(
                 ref, tuple((r.entry.qid, r.outcome) for r in results),
                 connection_failed=result.connection_failed,
@@ -599,10 +612,37 @@ class QueueManager:
         """Every part of the process with its failures (Health)."""
         return self.health.parts()
 
+    def _poll_shaping(self) -> None:
+        if self.shaper.changed():  # shaping: the rules file changed
+            self.shaper.reload()
+
     def reload_policy(self, *, raise_errors: bool = False, who: str = "",
                       reason: str = "") -> Policy | None:
-        """Read the policy file again (PolicyFile.reload)."""
+        """Read the policy file again (PolicyFile.reload), and the shaping
+        rules with it (SIGHUP, the API)."""
+        self.shaper.reload()  # shaping
         return self.policy_file.reload(raise_errors=raise_errors, who=who, reason=reason)
+
+    def _shaping_bounce(self, fired: Any) -> None:
+        """shaping: bounce the queued mail of a group that will never accept."""
+        domain = dict(fired.fields).get("recipientdomain")
+        if not domain:
+            log.error("shaping rule %s: bounce needs a recipient domain; nothing bounced",
+                      fired.rule)
+            return
+        reply = Reply(550, "5.1.10" if "5.1.10" in fired.reply else "5.4.4",
+                      f"destination will never accept: {fired.reply} "
+                      f"(shaping rule {fired.rule})")
+        selector = Selector(domain=domain, states=(QueueState.INCOMING, QueueState.DEFERRED))
+
+        async def run() -> None:
+            touched = await self._io(functools.partial(self.queue.act, selector,
+                                                       QueueAction.BOUNCE, reply=reply))
+            if touched:
+                self.apply_changes({e.qid for e in touched})
+                self.recorder.bounce_soon()
+
+        self._spawn(run())
 
     # -- stopping ----------------------------------------------------------------------------
 

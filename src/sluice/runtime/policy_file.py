@@ -52,9 +52,15 @@ class PolicyFile:
     """The policy file: what it says, and a watcher that reloads it when it changes."""
 
     def __init__(self, path: str | None, *, post: Callable[[Event], None],
-                 running: Callable[[], Policy], poll_s: float = 2.0) -> None:
+                 running: Callable[[], Policy], poll_s: float = 2.0,
+                 augment: Callable[[Policy], Policy] | None = None) -> None:
         self.path = path
         self.poll_s = poll_s
+        #: What the running policy adds to the file's (the shaping back-off's
+        #: counters, sluice.shaping.runtime).
+        self.augment = augment
+        #: Called at every look at the file (the shaping rules' file is watched so).
+        self.on_poll: Callable[[], None] | None = None
         self._post = post
         self._running = running
         self.on_reload: ReloadHook | None = None
@@ -62,7 +68,8 @@ class PolicyFile:
 
     def load(self) -> Policy:
         """The file's policy (PolicyError if it does not parse)."""
-        return load_policy_file(self.path) if self.path else Policy()
+        policy = load_policy_file(self.path) if self.path else Policy()
+        return policy if self.augment is None else self.augment(policy)
 
     def _stat(self) -> float | None:
         if not self.path:
@@ -95,6 +102,8 @@ class PolicyFile:
         """Reload whenever the file's modification time changes (a duty)."""
         while True:
             await asyncio.sleep(self.poll_s)
+            if self.on_poll is not None:
+                self.on_poll()
             mtime = self._stat()
             trouble.ok()
             if mtime == self._mtime:

@@ -50,7 +50,6 @@ import fcntl
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -61,6 +60,7 @@ from sluice.config import Config
 from sluice.delivery.agent import DeliveryAgent
 from sluice.delivery.router import Router
 from sluice.hooks import Hooks
+from sluice.logs import ready, setup_logging
 from sluice.queue import Queue
 from sluice.runtime.manager import QueueManager
 from sluice.runtime.parts import Health, PartFailed, Supervisor, Trouble
@@ -308,21 +308,11 @@ def _find(group: BaseExceptionGroup[Any], kind: type[PartFailed]) -> PartFailed 
     return None
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # aiosmtpd logs every connection at INFO; that is a debugging aid.
-    logging.getLogger("mail.log").setLevel(logging.WARNING)
-
-
-def serve(config: Config, *, log_level: str = "info",
+def serve(config: Config, *, log_level: str | None = None,
           on_ready: Callable[[Server], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status.  Raises ServeError when
     it cannot start, PartFailed when a part that cannot restart failed."""
-    _setup_logging(log_level)
+    setup_logging(config.logging, log_level, hostname=config.hostname)
     try:
         import uvloop
 
@@ -340,21 +330,19 @@ def serve(config: Config, *, log_level: str = "info",
                                 server.manager.reload_policy(who="SIGHUP",
                                                              reason="reload asked by SIGHUP"))
 
-        async def ready() -> None:
+        async def announce_ready() -> None:
             await server._ready.wait()
             if not server.serving:
                 return
             where = ", ".join(f"{h}:{p}" for h, p in server.addresses)
             mode = (f"{len(server.pool.pids)} receiving processes" if server.pool
                     else "receiving in-process")
-            log.info("sluice serving SMTP on %s (%s), queue %s (%s)", where, mode,
-                     config.queue.path, config.queue.store)
-            print(f"sluice: serving SMTP on {where}; queue {config.queue.store} in "
-                  f"{config.queue.path}", flush=True)
+            ready(f"sluice serving SMTP on {where} ({mode}), queue {config.queue.path} "
+                  f"({config.queue.store})")
             if on_ready is not None:
                 on_ready(server)
 
-        announce = asyncio.create_task(ready())
+        announce = asyncio.create_task(announce_ready())
         try:
             await server.run(stop)
         finally:

@@ -237,9 +237,9 @@ class ClusterLimits(GroupedLimits):
             return limits.held(self._fallen_back(self.fallback, th, grant, now), row.inflight,
                                row.times, row.last_at, now) is not None
         cb = self._comeback(now)
-        if cb is not None and (cb.paused_until(th) > now or (
-                th.concurrency is not None and grant.used >= cb.share(th.concurrency))):
-            return True
+        if cb is not None and (cb.paused_until(th) > now or limits.held(
+                cb.thresholds(th), row.inflight, row.times, row.last_at, now) is not None):
+            return True  # the store's grant and our share both, while others may be on theirs
         entry = row.entry(slot)
         short = False
         if th.concurrency is not None and grant.room() <= 0:
@@ -344,8 +344,8 @@ class ClusterLimits(GroupedLimits):
         if cb is not None:
             if cb.paused_until(th) > now:
                 return 0
-            if th.concurrency is not None:
-                room = min(room, cb.share(th.concurrency) - grant.used)
+            room = min(room, limits.free(cb.thresholds(th), row.inflight, row.times,
+                                         row.last_at, now))
         if th.rate is not None or th.connectinterval_s:
             self._drop_stale(grant, now)
             room = min(room, sum(1 for at in grant.slot_ats if at <= now))
@@ -363,8 +363,11 @@ class ClusterLimits(GroupedLimits):
             paused = self.fallback.paused_until(th)
             if paused > now:
                 mine = paused if mine is None else max(mine, paused)
-        elif (cb := self._comeback(now)) is not None and cb.paused_until(th) > now:
-            mine = cb.paused_until(th)
+        elif (cb := self._comeback(now)) is not None and (
+                cb.paused_until(th) > now or limits.slot_at(
+                    cb.thresholds(th), row.inflight, row.times, row.last_at, now) is not None):
+            mine = max(cb.paused_until(th), limits.slot_at(
+                cb.thresholds(th), row.inflight, row.times, row.last_at, now) or now)
         elif grant.slot_ats and grant.slot_ats[0] > now:
             mine = grant.slot_ats[0]
         elif grant.retry_at is not None and grant.retry_at > now:
@@ -404,6 +407,12 @@ class ClusterLimits(GroupedLimits):
                                     transition_s=transition_s):
                 # Coming back, the others may still keep their shares for a
                 # while: keep to ours (and pause rates one window) meanwhile.
+                # Shared again while shared: the others are back too, the
+                # come-back ends after transition_s (0: now).
+                if shared and self.fallback is None:
+                    if self.comeback is not None:
+                        self.comeback = replace(self.comeback, until=now + transition_s)
+                    return [g.entry for g in self.grants.values() if g.entry is not None]
                 self.comeback = (replace(self.fallback, until=now + transition_s, since=now)
                                  if shared and self.fallback is not None else None)
                 self.fallback = (None if shared else

@@ -93,8 +93,17 @@ class Destination(Blocker):
 
     @property
     def dead_reply(self) -> Reply:
-        """What its deferred mail is told: the last failure, or that it is dead."""
-        return self.last_reply or DEAD_REPLY
+        """What its deferred mail is told: that it is dead, and its last failure.
+
+        The last failure alone would read as a fresh attempt's answer; the
+        mail was deferred without a connection, because the destination is
+        marked dead (issue 17)."""
+        last = self.last_reply
+        if last is None:
+            return DEAD_REPLY
+        return Reply(last.code, last.enhanced,
+                     f"destination {self.name} is dead, not tried; its last error was: "
+                     f"{last.describe()}")
 
     def set_window(self, window: float) -> None:
         self.window = window

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from sluice.model import QueueEntry, QueueState, Reply
 
@@ -98,9 +98,21 @@ class Explanation:
             out.append(f"  expected: {format_at(self.expected_at, now)}")
         return out
 
+    def data(self, source: str, now: float) -> dict[str, Any]:
+        """As plain data (the REST API's and `sluice why --json`'s answer)."""
+        return {
+            "qid": self.qid, "state": self.state, "expected_at": self.expected_at,
+            "ahead": self.ahead, "source": source, "lines": self.lines(now),
+            "reasons": [{"kind": str(r.kind), "text": r.text, "localip": r.localip,
+                         "counter": r.counter, "key": dict(r.key), "threshold": r.threshold,
+                         "current": r.current, "suspension": r.suspension,
+                         "until_at": r.until_at}
+                        for r in self.reasons],
+        }
+
 
 def format_at(at: float, now: float) -> str:
-    """``at`` as "in 5m30s (at <POSIX seconds>)" relative to ``now``."""
+    """``at`` as "in 5m30s (at 2026-11-25 08:00:00 UTC)" relative to ``now``."""
     delta = at - now
     sign = "in " if delta >= 0 else ""
     ago = "" if delta >= 0 else " ago"
@@ -110,7 +122,28 @@ def format_at(at: float, now: float) -> str:
         if rest >= size or (unit == "s" and not parts):
             n, rest = divmod(rest, size)
             parts.append(f"{n}{unit}")
-    return f"{sign}{''.join(parts[:2])}{ago} (at {at:.0f})"
+    return f"{sign}{''.join(parts[:2])}{ago} (at {utc_date(at)})"
+
+
+def utc_date(at: float) -> str:
+    """POSIX seconds as "2026-11-25 08:00:00 UTC".
+
+    Arithmetic, not datetime: the scheduler stays free of clock-reading
+    modules (tests/unit/test_scheduler_purity.py).  Days to a civil date by
+    H. Hinnant's algorithm (proleptic Gregorian calendar).
+    """
+    days, secs = divmod(int(at // 1), 86400)
+    z = days + 719468
+    era = (z if z >= 0 else z - 146096) // 146097
+    doe = z - era * 146097
+    yoe = (doe - doe // 1460 + doe // 36524 - doe // 146096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    day = doy - (153 * mp + 2) // 5 + 1
+    month = mp + 3 if mp < 10 else mp - 9
+    year = yoe + era * 400 + (1 if month <= 2 else 0)
+    hour, rest = divmod(secs, 3600)
+    return f"{year:04d}-{month:02d}-{day:02d} {hour:02d}:{rest // 60:02d}:{rest % 60:02d} UTC"
 
 
 class _Retry(Protocol):

@@ -142,6 +142,8 @@ def entry_text(st: EntryState, kind: Waiting) -> str:
     entry, th, cond = st.entry, st.thresholds, st.condition
     keys = ", ".join(f"{n}={v or '(default)'}" for n, v in entry.fields) or "all mail"
     why = f" (condition {cond.id or 'if ' + str(dict(cond.match))})" if cond is not None else ""
+    if cond is not None and cond.reason:
+        why = f" (condition {cond.id}: {cond.reason})"
     name = f"counter {entry.counter.id} [{keys}]{why}"
     if kind is Waiting.CONCURRENCY:
         return f"{name}: {st.inflight} in flight, concurrency {th.concurrency}"

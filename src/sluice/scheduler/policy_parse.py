@@ -316,6 +316,10 @@ def _parse_counter(item: object, path: str, problems: _Problems) -> Counter | No
     return Counter(tuple(fields), tuple(conditions), default, cid, scope)
 
 
+#: Fields whose values are host names or addresses: never any white space.
+_HOST_FIELDS = frozenset({"recipientdomain", "remotemx", "remoteip", "localip"})
+
+
 def parse_suspension(item: object, path: str = "", source: str = "<suspension>") -> Suspension:
     """One suspension from plain data; raises PolicyError."""
     problems = _Problems()
@@ -342,6 +346,9 @@ def _parse_suspension(item: object, path: str, problems: _Problems) -> Suspensio
             continue
         if Pattern.is_pattern(value):
             problems.add(_join(path, name), "a suspension matches exact values, not patterns")
+            continue
+        if name in _HOST_FIELDS and any(c.isspace() for c in value):
+            problems.add(_join(path, name), f"{value!r} is not a {name}: it has spaces")
             continue
         fields.append((name, value))
     if not fields:

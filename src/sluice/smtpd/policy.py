@@ -20,7 +20,12 @@ DESCRIPTION
     is accepted only from a client in ``smtpd.mynetworks`` or one that
     authenticated; everyone else gets 554 5.7.1 at RCPT TO.  A relay
     domain ``example.com`` matches that domain only; ``.example.com`` or
-    ``*.example.com`` matches its subdomains.
+    ``*.example.com`` matches its subdomains.  A client not allowed to
+    relay is also refused a routed local part (``x%elsewhere@local``,
+    ``"x@elsewhere"@local``, ``x!elsewhere@local``): a next hop that
+    honours those forms would relay for it, so they are refused unless
+    ``smtpd.allow_routed_local_parts`` is set (as Postfix's
+    reject_unauth_destination does).
 
     Limits.  Connections per client address and in all (421 4.7.0 at
     connect), message size (552 5.3.4, at MAIL FROM SIZE= and after
@@ -220,6 +225,15 @@ class _Domains:
             bool(self._parents) and any(domain.endswith(p) for p in self._parents))
 
 
+_ROUTING_CHARS = frozenset("%!@")
+
+
+def routed_local_part(address: str) -> bool:
+    """True if the local part carries a route (``%``, ``!`` or a quoted ``@``)."""
+    local = address.rpartition("@")[0]
+    return any(c in _ROUTING_CHARS for c in local)
+
+
 class ReceivePolicy:
     """The receiving side's rules; see the module doc."""
 
@@ -235,6 +249,7 @@ class ReceivePolicy:
         max_connections: int = 1000,
         suppression: SuppressionList | None = None,
         suppression_mode: SuppressionMode = SuppressionMode.REJECT,
+        allow_routed_local_parts: bool = False,
     ) -> None:
         if min(max_message_size, max_recipients, max_line_length,
                max_connections_per_client, max_connections) < 1:
@@ -248,6 +263,7 @@ class ReceivePolicy:
         self.max_connections = max_connections
         self.suppression = suppression
         self.suppression_mode = suppression_mode
+        self.allow_routed_local_parts = allow_routed_local_parts
         self.too_big = size_exceeded(max_message_size)
         self.line_too_long = Reply(CONTENT_LINE_TOO_LONG.code, CONTENT_LINE_TOO_LONG.enhanced,
                                    CONTENT_LINE_TOO_LONG.text.format(limit=max_line_length))
@@ -277,6 +293,7 @@ class ReceivePolicy:
             max_connections=-(-s.max_connections // share),
             suppression=suppression,
             suppression_mode=SuppressionMode(config.suppression.mode),
+            allow_routed_local_parts=s.allow_routed_local_parts,
         )
 
     # -- connect -------------------------------------------------------------------
@@ -310,7 +327,9 @@ class ReceivePolicy:
         domain = recipient_domain(address)
         if not domain:
             return RcptVerdict(RcptAction.REFUSE, _NO_DOMAIN)
-        if not client.may_relay and domain not in self.relay_domains:
+        if not client.may_relay and (
+                domain not in self.relay_domains
+                or (not self.allow_routed_local_parts and routed_local_part(address))):
             return RcptVerdict(RcptAction.REFUSE, Reply(
                 RELAY_DENIED.code, RELAY_DENIED.enhanced, f"<{address}>: {RELAY_DENIED.text}"))
         if self.suppression is not None:

@@ -518,8 +518,15 @@ class SmtpSession(SMTP):
         await writer.drain()
 
     async def handle_exception(self, error: Exception) -> str:
-        log.error("%s: session error: %s: %s", self._ip, type(error).__name__, error,
-                  exc_info=error)
+        if isinstance(error, CLIENT_CAUSED):
+            # the client broke the protocol or the connection: one line, no
+            # traceback, so an attacker cannot flood the log with them
+            cause = error.__cause__ or error
+            log.info("%s: session ended by a client error: %s: %s", self._ip,
+                     type(cause).__name__, cause)
+        else:
+            log.error("%s: session error: %s: %s", self._ip, type(error).__name__, error,
+                      exc_info=error)
         return "451 4.3.0 Local error in processing, try again later"
 
     # -- session commands -----------------------------------------------------------
@@ -798,6 +805,13 @@ class SmtpSession(SMTP):
             event["spid"] = spid
             events.append(event)
         queue.accounting.record(events, now)
+
+
+# Errors a client causes (a failed TLS handshake, garbage, a dropped
+# connection); anything else is ours and keeps its traceback.
+CLIENT_CAUSED: tuple[type[BaseException], ...] = (
+    aiosmtpd.smtp.TLSSetupException, ssl.SSLError, ConnectionError, EOFError,
+    asyncio.IncompleteReadError, asyncio.LimitOverrunError, UnicodeError, TimeoutError)
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.config import Config, ConfigError, load_config
+from sluice.logs import LOG_LEVEL_ENV, setup_logging
 from sluice.queue import Queue
 from sluice.smtpd.server import Receiver, ReceiverError
 from sluice.store import StorageError
@@ -129,6 +130,8 @@ def run_receiver_process(config: Config | str | os.PathLike[str] | None = None,
         _tell(ready, ("error", os.getpid(), str(exc)))
         print(f"sluice receiver: {exc}", file=sys.stderr)
         return 1
+    # A spawned process starts with no logging: set it up as serve did (sluice.logs).
+    setup_logging(cfg.logging, os.environ.get(LOG_LEVEL_ENV) or None, hostname=cfg.hostname)
     with asyncio.Runner(loop_factory=_new_loop) as runner:
         return runner.run(_serve(cfg, ready, share))
 

@@ -132,11 +132,12 @@ function start() {
 
 async function refreshFast() {
   try {
-    const [counts, thr, stats, susp, subq, ctrs] = await Promise.all([
+    const [counts, thr, stats, susp, subq, ctrs, shaping] = await Promise.all([
       call("GET", "/queue/counts"), call("GET", "/throughput"),
       call("GET", "/scheduler/stats"), call("GET", "/suspensions"),
       call("GET", "/scheduler/subqueues?limit=20"),
       call("GET", "/scheduler/counters?limit=20"),
+      call("GET", "/shaping"),
     ]);
     drawCounts(counts);
     drawThroughput(thr);
@@ -144,6 +145,7 @@ async function refreshFast() {
     drawSuspensions(susp);
     drawSubqueues(subq);
     drawCounters(ctrs);
+    drawShaping(shaping);
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     showError(null);
   } catch (err) {
@@ -302,6 +304,31 @@ function drawSuspensions(p) {
     ? `${p.automatic_total} counter entries over their thresholds: ` +
       p.automatic.slice(0, 5).map((s) => s.id).join(", ")
     : "No counter is over its threshold.";
+}
+
+function drawShaping(p) {
+  const now = Date.now() / 1000;
+  fill($("shaping").tBodies[0], p.active.map((a) => {
+    const lift = el("button", "Lift", "quiet");
+    lift.type = "button";
+    lift.dataset.key = a.key;
+    lift.addEventListener("click", () => liftShaping(a.key));
+    return row([a.rule, fieldsText(a.fields), a.text, "in " + fmtSpan(a.until_at - now), lift]);
+  }));
+  const fired = Object.entries(p.firings).map(([r, n]) => `${r} ${n}`).join(", ");
+  $("shaping-summary").textContent = `${p.rules.length} rules; ${p.backoff_groups} groups ` +
+    "backed off" + (fired ? "; fired: " + fired : "; none fired yet");
+}
+
+async function liftShaping(key) {
+  try {
+    await call("POST", "/shaping/actions/lift?key=" + encodeURIComponent(key));
+    result(`lifted ${key}`, true);
+    refreshFast();
+    refreshSlow();
+  } catch (err) {
+    result(err.message, false);
+  }
 }
 
 function drawAudit(p) {
