@@ -54,6 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 from redis.exceptions import RedisError, ResponseError
 
 from sluice.accounting import EventKind, make_event
+from sluice.cluster import one_line, wait_stop
 from sluice.cluster.shared_limits import SharedLimits
 from sluice.cluster.shared_state import SHARED_EVENTS, SharedState, encode
 from sluice.config import Config
@@ -209,7 +210,7 @@ class ClusterAgent:
                 except Exception as exc:  # PostgreSQL down: try a few times, then say so
                     if attempt == 4:
                         log.error("cluster: change %s not given to the other nodes: %s",
-                                  key, _one_line(exc))
+                                  key, one_line(exc))
                     else:
                         await asyncio.sleep(0.5 * 2 ** attempt)
 
@@ -227,8 +228,7 @@ class ClusterAgent:
                 if not self.state.shared:
                     self._come_back()
             wait = RETRY_S if not self.state.shared else interval
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+            await wait_stop(stop, wait)
 
     async def _fall_back(self, exc: BaseException) -> None:
         self.state.redis_reachable = False
@@ -241,10 +241,10 @@ class ClusterAgent:
         nodes = self.state.live_nodes or [self.node_id]
         rank = nodes.index(self.node_id) if self.node_id in nodes else 0
         if isinstance(exc, ResponseError):  # not an outage: Redis refused what we sent
-            log.error("cluster limits: Redis refused a request (%s)", _one_line(exc))
+            log.error("cluster limits: Redis refused a request (%s)", one_line(exc))
         log.warning("cluster limits: Redis unreachable (%s); each limit is now this node's "
                     "share of it (%d live nodes, rank %d) until Redis answers again",
-                    _one_line(exc), len(nodes), rank)
+                    one_line(exc), len(nodes), rank)
         self.post(ClusterModeChanged(False, len(nodes), rank, self.config.cluster.lease_ttl))
 
     def _come_back(self) -> None:
@@ -282,10 +282,9 @@ class ClusterAgent:
                         await self._take_over(store, row.id, row.heartbeat_at, now)
             except Exception as exc:  # the store says why; try again next beat
                 if self.state.postgres_reachable:
-                    log.warning("cluster: PostgreSQL heartbeat failed: %s", _one_line(exc))
+                    log.warning("cluster: PostgreSQL heartbeat failed: %s", one_line(exc))
                 self.state.postgres_reachable = False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), c.heartbeat_interval)
+            await wait_stop(stop, c.heartbeat_interval)
 
     async def _take_over(self, store: NodeStore, dead: str, beat_at: float,
                          now: float) -> None:
@@ -302,7 +301,3 @@ class ClusterAgent:
                              for e in entries], now)
             self.post(MailArrived(len(entries)))
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

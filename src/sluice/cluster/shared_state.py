@@ -43,7 +43,6 @@ SEE ALSO
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from typing import Any
 
 import psycopg
 
+from sluice.cluster import one_line, wait_stop
 from sluice.scheduler.events import (
     ConditionAdded,
     ConditionRemoved,
@@ -157,8 +157,8 @@ class SharedState:
                     self.dsn, autocommit=True,
                     connect_timeout=max(1, int(self.connect_timeout_s)))
             except psycopg.Error as exc:
-                log.warning("cluster: cannot follow shared changes: %s", _line(exc))
-                await _wait(stop, 2.0)
+                log.warning("cluster: cannot follow shared changes: %s", one_line(exc))
+                await wait_stop(stop, 2.0)
                 continue
             try:
                 async with conn:
@@ -172,8 +172,8 @@ class SharedState:
                         await self._catch_up(conn, apply, resync=False, own=False)
             except psycopg.Error as exc:
                 log.warning("cluster: lost the shared changes' connection (%s); "
-                            "reconnecting", _line(exc))
-                await _wait(stop, 1.0)
+                            "reconnecting", one_line(exc))
+                await wait_stop(stop, 1.0)
 
     async def _catch_up(self, conn: psycopg.AsyncConnection[Any], apply: Callable[[Event], None],
                         *, resync: bool, own: bool) -> None:
@@ -195,14 +195,5 @@ class SharedState:
                 self.applied += 1
             except (ValueError, KeyError) as exc:
                 log.warning("cluster: change %s from node %s not applied: %s", key, node,
-                            _line(exc))
+                            one_line(exc))
 
-
-async def _wait(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
-
-
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
