@@ -235,4 +235,4 @@ def test_sluice_serve_stops_with_one_line_and_exit_status_1(tmp_path: Path) -> N
     assert lines[-1] == ("sluice: serve stopped: queue manager failed: RuntimeError: "
                          "injected into the loop")
     assert proc.stderr.count("Traceback") == 1  # the cause, logged once
-    assert "serving SMTP on" in proc.stdout
+    assert "serving SMTP on" in proc.stdout + proc.stderr  # the start-up line, logged
