@@ -42,6 +42,7 @@ from sluice.store import Action
 
 __all__ = [
     "ANY_ID_PATTERN",
+    "EXACT_HOST_PATTERN",
     "EXACT_VALUE_PATTERN",
     "ID_PATTERN",
     "MAX_SELECTOR_IDS",
@@ -54,6 +55,7 @@ __all__ = [
     "ConditionRequest",
     "EntryAction",
     "FieldValues",
+    "Priority",
     "RollbackRequest",
     "SelectorModel",
     "SuspensionFields",
@@ -100,6 +102,13 @@ RATE_PATTERN = r"^[0-9]+(/(0*[1-9][0-9]*(\.[0-9]+)?|0+\.[0-9]*[1-9][0-9]*))?$"
 #: scheduler's Pattern.is_pattern), which only conditions take.
 EXACT_VALUE_PATTERN = r"^([^*/][^*]*|/|/[^*]*[^*/i]|/[^*]*[^*/]i)$"
 
+#: The same for a host field (recipientdomain, remotemx, remoteip, localip),
+#: which also has no white space (sluice.scheduler.policy_parse refuses
+#: what Python's str.isspace() calls space: the control range and NEL are
+#: named here because JSON Schema's \s does not count them).
+_NO_SPACE = r"\s\x00-\x20\x7f-\xa0"
+EXACT_HOST_PATTERN = EXACT_VALUE_PATTERN.replace("[^*", "[^*" + _NO_SPACE)
+
 def _whole(value: Any) -> Any:
     # JSON has one number type: 1.0 is an integer to JSON Schema, so it is one here.
     if isinstance(value, float) and value.is_integer():
@@ -112,12 +121,14 @@ _Reason = Annotated[str, Field(min_length=1, max_length=500,
                                description="Why: kept in the audit history")]
 _State = Annotated[QueueState, Field(strict=False)]  # FastAPI hands over the JSON string
 _Whole = BeforeValidator(_whole)
-_Priority = Annotated[int, Field(ge=0, le=1), _Whole]
+Priority = Annotated[int, Field(ge=0, le=1), _Whole]  # 0 normal, 1 high; 1.0 is 1
 _Count = Annotated[int, Field(ge=0, le=1_000_000), _Whole]
 # Optional, but never null in the document: leave the field out instead.
 _Value = Annotated[str, Field(min_length=1, max_length=253)] | SkipJsonSchema[None]
 _Exact = Annotated[str, Field(min_length=1, max_length=253,
                               pattern=EXACT_VALUE_PATTERN)] | SkipJsonSchema[None]
+_ExactHost = Annotated[str, Field(min_length=1, max_length=253,
+                                  pattern=EXACT_HOST_PATTERN)] | SkipJsonSchema[None]
 
 
 class _Request(BaseModel):
@@ -171,7 +182,7 @@ class ActionRequest(_Request):
     selector: SelectorModel = Field(default_factory=SelectorModel)
     all: bool = Field(default=False, description="allow an empty selector (the whole queue)")
     dry_run: bool = Field(default=False, description="only count what would change")
-    priority: _Priority | None = Field(default=None,
+    priority: Priority | None = Field(default=None,
                                        description="for action 'priority': 0 normal, 1 high")
     reason: str = Field(default="", max_length=500)
 
@@ -218,11 +229,11 @@ class SuspensionFields(_Values):
     tenantid: _Exact = None
     jobid: _Exact = None
     transportid: _Exact = None
-    localip: _Exact = None
+    localip: _ExactHost = None
     grouping: _Exact = None
-    remoteip: _Exact = None
-    remotemx: _Exact = None
-    recipientdomain: _Exact = None
+    remoteip: _ExactHost = None
+    remotemx: _ExactHost = None
+    recipientdomain: _ExactHost = None
 
 
 #: 'ttl' or 'expires_at', not both.
