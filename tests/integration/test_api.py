@@ -110,7 +110,8 @@ def test_the_openapi_document_lists_every_operation(srv: ApiServer) -> None:
         ("/api/v1/health", "get"), ("/api/v1/queue/entries", "get"),
         ("/api/v1/queue/counts", "get"), ("/api/v1/queue/shape", "get"),
         ("/api/v1/queue/actions", "post"), ("/api/v1/queue/entries/{qid}", "get"),
-        ("/api/v1/queue/entries/{qid}/actions/{action}", "post"),
+        ("/api/v1/queue/entries/{qid}/actions/{action_name}", "post"),
+        ("/api/v1/queue/entries/{qid}/priority/{value}", "post"),
         ("/api/v1/queue/entries/{qid}/why", "get"), ("/api/v1/messages/{spid}", "get"),
         ("/api/v1/policy", "get"), ("/api/v1/policy/reload", "post"),
         ("/api/v1/policy/conditions", "post"),
@@ -317,6 +318,10 @@ def test_bounce_sends_an_ndr_and_priority_is_set(srv: ApiServer) -> None:
         "action": "priority", "priority": 1, "selector": {"domain": domain}})
     assert pr["count"] == 1
     assert srv.ok("GET", f"/api/v1/queue/entries/{acc.qids[0]}")["priority"] == 1
+    back = srv.ok("POST", f"/api/v1/queue/entries/{acc.qids[0]}/priority/0",
+                  json={"reason": "one entry"})
+    assert back["count"] == 1 and back["action"] == "priority"
+    assert srv.ok("GET", f"/api/v1/queue/entries/{acc.qids[0]}")["priority"] == 0
     bounced = srv.ok("POST", "/api/v1/queue/actions",
                      json={"action": "bounce", "selector": {"qids": [acc.spid]},
                            "reason": "unwanted"})
@@ -355,6 +360,19 @@ def test_refusals_of_actions(srv: ApiServer) -> None:
         assert any(p["path"] == path for p in resp.json()["detail"]), resp.json()
     missing = srv.call("POST", "/api/v1/queue/entries/0123456789ABCDEF-3/actions/hold")
     assert missing.status_code == 404
+    # JSON has one number type: 1.0 is a whole number, 1.5 is not.
+    whole = srv.ok("POST", "/api/v1/queue/actions", json={
+        "action": "priority", "priority": 1.0, "selector": {"domain": "x.example"},
+        "dry_run": True})
+    assert whole["action"] == "priority"
+    half = srv.call("POST", "/api/v1/queue/actions", json={
+        "action": "priority", "priority": 1.5, "selector": {"domain": "x.example"}})
+    assert half.status_code == 422
+    # One entry's priority has its own path: /actions/{name} takes no value.
+    assert srv.call("POST", "/api/v1/queue/entries/0123456789ABCDEF-3/actions/priority"
+                    ).status_code == 422
+    assert srv.call("POST", "/api/v1/queue/entries/0123456789ABCDEF-3/priority/1"
+                    ).status_code == 404
 
 
 def test_errors_are_json_with_the_right_status(srv: ApiServer) -> None:
@@ -364,9 +382,17 @@ def test_errors_are_json_with_the_right_status(srv: ApiServer) -> None:
     wrong = srv.call("PUT", "/api/v1/suspensions")
     assert wrong.status_code == 405
     assert set(wrong.headers["allow"].split(", ")) == {"GET", "POST"}
-    broken = srv.call("POST", "/api/v1/queue/actions", content=b"{not json",
-                      headers={"Content-Type": "application/json"})
-    assert broken.status_code in (400, 422) and "error" in broken.json()
+    # A body that is not JSON is the documented 400, whatever the operation:
+    # malformed, empty, or not sent as application/json.
+    for path in ("/api/v1/queue/actions", "/api/v1/suspensions", "/api/v1/policy/reload",
+                 "/api/v1/policy/conditions", "/api/v1/audit/1/rollback"):
+        for content, kind in ((b"{not json", "application/json"), (b"", "application/json"),
+                              (b'{"reason": "x"}', "text/plain")):
+            broken = srv.call("POST", path, content=content, headers={"Content-Type": kind})
+            assert broken.status_code == 400, (path, content, kind, broken.text)
+            assert broken.json()["error"] == "invalid JSON"
+        # JSON of the wrong shape is a 422, as the document says.
+        assert srv.call("POST", path, json=[1, 2]).status_code == 422
     huge = srv.call("POST", "/api/v1/suspensions",
                     json={"fields": {"recipientdomain": "x"}, "reason": "x" * (2 << 20)})
     assert huge.status_code == 413 and huge.json()["error"] == "too large"
@@ -419,10 +445,16 @@ def test_suspensions_are_added_kept_on_disk_and_removed(srv: ApiServer) -> None:
                  {"fields": {}, "reason": "x"},
                  {"fields": {"recipientdomain": domain}},
                  {"fields": {"recipientdomain": domain}, "reason": "x", "ttl": "soon"},
-                 {"fields": {"recipientdomain": domain}, "reason": "x",
-                  "expires_at": time.time() - 10}):
+                 {"fields": {"recipientdomain": domain}, "reason": "x", "ttl": "0"},
+                 {"fields": {"recipientdomain": domain}, "reason": "x", "ttl": "367d"},
+                 {"fields": {"recipientdomain": domain}, "reason": "x", "ttl": "1h",
+                  "expires_at": time.time() + 60}):
         resp = srv.call("POST", "/api/v1/suspensions", json=body)
         assert resp.status_code == 422, (body, resp.text)
+    # An expiry the server's clock has passed is a conflict with the state (409).
+    past = srv.call("POST", "/api/v1/suspensions", json={
+        "fields": {"recipientdomain": domain}, "reason": "x", "expires_at": time.time() - 10})
+    assert past.status_code == 409, past.text
     removed = srv.ok("DELETE", f"/api/v1/suspensions/{susp['id']}", params={"reason": "over"})
     assert srv.ok("GET", f"/api/v1/audit/{removed['audit_id']}")["action"] == \
         "suspension.remove"
@@ -481,10 +513,11 @@ def test_conditions_are_added_removed_and_rolled_back(srv: ApiServer) -> None:
         "counter": "recipientdomain", "if": {"recipientdomain": "*.slow.example"},
         "connectinterval": 2, "position": 5, "id": "slow-wild", "reason": "wildcards"})
     assert second["position"] == 1 and [c["id"] for c in conditions()] == [cid, "slow-wild"]
-    # A field the counter does not count, a bad rate, an unknown counter.
+    # A field the counter does not count (a conflict with the running policy),
+    # a bad rate, an unknown counter.
     bad = srv.call("POST", "/api/v1/policy/conditions", json={
         "counter": "recipientdomain", "if": {"tenantid": "t"}, "concurrency": 1, "reason": "x"})
-    assert bad.status_code == 422
+    assert bad.status_code == 409
     assert bad.json()["detail"][0]["path"] == "condition.if.tenantid"
     assert srv.call("POST", "/api/v1/policy/conditions", json={
         "counter": "recipientdomain", "if": {"recipientdomain": "a"}, "rate": "fast",
@@ -524,7 +557,7 @@ def test_reload_refuses_a_broken_file_and_rolls_back(srv: ApiServer) -> None:
     try:
         rewrite("- fields: [recipientdomain, colour]\n  concurrency: -1\n")
         broken = srv.call("POST", "/api/v1/policy/reload", json={"reason": "try"})
-        assert broken.status_code == 422
+        assert broken.status_code == 409  # the file on disk is the state the request meets
         paths = {p["path"] for p in broken.json()["detail"]}
         assert "[0].fields[1]" in paths and "[0].concurrency" in paths
         assert srv.ok("GET", "/api/v1/policy")["policy"] == before["policy"]  # kept

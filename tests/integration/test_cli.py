@@ -150,6 +150,20 @@ def test_actions_by_id_and_selector(cfg: Path) -> None:
     assert run(cfg, "qcount").stdout.startswith("Total: 0 messages, 0 recipients")
 
 
+def test_queue_actions_from_the_cli_are_in_the_audit_history(cfg: Path) -> None:
+    run(cfg, "sendmail", "-f", "a@example.org", "x@gmail.com", "y@yahoo.com", stdin=MSG)
+    run(cfg, "hold", "--domain", "gmail.com")
+    run(cfg, "hold", "--domain", "gmail.com", "--dry-run")  # changes nothing: no record
+    run(cfg, "priority", "1", "--all")
+    from sluice.api.audit import AuditLog, audit_path
+    from sluice.config import load_config
+
+    records, _ = AuditLog(audit_path(load_config(str(cfg)))).page(10, None)
+    got = [(r.action, r.who.startswith("cli:"), r.after["count"], r.reversible)
+           for r in reversed(records)]
+    assert got == [("queue.hold", True, 1, False), ("queue.priority", True, 2, False)]
+
+
 def test_actions_refuse_an_empty_selection_and_bad_ids(cfg: Path) -> None:
     proc = run(cfg, "delete", check=False)
     assert proc.returncode == 2 and "--all" in proc.stderr

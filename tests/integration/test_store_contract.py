@@ -8,6 +8,7 @@ qshape buckets, expiry selection, content lifetime.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import threading
 import time
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from sluice.model import QueueState, Reply, Selector, Submission
-from sluice.store import Action, StorageError, Store, Transition
+from sluice.store import ACTION_STATES, Action, StorageError, Store, Transition
+from sluice.store._actions import OperatorChange
 from tests.integration.stores import open_flavour
 
 pytestmark = pytest.mark.integration
@@ -375,6 +377,45 @@ def test_actions_only_touch_the_states_they_apply_to(store: Store) -> None:
     e = store.get(acc.qids[0])
     assert e is not None and e.state is S.BOUNCE and e.last_reply == Reply(550, "5.7.1", "spam")
     assert store.modify(Selector(qids=acc.qids), Action.HOLD, T0) == []  # bounce stays
+
+
+@pytest.mark.parametrize("action", list(Action))
+def test_every_flavour_applies_the_one_definition_of_an_action(store: Store,
+                                                               action: Action) -> None:
+    """For each state an entry can be in, tried or not: the store does what
+    sluice.store._actions says, field by field, and touches nothing else."""
+    entries = []
+    for state in S:
+        for tried in (False, True):
+            acc = store.submit(sub(f"{state}-{int(tried)}@x.org", hold=True), body(), T0)
+            qid = acc.qids[0]
+            store.apply([Transition(qid, state, next_attempt_at=T0 + 50,
+                                    reply=Reply(451, "4.0.0", "try later"), attempted=tried)])
+            got = store.get(qid)
+            assert got is not None and got.state is state
+            entries.append(got)
+    priority = 1 if action is Action.PRIORITY else None
+    reply = Reply(550, "5.7.1", "by hand") if action is Action.BOUNCE else None
+    change = OperatorChange(action, T0 + 100, priority, reply)
+    touched = store.modify(Selector(), action, T0 + 100, priority=priority, reply=reply)
+    assert sorted(e.qid for e in touched) == sorted(
+        e.qid for e in entries if e.state in ACTION_STATES[action])
+    for before in entries:
+        after = store.get(before.qid)
+        if before.state not in ACTION_STATES[action]:
+            assert after == before
+            continue
+        edit = change.edit(before.attempts)
+        if edit is None:
+            assert after is None
+            continue
+        expected = dataclasses.replace(before, **{
+            name: value for name, value in dataclasses.asdict(edit).items()
+            if value is not None})
+        # asdict() turned the reply into a dict: put the Reply back.
+        if edit.last_reply is not None:
+            expected = dataclasses.replace(expected, last_reply=edit.last_reply)
+        assert after == expected, (action, before.state, before.attempts)
 
 
 def test_operator_changes_appear_in_the_change_feed(store: Store) -> None:

@@ -19,8 +19,8 @@ import pytest
 
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, Transition
+from sluice.store._fs_files import Name
 from sluice.store.fs import FsStore
-from sluice.store.fs import _Name as Name
 from tests.conftest import ROOT, subprocess_env
 from tests.integration.stores import flavour_config, open_flavour, run_diskfull
 
@@ -171,6 +171,7 @@ from sluice.config import load_config
 from sluice.model import Submission
 from sluice.store import open_store
 import threading
+import sluice.store._fs_commit as fs_commit
 import sluice.store.fs as fs
 real_rename = os.rename
 first = threading.Lock()
@@ -217,11 +218,11 @@ def test_a_crash_while_a_batch_goes_into_place_is_completed_from_the_journal(
 def test_a_crash_before_the_journal_leaves_nothing_half_done(tmp_path: Path) -> None:
     crasher = _CRASHER.replace('os._exit(9)', 'pass').replace(
         "fs.os.rename = crash_after_first_rename",
-        "real_write = fs._write_file\n"
+        "real_write = fs_commit.write_file\n"
         "def die_at_journal(path, data):\n"
         "    if 'journal' in str(path): os._exit(9)\n"
         "    return real_write(path, data)\n"
-        "fs._write_file = die_at_journal")
+        "fs_commit.write_file = die_at_journal")
     cfg = flavour_config("fs", tmp_path)
     path = tmp_path / "sluice.yaml"
     path.write_text(json.dumps(cfg.to_dict(readable=True)))

@@ -29,9 +29,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.config import JsonDict
 
 from sluice.api.control import Control
 from sluice.api.models import ErrorBody
+from sluice.api.requests import Priority
 
 __all__ = [
     "InjectMessage",
@@ -53,7 +55,10 @@ KEY_PATTERN = r"^[\x21-\x7e]{0,200}$"
 _Address = Annotated[str, Field(min_length=3, max_length=320)]
 _Field = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 _Value = Annotated[str, Field(max_length=10_000)] | int | float | bool | None
-_Substitutions = Annotated[dict[_Field, _Value], Field(max_length=200)]
+# patternProperties alone would let the schema allow keys the server refuses.
+_Substitutions = Annotated[dict[_Field, _Value],
+                           Field(max_length=200,
+                                 json_schema_extra={"additionalProperties": False})]
 _Header = Annotated[str, Field(min_length=1, max_length=76, pattern=r"^[!-9;-~]+$")]
 _Tag = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9_.:@=,#+-]*$")]
 
@@ -62,9 +67,17 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
+#: At least one of the bodies, not empty (the schema's word for _a_body).
+_A_BODY: JsonDict = {"anyOf": [{"required": [name], "properties": {name: {"minLength": 1}}}
+                     for name in ("text_body", "html_body")]}
+
+
 class TemplateContent(_Request):
     """A message built from templates (Jinja2, sandboxed; a missing
     substitution refuses the recipient rather than leave a gap)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True,
+                              json_schema_extra=_A_BODY)
 
     from_: str = Field(alias="from", min_length=3, max_length=998,
                        description="the From header, e.g. 'Shop <news@shop.example>'")
@@ -72,7 +85,8 @@ class TemplateContent(_Request):
     text_body: str = Field(default="", max_length=1_000_000, description="'': no text part")
     html_body: str = Field(default="", max_length=1_000_000, description="'': no HTML part")
     headers: Annotated[dict[_Header, Annotated[str, Field(max_length=998)]],
-                       Field(max_length=50)] = Field(default_factory=dict)
+                       Field(max_length=50, json_schema_extra={"additionalProperties": False})
+                       ] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _a_body(self) -> "TemplateContent":
@@ -100,7 +114,7 @@ class InjectMessage(_Request):
                                           description="for every recipient; theirs win")
     tenant: _Tag = ""
     job: _Tag = ""
-    priority: Annotated[int, Field(ge=0, le=1)] = 0
+    priority: Priority = 0
 
 
 class InjectRequest(_Request):

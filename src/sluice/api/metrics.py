@@ -19,7 +19,8 @@ DESCRIPTION
     the running parts    at scrape time: the store's counts by state, the
                          scheduler's views (memory, sub-queues, counter
                          entries, suspensions, destinations), the queue
-                         manager's and the delivery agent's counters.
+                         manager's and the delivery agent's counters, and
+                         the parts that keep failing (a full disk).
     store writes         TimedStore wraps the queue's store and times each
                          call that commits (submit, claim, apply, modify,
                          claim_bounces, recover) as its caller sees it,
@@ -60,7 +61,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -85,6 +86,7 @@ __all__ = [
     "DomainLabels",
     "LabelLimiter",
     "Metrics",
+    "PartSample",
     "Snapshot",
     "TimedStore",
 ]
@@ -237,6 +239,17 @@ class AccountingTail:
         return total
 
 
+@dataclass(frozen=True, slots=True)
+class PartSample:
+    """One part of the process (sluice.runtime.parts) and its failures."""
+
+    name: str
+    failing: bool
+    failing_since_at: float | None
+    errors_total: int
+    storage: bool  # the last failure was the storage's (a full disk), not a bug
+
+
 @dataclass(slots=True)
 class Snapshot:
     """What the running parts say at one moment (gathered on the event loop)."""
@@ -247,8 +260,9 @@ class Snapshot:
     manual_suspensions: int
     automatic_suspensions: int
     dead_destinations: int
-    manager: Any  # ManagerStats
-    agent: Any  # AgentStats
+    manager: Any  # sluice.api.ports.ManagerCounters
+    agent: Any  # sluice.api.ports.ConnectionCounters
+    parts: list[PartSample] = field(default_factory=list)
     cluster: Any = None  # sluice.cluster.agent.ClusterStatus, in a cluster
     tenants: Any = None  # list of sluice.scheduler.TenantView
 
@@ -338,6 +352,8 @@ class _SnapshotCollector(Collector):
         if snap.tenants is not None:
             yield from self._tenant_families(snap.tenants)
 
+        yield from _part_metrics(snap.parts)
+
     def _tenant_families(self, views: Any) -> Iterator[Metric]:
         queued: dict[str, int] = {}
         waiting: dict[str, int] = {}
@@ -358,6 +374,31 @@ class _SnapshotCollector(Collector):
             for label, value in sorted(values.items()):
                 g.add_metric([label], float(value))
             yield g
+
+
+def _part_metrics(parts: Sequence[PartSample]) -> Iterator[Metric]:
+    """Failing parts (a full disk, a crashed watcher): sluice.runtime.parts."""
+    failing = GaugeMetricFamily("sluice_part_failing",
+                                "1 while a part of the process keeps failing", labels=["part"])
+    since = GaugeMetricFamily("sluice_part_failing_since_seconds",
+                              "When a failing part's current run of failures began",
+                              labels=["part"])
+    errors = CounterMetricFamily("sluice_part_errors",
+                                 "Failures of each part since the process started",
+                                 labels=["part"])
+    for p in parts:
+        failing.add_metric([p.name], 1.0 if p.failing else 0.0)
+        errors.add_metric([p.name], float(p.errors_total))
+        if p.failing and p.failing_since_at is not None:
+            since.add_metric([p.name], p.failing_since_at)
+    storage = [p.failing_since_at or 0.0 for p in parts if p.failing and p.storage]
+    store = GaugeMetricFamily("sluice_storage_failing",
+                              "1 while storage errors (a full disk) keep a part failing")
+    store.add_metric([], 1.0 if storage else 0.0)
+    store_since = GaugeMetricFamily("sluice_storage_failing_since_seconds",
+                                    "When the storage errors began (0: none now)")
+    store_since.add_metric([], min(storage) if storage else 0.0)
+    yield from (failing, since, errors, store, store_since)
 
 
 class Metrics:
@@ -412,6 +453,8 @@ class Metrics:
         #: (at, accepted, delivered, deferred, bounced), one per poll, 5 minutes' worth.
         self.samples: deque[tuple[float, int, int, int, int]] = deque(maxlen=301)
         self.snapshot: Snapshot | None = None
+        #: The store's counts of the last scrape: (when, counts), kept a second.
+        self.counts_cache: tuple[float, Counts | None] | None = None
         self._pending: dict[tuple[str, str, str], int] = {}
         self._lines = 0
 

@@ -1,105 +1,63 @@
-"""The shapes the REST API speaks: request bodies and responses.
+"""What the REST API answers: one pydantic model per response.
 
 SUMMARY
-    Pydantic models, one per request body and response; FastAPI renders
-    them into the OpenAPI document, so the document is the code.
+    The typed results of every operation (EntryPage, ActionResult,
+    SchedulerStats, SuspensionResult, AuditRecordModel, ...) and the error
+    body; FastAPI renders them into the OpenAPI document, so the document
+    is the code.  Request bodies are in sluice.api.requests.
 
 DESCRIPTION
-    Requests forbid unknown keys (a typo is an error, never ignored) and
-    bound every string, list and number, so nothing a client sends can
-    make the server do unbounded work.  Responses mirror the plain data
-    the queue core and scheduler hand out (QueueEntry, Explanation, the
-    scheduler's views); times are POSIX seconds (``*_at``), durations
-    seconds (``*_s``), as everywhere in Sluice.
+    Responses mirror the plain data the queue core and scheduler hand out
+    (QueueEntry, Explanation, the scheduler's views); times are POSIX
+    seconds (``*_at``), durations seconds (``*_s``), as everywhere in
+    Sluice.  The operations (sluice.api.control and its parts) build these
+    models; no operation answers with an untyped dict.
 
 SEE ALSO
-    sluice.api.app (the routes), docs/api.md
+    sluice.api.requests, sluice.api.routes, docs/api.md
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.json_schema import SkipJsonSchema
+from pydantic import BaseModel, Field
 
 from sluice.model import QueueState
 from sluice.store import Action
 
 __all__ = [
-    "ID_PATTERN",
-    "MAX_SELECTOR_IDS",
-    "ActionRequest",
     "ActionResult",
     "AuditPage",
     "AuditRecordModel",
     "AuditRef",
-    "ChangeRequest",
-    "ConditionRequest",
     "ConditionResult",
     "CounterModel",
     "CounterPage",
     "Counts",
     "DestinationModel",
     "DestinationPage",
-    "EntryAction",
     "EntryModel",
     "EntryPage",
     "ErrorBody",
     "ExplanationModel",
-    "FieldValues",
     "Health",
     "HistoryEvent",
     "MessageModel",
     "PolicyModel",
     "Problem",
     "ReloadResult",
-    "RollbackRequest",
     "RollbackResult",
     "SchedulerStats",
-    "SelectorModel",
     "ShapeModel",
     "SubQueueModel",
     "SubQueuePage",
     "SuspensionList",
     "SuspensionModel",
-    "SuspensionRequest",
     "SuspensionResult",
     "Throughput",
     "WhyResponse",
 ]
-
-#: Ids of conditions and suspensions (as the policy file allows).
-ID_PATTERN = r"^[A-Za-z0-9_.:@=,#+-]{1,128}$"
-
-#: A queue id (SPID-N); a SPID alone (every recipient of the message); either.
-QID_PATTERN = r"^\s*[0-9A-Fa-f]{8,32}-[0-9]{1,6}\s*$"
-SPID_PATTERN = r"^\s*[0-9A-Fa-f]{8,32}\s*$"
-ANY_ID_PATTERN = r"^\s*[0-9A-Fa-f]{8,32}(-[0-9]{1,6})?\s*$"
-
-#: Durations as the configuration spells them: 90, 90s, 30m, 1h30m, 2d.
-DURATION_PATTERN = r"^\s*([0-9]+(\.[0-9]+)?\s*[smhdSMHD]?\s*)+$"
-
-#: A rate: X (per second) or X/Y (X per Y seconds).
-#: The most queue ids one selector may name (each is a term of the store's query).
-MAX_SELECTOR_IDS = 200
-
-RATE_PATTERN = r"^\s*[0-9]+\s*(/\s*[0-9]+(\.[0-9]+)?\s*)?$"
-
-_Text = Annotated[str, Field(max_length=320)]
-_Reason = Annotated[str, Field(min_length=1, max_length=500,
-                               description="Why: kept in the audit history")]
-_State = Annotated[QueueState, Field(strict=False)]  # FastAPI hands over the JSON string
-_Priority = Annotated[int, Field(strict=True, ge=0, le=1)]
-_Count = Annotated[int, Field(ge=0, le=1_000_000)]
-# Optional, but never null in the document: leave the field out instead.
-_Value = Annotated[str, Field(min_length=1, max_length=253)] | SkipJsonSchema[None]
-
-
-class _Request(BaseModel):
-    # Strict: 0 is not false, "1" is not 1 -- a body means what its types say.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
 
 # -- errors -------------------------------------------------------------------------
 
@@ -190,44 +148,6 @@ class ShapeModel(BaseModel):
     total: ShapeRow
     rows: list[ShapeRow]
     domains: int = Field(description="domains in the queue (rows may show fewer: 'top')")
-
-
-class SelectorModel(_Request):
-    """Which entries: every given criterion must match (AND)."""
-
-    qids: list[Annotated[str, Field(max_length=64, pattern=ANY_ID_PATTERN)]] = Field(
-        default_factory=list, max_length=MAX_SELECTOR_IDS,
-        description="queue ids (SPID-N) or SPIDs (all recipients of the message)")
-    states: list[_State] = Field(default_factory=list, max_length=6)
-    domain: _Text | None = None
-    sender: _Text | None = Field(default=None, description="'' selects the null sender")
-    recipient: _Text | None = None
-    tenantid: _Text | None = None
-    jobid: _Text | None = None
-    transportid: _Text | None = None
-
-
-class ActionRequest(_Request):
-    # 'priority' goes with action 'priority', and only with it.
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "if": {"properties": {"action": {"const": "priority"}}, "required": ["action"]},
-        "then": {"required": ["priority"], "properties": {"priority": {"type": "integer"}}},
-        "else": {"properties": {"priority": {"type": "null"}}},
-    })
-
-    action: Annotated[Action, Field(strict=False)]  # FastAPI hands over the JSON string
-    selector: SelectorModel = Field(default_factory=SelectorModel)
-    all: bool = Field(default=False, description="allow an empty selector (the whole queue)")
-    dry_run: bool = Field(default=False, description="only count what would change")
-    priority: _Priority | None = Field(default=None,
-                                       description="for action 'priority': 0 normal, 1 high")
-    reason: str = Field(default="", max_length=500)
-
-
-class EntryAction(_Request):
-    dry_run: bool = False
-    priority: _Priority | None = None
-    reason: str = Field(default="", max_length=500)
 
 
 class ActionResult(BaseModel):
@@ -443,21 +363,6 @@ class Throughput(BaseModel):
 # -- policy, suspensions, audit ------------------------------------------------------------
 
 
-class FieldValues(_Request):
-    """Values of the fields a counter, condition or suspension names (one at least)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"minProperties": 1})
-
-    tenantid: _Value = None
-    jobid: _Value = None
-    transportid: _Value = None
-    localip: _Value = None
-    grouping: _Value = None
-    remoteip: _Value = None
-    remotemx: _Value = None
-    recipientdomain: _Value = None
-
-
 class SuspensionModel(BaseModel):
     id: str
     fields: dict[str, str]
@@ -474,39 +379,9 @@ class SuspensionList(BaseModel):
     automatic_total: int
 
 
-class _Expiry(_Request):
-    ttl: str | None = Field(default=None, max_length=32, pattern=DURATION_PATTERN,
-                            description="how long it lasts: '30m', '2h', '1d' or seconds")
-    expires_at: float | None = Field(default=None, allow_inf_nan=False,
-                                     description="when it ends (POSIX seconds)")
-
-
-class SuspensionRequest(_Expiry):
-    fields: FieldValues
-    id: str | None = Field(default=None, pattern=ID_PATTERN)
-    tag: str = Field(default="", max_length=128)
-    reason: _Reason
-
-
 class SuspensionResult(BaseModel):
     suspension: SuspensionModel | None
     audit_id: int
-
-
-class ConditionRequest(_Expiry):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
-    counter: str = Field(min_length=1, max_length=256, description="the counter's id")
-    match: FieldValues = Field(alias="if", description="the values to match")
-    concurrency: int | None = Field(default=None, ge=0, le=1_000_000)
-    rate: _Count | Annotated[str, Field(max_length=32, pattern=RATE_PATTERN)] | None = Field(
-        default=None, description="X per second, or 'X/Y': X per Y seconds")
-    connectinterval: float | None = Field(default=None, ge=0, le=86400, allow_inf_nan=False)
-    position: int = Field(default=0, ge=0, le=10_000,
-                          description="where among the counter's conditions (0: first)")
-    id: str | None = Field(default=None, pattern=ID_PATTERN)
-    tag: str = Field(default="", max_length=128)
-    reason: _Reason
 
 
 class ConditionResult(BaseModel):
@@ -514,10 +389,6 @@ class ConditionResult(BaseModel):
     condition: dict[str, Any]
     position: int
     audit_id: int
-
-
-class ChangeRequest(_Request):
-    reason: _Reason
 
 
 class ReloadResult(BaseModel):
@@ -545,20 +416,19 @@ class AuditRecordModel(BaseModel):
     reason: str
     before: Any
     after: Any
-    reversible: bool
+    reversible: bool = Field(description="whether a rollback could apply now: false for "
+                                         "queue actions, and for a change a reload or restart "
+                                         "ended or that expired")
     rollback_of: int | None
     rolled_back_by: int | None
+    ends: list[int] = Field(description="earlier changes this one ended (a reload or a "
+                                        "restart: the run-time conditions)")
+    ended_by: int | None = Field(description="the reload or restart that ended this change")
 
 
 class AuditPage(BaseModel):
     records: list[AuditRecordModel] = Field(description="newest first")
     next: int | None = Field(description="pass as 'before' for older records")
-
-
-class RollbackRequest(_Request):
-    reason: _Reason
-    force: bool = Field(default=False, description="roll a policy reload back even if the "
-                                                   "policy changed since")
 
 
 class AuditRef(BaseModel):

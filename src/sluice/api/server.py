@@ -1,23 +1,28 @@
 """The API server inside `sluice serve`: uvicorn on the serve process's loop.
 
 SUMMARY
-    api = await start_api(config, queue, manager)   # listening on return
-    ...
-    await api.stop()
+    api = ApiServer(config, queue, manager, audit)
+    api.bind()                          # ApiStartError: one line, before anything runs
+    parts: api.serve(trouble), api.follow(trouble)   (the runtime runs and restarts them)
+    await api.listening(); ...; await api.stop()
 
 DESCRIPTION
-    start_api binds ``api.listen`` itself (so a taken port is a one-line
-    ServeError before anything else runs), builds the application
-    (sluice.api.app) and runs uvicorn's server as a task of the running
-    loop, beside the queue manager: every request sees the scheduler as
-    it is, with no copy and no lock.  Signals stay with `sluice serve`
-    (uvicorn's own handlers are not installed) and there is no ASGI
-    lifespan: this module starts and stops what the API needs.
+    The runtime owns this server: sluice.runtime.serve creates it with its
+    queue and queue manager, and runs its two parts under its own
+    supervision (sluice.runtime.parts) -- the HTTP server, and the
+    metrics follower, which every second counts the lines appended to the
+    accounting log (sluice.api.metrics) and takes a throughput sample.
+    Either is started again after a back-off if it fails.  The queue
+    manager is used through the narrow protocol of sluice.api.ports: this
+    package never imports sluice.runtime.
 
-    Besides the HTTP server it runs the metrics tail: every second the
-    lines appended to the accounting log are counted (sluice.api.metrics)
-    and a throughput sample is taken.  It also wraps the queue's store in
-    a TimedStore for the store latency histogram, and unwraps it on stop.
+    bind() binds ``api.listen`` itself (so a taken port is a one-line
+    error before anything else runs); uvicorn serves on that socket, on
+    the running loop beside the queue manager: every request sees the
+    scheduler as it is, with no copy and no lock.  Signals stay with
+    `sluice serve` (uvicorn's own handlers are not installed) and there
+    is no ASGI lifespan.  The queue's store is wrapped in a TimedStore for
+    the store latency histogram while the server runs.
 
 SEE ALSO
     sluice.api.app, sluice.api.control, sluice.runtime.serve, docs/api.md
@@ -31,7 +36,7 @@ import logging
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Protocol
 
 import uvicorn
 
@@ -40,18 +45,27 @@ from sluice.api.audit import AuditLog
 from sluice.api.auth import Tokens
 from sluice.api.control import Control
 from sluice.api.metrics import Metrics, TimedStore
+from sluice.api.ports import Manager
 from sluice.config import Config
 from sluice.queue import Queue
-from sluice.runtime.manager import QueueManager
-from sluice.runtime.serve import ServeError
 from sluice.shaping.metrics import ShapingCollector
 
-__all__ = ["ApiServer", "parse_listen", "start_api"]
+__all__ = ["ApiServer", "ApiStartError", "parse_listen"]
 
 log = logging.getLogger("sluice.api")
 
 #: How often the accounting log is read for the metrics.
 TAIL_INTERVAL_S = 1.0
+
+
+class ApiStartError(Exception):
+    """The API cannot start (the message says why, in one line)."""
+
+
+class Health(Protocol):
+    """What a part tells its supervisor (sluice.runtime.parts.Trouble)."""
+
+    def ok(self) -> None: ...
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -72,37 +86,37 @@ class _Server(uvicorn.Server):
 
 
 class ApiServer:
-    """The running API: its address, and stop()."""
+    """The API of a running `sluice serve`: its address, its parts, stop()."""
 
-    def __init__(self, config: Config, queue: Queue, manager: QueueManager) -> None:
+    def __init__(self, config: Config, queue: Queue, manager: Manager,
+                 audit: AuditLog) -> None:
         self.config = config
         self.queue = queue
-        self.manager = manager
         self.metrics = Metrics(config)
-        audit_path = config.api.audit_path or str(Path(config.queue.path) / "api-audit.jsonl")
-        self.audit = AuditLog(audit_path)
-        manager.shaper.audit = self.audit  # shaping: automatic actions are audited too
+        self.audit = audit
+        manager.shaper.audit = audit  # shaping: automatic actions are audited too
         self.metrics.registry.register(ShapingCollector(manager.shaper))  # shaping
-        self.control = Control(config, queue, manager, self.audit, self.metrics)
+        self.control = Control(config, queue, manager, audit, self.metrics)
         self.tokens = Tokens(config.api.named_tokens)
         self.app = build_app(self.control, self.tokens)
         self.address: tuple[str, int] = ("", 0)
         self._sock: socket.socket | None = None
         self._server: _Server | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._tail: asyncio.Task[None] | None = None
+        self._stopping = False
         self._inner_store = queue.store
 
-    def _bind(self) -> socket.socket:
+    def bind(self) -> None:
+        """Listen on api.listen (ApiStartError in one line if it cannot)."""
         try:
             host, port = parse_listen(self.config.api.listen)
         except ValueError as exc:
-            raise ServeError(f"api.listen: {exc}") from None
+            raise ApiStartError(f"api.listen: {exc}") from None
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
         except socket.gaierror as exc:
-            raise ServeError(f"api.listen {self.config.api.listen}: {exc.strerror}") from None
+            raise ApiStartError(f"api.listen {self.config.api.listen}: {exc.strerror}"
+                                ) from None
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
         try:
@@ -113,69 +127,91 @@ class ApiServer:
             sock.listen(128)
         except OSError as exc:
             sock.close()
-            raise ServeError(f"api.listen {self.config.api.listen}: cannot listen: "
-                             f"{exc.strerror or exc}") from None
+            raise ApiStartError(f"api.listen {self.config.api.listen}: cannot listen: "
+                                f"{exc.strerror or exc}") from None
         sock.setblocking(False)
-        return sock
-
-    async def start(self) -> None:
-        self._sock = self._bind()
-        bound = self._sock.getsockname()
+        self._sock = sock
+        bound = sock.getsockname()
         self.address = (str(bound[0]), int(bound[1]))
         if not len(self.tokens):
             log.warning("api.tokens is empty: every API request but /api/v1/health is "
                         "refused (401)")
         self.metrics.tail.prime()
         self.queue.store = TimedStore(self._inner_store, self.metrics)
+
+    # -- the parts the runtime runs -------------------------------------------------------
+
+    async def serve(self, trouble: Health) -> None:
+        """The HTTP server, until stop() (a part: started again if it fails)."""
+        assert self._sock is not None, "bind() first"
+        if self._stopping:
+            return
         cfg = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
                              log_level="warning", server_header=False,
                              timeout_graceful_shutdown=2, limit_concurrency=200,
                              proxy_headers=False)
-        self._server = _Server(cfg)
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
-        self._tail = asyncio.ensure_future(self._follow())
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises what stopped it
-                raise ServeError("the API server stopped while starting")
+        server = self._server = _Server(cfg)
+        # uvicorn closes the sockets it served on: it gets a duplicate, so that
+        # a restart finds the listening socket still open.
+        sock = self._sock.dup()
+        try:
+            async with asyncio.TaskGroup() as group:
+                started = group.create_task(self._started(server, trouble))
+                try:
+                    await server.serve(sockets=[sock])
+                finally:
+                    started.cancel()
+        finally:
+            # Cancelled (the process stops after a failure): uvicorn did not
+            # shut down, so close what it listened on here.
+            for listener in getattr(server, "servers", []):
+                listener.close()
+            sock.close()
+        if not self._stopping:
+            raise RuntimeError("the HTTP server stopped by itself")
+
+    @staticmethod
+    async def _started(server: _Server, trouble: Health) -> None:
+        while not server.started:  # noqa: ASYNC110 - uvicorn sets a flag, no event
+            await asyncio.sleep(0.01)
+        trouble.ok()
+
+    async def follow(self, trouble: Health) -> None:
+        """The metrics follower: the accounting log, every second (a part)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await loop.run_in_executor(self.control.pool, self.metrics.poll, time.time())
+            trouble.ok()
+            await asyncio.sleep(TAIL_INTERVAL_S)
+
+    async def listening(self, timeout_s: float = 10.0) -> None:
+        """Until uvicorn has started (ApiStartError if it does not)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._server is None or not self._server.started:
+            if loop.time() > deadline:
+                raise ApiStartError(f"the API server on {self.config.api.listen} did not "
+                                    f"start within {timeout_s:g}s")
             await asyncio.sleep(0.01)
         host, port = self.address
         shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log.info("API and web page on http://%s/ (%d tokens)", shown, len(self.tokens))
         print(f"sluice: API and web page on http://{shown}/", flush=True)
 
-    async def _follow(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                await loop.run_in_executor(self.control.pool, self.metrics.poll, time.time())
-            except Exception:
-                log.exception("reading the accounting log for metrics failed")
-            await asyncio.sleep(TAIL_INTERVAL_S)
+    # -- stop ---------------------------------------------------------------------------
 
-    async def stop(self) -> None:
-        if self._tail is not None:
-            self._tail.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tail
+    def request_stop(self) -> None:
+        """Ask the HTTP server to finish (serve() then returns)."""
+        self._stopping = True
         if self._server is not None:
             self._server.should_exit = True
-        if self._task is not None:
-            with contextlib.suppress(Exception):
-                await self._task
+
+    async def stop(self) -> None:
+        """After the parts ended: close the socket, unwrap the store, close the pool."""
+        self.request_stop()
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
         if self.queue.store is not self._inner_store:
             self.queue.store = self._inner_store
         await asyncio.get_running_loop().run_in_executor(None, self.control.close)
-
-
-async def start_api(config: Config, queue: Queue, manager: QueueManager) -> ApiServer:
-    """Start the API of a running `sluice serve`; listening when it returns."""
-    server = ApiServer(config, queue, manager)
-    try:
-        await server.start()
-    except BaseException:
-        await server.stop()
-        raise
-    return server

@@ -91,6 +91,23 @@ def _open(args: argparse.Namespace) -> Queue:
         raise CommandError(str(exc)) from None
 
 
+def _audit(args: argparse.Namespace, action: Action, selector: Selector, qids: list[str],
+           priority: int | None) -> None:
+    """Record a queue action made from the command line in the audit history
+    (the same record the API writes, who being ``cli:<user>``)."""
+    from sluice.api.audit import AuditLog, audit_path
+
+    path = audit_path(load(args))
+    try:
+        AuditLog(path).queue_action(f"cli:{_user()}", action, selector, all_=bool(args.all),
+                                    reason="from the command line", qids=qids,
+                                    priority=priority, now=time.time())
+    except OSError as exc:
+        # The change is made; say that its record is missing, in one line.
+        print(f"warning: audit history {path}: {exc.strerror or exc} (the change was made)",
+              file=sys.stderr)
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("sendmail", help="queue a message read from standard input")
     p.add_argument("recipients", nargs="*", metavar="RCPT")
@@ -334,6 +351,8 @@ def cmd_action(args: argparse.Namespace) -> int:
         if action is Action.BOUNCE:
             with working(f"bounce: queueing NDRs for {len(touched)} recipient(s)"):
                 queue.run_bounces()
+        if touched:
+            _audit(args, action, selector, [e.qid for e in touched], priority)
     verb = {"hold": "held", "release": "released", "retry": "scheduled for retry now",
             "delete": "deleted", "bounce": "bounced", "priority": "reprioritised"}[action.value]
     print(f"{verb} {len(touched)} recipient(s)")

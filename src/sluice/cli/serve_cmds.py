@@ -48,7 +48,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sluice.runtime.serve import ServeError, serve
+    from sluice.runtime.serve import PartFailed, ServeError, serve
     from sluice.scheduler import PolicyError
     from sluice.smtpd import ReceiverError
 
@@ -59,6 +59,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CommandError(f"policy error: {exc}", status=2) from None
     except (ServeError, ReceiverError) as exc:
         raise CommandError(str(exc)) from None
+    except PartFailed as exc:
+        # Logged with its cause when it happened; everything else was stopped.
+        raise CommandError(f"serve stopped: {exc}") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

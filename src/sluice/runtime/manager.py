@@ -20,23 +20,40 @@ DESCRIPTION
 
     and sleeps until the next event or the scheduler's next_wakeup().
 
-    Around it, background tasks: the recorder (applies outcomes to the
-    store in batches, and queues NDRs for bounces), the change-feed
-    watcher (an operator changed entries this manager holds: drop them
-    and give their claim back, so they come back re-read -- Halon's
-    "re-inject"), the expiry sweep (every queue.bounces_interval), and the
-    policy file watcher (a changed file is reloaded; a broken one is
-    logged and the running policy kept).
+    Around it, the duties, each a part that restarts after a crash
+    (sluice.runtime.parts): the change-feed watcher (an operator changed
+    entries this manager holds: drop them and give their claim back, so
+    they come back re-read -- Halon's "re-inject"), the expiry sweep
+    (every queue.bounces_interval), and the policy file watcher (a
+    changed file is reloaded; a broken one is logged and the running
+    policy kept).  And the work the loop starts: refills, deliveries, the
+    recorder (applies outcomes to the store in batches), NDR runs.
+
+TASKS
+    run() owns every task it starts: the work in one asyncio.TaskGroup,
+    the duties in a Supervisor inside it.  A duty that crashes is logged
+    once and restarted after a back-off.  Work that crashes -- a bug, as
+    expected failures are handled where they happen -- would leave the
+    scheduler waiting for an answer that never comes, so it fails run()
+    (and `sluice serve` stops with a message); so does a crash of the
+    loop itself.  Stopping goes in order: the loop, the duties, refills
+    and NDR runs, then deliveries (given grace_s to finish), the
+    recorder, the claims still held.
 
 STRATEGIES
     Blocking store calls run in a small thread pool, never on the loop.
-    Outcomes are recorded in batches: while one batch commits, the next
-    gathers (group commit again).  Route lookups of one refill are shared
-    per (domain, transportid, nexthop).
+    Route lookups of one refill are shared per (domain, transportid,
+    nexthop).
 
     Graceful stop.  No refill and no new delivery once stopping; in-flight
     deliveries finish (for up to ``grace_s``), their outcomes are
     recorded, and every entry still held in memory gets its claim back.
+
+    A failing store backs off.  A refill that cannot claim (a full disk)
+    waits before the scheduler may ask again -- 50 ms, doubling, at most
+    30 s by default -- and logs one warning, a reminder a minute, one line
+    when it works again (sluice.runtime.parts.Trouble); so do the
+    recorder and the NDR runs.  Each shows in /metrics while it fails.
 
 INVARIANTS
     Every StartDelivery is answered by exactly one DeliveryFinished.
@@ -44,7 +61,8 @@ INVARIANTS
     that is not (a crash) is returned by the next start's recovery.
 
 SEE ALSO
-    sluice.scheduler (docs/scheduler.md), sluice.delivery, sluice.queue
+    sluice.scheduler (docs/scheduler.md), sluice.delivery, sluice.queue,
+    sluice.runtime.parts
 """
 
 from __future__ import annotations
@@ -54,9 +72,8 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -64,13 +81,15 @@ from typing import Any, TypeVar
 from sluice.cluster.agent import ClusterAgent
 from sluice.cluster.shared_limits import SharedLimits
 from sluice.config import Config
-from sluice.delivery.agent import DeliveryAgent, DeliveryRequest
+from sluice.delivery.agent import AgentStats, DeliveryAgent, DeliveryRequest
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
 from sluice.hooks import Drop, Hold, Hooks
-from sluice.model import PermFail, QueueEntry, QueueState, Reply, Selector, TempFail
-from sluice.policyfile import load_policy_file, load_suspensions_file
+from sluice.model import QueueEntry, QueueState, Reply, Selector, TempFail
 from sluice.queue import AttemptResult, Queue
+from sluice.runtime.parts import Health, Supervisor, Trouble
+from sluice.runtime.policy_file import PolicyFile, load_suspensions
+from sluice.runtime.recorder import Recorder
 from sluice.scheduler import (
     AcquireGrants,
     ClusterLimits,
@@ -86,7 +105,6 @@ from sluice.scheduler import (
     JobsQueued,
     MailArrived,
     Policy,
-    PolicyError,
     PolicyReloaded,
     Refill,
     ReturnGrants,
@@ -94,7 +112,6 @@ from sluice.scheduler import (
     Scheduler,
     Settings,
     StartDelivery,
-    Suspension,
     SuspensionAdded,
     SuspensionRemoved,
 )
@@ -109,19 +126,6 @@ T = TypeVar("T")
 
 #: How soon a claim cut short by the per-domain cap (cluster mode) is tried again.
 CAPPED_RETRY_S = 0.05
-
-
-def _policy(path: str | None) -> Policy:
-    # shaping: the counters a back-off condition needs (sluice.shaping.runtime).
-    return Shaper.augment(load_policy_file(path) if path else Policy())
-
-
-def _suspensions(path: str | None) -> tuple[Suspension, ...]:
-    # The manual suspension file is created by the first suspension added at
-    # run time; until then there is none.
-    if not path or not os.path.exists(path):
-        return ()
-    return load_suspensions_file(path)
 
 
 #: Events an operator sends (through the API or a signal), as opposed to the
@@ -157,7 +161,9 @@ class QueueManager:
     def __init__(self, config: Config, queue: Queue, *, router: Router,
                  agent: DeliveryAgent, hooks: Hooks | None = None,
                  clock: Callable[[], float] = time.time, grace_s: float = 30.0,
-                 change_poll_s: float = 1.0, policy_poll_s: float = 2.0) -> None:
+                 change_poll_s: float = 1.0, policy_poll_s: float = 2.0,
+                 health: Health | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.config = config
         self.queue = queue
         self.router = router
@@ -167,10 +173,14 @@ class QueueManager:
         self.clock = clock
         self.grace_s = grace_s
         self.change_poll_s = change_poll_s
-        self.policy_poll_s = policy_poll_s
-        self.policy_path = config.scheduler.policy
-        policy = _policy(self.policy_path)
-        suspensions = _suspensions(config.scheduler.suspensions)
+        self.health = health or Health()
+        self._sleep = sleep
+        self.policy_file = PolicyFile(config.scheduler.policy, post=self.post,
+                                      running=lambda: self.scheduler.policy,
+                                      poll_s=policy_poll_s,
+                                      augment=Shaper.augment)  # shaping: back-off counters
+        policy = self.policy_file.load()
+        suspensions = load_suspensions(config.scheduler.suspensions)
         self._last_now = clock()
         # Several nodes: limits shared through Redis (sluice.cluster).
         shared = SharedLimits.from_config(config)
@@ -184,17 +194,17 @@ class QueueManager:
         self._ref = itertools.count(1)
         self._routing: set[str] = set()  # qids claimed and being routed
         self._modified_while_routing: set[str] = set()
-        self._pending: list[AttemptResult] = []
         self._delivering: list[QueueEntry] = []
-        self._recorder: asyncio.Task[None] | None = None
+        self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sluice-io")
         self._route_cache: dict[Route, Route] = {}
-        self._policy_mtime = self._mtime(self.policy_path)
-        self._change_seq = 0
-        self._bounce_pending = False
+        self._change_seq: int | None = None
+        self._claiming = self.health.part("claiming mail")
+        self.recorder = Recorder(queue, self.stats, self.health, spawn=self._spawn, io=self._io,
+                                 notify_mail=self.notify_mail, sleep=sleep)
         self.cluster = (None if shared is None else
                         ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
                                      change=functools.partial(self.change, publish=False),
@@ -202,6 +212,7 @@ class QueueManager:
         # shaping: remote replies change the limits (sluice.shaping; docs/shaping.md).
         self.shaper = Shaper(config, self.post, lambda: self.scheduler.policy, self._now)
         self.shaper.bounce = self._shaping_bounce
+        self.policy_file.on_poll = self._poll_shaping  # shaping: its rules file is watched
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -238,42 +249,65 @@ class QueueManager:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
-    def _spawn(self, coro: Any, *, delivery: bool = False) -> None:
-        task = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, delivery: bool = False
+               ) -> asyncio.Task[None] | None:
+        """Start work owned by run()'s task group (None: the group is ending)."""
+        if self._group is None:
+            coro.close()
+            raise RuntimeError("the queue manager is not running")
+        try:
+            task = self._group.create_task(coro)
+        except RuntimeError:
+            # The group is shutting down after a failure: what this work
+            # would have done is redone at the next start (recovery).
+            coro.close()
+            return None
         group = self._deliveries if delivery else self._tasks
         group.add(task)
         task.add_done_callback(group.discard)
-        task.add_done_callback(self._task_done)
-
-    @staticmethod
-    def _task_done(task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task failed", exc_info=task.exception())
-
-    @staticmethod
-    def _mtime(path: str | None) -> float | None:
-        if not path:
-            return None
-        try:
-            return os.stat(path).st_mtime
-        except OSError:
-            return None
+        return task
 
     # -- the loop ---------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set, then stop gracefully."""
+        """Run until ``stop`` is set, then stop gracefully.
+
+        Raises (an ExceptionGroup from the task group) when the loop or work
+        it started crashed; the claims held are given back first as far as
+        the store allows."""
         recovered = await self._io(self.queue.recover)
         if recovered:
             log.info("returned %d entries left in flight by the last run", recovered)
         self.post(MailArrived())
-        background = [
-            asyncio.ensure_future(self._watch_changes()),
-            asyncio.ensure_future(self._sweep_expired()),
-            asyncio.ensure_future(self._watch_policy()),
-        ]
-        if self.cluster is not None:
-            background.append(asyncio.ensure_future(self.cluster.run(stop)))
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                try:
+                    async with Supervisor(self.health, sleep=self._sleep) as duties:
+                        duties.keep("change feed watcher", self._watch_changes)
+                        duties.keep("expiry sweep", self._sweep_expired)
+                        duties.keep("policy file watcher", self.policy_file.watch)
+                        if self.cluster is not None:
+                            duties.keep("cluster agent", self._cluster_part(stop))
+                        await self._loop(stop)
+                finally:
+                    await self._shutdown()
+        finally:
+            self._group = None
+            await self.agent.close()
+            self._pool.shutdown(wait=True)
+
+    def _cluster_part(self, stop: asyncio.Event) -> Callable[[Trouble], Awaitable[None]]:
+        """The cluster agent as a part: Redis heartbeats, grants, shared changes."""
+        agent = self.cluster
+        assert agent is not None
+
+        async def run(trouble: Trouble) -> None:
+            await agent.run(stop)
+
+        return run
+
+    async def _loop(self, stop: asyncio.Event) -> None:
         stopper = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
@@ -284,16 +318,14 @@ class QueueManager:
                     wake = shaping_wake
                 timeout = None if wake is None else max(0.0, wake - self.clock())
                 waiter = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait({waiter, stopper}, timeout=timeout,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                try:
+                    await asyncio.wait({waiter, stopper}, timeout=timeout,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
                 self._wake.clear()
         finally:
             stopper.cancel()
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            await self._shutdown()
 
     def _step(self) -> None:
         self.shaper.tick(self._now())  # shaping: expiries and recovery steps, as events
@@ -338,10 +370,8 @@ class QueueManager:
                 case StartDelivery(job=job, localip=localip, qids=qids):
                     self._start(job, localip, qids)
                 case Refill(limit=limit):
-                    if self._stopping:
+                    if self._stopping or self._spawn(self._refill(limit)) is None:
                         self.post(EntriesClaimed(0, exhausted=True))
-                    else:
-                        self._spawn(self._refill(limit))
                 case DeferJob(job=job, qids=qids, reply=reply):
                     self._defer_dead(job, qids, reply)
                 case AcquireGrants() | ReturnGrants():
@@ -353,10 +383,13 @@ class QueueManager:
     async def _refill(self, limit: int) -> None:
         try:
             entries = await self._io(self.queue.claim, limit)
-        except Exception:
-            log.exception("claiming entries failed; will try again")
+        except Exception as exc:
+            # A failing store (a full disk): wait before the scheduler may
+            # ask again -- it asks for no other refill while this one is open.
+            await self._sleep(self._claiming.failed(exc))
             self.post(EntriesClaimed(0, exhausted=True))
             return
+        self._claiming.ok()
         exhausted = len(entries) < limit
         next_due = None
         if exhausted:
@@ -383,7 +416,7 @@ class QueueManager:
                 gone = [q for q in job.qids if q in modified]
                 info = self._jobs[job.ref]
                 if gone:
-                    await self._release([info.entries.pop(q) for q in gone])
+                    await self.recorder.release([info.entries.pop(q) for q in gone])
                     unrouted += len(gone)
                 if info.entries:
                     if gone:
@@ -404,7 +437,7 @@ class QueueManager:
             plan = await self.planner.plan(entries)
         except Exception:
             log.exception("planning %d entries failed; giving their claims back", len(entries))
-            await self._release(entries)
+            await self.recorder.release(entries)
             return [], len(entries)
         hold: list[QueueEntry] = []
         drop: list[tuple[QueueEntry, str]] = []
@@ -417,12 +450,16 @@ class QueueManager:
                     drop.append((item.entry, reason))
                 case _:
                     failed.append(item.attempt_result())
-        if hold:
-            await self._io(self.queue.hold_claimed, hold)
-        for entry, reason in drop:
-            await self._io(self.queue.drop_claimed, [entry], reason)
+        try:
+            if hold:
+                await self._io(self.queue.hold_claimed, hold)
+            for entry, reason in drop:
+                await self._io(self.queue.drop_claimed, [entry], reason)
+        except Exception as exc:
+            # Still claimed in the store: they return at the next start.
+            self.recorder.failed(exc)
         if failed:
-            self._record(failed)
+            self.recorder.record(failed)
         jobs = []
         for planned in plan.jobs:
             ref = f"j{next(self._ref)}"
@@ -457,13 +494,15 @@ class QueueManager:
             self.post(DeliveryFinished(job.ref, (), connection_failed=False,
                                        new_connection=False, localip=localip))
             if entries:
-                self._spawn(self._release(entries))
+                self._spawn(self.recorder.release(entries))
             return
         info.started = True
         entries = [info.entries[q] for q in qids]
         self._delivering.extend(entries)
         self.stats.deliveries += 1
-        self._spawn(self._deliver(info, tuple(entries), localip), delivery=True)
+        if self._spawn(self._deliver(info, tuple(entries), localip), delivery=True) is None:
+            self.post(DeliveryFinished(job.ref, (), connection_failed=False,
+                                       new_connection=False, localip=localip))
 
     async def _deliver(self, info: _Job, entries: tuple[QueueEntry, ...], localip: str) -> None:
         ref = info.job.ref
@@ -494,7 +533,7 @@ class QueueManager:
                                        localip=localip))
         finally:
             self._jobs.pop(ref, None)
-        self._record(results)
+        self.recorder.record(results)
 
     def _defer_dead(self, job: DeliveryJob, qids: tuple[str, ...], reply: Reply) -> None:
         info = self._jobs.pop(job.ref, None)
@@ -509,79 +548,19 @@ class QueueManager:
             outcome = await self.planner.settle(entry, TempFail(reply))
             results.append(AttemptResult(entry, outcome, attempted=False,
                                          remotemx=hop.remotemx, remoteip=hop.remoteip))
-        self._record(results)
+        self.recorder.record(results)
 
-    # -- recording -----------------------------------------------------------------------
+    # -- duties (parts that restart) ------------------------------------------------------
 
-    def _record(self, results: Iterable[AttemptResult]) -> None:
-        self._pending.extend(results)
-        if self._recorder is None or self._recorder.done():
-            self._recorder = asyncio.ensure_future(self._flush())
-            self._recorder.add_done_callback(self._task_done)
-
-    async def _flush(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
-            try:
-                applied = await self._io(self.queue.record, batch)
-            except Exception:
-                # The store is failing: the entries stay claimed and return at
-                # the next start (or when the store works again and we restart).
-                log.exception("recording %d outcomes failed", len(batch))
-                continue
-            bounced = False
-            for res, state in applied:
-                match res.outcome:
-                    case PermFail():
-                        self.stats.bounced += 1
-                    case TempFail():
-                        self.stats.deferred += 1
-                    case _:
-                        self.stats.delivered += 1
-                if state is QueueState.BOUNCE:
-                    bounced = True
-            if bounced:
-                self._bounce_soon()
-
-    def _bounce_soon(self) -> None:
-        if self._bounce_pending:
-            return
-        self._bounce_pending = True
-
-        async def run() -> None:
-            await asyncio.sleep(0.2)  # let a burst of bounces gather into fewer NDR runs
-            self._bounce_pending = False
-            try:
-                queued = await self._io(self.queue.run_bounces)
-            except Exception:
-                log.exception("queueing NDRs failed; will try again")
-                return
-            if queued:
-                self.notify_mail(queued)
-
-        self._spawn(run())
-
-    async def _release(self, entries: Sequence[QueueEntry]) -> None:
-        if entries:
-            try:
-                await self._io(self.queue.release_claims, list(entries))
-            except Exception:
-                log.exception("giving back %d claims failed (recovered at next start)",
-                              len(entries))
-
-    # -- background duties ------------------------------------------------------------------
-
-    async def _watch_changes(self) -> None:
+    async def _watch_changes(self, trouble: Trouble) -> None:
         """Operator changes made to entries held here: drop and re-claim them."""
-        # Changes made before this start do not concern this run's memory.
-        self._change_seq, _ = await self._io(self.queue.store.changes_since, 0)
+        if self._change_seq is None:
+            # Changes made before this start do not concern this run's memory.
+            self._change_seq, _ = await self._io(self.queue.store.changes_since, 0)
         while True:
             await asyncio.sleep(self.change_poll_s)
-            try:
-                seq, changes = await self._io(self.queue.store.changes_since, self._change_seq)
-            except Exception:
-                log.exception("reading the change feed failed")
-                continue
+            seq, changes = await self._io(self.queue.store.changes_since, self._change_seq)
+            trouble.ok()
             self._change_seq = seq
             if changes:
                 self.apply_changes({c.qid for c in changes})
@@ -603,50 +582,46 @@ class QueueManager:
         self._modified_while_routing.update(q for q in qids if q in self._routing)
         if known:
             self.post(EntriesModified(tuple(known)))
-            self._spawn(self._release(held))
+            self._spawn(self.recorder.release(held))
         # A retry or release may have made mail due: look soon.
         self.notify_mail(0)
 
-    async def _sweep_expired(self) -> None:
+    async def _sweep_expired(self, trouble: Trouble) -> None:
         interval = max(1.0, self.config.queue.bounces_interval)
         while True:
-            try:
-                expired = await self._io(self.queue.expire)
-                if expired:
-                    log.info("%d deferred entries expired", expired)
-                    self._bounce_soon()
-                # Bounces left by a crash or a failed NDR run are picked up here too.
-                if (await self._io(self.queue.store.count))[QueueState.BOUNCE]:
-                    self._bounce_soon()
-            except Exception:
-                log.exception("the expiry sweep failed")
+            expired = await self._io(self.queue.expire)
+            if expired:
+                log.info("%d deferred entries expired", expired)
+                self.recorder.bounce_soon()
+            # Bounces left by a crash or a failed NDR run are picked up here too.
+            if (await self._io(self.queue.store.count))[QueueState.BOUNCE]:
+                self.recorder.bounce_soon()
+            trouble.ok()
             await asyncio.sleep(interval)
 
-    async def _watch_policy(self) -> None:
-        while True:
-            await asyncio.sleep(self.policy_poll_s)
-            if self.shaper.changed():  # shaping: the rules file changed
-                self.shaper.reload()
-            mtime = self._mtime(self.policy_path)
-            if mtime == self._policy_mtime:
-                continue
-            self._policy_mtime = mtime
-            self.reload_policy()
+    @property
+    def policy_path(self) -> str | None:
+        return self.policy_file.path
 
-    def reload_policy(self, *, raise_errors: bool = False) -> Policy | None:
-        """Read the policy file again; on error keep the running policy (and
-        return None, or raise the PolicyError when ``raise_errors``)."""
-        self.shaper.reload()  # shaping: its rules reload with the policy (SIGHUP, API)
-        try:
-            policy = _policy(self.policy_path)
-        except PolicyError as exc:
-            log.error("policy not reloaded, keeping the running one:\n%s", exc)
-            if raise_errors:
-                raise
-            return None
-        self.post(PolicyReloaded(policy))
-        log.info("policy reloaded from %s", self.policy_path)
-        return policy
+    @property
+    def connections(self) -> AgentStats:
+        """The delivery agent's connection counters."""
+        return self.agent.stats
+
+    def parts(self) -> list[Trouble]:
+        """Every part of the process with its failures (Health)."""
+        return self.health.parts()
+
+    def _poll_shaping(self) -> None:
+        if self.shaper.changed():  # shaping: the rules file changed
+            self.shaper.reload()
+
+    def reload_policy(self, *, raise_errors: bool = False, who: str = "",
+                      reason: str = "") -> Policy | None:
+        """Read the policy file again (PolicyFile.reload), and the shaping
+        rules with it (SIGHUP, the API)."""
+        self.shaper.reload()  # shaping
+        return self.policy_file.reload(raise_errors=raise_errors, who=who, reason=reason)
 
     def _shaping_bounce(self, fired: Any) -> None:
         """shaping: bounce the queued mail of a group that will never accept."""
@@ -665,33 +640,32 @@ class QueueManager:
                                                        QueueAction.BOUNCE, reply=reply))
             if touched:
                 self.apply_changes({e.qid for e in touched})
-                self._bounce_soon()
+                self.recorder.bounce_soon()
 
         self._spawn(run())
 
     # -- stopping ----------------------------------------------------------------------------
 
     async def _shutdown(self) -> None:
+        """Stop in order: refills and NDR runs, deliveries (with grace), the
+        recorder, the claims still held in memory."""
         self._stopping = True
-        for task in list(self._tasks):
+        recorder = self.recorder.task
+        others = [t for t in self._tasks if t is not recorder]
+        for task in others:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*others, return_exceptions=True)
         if self._deliveries:
             _done, pending = await asyncio.wait(set(self._deliveries), timeout=self.grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         # Drain what the scheduler still says (DeliveryFinished bookkeeping).
-        with contextlib.suppress(Exception):
+        try:
             self._step()
-        if self._recorder is not None:
-            with contextlib.suppress(Exception):
-                await self._recorder
-        if self._pending:
-            with contextlib.suppress(Exception):
-                await self._flush()
+        except Exception:
+            log.exception("the scheduler failed while stopping")
+        await self.recorder.drain()
         leftovers = [e for info in self._jobs.values() for e in info.entries.values()]
         self._jobs.clear()
-        await self._release(leftovers)
-        await self.agent.close()
-        self._pool.shutdown(wait=True)
+        await self.recorder.release(leftovers)

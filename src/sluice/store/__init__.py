@@ -21,9 +21,11 @@ DESCRIPTION
     successful delivery is the exception: mail that went out must leave the
     queue whatever an operator did to its entry in the meantime.
 
-    Operator changes (modify) are also appended to a change feed that a
-    running queue manager polls (changes_since), so it can drop its
-    in-memory copy and re-inject the entry, as Halon does.
+    Operator actions (modify) are defined once, as data, in
+    sluice.store._actions: the states each touches and what it changes;
+    every flavour applies that data.  They are also appended to a change
+    feed that a running queue manager polls (changes_since), so it can
+    drop its in-memory copy and re-inject the entry, as Halon does.
 
 INVARIANTS
     Every entry is in exactly one state.  Content is deleted after the
@@ -33,19 +35,19 @@ INVARIANTS
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import IO, TYPE_CHECKING, Protocol
 
 from sluice.model import Accepted, QueueEntry, QueueState, Reply, Selector, Submission
 from sluice.spool import Content
+from sluice.store._actions import ACTION_STATES, Action, narrow
 
 if TYPE_CHECKING:
     from sluice.config import Config
 
 __all__ = [
+    "ACTION_STATES",
     "Action",
     "Change",
     "Counts",
@@ -63,40 +65,6 @@ class StorageError(Exception):
     Always temporary from the client's point of view: the SMTP server answers
     451 4.3.0, never 250.
     """
-
-
-class Action(StrEnum):
-    """What an operator can do to selected entries."""
-
-    HOLD = "hold"
-    RELEASE = "release"
-    RETRY = "retry"
-    DELETE = "delete"
-    PRIORITY = "priority"
-    BOUNCE = "bounce"
-
-
-#: The states each action applies to; entries in other states are left alone.
-ACTION_STATES: dict[Action, tuple[QueueState, ...]] = {
-    Action.HOLD: (QueueState.INCOMING, QueueState.DEFERRED, QueueState.ACTIVE,
-                  QueueState.DELIVERING),
-    Action.RELEASE: (QueueState.HOLD,),
-    Action.RETRY: (QueueState.DEFERRED, QueueState.INCOMING),
-    Action.DELETE: tuple(QueueState),
-    Action.PRIORITY: tuple(QueueState),
-    Action.BOUNCE: (QueueState.HOLD, QueueState.INCOMING, QueueState.DEFERRED,
-                    QueueState.ACTIVE, QueueState.DELIVERING),
-}
-
-
-def narrow(selector: Selector, action: Action) -> Selector | None:
-    """The entries ``action`` would touch: ``selector`` limited to the states
-    the action applies to; None when it can touch none (for dry runs)."""
-    states = tuple(s for s in ACTION_STATES[action]
-                   if not selector.states or s in selector.states)
-    if not states:
-        return None
-    return dataclasses.replace(selector, states=states)
 
 
 @dataclass(frozen=True, slots=True)

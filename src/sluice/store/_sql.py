@@ -60,7 +60,8 @@ from sluice.model import (
     parse_qid,
     recipient_domain,
 )
-from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError
+from sluice.store import Action, Change, Counts, StorageError
+from sluice.store._actions import EFFECTS, OperatorChange, Value
 from sluice.store._refill import interleave, split_quota
 
 __all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows",
@@ -382,18 +383,17 @@ class SqlQueue:
         which calls ``deleted(spids)`` with the messages that lost rows.
 
         Checked and prepared here, in the caller's thread."""
-        if action is Action.PRIORITY and priority not in (0, 1):
-            raise ValueError("priority must be 0 or 1")
+        change = OperatorChange(action, now, priority, reply)
         d = self.dialect
         p, q = d.p, d.queue
         where, params = self.where(selector)
-        clause, more = d.one_of("state", [str(s) for s in ACTION_STATES[action]])
+        clause, more = d.one_of("state", [str(s) for s in change.states])
         params += more
         select = f"{self._select}{where} AND {clause}{d.for_change}"
-        if action is Action.DELETE:
+        if change.removes:
             head, values = f"DELETE FROM {q}", ()
         else:
-            sets, values = _operator_set(action, p, now, priority, reply)
+            sets, values = operator_set(change, p)
             head = f"UPDATE {q} SET {sets}"
         log = self._log
         changed = str(action)
@@ -404,7 +404,7 @@ class SqlQueue:
                 return []
             entries = [entry(r) for r in rows]
             d.change_rows(conn, head, values, rows)
-            if action is Action.DELETE:
+            if change.removes:
                 deleted({r[0] for r in rows})
             d.executemany(conn, log, [(now, e.qid, changed) for e in entries])
             return entries
@@ -458,22 +458,30 @@ def queue_rows(submission: Submission, spid: str, size: int, now: float
     return rows, accepted
 
 
-def _operator_set(action: Action, p: str, now: float, priority: int | None,
-                  reply: Reply | None) -> tuple[str, tuple[Any, ...]]:
-    """The SET list of the UPDATE an operator action makes, and its parameters."""
-    if action is Action.HOLD:
-        return "state = 'hold', owner = NULL", ()
-    if action is Action.RELEASE:
-        # Never tried: back to incoming; tried before: due now.
-        return ("state = CASE WHEN attempts = 0 THEN 'incoming' ELSE 'deferred' END, "
-                f"next_attempt_at = {p}"), (now,)
-    if action is Action.RETRY:
-        return f"next_attempt_at = {p}", (now,)
-    if action is Action.PRIORITY:
-        return f"priority = {p}", (priority,)
-    if action is Action.BOUNCE:
-        bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
-        return (f"state = 'bounce', owner = NULL, next_attempt_at = {p}, last_code = {p}, "
-                f"last_enhanced = {p}, last_text = {p}, last_mta = {p}, last_attempt_at = {p}"
-                ), (now, *reply_columns(bounce))
-    raise ValueError(f"{action} is not an UPDATE")
+def operator_set(change: OperatorChange, p: str) -> tuple[str, tuple[Any, ...]]:
+    """The SET list of the UPDATE an operator action makes, and its parameters,
+    derived from the action's EFFECTS (sluice.store._actions)."""
+    fields = EFFECTS[change.action]
+    if fields is None:
+        raise ValueError(f"{change.action} is not an UPDATE")
+    sets: list[str] = []
+    params: list[Any] = []
+    for name, value in fields.items():
+        if value is Value.INCOMING_IF_UNTRIED:
+            sets.append("state = CASE WHEN attempts = 0 THEN 'incoming' ELSE 'deferred' END")
+        elif name == "last_reply":
+            reply: Reply = change.resolve(value)
+            sets.append(f"last_code = {p}, last_enhanced = {p}, last_text = {p}, "
+                        f"last_mta = {p}, last_attempt_at = {p}")
+            params += reply_columns(reply)
+        elif name == "state":
+            state: QueueState = change.resolve(value)
+            sets.append(f"state = {p}")
+            params.append(str(state))
+        else:
+            sets.append(f"{name} = {p}")
+            params.append(change.resolve(value))
+    if "state" in fields:
+        # An entry an operator moves is in no manager's hands any more.
+        sets.append("owner = NULL")
+    return ", ".join(sets), tuple(params)

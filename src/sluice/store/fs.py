@@ -91,31 +91,33 @@ LIMITATIONS
     is being applied.  Every process that shares the tree should use the
     same retry_granularity: the tree is re-filed when it changes.
 
+PARTS
+    This file keeps the store's operations; the nouns they use are in
+    _fs_files (a control file: name, format, read, write), _fs_batch (the
+    overlay one batch works on), _fs_commit (group commit, journals,
+    content links, the change feed) and _fs_reading (listing, counting,
+    qshape, expiry, the feed's reader).
+
 SEE ALSO
-    sluice.store (the interface), sluice.spool.fs, seeds/000 section 4.3.2,
-    docs/storage.md.
+    sluice.store (the interface), sluice.store._actions (operator
+    actions), sluice.spool.fs, seeds/000 section 4.3.2, docs/storage.md.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
-import functools
 import heapq
 import itertools
 import json
 import math
 import os
-import re
-import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any
 
 from sluice.model import (
     IN_FLIGHT_STATES,
@@ -130,10 +132,28 @@ from sluice.model import (
     recipient_domain,
 )
 from sluice.retry import RetryPolicy
-from sluice.spool import Content, SpoolFile, SpoolIOError
+from sluice.spool import Content, SpoolIOError
 from sluice.spool.fs import FsSpool
-from sluice.store import ACTION_STATES, Action, Change, Counts, StorageError, Transition
-from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths, in_parallel
+from sluice.store import Action, StorageError, Transition
+from sluice.store._actions import OperatorChange
+from sluice.store._commit import GroupCommitter, RWLock, fsync_paths
+from sluice.store._fs_batch import Batch, copy_control, recs_of, regroup
+from sluice.store._fs_commit import Committing
+from sluice.store._fs_files import (
+    LAYOUT_VERSION,
+    STATE_DIRS,
+    SUFFIX,
+    Control,
+    Meta,
+    NameFilter,
+    Rcpt,
+    listdir,
+    new_gen,
+    read_control,
+    unlink,
+    write_file,
+)
+from sluice.store._fs_reading import Reading
 from sluice.store._refill import interleave, split_quota
 
 if TYPE_CHECKING:
@@ -141,503 +161,15 @@ if TYPE_CHECKING:
 
 __all__ = ["FsStore"]
 
-LAYOUT_VERSION = 1
-
-#: State directories (deferred has one level more: deferred/<T>/).
-STATE_DIRS: dict[QueueState, str] = {
-    QueueState.INCOMING: "incoming",
-    QueueState.DEFERRED: "deferred",
-    QueueState.BOUNCE: "bounces",
-    QueueState.HOLD: "hold",
-    QueueState.ACTIVE: "active",
-    QueueState.DELIVERING: "delivering",
-}
-_DIR_STATES = {d: s for s, d in STATE_DIRS.items()}
-
-#: How long content without control files must have existed before
-#: recover() removes it: a submitter in another process may be between its
-#: spool write and its commit.
-ORPHAN_AGE_S = 3600.0
-
 #: Operator changes are kept this long in the change feed.
 CHANGES_KEEP_S = 3600.0
-
-_SUFFIX = ".mmq"
-_DOMAIN_MAX = 160
-_REF_RE = re.compile(r"^([0-9A-F]{8,32})-(\d{1,6})\.ref$")
-
-
-def _enc_domain(domain: str) -> str:
-    return quote(domain, safe="-._[]:")[:_DOMAIN_MAX]
-
-
-@dataclass(frozen=True, slots=True)
-class _Name:
-    spid: str
-    idx0: int
-    n: int
-    priority: int
-    domain: str  # encoded, maybe shortened
-
-    @classmethod
-    def parse(cls, name: str) -> _Name | None:
-        return _parse_name(name)
-
-
-_HEXUP = frozenset("0123456789ABCDEF")
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def _parse_name(name: str) -> _Name | None:
-    # String operations rather than a regular expression, and cached: a
-    # refill lists the same names batch after batch, qcount lists them all.
-    if not name.endswith(_SUFFIX):
-        return None
-    head, at, domain = name[:-len(_SUFFIX)].partition("@")
-    spid, dash, rest = head.partition("-")
-    idx0, plus, rest = rest.partition("+")
-    n, p, prio = rest.partition("p")
-    if not (at and dash and plus and p) or prio not in ("0", "1"):
-        return None
-    if not (8 <= len(spid) <= 32 and _HEXUP.issuperset(spid)):
-        return None
-    if not (idx0.isdigit() and n.isdigit() and len(idx0) <= 6 and len(n) <= 6):
-        return None
-    return _Name(spid, int(idx0), int(n), int(prio), domain)
-
-
-@dataclass(frozen=True, slots=True)
-class _Meta:
-    """Message-level fields, the same in every control file of a message."""
-
-    sender: str
-    arrival_at: float
-    tenantid: str
-    jobid: str
-    transportid: str
-    localip: tuple[str, ...]
-    is_report: bool
-    size: int
-    smtputf8: bool = False
-
-
-@dataclass(slots=True)
-class _Rcpt:
-    idx: int
-    rcpt: str
-    attempts: int = 0
-    reply: Reply | None = None
-
-
-@dataclass(slots=True)
-class _Control:
-    """One control file: recipients of one message and domain, one state."""
-
-    spid: str
-    domain: str
-    state: QueueState
-    next_at: float
-    priority: int
-    meta: _Meta
-    rcpts: list[_Rcpt]
-    gen: str = ""
-    path: str = ""  # relative to the root, "" while not yet placed
-    prepared: str = ""  # a temporary file already holding dump(), relative to the root
-
-    def name(self) -> str:
-        return (f"{self.spid}-{self.rcpts[0].idx}+{len(self.rcpts)}p{self.priority}"
-                f"@{_enc_domain(self.domain)}{_SUFFIX}")
-
-    def entries(self) -> list[QueueEntry]:
-        m = self.meta
-        return [
-            QueueEntry(
-                spid=self.spid, idx=r.idx, sender=m.sender, recipient=r.rcpt,
-                state=self.state, arrival_at=m.arrival_at, next_attempt_at=self.next_at,
-                attempts=r.attempts, last_reply=r.reply, priority=self.priority,
-                tenantid=m.tenantid, jobid=m.jobid, transportid=m.transportid,
-                localip=m.localip, is_report=m.is_report, size=m.size, domain=self.domain,
-                smtputf8=m.smtputf8,
-            )
-            for r in self.rcpts
-        ]
-
-    def same_content(self, other: _Control) -> bool:
-        return (self.next_at == other.next_at and self.priority == other.priority
-                and self.rcpts == other.rcpts)
-
-    def dump(self) -> bytes:
-        m = self.meta
-        doc = {
-            "v": LAYOUT_VERSION, "gen": self.gen, "spid": self.spid, "domain": self.domain,
-            "next_at": self.next_at, "priority": self.priority, "sender": m.sender,
-            "arrival_at": m.arrival_at, "tenantid": m.tenantid, "jobid": m.jobid,
-            "transportid": m.transportid, "localip": list(m.localip),
-            "is_report": m.is_report, "size": m.size, "smtputf8": m.smtputf8,
-            "rcpts": [[r.idx, r.rcpt, r.attempts,
-                       None if r.reply is None else r.reply.to_record()]
-                      for r in self.rcpts],
-        }
-        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
-
-    @classmethod
-    def load(cls, data: bytes, state: QueueState, path: str) -> _Control:
-        doc = json.loads(data)
-        meta = _Meta(doc["sender"], doc["arrival_at"], doc["tenantid"], doc["jobid"],
-                     doc["transportid"], tuple(doc["localip"]), doc["is_report"], doc["size"],
-                     # Absent from files written before Sluice kept the flag.
-                     doc.get("smtputf8", False))
-        rcpts = [_Rcpt(r[0], r[1], r[2], None if r[3] is None else Reply.from_record(r[3]))
-                 for r in doc["rcpts"]]
-        return cls(doc["spid"], doc["domain"], state, doc["next_at"], doc["priority"], meta,
-                   rcpts, doc["gen"], path)
-
-
-_gen_counter = itertools.count()
-
-
-def _new_gen() -> str:
-    return f"{os.getpid():x}.{time.time_ns():x}.{next(_gen_counter):x}"
-
-
-def _state_of(rel: str) -> QueueState:
-    return _DIR_STATES[rel.split("/", 1)[0]]
-
-
-def _read_control(root: Path, rel: str) -> _Control | None:
-    try:
-        data = (root / rel).read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StorageError(f"cannot read {root / rel}: {exc}") from exc
-    try:
-        return _Control.load(data, _state_of(rel), rel)
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise StorageError(f"{root / rel} is not a control file: {exc}") from exc
-
-
-def _listdir(path: Path) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise StorageError(f"cannot list {path}: {exc}") from exc
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-# --------------------------------------------------------------------------
-# The batch overlay
-
-
-@dataclass(slots=True)
-class _Effects:
-    creates: list[tuple[_Control, str]] = field(default_factory=list)  # (control, final)
-    moves: list[tuple[str, str]] = field(default_factory=list)
-    unlinks: list[tuple[str, str]] = field(default_factory=list)  # (path, gen)
-    ref_adds: set[tuple[str, int]] = field(default_factory=set)
-    ref_drops: set[tuple[str, int]] = field(default_factory=set)
-
-    def __bool__(self) -> bool:
-        return bool(self.creates or self.moves or self.unlinks)
-
-
-class _View:
-    """The tree as the operations of one batch see it: disk plus their changes."""
-
-    def __init__(self, store: FsStore) -> None:
-        self.store = store
-        self.root = store.root
-        self.files: dict[str, _Control | None] = {}
-        self.origin: dict[str, str] = {}
-        self.dirty: set[str] = set()
-        self.disk_gen: dict[str, str] = {}
-        self._disk: dict[str, set[str]] = {}  # directory -> names on disk
-        self._cur: dict[str, dict[str, _Name]] = {}  # directory -> names now
-        self._spids: dict[str, dict[str, set[str]]] = {}  # directory -> spid -> names
-        self._deferred: set[int] | None = None
-        self._undo: list[Callable[[], None]] = []
-        self._touched: set[str] = set()
-        self.needs_journal = False
-        self.changes: list[tuple[float, str, str]] = []
-        self.after: list[Callable[[], None]] = []
-
-    # -- op boundaries ------------------------------------------------------------------
-
-    def begin(self) -> int:
-        self._touched = set()
-        return len(self._undo)
-
-    def rollback(self, mark: int) -> None:
-        while len(self._undo) > mark:
-            self._undo.pop()()
-
-    def end(self) -> None:
-        if len(self._touched) >= 2:
-            self.needs_journal = True
-
-    # -- the directory model ------------------------------------------------------------
-
-    def _dir(self, rel_dir: str) -> dict[str, _Name]:
-        cur = self._cur.get(rel_dir)
-        if cur is None:
-            cur = {}
-            for n in _listdir(self.root / rel_dir):
-                parsed = _parse_name(n)
-                if parsed is not None:
-                    cur[n] = parsed
-            self._disk[rel_dir] = set(cur)
-            self._cur[rel_dir] = cur
-            if rel_dir.startswith("deferred/") and self._deferred is not None:
-                self._deferred.add(int(rel_dir.split("/")[1]))
-        return cur
-
-    def _spid_index(self, rel_dir: str) -> dict[str, set[str]]:
-        """Names of a directory by SPID (built when first needed)."""
-        by_spid = self._spids.get(rel_dir)
-        if by_spid is None:
-            by_spid = defaultdict(set)
-            for name, parsed in self._dir(rel_dir).items():
-                by_spid[parsed.spid].add(name)
-            self._spids[rel_dir] = by_spid
-        return by_spid
-
-    def _sync(self, path: str) -> None:
-        """Bring the directory model in line with ``files`` for one path."""
-        rel_dir, name = path.rsplit("/", 1)
-        cur = self._dir(rel_dir)
-        if path in self.files:
-            present = self.files[path] is not None
-        else:
-            present = name in self._disk[rel_dir]
-        by_spid = self._spids.get(rel_dir)
-        if present and name not in cur:
-            parsed = _parse_name(name)
-            if parsed is not None:
-                cur[name] = parsed
-                if by_spid is not None:
-                    by_spid[parsed.spid].add(name)
-                if rel_dir.startswith("deferred/"):
-                    self.deferred_dirs()  # make sure the set exists
-                    assert self._deferred is not None
-                    self._deferred.add(int(rel_dir.split("/")[1]))
-        elif not present and name in cur:
-            parsed = cur.pop(name)
-            if by_spid is not None:
-                by_spid[parsed.spid].discard(name)
-
-    def _set(self, path: str, ctrl: _Control | None, *, dirty: bool,
-             origin: str | None = None) -> None:
-        had = path in self.files
-        old = self.files.get(path)
-        was_dirty = path in self.dirty
-        old_origin = self.origin.get(path)
-
-        def undo() -> None:
-            if had:
-                self.files[path] = old
-            else:
-                self.files.pop(path, None)
-            if was_dirty:
-                self.dirty.add(path)
-            else:
-                self.dirty.discard(path)
-            if old_origin is None:
-                self.origin.pop(path, None)
-            else:
-                self.origin[path] = old_origin
-            self._sync(path)
-
-        self._undo.append(undo)
-        self.files[path] = ctrl
-        if dirty:
-            self.dirty.add(path)
-        else:
-            self.dirty.discard(path)
-        if origin is None:
-            self.origin.pop(path, None)
-        else:
-            self.origin[path] = origin
-        self._sync(path)
-
-    # -- reading ------------------------------------------------------------------------
-
-    def names(self, rel_dir: str) -> list[tuple[str, _Name]]:
-        """Control files of a directory (name, parsed name), with the batch's changes."""
-        return list(self._dir(rel_dir).items())
-
-    def live_names(self, rel_dir: str) -> Iterable[tuple[str, _Name]]:
-        """As names(), without a copy: the caller must not change the view meanwhile."""
-        return self._dir(rel_dir).items()
-
-    def deferred_dirs(self) -> list[int]:
-        """Due times of deferred/<T> directories, ascending."""
-        if self._deferred is None:
-            self._deferred = {int(d) for d in _listdir(self.root / "deferred") if d.isdigit()}
-        return sorted(self._deferred)
-
-    def state_dirs(self, states: Iterable[QueueState]) -> list[str]:
-        out = []
-        for state in dict.fromkeys(states):
-            if state is QueueState.DEFERRED:
-                out += [f"deferred/{t}" for t in self.deferred_dirs()]
-            else:
-                out.append(STATE_DIRS[state])
-        return out
-
-    def load(self, path: str) -> _Control | None:
-        if path in self.files:
-            ctrl = self.files[path]
-            return None if ctrl is None else _copy(ctrl)
-        ctrl = _read_control(self.root, path)
-        if ctrl is not None:
-            self.disk_gen[path] = ctrl.gen
-        return ctrl
-
-    def locate(self, spids: set[str], states: Iterable[QueueState]) -> dict[str, list[_Control]]:
-        """The control files of ``spids`` in the directories of ``states``."""
-        out: dict[str, list[_Control]] = defaultdict(list)
-        for rel_dir in self.state_dirs(states):
-            by_spid = self._spid_index(rel_dir)
-            for spid in spids:
-                for name in sorted(by_spid.get(spid, ())):
-                    ctrl = self.load(f"{rel_dir}/{name}")
-                    if ctrl is not None:
-                        out[spid].append(ctrl)
-        return out
-
-    # -- changing -----------------------------------------------------------------------
-
-    def _place(self, ctrl: _Control) -> str:
-        return f"{self.store.dir_for(ctrl.state, ctrl.next_at)}/{ctrl.name()}"
-
-    def remove(self, ctrl: _Control) -> None:
-        self._set(ctrl.path, None, dirty=False)
-        self._touched.add(ctrl.path)
-
-    def write(self, ctrl: _Control, *, prepared: bool = False) -> None:
-        """Place a new or changed control file.  ``prepared``: its temporary
-        file was written (with its generation) by the submitter."""
-        if not prepared:
-            ctrl.prepared = ""
-            ctrl.gen = _new_gen()
-        ctrl.path = self._place(ctrl)
-        self._set(ctrl.path, ctrl, dirty=True)
-        self._touched.add(ctrl.path)
-
-    def move(self, ctrl: _Control, state: QueueState) -> _Control:
-        """Move a file unchanged to another state directory (a rename)."""
-        old = ctrl.path
-        moved = replace(ctrl, state=state, rcpts=list(ctrl.rcpts))
-        moved.path = self._place(moved)
-        if moved.path == old:
-            return moved
-        if old in self.dirty:  # written in this batch: still just a new file
-            self._set(old, None, dirty=False)
-            self._set(moved.path, moved, dirty=True)
-            return moved
-        source = self.origin.get(old, old)
-        self._set(old, None, dirty=False)
-        self._set(moved.path, moved, dirty=False, origin=source)
-        return moved
-
-    def swap(self, originals: Sequence[_Control], news: Sequence[_Control]) -> None:
-        """Turn the ``originals`` of one message into ``news`` with the fewest changes."""
-        left = {frozenset(r.idx for r in o.rcpts): o for o in originals}
-        for new in news:
-            match = left.pop(frozenset(r.idx for r in new.rcpts), None)
-            if match is not None and match.same_content(new) and match.domain == new.domain:
-                if match.state is not new.state:
-                    self.move(match, new.state)
-                continue
-            if match is not None:
-                self.remove(match)
-            self.write(new)
-        for orphan in left.values():
-            self.remove(orphan)
-
-    def log_change(self, at: float, qid: str, action: Action) -> None:
-        self.changes.append((at, qid, str(action)))
-        n = len(self.changes)
-        self._undo.append(lambda: self.changes.__delitem__(slice(n - 1, None)))
-
-    # -- the result ---------------------------------------------------------------------
-
-    def effects(self) -> _Effects:
-        fx = _Effects()
-        clean_sources = {self.origin[p] for p, c in self.files.items()
-                         if c is not None and p not in self.dirty and p in self.origin}
-        created_refs: dict[str, set[int]] = defaultdict(set)
-        dropped_refs: dict[str, set[int]] = defaultdict(set)
-        for path, ctrl in self.files.items():
-            if ctrl is None:
-                if path in self.disk_gen and path not in clean_sources:
-                    fx.unlinks.append((path, self.disk_gen[path]))
-                    parsed = _Name.parse(path.rsplit("/", 1)[1])
-                    if parsed is not None:
-                        dropped_refs[parsed.spid].add(parsed.idx0)
-            elif path in self.dirty:
-                fx.creates.append((ctrl, path))
-                if path not in self.disk_gen:
-                    created_refs[ctrl.spid].add(ctrl.rcpts[0].idx)
-            elif path in self.origin and self.origin[path] != path:
-                fx.moves.append((self.origin[path], path))
-        for spid in set(created_refs) | set(dropped_refs):
-            for idx0 in created_refs[spid] - dropped_refs[spid]:
-                fx.ref_adds.add((spid, idx0))
-            for idx0 in dropped_refs[spid] - created_refs[spid]:
-                fx.ref_drops.add((spid, idx0))
-        return fx
-
-
-def _copy(ctrl: _Control) -> _Control:
-    return replace(ctrl, rcpts=[replace(r) for r in ctrl.rcpts])
-
-
-@dataclass(slots=True)
-class _Rec:
-    """A recipient while an operation decides its fate."""
-
-    rcpt: _Rcpt
-    state: QueueState
-    next_at: float
-    priority: int
-
-
-def _regroup(ctrls: Sequence[_Control], recs: dict[int, _Rec | None]) -> list[_Control]:
-    """New control files for the surviving recipients of ``ctrls`` (one message)."""
-    groups: dict[tuple[str, QueueState, float, int], list[_Rcpt]] = defaultdict(list)
-    template: dict[str, _Control] = {}
-    for ctrl in ctrls:
-        template.setdefault(ctrl.domain, ctrl)
-        for r in ctrl.rcpts:
-            rec = recs.get(r.idx, _Rec(r, ctrl.state, ctrl.next_at, ctrl.priority))
-            if rec is None:
-                continue
-            groups[(ctrl.domain, rec.state, rec.next_at, rec.priority)].append(rec.rcpt)
-    out = []
-    for (domain, state, next_at, prio), rcpts in groups.items():
-        base = template[domain]
-        out.append(_Control(base.spid, domain, state, next_at, prio, base.meta,
-                            sorted(rcpts, key=lambda r: r.idx)))
-    return out
-
-
-def _recs(ctrls: Sequence[_Control]) -> dict[int, _Rec | None]:
-    return {r.idx: _Rec(replace(r), c.state, c.next_at, c.priority)
-            for c in ctrls for r in c.rcpts}
 
 
 # --------------------------------------------------------------------------
 # The store
 
 
-class FsStore:
+class FsStore(Committing, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
 
     flavour = "fs"
@@ -709,30 +241,6 @@ class FsStore:
         # Files in deferred/T are due in (T - window, T].
         return self.granularity_s + 1.0
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            raise StorageError(f"cannot lock the queue at {self.root}: {exc}") from exc
-        try:
-            self._replay_journals()
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def _clean_tmp(self, now: float) -> None:
-        """Remove temporary files of batches that never reached their commit point.
-
-        Only old ones: submitters of any process write theirs before they
-        queue for the lock.
-        """
-        for name in _listdir(self.root / "tmp"):
-            path = self.root / "tmp" / name
-            with contextlib.suppress(OSError):
-                if path.stat().st_mtime < now - ORPHAN_AGE_S:
-                    _unlink(path)
-
     def _check_layout(self) -> None:
         path = self.root / "layout.json"
         try:
@@ -749,21 +257,12 @@ class FsStore:
             self._write_small(path, json.dumps({"layout": LAYOUT_VERSION,
                                                 "granularity_s": self.granularity_s}))
 
-    def _write_small(self, path: Path, text: str) -> None:
-        tmp = self.root / "tmp" / f"{path.name}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_paths([str(path.parent)])
-
     def _refile_deferred(self) -> None:
         """The granularity changed: move deferred files to their new directories."""
         dirs: set[str] = set()
-        for d in _listdir(self.root / "deferred"):
-            for name in _listdir(self.root / "deferred" / d):
-                ctrl = _read_control(self.root, f"deferred/{d}/{name}")
+        for d in listdir(self.root / "deferred"):
+            for name in listdir(self.root / "deferred" / d):
+                ctrl = read_control(self.root, f"deferred/{d}/{name}")
                 if ctrl is None:
                     continue
                 target = f"deferred/{self.due_dir(ctrl.next_at)}"
@@ -773,270 +272,9 @@ class FsStore:
                     dirs.update((str(self.root / target), str(self.root / "deferred" / d)))
         dirs.add(str(self.root / "deferred"))
         fsync_paths(dirs)
-        for d in _listdir(self.root / "deferred"):
+        for d in listdir(self.root / "deferred"):
             with contextlib.suppress(OSError):
                 os.rmdir(self.root / "deferred" / d)
-
-    # -- journals -------------------------------------------------------------------------
-
-    def _replay_journals(self) -> None:
-        names = _listdir(self.root / "journal")
-        if not names:
-            return
-        for name in sorted(names):
-            path = self.root / "journal" / name
-            try:
-                lines = path.read_text().splitlines()
-            except FileNotFoundError:
-                continue
-            if not lines or lines[-1] != "END":
-                _unlink(path)  # torn: the batch never reached its commit point
-                continue
-            dirs: set[str] = set()
-            for line in lines[:-1]:
-                item = json.loads(line)
-                if "c" in item:
-                    tmp, final = item["c"]
-                    if (self.root / tmp).exists():
-                        (self.root / final).parent.mkdir(parents=True, exist_ok=True)
-                        os.rename(self.root / tmp, self.root / final)
-                        dirs.add(str((self.root / final).parent))
-                elif "u" in item:
-                    rel, gen = item["u"]
-                    ctrl = _read_control(self.root, rel)
-                    if ctrl is not None and ctrl.gen == gen:
-                        _unlink(self.root / rel)
-                        dirs.add(str((self.root / rel).parent))
-            dirs.add(str(self.root / "deferred"))
-            fsync_paths(dirs)
-            _unlink(path)
-        fsync_paths([str(self.root / "journal")])
-
-    # -- the committer --------------------------------------------------------------------
-
-    def _op(self, work: Callable[[_View], Any], files: Sequence[SpoolFile] = (),
-            prepared: Sequence[str] = ()) -> concurrent.futures.Future[Any]:
-        if self._closed:
-            raise StorageError("the store is closed")
-        return self._committer.submit(work, files, extra=list(prepared))
-
-    def _call(self, work: Callable[[_View], Any]) -> Any:
-        return self._op(work).result()
-
-    def _commit(self, batch: list[Op]) -> None:
-        try:
-            with self._locked():
-                self._commit_locked(batch)
-        except StorageError as exc:
-            self._fail(batch, exc)
-        except OSError as exc:
-            self._fail(batch, StorageError(f"queue commit failed: {exc}"))
-
-    def _dropped(self, op: Op) -> None:
-        """A submission cancelled before its batch: forget what it wrote."""
-        for f in op.files:
-            self.spool.discard(f)
-        for tmp in op.extra or ():
-            _unlink(self.root / tmp)
-
-    def _fail(self, batch: Sequence[Op], err: BaseException) -> None:
-        for op in batch:
-            if not op.future.done():
-                for f in op.files:
-                    self.spool.discard(f)
-                for tmp in op.extra or ():
-                    _unlink(self.root / tmp)
-                op.future.set_exception(err)
-
-    def _commit_locked(self, batch: list[Op]) -> None:
-        view = _View(self)
-        results: list[tuple[Op, Any, BaseException | None]] = []
-        for op in batch:
-            mark = view.begin()
-            try:
-                value = op.work(view)
-            except Exception as exc:
-                view.rollback(mark)
-                results.append((op, None, exc))
-            else:
-                view.end()
-                results.append((op, value, None))
-        failed = [op for op, _, failure in results if failure is not None]
-        fx = view.effects()
-        files = [f for op in batch if op not in failed for f in op.files]
-        try:
-            self._durable(view, fx, files)
-        except _LateFailure as exc:
-            # Some of the batch may be in place (or will be, by its journal):
-            # keep every spool file; recover() removes the ones nobody uses.
-            err = StorageError(f"queue commit failed: {exc.__cause__ or exc}")
-            for op in batch:
-                if not op.future.done():
-                    op.future.set_exception(err)
-            return
-        except OSError as exc:
-            err = StorageError(f"queue commit failed: {exc.strerror or exc}")
-            self._fail(batch, err)
-            return
-        for op in failed:
-            for f in op.files:
-                self.spool.discard(f)
-        # Files submitters wrote that the batch did not use (failed, or changed
-        # again within the batch).
-        used = {ctrl.prepared for ctrl, _ in fx.creates if ctrl.prepared}
-        in_parallel(_unlink, [self.root / tmp for op in batch for tmp in op.extra or ()
-                              if tmp not in used])
-        for op, value, failure in results:
-            if failure is None:
-                op.future.set_result(value)
-            else:
-                op.future.set_exception(failure)
-
-    def _durable(self, view: _View, fx: _Effects, files: list[SpoolFile]) -> None:
-        """Make the batch's effects durable, in the order the module doc gives."""
-        root = self.root
-        batch_id = f"{os.getpid()}.{next(self._batch_no)}"
-        temps: list[tuple[str, str]] = []
-        written: list[str] = []
-        try:
-            # 1. Temporary files (submitters wrote theirs already; the rest are
-            #    written together), content links, change feed; one fsync round.
-            todo: list[tuple[Path, bytes]] = []
-            for k, (ctrl, final) in enumerate(fx.creates):
-                if ctrl.prepared:
-                    temps.append((ctrl.prepared, final))
-                    continue
-                tmp = f"tmp/{batch_id}.{k}.tmp"
-                todo.append((root / tmp, ctrl.dump()))
-                written.append(tmp)
-                temps.append((tmp, final))
-            in_parallel(lambda job: _write_file(*job), todo)
-            sync: list[str] = [str(root / t) for t, _ in temps]
-            if temps:
-                sync.append(str(root / "tmp"))
-            in_parallel(lambda ref: self._add_ref(*ref), sorted(fx.ref_adds))
-            sync += sorted({str(self.spool.directory(spid)) for spid, _ in fx.ref_adds})
-            if view.changes:
-                sync.append(self._append_changes(view.changes))
-            if files:
-                fsync_paths(sync, also=lambda: self.spool.sync(files))
-            elif sync:
-                fsync_paths(sync)
-            if not fx and not view.after:
-                return
-            # 2. The journal: the commit point of a batch that changes several files.
-            journal = None
-            if view.needs_journal and (len(fx.creates) + len(fx.unlinks)) >= 2:
-                journal = root / "journal" / f"{batch_id}.jnl"
-                lines = [json.dumps({"c": [t, f]}) for t, f in temps]
-                lines += [json.dumps({"u": [p, g]}) for p, g in fx.unlinks]
-                _write_file(journal, ("\n".join([*lines, "END"]) + "\n").encode())
-                fsync_paths([str(journal), str(root / "journal")])
-        except OSError:
-            for tmp in written:
-                _unlink(root / tmp)
-            for ctrl, _ in fx.creates:
-                if ctrl.prepared:
-                    _unlink(root / ctrl.prepared)
-            raise
-        try:
-            self._into_place(view, fx, temps, journal)
-        except Exception as exc:
-            raise _LateFailure(str(exc)) from exc
-
-    def _into_place(self, view: _View, fx: _Effects, temps: list[tuple[str, str]],
-                    journal: Path | None) -> None:
-        root = self.root
-        # 3. Into place.  Readers of this process wait; other processes see files move.
-        dirs: set[str] = set()
-        renames = [(root / tmp, root / final) for tmp, final in temps]
-        renames += [(root / src, root / dst) for src, dst in fx.moves]
-        with self._rw.writing():
-            for target_dir in {dst.parent for _, dst in renames}:
-                if not target_dir.is_dir():
-                    target_dir.mkdir(parents=True, exist_ok=True)
-                    dirs.add(str(target_dir.parent))
-            # Independent renames: issued together, they share journal commits.
-            in_parallel(lambda pair: os.rename(*pair), renames)
-            in_parallel(_unlink, [root / rel for rel, _ in fx.unlinks])
-        dirs.update(str(dst.parent) for _, dst in renames)
-        dirs.update(str(src.parent) for src, _ in renames[len(temps):])
-        dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
-        # 4. Every directory touched.
-        fsync_paths(dirs)
-        # 5. Done: the journal may go; so may links and content of what left.
-        if journal is not None:
-            _unlink(journal)
-        with self._rw.writing():
-            in_parallel(_unlink, [self.spool.directory(spid) / f"{spid}-{idx0}.ref"
-                                  for spid, idx0 in fx.ref_drops])
-            in_parallel(self._drop_if_unused, sorted({spid for spid, _ in fx.ref_drops}))
-            emptied = {rel.split("/")[1] for rel, _ in fx.unlinks if rel.startswith("deferred/")}
-            emptied |= {src.split("/")[1] for src, _ in fx.moves if src.startswith("deferred/")}
-            for t in emptied:
-                with contextlib.suppress(OSError):
-                    os.rmdir(root / "deferred" / t)
-            for hook in view.after:
-                hook()
-
-    def _drop_if_unused(self, spid: str) -> None:
-        """Delete a message's content once no control file links to it."""
-        try:
-            links = os.stat(self.spool.path(spid)).st_nlink
-        except FileNotFoundError:
-            return
-        if links <= 1:
-            # Nothing links to it any more, so nothing can again: the unlink
-            # itself may come a moment later, on the spool's own thread.
-            self.spool.delete_soon([spid])
-
-    def _add_ref(self, spid: str, idx0: int) -> None:
-        ref = self.spool.directory(spid) / f"{spid}-{idx0}.ref"
-        with contextlib.suppress(FileExistsError):
-            os.link(self.spool.path(spid), ref)
-
-    def _append_changes(self, changes: list[tuple[float, str, str]]) -> str:
-        path = self.root / "changes.log"
-        seq = self._last_seq()
-        lines = []
-        for at, qid, action in changes:
-            seq += 1
-            lines.append(f"{seq}\t{at!r}\t{qid}\t{action}\n")
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        try:
-            size = os.fstat(fd).st_size
-            prefix = ""
-            if size:
-                with open(path, "rb") as f:
-                    f.seek(size - 1)
-                    if f.read(1) != b"\n":
-                        prefix = "\n"  # a torn last line from a crash
-            data = (prefix + "".join(lines)).encode()
-            os.write(fd, data)
-            self._seq_cache = (size + len(data), seq)
-        finally:
-            os.close(fd)
-        return str(path)
-
-    def _last_seq(self) -> int:
-        path = self.root / "changes.log"
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return 0
-        if size == self._seq_cache[0]:
-            return self._seq_cache[1]
-        with open(path, "rb") as f:
-            f.seek(max(0, size - 4096))
-            tail = f.read().decode("utf-8", "replace").splitlines()
-        seq = 0
-        for line in reversed(tail):
-            parts = line.split("\t")
-            if len(parts) == 4 and parts[0].isdigit():
-                seq = int(parts[0])
-                break
-        self._seq_cache = (size, seq)
-        return seq
 
     # -- submission -----------------------------------------------------------------------
 
@@ -1047,12 +285,12 @@ class FsStore:
         except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
         state, next_at = submission.initial_state(now)
-        meta = _Meta(submission.sender, now, submission.tenantid, submission.jobid,
+        meta = Meta(submission.sender, now, submission.tenantid, submission.jobid,
                      submission.transportid, tuple(submission.localip), submission.is_report,
                      sf.size, submission.smtputf8)
-        by_domain: dict[str, list[_Rcpt]] = defaultdict(list)
+        by_domain: dict[str, list[Rcpt]] = defaultdict(list)
         for i, rcpt in enumerate(submission.recipients):
-            by_domain[recipient_domain(rcpt)].append(_Rcpt(i, rcpt))
+            by_domain[recipient_domain(rcpt)].append(Rcpt(i, rcpt))
         accepted = Accepted(
             spid=sf.spid,
             qids=tuple(format_qid(sf.spid, i) for i in range(len(submission.recipients))),
@@ -1061,24 +299,24 @@ class FsStore:
 
         # The control files are written here, in the submitter's thread, like
         # the content; the committer only makes them durable and renames them.
-        ctrls = [_Control(sf.spid, domain, state, next_at, submission.priority, meta, rcpts,
-                          gen=_new_gen()) for domain, rcpts in by_domain.items()]
+        ctrls = [Control(sf.spid, domain, state, next_at, submission.priority, meta, rcpts,
+                          gen=new_gen()) for domain, rcpts in by_domain.items()]
         prepared: list[str] = []
         try:
             for ctrl in ctrls:
                 ctrl.prepared = f"tmp/{os.getpid()}.{uuid.uuid4().hex}.tmp"
-                _write_file(self.root / ctrl.prepared, ctrl.dump())
+                write_file(self.root / ctrl.prepared, ctrl.dump())
                 prepared.append(ctrl.prepared)
         except OSError as exc:
             for tmp in prepared:
-                _unlink(self.root / tmp)
+                unlink(self.root / tmp)
             self.spool.discard(sf)
             raise StorageError(f"writing the control file failed: {exc.strerror or exc}"
                                ) from exc
 
-        def work(view: _View) -> Accepted:
+        def work(view: Batch) -> Accepted:
             for ctrl in ctrls:
-                view.write(_copy(ctrl), prepared=True)
+                view.write(copy_control(ctrl), prepared=True)
             return accepted
 
         try:
@@ -1086,7 +324,7 @@ class FsStore:
         except BaseException:
             self.spool.discard(sf)
             for tmp in prepared:
-                _unlink(self.root / tmp)
+                unlink(self.root / tmp)
             raise
 
     def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
@@ -1098,16 +336,16 @@ class FsStore:
     def _claimable(self, now: float) -> bool:
         try:
             with os.scandir(self.root / "incoming") as it:
-                if any(e.name.endswith(_SUFFIX) for e in it):
+                if any(e.name.endswith(SUFFIX) for e in it):
                     return True
         except FileNotFoundError:
             pass
         return any(
             d.isdigit() and int(d) - self._window_s < now
-            and any(n.endswith(_SUFFIX) for n in _listdir(self.root / "deferred" / d))
-            for d in _listdir(self.root / "deferred"))
+            and any(n.endswith(SUFFIX) for n in listdir(self.root / "deferred" / d))
+            for d in listdir(self.root / "deferred"))
 
-    def _due_candidates(self, view: _View, now: float) -> list[tuple[tuple[Any, ...], str]]:
+    def _due_candidates(self, view: Batch, now: float) -> list[tuple[tuple[Any, ...], str]]:
         out = []
         for t in view.deferred_dirs():
             if t - self._window_s >= now:
@@ -1129,7 +367,7 @@ class FsStore:
         if not self._claimable(now):
             return []
 
-        def take(view: _View, cands: list[tuple[tuple[Any, ...], str]], k: int
+        def take(view: Batch, cands: list[tuple[tuple[Any, ...], str]], k: int
                  ) -> list[QueueEntry]:
             out: list[QueueEntry] = []
             for _, path in cands:
@@ -1150,7 +388,7 @@ class FsStore:
                     k = 0
             return out
 
-        def work(view: _View) -> list[QueueEntry]:
+        def work(view: Batch) -> list[QueueEntry]:
             inc = [((-parsed.priority, parsed.spid, parsed.idx0, parsed.n), f"incoming/{name}")
                    for name, parsed in view.live_names("incoming")]
             dfr = self._due_candidates(view, now)
@@ -1185,7 +423,7 @@ class FsStore:
             by_spid[spid].append((idx, t))
         states = self._states_of(transitions)
 
-        def work(view: _View) -> set[str]:
+        def work(view: Batch) -> set[str]:
             applied: set[str] = set()
             # Most results are for entries in flight: look there first, and
             # in the other directories only for what was not found.
@@ -1199,7 +437,7 @@ class FsStore:
                 for spid, ctrls in view.locate(missing, rest).items():
                     found.setdefault(spid, []).extend(ctrls)
             for spid, ctrls in found.items():
-                recs = _recs(ctrls)
+                recs = recs_of(ctrls)
                 changed = False
                 for idx, t in by_spid[spid]:
                     rec = recs.get(idx)
@@ -1218,7 +456,7 @@ class FsStore:
                     applied.add(t.qid)
                     changed = True
                 if changed:
-                    view.swap(ctrls, _regroup(ctrls, recs))
+                    view.swap(ctrls, regroup(ctrls, recs))
             return applied
 
         fut = self._op(work)
@@ -1232,8 +470,8 @@ class FsStore:
             return []
         until = now + lease_s
 
-        def work(view: _View) -> list[QueueEntry]:
-            due: list[tuple[str, int, _Control]] = []
+        def work(view: Batch) -> list[QueueEntry]:
+            due: list[tuple[str, int, Control]] = []
             for name, _ in view.names(STATE_DIRS[QueueState.BOUNCE]):
                 ctrl = view.load(f"{STATE_DIRS[QueueState.BOUNCE]}/{name}")
                 if ctrl is not None and ctrl.next_at <= now:
@@ -1241,18 +479,18 @@ class FsStore:
             due.sort(key=lambda item: item[:2])
             chosen = due[:limit]
             by_file: dict[str, list[int]] = defaultdict(list)
-            files: dict[str, _Control] = {}
+            files: dict[str, Control] = {}
             for _, idx, ctrl in chosen:
                 by_file[ctrl.path].append(idx)
                 files[ctrl.path] = ctrl
             for path, idxs in by_file.items():
                 ctrl = files[path]
-                recs = _recs([ctrl])
+                recs = recs_of([ctrl])
                 for idx in idxs:
                     rec = recs[idx]
                     assert rec is not None
                     rec.next_at = until
-                view.swap([ctrl], _regroup([ctrl], recs))
+                view.swap([ctrl], regroup([ctrl], recs))
             return [e for _, idx, ctrl in chosen
                     for e in replace(ctrl, next_at=until).entries() if e.idx == idx]
 
@@ -1260,15 +498,15 @@ class FsStore:
         return result
 
     def recover(self, now: float) -> int:
-        def work(view: _View) -> int:
+        def work(view: Batch) -> int:
             moved = 0
             for state in (QueueState.ACTIVE, QueueState.DELIVERING):
                 for name, _ in view.names(STATE_DIRS[state]):
                     ctrl = view.load(f"{STATE_DIRS[state]}/{name}")
                     if ctrl is None:
                         continue
-                    new = replace(_copy(ctrl), state=QueueState.DEFERRED, next_at=now, gen="",
-                                  path="")
+                    new = replace(copy_control(ctrl), state=QueueState.DEFERRED, next_at=now,
+                                  gen="", path="")
                     view.swap([ctrl], [new])
                     moved += len(ctrl.rcpts)
             view.after.append(lambda: self._prune_changes(now))
@@ -1300,93 +538,16 @@ class FsStore:
         self._write_small(path, "".join(f"{line}\n" for line in keep))
         self._seq_cache = (-1, 0)
 
-    def _reconcile(self, now: float) -> None:
-        """Content links equal control files; content without any is removed."""
-        controls: dict[str, set[int]] = defaultdict(set)
-        for rel_dir in self._all_dirs():
-            for name in _listdir(self.root / rel_dir):
-                parsed = _Name.parse(name)
-                if parsed is not None:
-                    controls[parsed.spid].add(parsed.idx0)
-        msgs: dict[str, float] = {}
-        refs: dict[str, set[int]] = defaultdict(set)
-        stack = [self.spool.root]
-        while stack:
-            top = stack.pop()
-            try:
-                with os.scandir(top) as it:
-                    for entry in it:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(Path(entry.path))
-                        elif entry.name.endswith(".msg"):
-                            with contextlib.suppress(FileNotFoundError):
-                                msgs[entry.name[:-4]] = entry.stat().st_mtime
-                        else:
-                            m = _REF_RE.match(entry.name)
-                            if m:
-                                refs[m.group(1)].add(int(m.group(2)))
-            except FileNotFoundError:
-                continue
-        for spid in set(msgs) | set(refs):
-            want = controls.get(spid, set())
-            if not want:
-                if spid in msgs and now - msgs[spid] < ORPHAN_AGE_S:
-                    continue  # maybe a submission of another process, not yet committed
-                for idx0 in refs.get(spid, set()):
-                    _unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
-                if spid in msgs:
-                    self.spool.delete(spid)
-                continue
-            for idx0 in refs.get(spid, set()) - want:
-                _unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
-            if spid in msgs:
-                for idx0 in want - refs.get(spid, set()):
-                    self._add_ref(spid, idx0)
-
-    def _all_dirs(self) -> list[str]:
-        out = [d for s, d in STATE_DIRS.items() if s is not QueueState.DEFERRED]
-        out += [f"deferred/{t}" for t in _listdir(self.root / "deferred") if t.isdigit()]
-        return out
-
-    def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
-                ) -> list[QueueEntry]:
-        out: list[QueueEntry] = []
-        for ctrl in self._controls((QueueState.DEFERRED,)):
-            cutoff = reports_cutoff_at if ctrl.meta.is_report else cutoff_at
-            if ctrl.meta.arrival_at <= cutoff:
-                out += ctrl.entries()
-                if len(out) >= limit:
-                    return out[:limit]
-        return out
-
-    def due_at(self) -> float | None:
-        with self._rw.reading():
-            for t in sorted(int(d) for d in _listdir(self.root / "deferred") if d.isdigit()):
-                times = []
-                for name in _listdir(self.root / "deferred" / str(t)):
-                    if name.endswith(_SUFFIX):
-                        ctrl = _read_control(self.root, f"deferred/{t}/{name}")
-                        if ctrl is not None:
-                            times.append(ctrl.next_at)
-                if times:
-                    return min(times)
-        return None
-
     # -- operator side --------------------------------------------------------------------
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
-        if action is Action.PRIORITY and priority not in (0, 1):
-            raise ValueError("priority must be 0 or 1")
-        states = ACTION_STATES[action]
-        if selector.states:
-            states = tuple(s for s in states if s in selector.states)
-        bounce = reply or Reply(550, "5.0.0", "bounced by the operator")
+        change = OperatorChange(action, now, priority, reply)
+        states = tuple(s for s in change.states if not selector.states or s in selector.states)
+        may_match = NameFilter(selector)
 
-        may_match = _NameFilter(selector)
-
-        def work(view: _View) -> list[QueueEntry]:
-            by_spid: dict[str, list[_Control]] = defaultdict(list)
+        def work(view: Batch) -> list[QueueEntry]:
+            by_spid: dict[str, list[Control]] = defaultdict(list)
             for rel_dir in view.state_dirs(states):
                 for name, parsed in view.names(rel_dir):
                     if not may_match(parsed):
@@ -1397,197 +558,26 @@ class FsStore:
             touched: list[QueueEntry] = []
             for spid in sorted(by_spid):
                 ctrls = by_spid[spid]
-                recs = _recs(ctrls)
+                recs = recs_of(ctrls)
                 hits = [e for c in ctrls for e in c.entries() if selector.matches(e)]
                 if not hits:
                     continue
                 for e in hits:
                     rec = recs[e.idx]
                     assert rec is not None
-                    if action is Action.HOLD:
-                        rec.state = QueueState.HOLD
-                    elif action is Action.RELEASE:
-                        rec.state = (QueueState.INCOMING if rec.rcpt.attempts == 0
-                                     else QueueState.DEFERRED)
-                        rec.next_at = now
-                    elif action is Action.RETRY:
-                        rec.next_at = now
-                    elif action is Action.PRIORITY:
-                        assert priority is not None
-                        rec.priority = priority
-                    elif action is Action.BOUNCE:
-                        rec.state = QueueState.BOUNCE
-                        rec.next_at = now
-                        rec.rcpt.reply = bounce
-                    elif action is Action.DELETE:
+                    edit = change.edit(rec.rcpt.attempts)
+                    if edit is None:
                         recs[e.idx] = None
+                    else:
+                        rec.apply(edit)
                     view.log_change(now, e.qid, action)
-                view.swap(ctrls, _regroup(ctrls, recs))
+                view.swap(ctrls, regroup(ctrls, recs))
                 touched += hits
             touched.sort(key=lambda e: (e.spid, e.idx))
             return touched
 
         result: list[QueueEntry] = self._call(work)
         return result
-
-    def changes_since(self, seq: int) -> tuple[int, list[Change]]:
-        path = self.root / "changes.log"
-        out: list[Change] = []
-        top = seq
-        try:
-            with open(path, "rb") as f:
-                # A queue manager polls with the seq we answered last time:
-                # start where that answer ended, unless the file was rewritten.
-                st = os.fstat(f.fileno())
-                inode, last_seq, offset = self._feed_cursor
-                if inode == (st.st_dev, st.st_ino) and seq == last_seq and offset <= st.st_size:
-                    f.seek(offset)
-                end = f.tell()
-                for raw in f:
-                    if not raw.endswith(b"\n"):
-                        break  # a line being written: next time
-                    end += len(raw)
-                    parts = raw.decode("utf-8", "replace").rstrip("\n").split("\t")
-                    if len(parts) != 4 or not parts[0].isdigit():
-                        continue
-                    n = int(parts[0])
-                    if n <= seq:
-                        continue
-                    with contextlib.suppress(ValueError):
-                        out.append(Change(n, parts[2], Action(parts[3])))
-                        top = max(top, n)
-                self._feed_cursor = ((st.st_dev, st.st_ino), top, end)
-        except FileNotFoundError:
-            pass
-        return top, out
-
-    # -- reading --------------------------------------------------------------------------
-
-    def _dirs(self, states: Iterable[QueueState]) -> list[str]:
-        out = []
-        for state in dict.fromkeys(states):
-            if state is QueueState.DEFERRED:
-                out += [f"deferred/{t}" for t in
-                        sorted(int(d) for d in _listdir(self.root / "deferred") if d.isdigit())]
-            else:
-                out.append(STATE_DIRS[state])
-        return out
-
-    def _names(self, states: Iterable[QueueState], selector: Selector | None = None
-               ) -> list[tuple[_Name, str]]:
-        """(parsed name, relative path) of every control file in ``states``."""
-        out = []
-        may_match = _NameFilter(selector)
-        for rel_dir in self._dirs(states):
-            for name in _listdir(self.root / rel_dir):
-                parsed = _parse_name(name)
-                if parsed is not None and may_match(parsed):
-                    out.append((parsed, f"{rel_dir}/{name}"))
-        return out
-
-    def _controls(self, states: Iterable[QueueState], selector: Selector | None = None
-                  ) -> Iterator[_Control]:
-        """Every control file in ``states`` the selector may pick, read in pieces.
-
-        The read lock is held per piece, never while the caller has the
-        generator suspended, so a caller may write to the store meanwhile.
-        """
-        with self._rw.reading():
-            found = self._names(states, selector)
-        for start in range(0, len(found), 500):
-            with self._rw.reading():
-                piece = [_read_control(self.root, rel) for _, rel in found[start:start + 500]]
-            yield from (c for c in piece if c is not None)
-
-    def get(self, qid: str) -> QueueEntry | None:
-        spid, idx = parse_qid(qid)
-        if idx is None:
-            raise ValueError(f"get() needs a full queue id, not a SPID: {qid!r}")
-        for ctrl in self._controls(tuple(QueueState), Selector(qids=(spid,))):
-            for e in ctrl.entries():
-                if e.idx == idx:
-                    return e
-        return None
-
-    def entries(self, selector: Selector, *, after: str | None = None,
-                limit: int | None = None) -> Iterator[QueueEntry]:
-        states = selector.states or tuple(QueueState)
-        cursor: tuple[str, int] | None = None
-        if after is not None:
-            spid, idx = parse_qid(after)
-            cursor = (spid, -1 if idx is None else idx)
-        with self._rw.reading():
-            found = self._names(states, selector)
-        groups: dict[str, list[str]] = defaultdict(list)
-        for parsed, rel in found:
-            if cursor is None or parsed.spid >= cursor[0]:
-                groups[parsed.spid].append(rel)
-        remaining = limit
-        spids = sorted(groups)
-        page = 200
-        for start in range(0, len(spids), page):
-            out: list[QueueEntry] = []
-            with self._rw.reading():
-                for spid in spids[start:start + page]:
-                    message: list[QueueEntry] = []
-                    for rel in groups[spid]:
-                        ctrl = _read_control(self.root, rel)
-                        if ctrl is not None:
-                            message += ctrl.entries()
-                    message.sort(key=lambda e: e.idx)
-                    out += [e for e in message if selector.matches(e)
-                            and (cursor is None or (e.spid, e.idx) > cursor)]
-            for e in out:
-                if remaining is not None:
-                    if remaining <= 0:
-                        return
-                    remaining -= 1
-                yield e
-
-    def count(self, selector: Selector | None = None) -> Counts:
-        by_state = {s: 0 for s in QueueState}
-        spids: set[str] = set()
-        if selector is None or selector.is_empty or _names_suffice(selector):
-            states = tuple(QueueState) if selector is None or not selector.states \
-                else selector.states
-            may_match = _NameFilter(selector)
-            with self._rw.reading():
-                for rel_dir in self._dirs(states):
-                    state = _state_of(rel_dir)
-                    n = 0
-                    for name in _listdir(self.root / rel_dir):
-                        parsed = _parse_name(name)
-                        if parsed is not None and may_match(parsed):
-                            n += parsed.n
-                            spids.add(parsed.spid)
-                    by_state[state] += n
-            return Counts(by_state=by_state, messages=len(spids))
-        states = selector.states or tuple(QueueState)
-        for ctrl in self._controls(states, selector):
-            for e in ctrl.entries():
-                if selector.matches(e):
-                    by_state[e.state] += 1
-                    spids.add(e.spid)
-        return Counts(by_state=by_state, messages=len(spids))
-
-    def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
-              ) -> dict[str, list[int]]:
-        edges = list(edges_s)
-        out: dict[str, list[int]] = {}
-        for ctrl in self._controls(selector.states or tuple(QueueState), selector):
-            for e in ctrl.entries():
-                if not selector.matches(e):
-                    continue
-                age = now - e.arrival_at
-                bucket = next((i for i, edge in enumerate(edges) if age < edge), len(edges))
-                out.setdefault(e.domain, [0] * (len(edges) + 1))[bucket] += 1
-        return out
-
-    def open_content(self, spid: str) -> IO[bytes]:
-        try:
-            return self.spool.open(spid)
-        except OSError as exc:
-            raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
 
     # -- life -----------------------------------------------------------------------------
 
@@ -1606,53 +596,4 @@ class FsStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-class _NameFilter:
-    """Whether a file of a given name may hold entries a selector picks.
-
-    Built once per listing: a selection of thousands of queue ids is a set
-    lookup per name, not a scan of the ids.
-    """
-
-    __slots__ = ("domain", "spids")
-
-    def __init__(self, selector: Selector | None) -> None:
-        self.spids: frozenset[str] | None = None
-        self.domain: str | None = None
-        if selector is not None:
-            if selector.qids:
-                self.spids = frozenset(parse_qid(q)[0] for q in selector.qids)
-            if selector.domain is not None:
-                self.domain = _enc_domain(selector.domain)
-
-    def __call__(self, parsed: _Name) -> bool:
-        if self.spids is not None and parsed.spid not in self.spids:
-            return False
-        return self.domain is None or parsed.domain == self.domain
-
-
-def _names_suffice(selector: Selector) -> bool:
-    """Whether counting by names alone answers the selector exactly."""
-    return (not selector.qids and selector.sender is None and selector.recipient is None
-            and selector.tenantid is None and selector.jobid is None
-            and selector.transportid is None
-            and (selector.domain is None or len(_enc_domain(selector.domain)) < _DOMAIN_MAX))
-
-
-class _LateFailure(OSError):
-    """A commit failed after its first changes may have become visible."""
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-    except BaseException:
-        os.close(fd)
-        _unlink(path)
-        raise
-    os.close(fd)
 

@@ -1,0 +1,174 @@
+"""The queue manager's recorder: attempt outcomes into the store, NDR runs, claims given back.
+
+SUMMARY
+    recorder = Recorder(queue, stats, health, spawn=..., io=..., notify_mail=...)
+    recorder.record(results); recorder.bounce_soon(); await recorder.release(entries)
+    await recorder.drain()          (when the manager stops)
+
+DESCRIPTION
+    Deliveries end with outcomes; the recorder applies them to the store
+    (sluice.queue.Queue.record: delivered entries leave, failures are
+    deferred or bounced) and counts them.  When some bounced, it runs the
+    NDR generation soon after (Queue.run_bounces) and tells the manager of
+    the NDRs it queued.  It also gives claims back (entries dropped from
+    memory, and every entry still held when the manager stops).
+
+STRATEGIES
+    Group commit again: outcomes that arrive while one batch commits
+    gather into the next.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
+    burst of bounces makes few runs.
+
+    A failing store is retried, not dropped.  A batch of outcomes that
+    cannot be applied (a full disk) is kept and tried again after the
+    back-off of its Trouble (sluice.runtime.parts): one warning, then a
+    reminder now and then, then one line when it works.  Only when the
+    manager stops are outcomes left unrecorded; their entries are still
+    claimed in the store and return at the next start (and may be
+    delivered twice, never lost).
+
+SEE ALSO
+    sluice.runtime.manager, sluice.queue, sluice.runtime.parts
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from sluice.model import PermFail, QueueEntry, QueueState, TempFail
+from sluice.queue import AttemptResult, Queue
+from sluice.runtime.parts import Health
+
+__all__ = ["Recorder"]
+
+log = logging.getLogger("sluice.manager")
+
+T = TypeVar("T")
+
+#: How long an NDR run waits for more bounces to gather.
+BOUNCE_GATHER_S = 0.2
+
+
+class Counters(Protocol):
+    """The manager's counters the recorder keeps (ManagerStats)."""
+
+    delivered: int
+    deferred: int
+    bounced: int
+
+
+class Recorder:
+    """Outcomes to the store in batches; NDR runs; claims given back."""
+
+    def __init__(self, queue: Queue, stats: Counters, health: Health, *,
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None] | None],
+                 io: Callable[..., Awaitable[Any]],
+                 notify_mail: Callable[[int], None],
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self.queue = queue
+        self.stats = stats
+        self._spawn = spawn
+        self._io = io
+        self._notify_mail = notify_mail
+        self._sleep = sleep
+        self._pending: list[AttemptResult] = []
+        self._task: asyncio.Task[None] | None = None
+        self._bounce_pending = False
+        self._stopping = False
+        self._recording = health.part("recording outcomes")
+        self._bouncing = health.part("queueing NDRs")
+        self._releasing = health.part("giving claims back")
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The batch being recorded, if any."""
+        return self._task
+
+    def record(self, results: Iterable[AttemptResult]) -> None:
+        """Queue outcomes for the store (not waited for)."""
+        self._pending.extend(results)
+        if self._task is None or self._task.done():
+            self._task = self._spawn(self._flush())
+
+    def failed(self, exc: BaseException) -> None:
+        """A store change of the manager's own failed (held or dropped by a hook)."""
+        self._recording.failed(exc)
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                applied = await self._io(self.queue.record, batch)
+            except Exception as exc:
+                delay = self._recording.failed(exc)
+                if self._stopping:
+                    # The entries stay claimed and return at the next start.
+                    log.warning("%d outcomes not recorded; their entries return at the next "
+                                "start", len(batch))
+                    return
+                self._pending[:0] = batch
+                await self._sleep(delay)
+                continue
+            self._recording.ok()
+            bounced = False
+            for res, state in applied:
+                match res.outcome:
+                    case PermFail():
+                        self.stats.bounced += 1
+                    case TempFail():
+                        self.stats.deferred += 1
+                    case _:
+                        self.stats.delivered += 1
+                if state is QueueState.BOUNCE:
+                    bounced = True
+            if bounced:
+                self.bounce_soon()
+
+    def bounce_soon(self) -> None:
+        """Queue the NDRs of bounced entries in a moment."""
+        if self._bounce_pending or self._stopping:
+            return
+        self._bounce_pending = True
+        if self._spawn(self._run_bounces()) is None:
+            self._bounce_pending = False
+
+    async def _run_bounces(self) -> None:
+        try:
+            await asyncio.sleep(BOUNCE_GATHER_S)
+        finally:
+            self._bounce_pending = False
+        try:
+            queued = await self._io(self.queue.run_bounces)
+        except Exception as exc:
+            # The expiry sweep looks for bounces left over and tries again.
+            self._bouncing.failed(exc)
+            return
+        self._bouncing.ok()
+        if queued:
+            self._notify_mail(queued)
+
+    async def release(self, entries: Sequence[QueueEntry]) -> None:
+        """Give claims back untried (they return at the next start if this fails)."""
+        if not entries:
+            return
+        try:
+            await self._io(self.queue.release_claims, list(entries))
+        except Exception as exc:
+            self._releasing.failed(exc)
+        else:
+            self._releasing.ok()
+
+    async def drain(self) -> None:
+        """The manager stops: record what is pending, once, without retrying."""
+        self._stopping = True
+        if self._task is not None:
+            if self._recording.failing:
+                self._task.cancel()  # waiting out a back-off: its batch is pending again
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._pending:
+            try:
+                await self._flush()
+            except Exception:
+                log.exception("recording outcomes while stopping failed")

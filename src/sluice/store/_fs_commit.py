@@ -1,0 +1,422 @@
+"""The filesystem flavour's commit: group commit, journals, content links, the change feed.
+
+SUMMARY
+    Committing, a part of FsStore: _op(work) queues an operation for the
+    committer thread; _commit(batch) runs a batch under the queue's lock
+    and makes it durable in the order sluice.store.fs gives.
+
+DESCRIPTION
+    One committer thread per process takes every operation that queued up
+    and runs them against one Batch under an exclusive flock on ``lock``,
+    so several processes may share the tree.  Then: temporary files and
+    content links, fsynced in parallel with the batch's spool files and
+    the change feed; the journal, the commit point of a batch that changes
+    several files; renames into place; every directory touched; the
+    journal removed, content that lost its last link deleted.  The next
+    writer of any process replays a journal a crash left behind.
+
+    Content lifetime by link count: every control file of a message has a
+    hard link to the message's spool file; reconcile() (run by recover)
+    makes the links equal the control files and removes orphaned content.
+
+SEE ALSO
+    sluice.store.fs (the layout and the order of a commit),
+    sluice.store._commit (the group committer), sluice.store._fs_batch
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import itertools
+import json
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from sluice.model import QueueState
+from sluice.spool import SpoolFile
+from sluice.spool.fs import FsSpool
+from sluice.store import StorageError
+from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths, in_parallel
+from sluice.store._fs_batch import Batch, Effects
+from sluice.store._fs_files import (
+    REF_RE,
+    STATE_DIRS,
+    Name,
+    listdir,
+    read_control,
+    unlink,
+    write_file,
+)
+
+#: How long content without control files must have existed before
+#: recover() removes it: a submitter in another process may be between its
+#: spool write and its commit.
+ORPHAN_AGE_S = 3600.0
+
+
+class LateFailure(OSError):
+    """A commit failed after its first changes may have become visible."""
+
+
+class Committing:
+    """The commit machinery of FsStore (a mixin: FsStore sets the attributes)."""
+
+    root: Path
+    spool: FsSpool
+    _rw: RWLock
+    _closed: bool
+    _lock_fd: int
+    _committer: GroupCommitter
+    _batch_no: itertools.count[int]
+    _seq_cache: tuple[int, int]
+
+    def dir_for(self, state: QueueState, next_at: float) -> str:
+        raise NotImplementedError  # FsStore's
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            raise StorageError(f"cannot lock the queue at {self.root}: {exc}") from exc
+        try:
+            self._replay_journals()
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _clean_tmp(self, now: float) -> None:
+        """Remove temporary files of batches that never reached their commit point.
+
+        Only old ones: submitters of any process write theirs before they
+        queue for the lock.
+        """
+        for name in listdir(self.root / "tmp"):
+            path = self.root / "tmp" / name
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime < now - ORPHAN_AGE_S:
+                    unlink(path)
+
+    def _write_small(self, path: Path, text: str) -> None:
+        tmp = self.root / "tmp" / f"{path.name}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_paths([str(path.parent)])
+
+    # -- journals -------------------------------------------------------------------------
+
+    def _replay_journals(self) -> None:
+        names = listdir(self.root / "journal")
+        if not names:
+            return
+        for name in sorted(names):
+            path = self.root / "journal" / name
+            try:
+                lines = path.read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            if not lines or lines[-1] != "END":
+                unlink(path)  # torn: the batch never reached its commit point
+                continue
+            dirs: set[str] = set()
+            for line in lines[:-1]:
+                item = json.loads(line)
+                if "c" in item:
+                    tmp, final = item["c"]
+                    if (self.root / tmp).exists():
+                        (self.root / final).parent.mkdir(parents=True, exist_ok=True)
+                        os.rename(self.root / tmp, self.root / final)
+                        dirs.add(str((self.root / final).parent))
+                elif "u" in item:
+                    rel, gen = item["u"]
+                    ctrl = read_control(self.root, rel)
+                    if ctrl is not None and ctrl.gen == gen:
+                        unlink(self.root / rel)
+                        dirs.add(str((self.root / rel).parent))
+            dirs.add(str(self.root / "deferred"))
+            fsync_paths(dirs)
+            unlink(path)
+        fsync_paths([str(self.root / "journal")])
+
+    # -- the committer --------------------------------------------------------------------
+
+    def _op(self, work: Callable[[Batch], Any], files: Sequence[SpoolFile] = (),
+            prepared: Sequence[str] = ()) -> concurrent.futures.Future[Any]:
+        if self._closed:
+            raise StorageError("the store is closed")
+        return self._committer.submit(work, files, extra=list(prepared))
+
+    def _call(self, work: Callable[[Batch], Any]) -> Any:
+        return self._op(work).result()
+
+    def _commit(self, batch: list[Op]) -> None:
+        try:
+            with self._locked():
+                self._commit_locked(batch)
+        except StorageError as exc:
+            self._fail(batch, exc)
+        except OSError as exc:
+            self._fail(batch, StorageError(f"queue commit failed: {exc}"))
+
+    def _dropped(self, op: Op) -> None:
+        """A submission cancelled before its batch: forget what it wrote."""
+        for f in op.files:
+            self.spool.discard(f)
+        for tmp in op.extra or ():
+            unlink(self.root / tmp)
+
+    def _fail(self, batch: Sequence[Op], err: BaseException) -> None:
+        for op in batch:
+            if not op.future.done():
+                for f in op.files:
+                    self.spool.discard(f)
+                for tmp in op.extra or ():
+                    unlink(self.root / tmp)
+                op.future.set_exception(err)
+
+    def _commit_locked(self, batch: list[Op]) -> None:
+        view = Batch(self)
+        results: list[tuple[Op, Any, BaseException | None]] = []
+        for op in batch:
+            mark = view.begin()
+            try:
+                value = op.work(view)
+            except Exception as exc:
+                view.rollback(mark)
+                results.append((op, None, exc))
+            else:
+                view.end()
+                results.append((op, value, None))
+        failed = [op for op, _, failure in results if failure is not None]
+        fx = view.effects()
+        files = [f for op in batch if op not in failed for f in op.files]
+        try:
+            self._durable(view, fx, files)
+        except LateFailure as exc:
+            # Some of the batch may be in place (or will be, by its journal):
+            # keep every spool file; recover() removes the ones nobody uses.
+            err = StorageError(f"queue commit failed: {exc.__cause__ or exc}")
+            for op in batch:
+                if not op.future.done():
+                    op.future.set_exception(err)
+            return
+        except OSError as exc:
+            err = StorageError(f"queue commit failed: {exc.strerror or exc}")
+            self._fail(batch, err)
+            return
+        for op in failed:
+            for f in op.files:
+                self.spool.discard(f)
+        # Files submitters wrote that the batch did not use (failed, or changed
+        # again within the batch).
+        used = {ctrl.prepared for ctrl, _ in fx.creates if ctrl.prepared}
+        in_parallel(unlink, [self.root / tmp for op in batch for tmp in op.extra or ()
+                              if tmp not in used])
+        for op, value, failure in results:
+            if failure is None:
+                op.future.set_result(value)
+            else:
+                op.future.set_exception(failure)
+
+    def _durable(self, view: Batch, fx: Effects, files: list[SpoolFile]) -> None:
+        """Make the batch's effects durable, in the order the module doc gives."""
+        root = self.root
+        batch_id = f"{os.getpid()}.{next(self._batch_no)}"
+        temps: list[tuple[str, str]] = []
+        written: list[str] = []
+        try:
+            # 1. Temporary files (submitters wrote theirs already; the rest are
+            #    written together), content links, change feed; one fsync round.
+            todo: list[tuple[Path, bytes]] = []
+            for k, (ctrl, final) in enumerate(fx.creates):
+                if ctrl.prepared:
+                    temps.append((ctrl.prepared, final))
+                    continue
+                tmp = f"tmp/{batch_id}.{k}.tmp"
+                todo.append((root / tmp, ctrl.dump()))
+                written.append(tmp)
+                temps.append((tmp, final))
+            in_parallel(lambda job: write_file(*job), todo)
+            sync: list[str] = [str(root / t) for t, _ in temps]
+            if temps:
+                sync.append(str(root / "tmp"))
+            in_parallel(lambda ref: self._add_ref(*ref), sorted(fx.ref_adds))
+            sync += sorted({str(self.spool.directory(spid)) for spid, _ in fx.ref_adds})
+            if view.changes:
+                sync.append(self._append_changes(view.changes))
+            if files:
+                fsync_paths(sync, also=lambda: self.spool.sync(files))
+            elif sync:
+                fsync_paths(sync)
+            if not fx and not view.after:
+                return
+            # 2. The journal: the commit point of a batch that changes several files.
+            journal = None
+            if view.needs_journal and (len(fx.creates) + len(fx.unlinks)) >= 2:
+                journal = root / "journal" / f"{batch_id}.jnl"
+                lines = [json.dumps({"c": [t, f]}) for t, f in temps]
+                lines += [json.dumps({"u": [p, g]}) for p, g in fx.unlinks]
+                write_file(journal, ("\n".join([*lines, "END"]) + "\n").encode())
+                fsync_paths([str(journal), str(root / "journal")])
+        except OSError:
+            for tmp in written:
+                unlink(root / tmp)
+            for ctrl, _ in fx.creates:
+                if ctrl.prepared:
+                    unlink(root / ctrl.prepared)
+            raise
+        try:
+            self._into_place(view, fx, temps, journal)
+        except Exception as exc:
+            raise LateFailure(str(exc)) from exc
+
+    def _into_place(self, view: Batch, fx: Effects, temps: list[tuple[str, str]],
+                    journal: Path | None) -> None:
+        root = self.root
+        # 3. Into place.  Readers of this process wait; other processes see files move.
+        dirs: set[str] = set()
+        renames = [(root / tmp, root / final) for tmp, final in temps]
+        renames += [(root / src, root / dst) for src, dst in fx.moves]
+        with self._rw.writing():
+            for target_dir in {dst.parent for _, dst in renames}:
+                if not target_dir.is_dir():
+                    target_dir.mkdir(parents=True, exist_ok=True)
+                    dirs.add(str(target_dir.parent))
+            # Independent renames: issued together, they share journal commits.
+            in_parallel(lambda pair: os.rename(*pair), renames)
+            in_parallel(unlink, [root / rel for rel, _ in fx.unlinks])
+        dirs.update(str(dst.parent) for _, dst in renames)
+        dirs.update(str(src.parent) for src, _ in renames[len(temps):])
+        dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
+        # 4. Every directory touched.
+        fsync_paths(dirs)
+        # 5. Done: the journal may go; so may links and content of what left.
+        if journal is not None:
+            unlink(journal)
+        with self._rw.writing():
+            in_parallel(unlink, [self.spool.directory(spid) / f"{spid}-{idx0}.ref"
+                                  for spid, idx0 in fx.ref_drops])
+            in_parallel(self._drop_if_unused, sorted({spid for spid, _ in fx.ref_drops}))
+            emptied = {rel.split("/")[1] for rel, _ in fx.unlinks if rel.startswith("deferred/")}
+            emptied |= {src.split("/")[1] for src, _ in fx.moves if src.startswith("deferred/")}
+            for t in emptied:
+                with contextlib.suppress(OSError):
+                    os.rmdir(root / "deferred" / t)
+            for hook in view.after:
+                hook()
+
+    def _drop_if_unused(self, spid: str) -> None:
+        """Delete a message's content once no control file links to it."""
+        try:
+            links = os.stat(self.spool.path(spid)).st_nlink
+        except FileNotFoundError:
+            return
+        if links <= 1:
+            # Nothing links to it any more, so nothing can again: the unlink
+            # itself may come a moment later, on the spool's own thread.
+            self.spool.delete_soon([spid])
+
+    def _add_ref(self, spid: str, idx0: int) -> None:
+        ref = self.spool.directory(spid) / f"{spid}-{idx0}.ref"
+        with contextlib.suppress(FileExistsError):
+            os.link(self.spool.path(spid), ref)
+
+    def _append_changes(self, changes: list[tuple[float, str, str]]) -> str:
+        path = self.root / "changes.log"
+        seq = self._last_seq()
+        lines = []
+        for at, qid, action in changes:
+            seq += 1
+            lines.append(f"{seq}\t{at!r}\t{qid}\t{action}\n")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            size = os.fstat(fd).st_size
+            prefix = ""
+            if size:
+                with open(path, "rb") as f:
+                    f.seek(size - 1)
+                    if f.read(1) != b"\n":
+                        prefix = "\n"  # a torn last line from a crash
+            data = (prefix + "".join(lines)).encode()
+            os.write(fd, data)
+            self._seq_cache = (size + len(data), seq)
+        finally:
+            os.close(fd)
+        return str(path)
+
+    def _last_seq(self) -> int:
+        path = self.root / "changes.log"
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        if size == self._seq_cache[0]:
+            return self._seq_cache[1]
+        with open(path, "rb") as f:
+            f.seek(max(0, size - 4096))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+        seq = 0
+        for line in reversed(tail):
+            parts = line.split("\t")
+            if len(parts) == 4 and parts[0].isdigit():
+                seq = int(parts[0])
+                break
+        self._seq_cache = (size, seq)
+        return seq
+
+    def _reconcile(self, now: float) -> None:
+        """Content links equal control files; content without any is removed."""
+        controls: dict[str, set[int]] = defaultdict(set)
+        for rel_dir in self._all_dirs():
+            for name in listdir(self.root / rel_dir):
+                parsed = Name.parse(name)
+                if parsed is not None:
+                    controls[parsed.spid].add(parsed.idx0)
+        msgs: dict[str, float] = {}
+        refs: dict[str, set[int]] = defaultdict(set)
+        stack = [self.spool.root]
+        while stack:
+            top = stack.pop()
+            try:
+                with os.scandir(top) as it:
+                    for entry in it:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(Path(entry.path))
+                        elif entry.name.endswith(".msg"):
+                            with contextlib.suppress(FileNotFoundError):
+                                msgs[entry.name[:-4]] = entry.stat().st_mtime
+                        else:
+                            m = REF_RE.match(entry.name)
+                            if m:
+                                refs[m.group(1)].add(int(m.group(2)))
+            except FileNotFoundError:
+                continue
+        for spid in set(msgs) | set(refs):
+            want = controls.get(spid, set())
+            if not want:
+                if spid in msgs and now - msgs[spid] < ORPHAN_AGE_S:
+                    continue  # maybe a submission of another process, not yet committed
+                for idx0 in refs.get(spid, set()):
+                    unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
+                if spid in msgs:
+                    self.spool.delete(spid)
+                continue
+            for idx0 in refs.get(spid, set()) - want:
+                unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
+            if spid in msgs:
+                for idx0 in want - refs.get(spid, set()):
+                    self._add_ref(spid, idx0)
+
+    def _all_dirs(self) -> list[str]:
+        out = [d for s, d in STATE_DIRS.items() if s is not QueueState.DEFERRED]
+        out += [f"deferred/{t}" for t in listdir(self.root / "deferred") if t.isdigit()]
+        return out
+

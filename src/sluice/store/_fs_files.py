@@ -1,0 +1,270 @@
+"""The filesystem flavour's control files: their names, their format, one file read or written.
+
+SUMMARY
+    Control, Meta, Rcpt (one control file and its parts), Name and
+    parse_name (what a file name tells), read_control, write_file,
+    NameFilter, STATE_DIRS.
+
+DESCRIPTION
+    A control file holds the recipients of one message for one destination
+    domain, all in one state.  Its name carries the SPID, the first
+    recipient index, the number of recipients, the priority and the
+    domain (``<SPID>-<first index>+<recipients>p<priority>@<domain>.mmq``),
+    so counting and selecting by queue id or domain read names only; its
+    content is one JSON object.  sluice.store.fs describes the whole tree.
+
+STRATEGIES
+    Names are parsed with string operations, not a regular expression,
+    and cached: a refill lists the same names batch after batch, qcount
+    lists them all.
+
+SEE ALSO
+    sluice.store.fs (the store), sluice.store._fs_batch (a batch's view)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid
+from sluice.store import StorageError
+
+LAYOUT_VERSION = 1
+
+#: State directories (deferred has one level more: deferred/<T>/).
+STATE_DIRS: dict[QueueState, str] = {
+    QueueState.INCOMING: "incoming",
+    QueueState.DEFERRED: "deferred",
+    QueueState.BOUNCE: "bounces",
+    QueueState.HOLD: "hold",
+    QueueState.ACTIVE: "active",
+    QueueState.DELIVERING: "delivering",
+}
+DIR_STATES = {d: s for s, d in STATE_DIRS.items()}
+
+SUFFIX = ".mmq"
+DOMAIN_MAX = 160
+REF_RE = re.compile(r"^([0-9A-F]{8,32})-(\d{1,6})\.ref$")
+
+
+def enc_domain(domain: str) -> str:
+    return quote(domain, safe="-._[]:")[:DOMAIN_MAX]
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    spid: str
+    idx0: int
+    n: int
+    priority: int
+    domain: str  # encoded, maybe shortened
+
+    @classmethod
+    def parse(cls, name: str) -> Name | None:
+        return parse_name(name)
+
+
+HEXUP = frozenset("0123456789ABCDEF")
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def parse_name(name: str) -> Name | None:
+    # String operations rather than a regular expression, and cached: a
+    # refill lists the same names batch after batch, qcount lists them all.
+    if not name.endswith(SUFFIX):
+        return None
+    head, at, domain = name[:-len(SUFFIX)].partition("@")
+    spid, dash, rest = head.partition("-")
+    idx0, plus, rest = rest.partition("+")
+    n, p, prio = rest.partition("p")
+    if not (at and dash and plus and p) or prio not in ("0", "1"):
+        return None
+    if not (8 <= len(spid) <= 32 and HEXUP.issuperset(spid)):
+        return None
+    if not (idx0.isdigit() and n.isdigit() and len(idx0) <= 6 and len(n) <= 6):
+        return None
+    return Name(spid, int(idx0), int(n), int(prio), domain)
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Message-level fields, the same in every control file of a message."""
+
+    sender: str
+    arrival_at: float
+    tenantid: str
+    jobid: str
+    transportid: str
+    localip: tuple[str, ...]
+    is_report: bool
+    size: int
+    smtputf8: bool = False
+
+
+@dataclass(slots=True)
+class Rcpt:
+    idx: int
+    rcpt: str
+    attempts: int = 0
+    reply: Reply | None = None
+
+
+@dataclass(slots=True)
+class Control:
+    """One control file: recipients of one message and domain, one state."""
+
+    spid: str
+    domain: str
+    state: QueueState
+    next_at: float
+    priority: int
+    meta: Meta
+    rcpts: list[Rcpt]
+    gen: str = ""
+    path: str = ""  # relative to the root, "" while not yet placed
+    prepared: str = ""  # a temporary file already holding dump(), relative to the root
+
+    def name(self) -> str:
+        return (f"{self.spid}-{self.rcpts[0].idx}+{len(self.rcpts)}p{self.priority}"
+                f"@{enc_domain(self.domain)}{SUFFIX}")
+
+    def entries(self) -> list[QueueEntry]:
+        m = self.meta
+        return [
+            QueueEntry(
+                spid=self.spid, idx=r.idx, sender=m.sender, recipient=r.rcpt,
+                state=self.state, arrival_at=m.arrival_at, next_attempt_at=self.next_at,
+                attempts=r.attempts, last_reply=r.reply, priority=self.priority,
+                tenantid=m.tenantid, jobid=m.jobid, transportid=m.transportid,
+                localip=m.localip, is_report=m.is_report, size=m.size, domain=self.domain,
+                smtputf8=m.smtputf8,
+            )
+            for r in self.rcpts
+        ]
+
+    def same_content(self, other: Control) -> bool:
+        return (self.next_at == other.next_at and self.priority == other.priority
+                and self.rcpts == other.rcpts)
+
+    def dump(self) -> bytes:
+        m = self.meta
+        doc = {
+            "v": LAYOUT_VERSION, "gen": self.gen, "spid": self.spid, "domain": self.domain,
+            "next_at": self.next_at, "priority": self.priority, "sender": m.sender,
+            "arrival_at": m.arrival_at, "tenantid": m.tenantid, "jobid": m.jobid,
+            "transportid": m.transportid, "localip": list(m.localip),
+            "is_report": m.is_report, "size": m.size, "smtputf8": m.smtputf8,
+            "rcpts": [[r.idx, r.rcpt, r.attempts,
+                       None if r.reply is None else r.reply.to_record()]
+                      for r in self.rcpts],
+        }
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+    @classmethod
+    def load(cls, data: bytes, state: QueueState, path: str) -> Control:
+        doc = json.loads(data)
+        meta = Meta(doc["sender"], doc["arrival_at"], doc["tenantid"], doc["jobid"],
+                     doc["transportid"], tuple(doc["localip"]), doc["is_report"], doc["size"],
+                     # Absent from files written before Sluice kept the flag.
+                     doc.get("smtputf8", False))
+        rcpts = [Rcpt(r[0], r[1], r[2], None if r[3] is None else Reply.from_record(r[3]))
+                 for r in doc["rcpts"]]
+        return cls(doc["spid"], doc["domain"], state, doc["next_at"], doc["priority"], meta,
+                   rcpts, doc["gen"], path)
+
+
+gen_counter = itertools.count()
+
+
+def new_gen() -> str:
+    return f"{os.getpid():x}.{time.time_ns():x}.{next(gen_counter):x}"
+
+
+def state_of(rel: str) -> QueueState:
+    return DIR_STATES[rel.split("/", 1)[0]]
+
+
+def read_control(root: Path, rel: str) -> Control | None:
+    try:
+        data = (root / rel).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StorageError(f"cannot read {root / rel}: {exc}") from exc
+    try:
+        return Control.load(data, state_of(rel), rel)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise StorageError(f"{root / rel} is not a control file: {exc}") from exc
+
+
+def listdir(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise StorageError(f"cannot list {path}: {exc}") from exc
+
+
+def unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+
+
+class NameFilter:
+    """Whether a file of a given name may hold entries a selector picks.
+
+    Built once per listing: a selection of thousands of queue ids is a set
+    lookup per name, not a scan of the ids.
+    """
+
+    __slots__ = ("domain", "spids")
+
+    def __init__(self, selector: Selector | None) -> None:
+        self.spids: frozenset[str] | None = None
+        self.domain: str | None = None
+        if selector is not None:
+            if selector.qids:
+                self.spids = frozenset(parse_qid(q)[0] for q in selector.qids)
+            if selector.domain is not None:
+                self.domain = enc_domain(selector.domain)
+
+    def __call__(self, parsed: Name) -> bool:
+        if self.spids is not None and parsed.spid not in self.spids:
+            return False
+        return self.domain is None or parsed.domain == self.domain
+
+
+def names_suffice(selector: Selector) -> bool:
+    """Whether counting by names alone answers the selector exactly."""
+    return (not selector.qids and selector.sender is None and selector.recipient is None
+            and selector.tenantid is None and selector.jobid is None
+            and selector.transportid is None
+            and (selector.domain is None or len(enc_domain(selector.domain)) < DOMAIN_MAX))
+
+
+
+def write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    except BaseException:
+        os.close(fd)
+        unlink(path)
+        raise
+    os.close(fd)
+

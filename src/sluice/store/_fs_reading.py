@@ -1,0 +1,237 @@
+"""The filesystem flavour's readers: listing, counting, qshape, expiry, the change feed.
+
+SUMMARY
+    Reading, a part of FsStore: get, entries, count, shape, expired,
+    due_at, changes_since, open_content.
+
+DESCRIPTION
+    Readers walk the tree without the queue's lock.  In-process readers
+    take the store's read lock per piece of work (never while a caller
+    holds a generator suspended), so they see whole batches; a reader in
+    another process may see a file between two directories while a batch
+    is applied.  Counting reads directory names only (the state is the
+    directory, the recipient count is in the name); selections by sender,
+    tenant, job or transport, qshape and expiry read the files.
+
+SEE ALSO
+    sluice.store.fs, sluice.store._fs_files
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+from sluice.model import QueueEntry, QueueState, Selector, parse_qid
+from sluice.spool.fs import FsSpool
+from sluice.store import Action, Change, Counts, StorageError
+from sluice.store._commit import RWLock
+from sluice.store._fs_files import (
+    STATE_DIRS,
+    SUFFIX,
+    Control,
+    Name,
+    NameFilter,
+    listdir,
+    names_suffice,
+    parse_name,
+    read_control,
+    state_of,
+)
+
+
+class Reading:
+    """The read side of FsStore (a mixin: FsStore sets the attributes)."""
+
+    root: Path
+    spool: FsSpool
+    _rw: RWLock
+    _feed_cursor: tuple[tuple[int, int], int, int]
+
+    def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
+                ) -> list[QueueEntry]:
+        out: list[QueueEntry] = []
+        for ctrl in self._controls((QueueState.DEFERRED,)):
+            cutoff = reports_cutoff_at if ctrl.meta.is_report else cutoff_at
+            if ctrl.meta.arrival_at <= cutoff:
+                out += ctrl.entries()
+                if len(out) >= limit:
+                    return out[:limit]
+        return out
+
+    def due_at(self) -> float | None:
+        with self._rw.reading():
+            for t in sorted(int(d) for d in listdir(self.root / "deferred") if d.isdigit()):
+                times = []
+                for name in listdir(self.root / "deferred" / str(t)):
+                    if name.endswith(SUFFIX):
+                        ctrl = read_control(self.root, f"deferred/{t}/{name}")
+                        if ctrl is not None:
+                            times.append(ctrl.next_at)
+                if times:
+                    return min(times)
+        return None
+
+    def changes_since(self, seq: int) -> tuple[int, list[Change]]:
+        path = self.root / "changes.log"
+        out: list[Change] = []
+        top = seq
+        try:
+            with open(path, "rb") as f:
+                # A queue manager polls with the seq we answered last time:
+                # start where that answer ended, unless the file was rewritten.
+                st = os.fstat(f.fileno())
+                inode, last_seq, offset = self._feed_cursor
+                if inode == (st.st_dev, st.st_ino) and seq == last_seq and offset <= st.st_size:
+                    f.seek(offset)
+                end = f.tell()
+                for raw in f:
+                    if not raw.endswith(b"\n"):
+                        break  # a line being written: next time
+                    end += len(raw)
+                    parts = raw.decode("utf-8", "replace").rstrip("\n").split("\t")
+                    if len(parts) != 4 or not parts[0].isdigit():
+                        continue
+                    n = int(parts[0])
+                    if n <= seq:
+                        continue
+                    with contextlib.suppress(ValueError):
+                        out.append(Change(n, parts[2], Action(parts[3])))
+                        top = max(top, n)
+                self._feed_cursor = ((st.st_dev, st.st_ino), top, end)
+        except FileNotFoundError:
+            pass
+        return top, out
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _dirs(self, states: Iterable[QueueState]) -> list[str]:
+        out = []
+        for state in dict.fromkeys(states):
+            if state is QueueState.DEFERRED:
+                out += [f"deferred/{t}" for t in
+                        sorted(int(d) for d in listdir(self.root / "deferred") if d.isdigit())]
+            else:
+                out.append(STATE_DIRS[state])
+        return out
+
+    def _names(self, states: Iterable[QueueState], selector: Selector | None = None
+               ) -> list[tuple[Name, str]]:
+        """(parsed name, relative path) of every control file in ``states``."""
+        out = []
+        may_match = NameFilter(selector)
+        for rel_dir in self._dirs(states):
+            for name in listdir(self.root / rel_dir):
+                parsed = parse_name(name)
+                if parsed is not None and may_match(parsed):
+                    out.append((parsed, f"{rel_dir}/{name}"))
+        return out
+
+    def _controls(self, states: Iterable[QueueState], selector: Selector | None = None
+                  ) -> Iterator[Control]:
+        """Every control file in ``states`` the selector may pick, read in pieces.
+
+        The read lock is held per piece, never while the caller has the
+        generator suspended, so a caller may write to the store meanwhile.
+        """
+        with self._rw.reading():
+            found = self._names(states, selector)
+        for start in range(0, len(found), 500):
+            with self._rw.reading():
+                piece = [read_control(self.root, rel) for _, rel in found[start:start + 500]]
+            yield from (c for c in piece if c is not None)
+
+    def get(self, qid: str) -> QueueEntry | None:
+        spid, idx = parse_qid(qid)
+        if idx is None:
+            raise ValueError(f"get() needs a full queue id, not a SPID: {qid!r}")
+        for ctrl in self._controls(tuple(QueueState), Selector(qids=(spid,))):
+            for e in ctrl.entries():
+                if e.idx == idx:
+                    return e
+        return None
+
+    def entries(self, selector: Selector, *, after: str | None = None,
+                limit: int | None = None) -> Iterator[QueueEntry]:
+        states = selector.states or tuple(QueueState)
+        cursor: tuple[str, int] | None = None
+        if after is not None:
+            spid, idx = parse_qid(after)
+            cursor = (spid, -1 if idx is None else idx)
+        with self._rw.reading():
+            found = self._names(states, selector)
+        groups: dict[str, list[str]] = defaultdict(list)
+        for parsed, rel in found:
+            if cursor is None or parsed.spid >= cursor[0]:
+                groups[parsed.spid].append(rel)
+        remaining = limit
+        spids = sorted(groups)
+        page = 200
+        for start in range(0, len(spids), page):
+            out: list[QueueEntry] = []
+            with self._rw.reading():
+                for spid in spids[start:start + page]:
+                    message: list[QueueEntry] = []
+                    for rel in groups[spid]:
+                        ctrl = read_control(self.root, rel)
+                        if ctrl is not None:
+                            message += ctrl.entries()
+                    message.sort(key=lambda e: e.idx)
+                    out += [e for e in message if selector.matches(e)
+                            and (cursor is None or (e.spid, e.idx) > cursor)]
+            for e in out:
+                if remaining is not None:
+                    if remaining <= 0:
+                        return
+                    remaining -= 1
+                yield e
+
+    def count(self, selector: Selector | None = None) -> Counts:
+        by_state = {s: 0 for s in QueueState}
+        spids: set[str] = set()
+        if selector is None or selector.is_empty or names_suffice(selector):
+            states = tuple(QueueState) if selector is None or not selector.states \
+                else selector.states
+            may_match = NameFilter(selector)
+            with self._rw.reading():
+                for rel_dir in self._dirs(states):
+                    state = state_of(rel_dir)
+                    n = 0
+                    for name in listdir(self.root / rel_dir):
+                        parsed = parse_name(name)
+                        if parsed is not None and may_match(parsed):
+                            n += parsed.n
+                            spids.add(parsed.spid)
+                    by_state[state] += n
+            return Counts(by_state=by_state, messages=len(spids))
+        states = selector.states or tuple(QueueState)
+        for ctrl in self._controls(states, selector):
+            for e in ctrl.entries():
+                if selector.matches(e):
+                    by_state[e.state] += 1
+                    spids.add(e.spid)
+        return Counts(by_state=by_state, messages=len(spids))
+
+    def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
+              ) -> dict[str, list[int]]:
+        edges = list(edges_s)
+        out: dict[str, list[int]] = {}
+        for ctrl in self._controls(selector.states or tuple(QueueState), selector):
+            for e in ctrl.entries():
+                if not selector.matches(e):
+                    continue
+                age = now - e.arrival_at
+                bucket = next((i for i, edge in enumerate(edges) if age < edge), len(edges))
+                out.setdefault(e.domain, [0] * (len(edges) + 1))[bucket] += 1
+        return out
+
+    def open_content(self, spid: str) -> IO[bytes]:
+        try:
+            return self.spool.open(spid)
+        except OSError as exc:
+            raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
+
