@@ -35,7 +35,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 import psycopg
 import yaml
 
+from sluice._loopback import free_port
 from sluice.cluster._redisserver import RedisServer
 from sluice.cluster.shared_limits import SharedLimits
 from sluice.scheduler import AcquireGrants, GrantRequest, Rate
@@ -61,13 +61,6 @@ CLK = os.sysconf("SC_CLK_TCK")
 
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def cpu_of_groups(pgids: set[int]) -> float:

@@ -6,7 +6,6 @@ import contextlib
 import os
 import select
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -17,13 +16,8 @@ from typing import Any
 
 import yaml
 
+from sluice._loopback import free_port
 from tests.conftest import ROOT, SLUICE, subprocess_env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:

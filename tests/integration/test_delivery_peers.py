@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import socketserver
 import ssl
 import subprocess
@@ -320,13 +319,6 @@ def mini_smtp(*, greeting: bytes | None = b"220 mini.test ESMTP\r\n",
             else:
                 writer.write(b"250 ok\r\n")
     return serve
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on (connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- TLS -----------------------------------------------------------------------------

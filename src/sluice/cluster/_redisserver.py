@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sluice._loopback import free_port
+
 __all__ = ["RedisServer", "RedisServerError", "find_redis"]
 
 
@@ -36,13 +38,6 @@ def find_redis() -> str | None:
     """The redis-server binary, or None."""
     return shutil.which("redis-server") or (
         "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class RedisServer:
@@ -69,7 +64,7 @@ class RedisServer:
         owns = base is None
         path = Path(tempfile.mkdtemp(prefix="sluice-redis-")) if base is None else Path(base)
         path.mkdir(parents=True, exist_ok=True)
-        server = cls(path, port or _free_port(), binary, owns)
+        server = cls(path, port or free_port(), binary, owns)
         server.run()
         return server
 

@@ -132,6 +132,9 @@ class ClusterAgent:
                                    postgres_reachable=None if self.nodes_store is None else True)
         self._commands: asyncio.Queue[Command] = asyncio.Queue()
         self._back_at: float | None = None  # came back from the fall-back, others maybe not
+        self._fell_at = 0.0  # when this node last fell back
+        self._others_shared = False  # told to the scheduler: others still take from Redis
+        self._fallen_nodes = 0  # live nodes told to the scheduler with the fall-back
         # Operator changes to and from the other nodes (the postgres queue only).
         self.change = change
         self.policy = policy
@@ -240,12 +243,18 @@ class ClusterAgent:
             self._commands.get_nowait()
         nodes = self.state.live_nodes or [self.node_id]
         rank = nodes.index(self.node_id) if self.node_id in nodes else 0
+        self._fell_at = self.clock()
+        # Until PostgreSQL shows the others fell back too, they may still
+        # take the whole limit from Redis (_watch_nodes says when not).
+        self._others_shared = self.nodes_store is not None and len(nodes) > 1
+        self._fallen_nodes = len(nodes)
         if isinstance(exc, ResponseError):  # not an outage: Redis refused what we sent
             log.error("cluster limits: Redis refused a request (%s)", one_line(exc))
         log.warning("cluster limits: Redis unreachable (%s); each limit is now this node's "
                     "share of it (%d live nodes, rank %d) until Redis answers again",
                     one_line(exc), len(nodes), rank)
-        self.post(ClusterModeChanged(False, len(nodes), rank, self.config.cluster.lease_ttl))
+        self.post(ClusterModeChanged(False, len(nodes), rank, self.config.cluster.lease_ttl,
+                                     others_shared=self._others_shared))
 
     def _come_back(self) -> None:
         self.state.shared = True
@@ -277,6 +286,8 @@ class ClusterAgent:
                         r.limits == "shared" and r.heartbeat_at > self._back_at for r in live):
                     self._back_at = None  # every node shares again: the come-back is over
                     self.post(ClusterModeChanged(True, transition_s=0.0))
+                if not self.state.shared:
+                    self._tell_others_mode(live)
                 for row in rows:
                     if row.id != self.node_id and row.heartbeat_at < now - c.node_lease:
                         await self._take_over(store, row.id, row.heartbeat_at, now)
@@ -285,6 +296,27 @@ class ClusterAgent:
                     log.warning("cluster: PostgreSQL heartbeat failed: %s", one_line(exc))
                 self.state.postgres_reachable = False
             await wait_stop(stop, c.heartbeat_interval)
+
+    def _tell_others_mode(self, live: list[Any]) -> None:
+        """Fallen back: tell the scheduler whether other live nodes may still
+        take from Redis (a node that has not said "fallback" since this one
+        fell back may), and the live nodes as they are now."""
+        others = any(r.id != self.node_id and not (
+            r.limits == "fallback" and r.heartbeat_at >= self._fell_at) for r in live)
+        nodes = self.state.live_nodes or [self.node_id]
+        if others == self._others_shared and len(nodes) == self._fallen_nodes:
+            return
+        if self._others_shared and not others:
+            log.warning("cluster limits: every live node has fallen back; each keeps its "
+                        "share of every limit")
+        elif others and not self._others_shared:
+            log.warning("cluster limits: other nodes still reach Redis; this node keeps to "
+                        "the leases it held and starts nothing rate-limited until they "
+                        "fall back too or Redis answers")
+        self._others_shared = others
+        self._fallen_nodes = len(nodes)
+        rank = nodes.index(self.node_id) if self.node_id in nodes else 0
+        self.post(ClusterModeChanged(False, len(nodes), rank, others_shared=others))
 
     async def _take_over(self, store: NodeStore, dead: str, beat_at: float,
                          now: float) -> None:

@@ -39,6 +39,7 @@ SEE ALSO
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import http.client
 import json
@@ -103,6 +104,7 @@ class _Http:
         self.parts = parts
         self.target = target
         self.local = threading.local()
+        self._made: list[http.client.HTTPConnection] = []  # every thread's, to close
 
     def _conn(self) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self.local, "conn", None)
@@ -112,7 +114,14 @@ class _Http:
             conn = cls(self.parts.hostname or "", self.parts.port,
                        timeout=self.target.timeout_s)
             self.local.conn = conn
+            self._made.append(conn)
         return conn
+
+    def close(self) -> None:
+        """Close every thread's connection (when the partition is done)."""
+        for conn in self._made:
+            conn.close()
+        self._made.clear()
 
     def post(self, body: bytes) -> tuple[int, Mapping[str, str], Any]:
         conn = self._conn()
@@ -152,6 +161,12 @@ def _send_batch(api: _Http, target: InjectTarget, rows: Sequence[Mapping[str, An
     waited = 0.0
     failures = 0
     pause = RETRY_PAUSE_S
+
+    def refused(enhanced: str, reason: str) -> list[dict[str, Any]]:
+        """Every recipient still pending, refused with a temporary 451."""
+        return out + [_outcome(r, "refused", tries.get(id(r), 0) + 1, code=451,
+                               enhanced=enhanced, reason=reason) for r in pending]
+
     while pending:
         recipients = []
         for r in pending:
@@ -167,10 +182,7 @@ def _send_batch(api: _Http, target: InjectTarget, rows: Sequence[Mapping[str, An
         except (OSError, http.client.HTTPException) as exc:
             failures += 1
             if failures >= target.attempts:
-                out += [_outcome(r, "refused", tries.get(id(r), 0) + 1, code=451,
-                                 enhanced="4.4.1", reason=f"injection API unreachable: {exc}")
-                        for r in pending]
-                return out
+                return refused("4.4.1", f"injection API unreachable: {exc}")
             sleep(min(30.0, pause))
             pause *= 2
             continue
@@ -178,20 +190,14 @@ def _send_batch(api: _Http, target: InjectTarget, rows: Sequence[Mapping[str, An
             wait = _retry_after(headers.get("retry-after"))
             if waited + wait > target.max_wait_s:
                 reason = (answer or {}).get("detail") or f"HTTP {status}"
-                out += [_outcome(r, "refused", tries.get(id(r), 0) + 1, code=451,
-                                 enhanced="4.3.2", reason=f"injection API busy: {reason}")
-                        for r in pending]
-                return out
+                return refused("4.3.2", f"injection API busy: {reason}")
             sleep(wait)
             waited += wait
             continue
         if status >= 500:
             failures += 1
             if failures >= target.attempts:
-                out += [_outcome(r, "refused", tries.get(id(r), 0) + 1, code=451,
-                                 enhanced="4.3.0", reason=f"injection API failed: HTTP {status}")
-                        for r in pending]
-                return out
+                return refused("4.3.0", f"injection API failed: HTTP {status}")
             sleep(min(30.0, pause))
             pause *= 2
             continue
@@ -238,7 +244,8 @@ def inject_partition(target: InjectTarget, counters: Mapping[str, Any] | None = 
 
         api = _Http(target)
         columns = ["row", "input", "address", "domain", "substitutions"]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=target.concurrency) as pool:
+        with contextlib.closing(api), \
+                concurrent.futures.ThreadPoolExecutor(max_workers=target.concurrency) as pool:
             for frame in batches:
                 rows = frame[columns].to_dict("records")
                 for r in rows:

@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from sluice._loopback import free_port
 from sluice.cluster._redisserver import RedisServer, RedisServerError
 from sluice.sink import Behaviour, Sink
 from sluice.store._pgserver import PgServer, PgServerError
@@ -49,15 +50,6 @@ POLICY = f"""\
     - {{recipientdomain: {LIMITED}, concurrency: 3}}
     - {{recipientdomain: {PACED}, rate: 20/1}}
 """
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _node_config(home: Path, name: str, port: int, dsn: str, redis_url: str,
@@ -146,7 +138,7 @@ def run_cluster_demo(nodes: int = 3, messages: int = 600, seed: int = 1, keep: b
             console.print(f"[red]cannot start the demo's servers: {exc}[/red]")
             return 2
         names = [f"n{i}" for i in range(nodes)]
-        ports = [_free_port() for _ in names]
+        ports = [free_port() for _ in names]
         homes = [base / name for name in names]
         for name, port, home in zip(names, ports, homes, strict=True):
             config = _node_config(home, name, port, pg.dsn, redis.url, sink_port)

@@ -51,6 +51,15 @@ STRATEGIES
     other nodes may not have noticed yet.  Grants are forgotten; when the store is back
     the node asks again, first for the slots of what it has in flight.
 
+    Alone in the fall-back.  A node may lose the store while the others
+    still reach it (a partition, a reply too late): it is told so
+    (``others_shared``).  Their pickups are then unknown here, so it starts
+    no rate-limited pickup at all, keeps to the leases it held while they
+    live, and after that starts no new delivery under a cluster
+    concurrency, until the others fall back too (then a window's pause, and
+    the shares) or the store answers again.  Delayed mail, never a limit
+    exceeded.
+
 INVARIANTS
     used <= slots for every grant while shared; a dated slot is used at most
     once, never before its time nor after its time + use_within_s.
@@ -143,12 +152,16 @@ class _Fallback:
     nodes: int
     rank: int
     until: float  # end of the transition: leases held before may still count elsewhere
-    since: float  # when the node fell back
+    since: float  # when the node fell back (or, later, when the last other did)
+    others_shared: bool = False  # other live nodes still take from the store
 
     def paused_until(self, th: Thresholds) -> float:
         """Until when a rate or an interval starts nothing after the switch:
         one window, so that no window holds pickups granted by the store and
-        pickups of the shares (which do not know each other's)."""
+        pickups of the shares (which do not know each other's); for ever
+        while others still take from the store (an event ends it)."""
+        if self.others_shared and (th.rate is not None or th.connectinterval_s):
+            return _NEVER
         wait = 0.0
         if th.rate is not None:
             wait = th.rate.per_s
@@ -216,10 +229,14 @@ class ClusterLimits(GroupedLimits):
     def _fallen_back(self, fallback: _Fallback, th: Thresholds, grant: _Grant,
                      now: float) -> Thresholds:
         """The thresholds this node keeps alone: its share, and during the
-        transition no more concurrency than the leases it held."""
+        transition no more concurrency than the leases it held; after it,
+        while others still take from the store, nothing new at all."""
         mine = fallback.thresholds(th)
-        if now < fallback.until and mine.concurrency is not None:
-            mine = replace(mine, concurrency=min(mine.concurrency, grant.switch_slots))
+        if mine.concurrency is not None:
+            if now < fallback.until:
+                mine = replace(mine, concurrency=min(mine.concurrency, grant.switch_slots))
+            elif fallback.others_shared:
+                mine = replace(mine, concurrency=0)
         return mine
 
     def _comeback(self, now: float) -> _Fallback | None:
@@ -361,7 +378,9 @@ class ClusterLimits(GroupedLimits):
             mine = limits.slot_at(self._fallen_back(self.fallback, th, grant, now),
                                   row.inflight, row.times, row.last_at, now)
             paused = self.fallback.paused_until(th)
-            if paused > now:
+            if paused == _NEVER:
+                mine = None  # until the others fall back too (an event says)
+            elif paused > now:
                 mine = paused if mine is None else max(mine, paused)
         elif (cb := self._comeback(now)) is not None and (
                 cb.paused_until(th) > now or limits.slot_at(
@@ -403,8 +422,18 @@ class ClusterLimits(GroupedLimits):
                     if grant.entry is not None:
                         freed.append(grant.entry)
                 return freed
+            case ClusterModeChanged(shared=False, nodes=nodes, rank=rank,
+                                    others_shared=others) if self.fallback is not None:
+                # Still fallen back: the live nodes changed, or the others
+                # fell back too (their last pickups from the store are a
+                # window old from now on).
+                fb = self.fallback
+                since = now if fb.others_shared and not others else fb.since
+                self.fallback = replace(fb, nodes=max(1, nodes), rank=rank, since=since,
+                                        others_shared=others)
+                return [g.entry for g in self.grants.values() if g.entry is not None]
             case ClusterModeChanged(shared=shared, nodes=nodes, rank=rank,
-                                    transition_s=transition_s):
+                                    transition_s=transition_s, others_shared=others):
                 # Coming back, the others may still keep their shares for a
                 # while: keep to ours (and pause rates one window) meanwhile.
                 # Shared again while shared: the others are back too, the
@@ -416,7 +445,8 @@ class ClusterLimits(GroupedLimits):
                 self.comeback = (replace(self.fallback, until=now + transition_s, since=now)
                                  if shared and self.fallback is not None else None)
                 self.fallback = (None if shared else
-                                 _Fallback(max(1, nodes), rank, now + transition_s, now))
+                                 _Fallback(max(1, nodes), rank, now + transition_s, now,
+                                           others))
                 self.returning.clear()  # the store forgets them (their TTL) or never heard
                 for grant in self.grants.values():
                     grant.switch_slots = grant.slots if self.fallback else 0

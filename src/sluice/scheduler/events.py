@@ -278,12 +278,22 @@ class ClusterModeChanged:
     node keeps its part of every cluster limit by itself: ``nodes`` live
     nodes, this one ``rank`` among them (0-based).  For ``transition_s``
     after falling back (the leases' time to live) a node also keeps no more
-    than the leases it held, which the others may still count."""
+    than the leases it held, which the others may still count.
+
+    ``others_shared``: fallen back while other live nodes still say they
+    share through Redis (a partition, or a reply that came too late here).
+    Their pickups are not known here, so the node keeps to the leases it
+    held while they live (the transition) and then starts no new delivery
+    under a cluster concurrency, and no rate-limited pickup at all, until
+    the others fall back too or Redis answers again.  Sent again while
+    fallen back, the event only updates ``nodes``, ``rank`` and
+    ``others_shared``."""
 
     shared: bool
     nodes: int = 1
     rank: int = 0
     transition_s: float = 0.0
+    others_shared: bool = False
 
 
 Event = (

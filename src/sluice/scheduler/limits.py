@@ -98,6 +98,7 @@ __all__ = [
     "Entry",
     "EntryState",
     "Limits",
+    "LocalOnly",
     "Tally",
     "destination_limit",
     "entry_key",
@@ -346,3 +347,17 @@ class Limits(Protocol[B]):
 
     def wakeup(self) -> float | None:
         """When the limits next need a step of their own (None: never)."""
+
+
+class LocalOnly:
+    """The three Limits methods for limits held wholly in this process:
+    no event concerns them, nothing is asked of anyone, no step of their own."""
+
+    def handle(self, event: Event, now: float) -> list[Entry]:
+        return []
+
+    def outbox(self, now: float) -> list[Command]:
+        return []
+
+    def wakeup(self) -> float | None:
+        return None

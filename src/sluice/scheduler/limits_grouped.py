@@ -52,8 +52,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sluice.scheduler import limits
-from sluice.scheduler.events import Command, Event, Route
-from sluice.scheduler.limits import NEVER, Entry, EntryState
+from sluice.scheduler.events import Route
+from sluice.scheduler.limits import NEVER, Entry, EntryState, LocalOnly
 from sluice.scheduler.policy import (
     CASELESS_FIELDS,
     Condition,
@@ -267,7 +267,7 @@ class _Binding:
         return tuple(rows[t].entry(slot) for t, slot in self.order)
 
 
-class GroupedLimits:
+class GroupedLimits(LocalOnly):
     """Compiled counters; entries of counters over the same fields in one row."""
 
     def __init__(self) -> None:
@@ -467,15 +467,6 @@ class GroupedLimits:
     def _forget_later(self, row: _Row) -> None:
         self.seq += 1
         heapq.heappush(self.gc, (row.keep_until(), self.seq, row))
-
-    def handle(self, event: Event, now: float) -> list[Entry]:
-        return []  # every limit is held here
-
-    def outbox(self, now: float) -> list[Command]:
-        return []
-
-    def wakeup(self) -> float | None:
-        return None
 
     def collect(self, now: float) -> None:
         gc = self.gc

@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sluice.scheduler import limits
-from sluice.scheduler.events import Command, Event, Route
-from sluice.scheduler.limits import Entry, EntryState, Tally
+from sluice.scheduler.events import Route
+from sluice.scheduler.limits import Entry, EntryState, LocalOnly, Tally
 from sluice.scheduler.policy import Policy, Thresholds
 
 __all__ = ["ReferenceLimits"]
@@ -47,7 +47,7 @@ def _ident(entry: Entry) -> _Ident:
     return entry.counter.id, entry.counter.signature, entry.key
 
 
-class ReferenceLimits:
+class ReferenceLimits(LocalOnly):
     """Every answer computed from the policy and the tallies, as written."""
 
     def __init__(self) -> None:
@@ -143,15 +143,6 @@ class ReferenceLimits:
 
     def count(self) -> int:
         return len(self.entries)
-
-    def handle(self, event: Event, now: float) -> list[Entry]:
-        return []  # every limit is held here
-
-    def outbox(self, now: float) -> list[Command]:
-        return []
-
-    def wakeup(self) -> float | None:
-        return None
 
     def collect(self, now: float) -> None:
         pass

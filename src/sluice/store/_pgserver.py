@@ -29,11 +29,12 @@ import contextlib
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from sluice._loopback import free_port
 
 __all__ = ["PgServer", "PgServerError", "find_bindir"]
 
@@ -62,13 +63,6 @@ def find_bindir() -> Path | None:
             return bindir
     found = shutil.which("initdb")
     return Path(found).parent if found else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PgServer:
@@ -113,7 +107,7 @@ class PgServer:
                          "-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions"])
             last = ""
             for _ in range(5):
-                server.port = port or _free_port()
+                server.port = port or free_port()
                 settings = ["listen_addresses=127.0.0.1", f"port={server.port}",
                             f"unix_socket_directories={data}", "fsync=on",
                             "synchronous_commit=on", "max_connections=200",
