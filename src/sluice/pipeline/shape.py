@@ -67,11 +67,10 @@ from pyspark.sql import functions as F
 
 from sluice.pipeline import expressions as X
 from sluice.pipeline.rules import ThrottleKind
+from sluice.shaping.advice_apply import RATE_MARGIN  # stay a little under what worked
 
 __all__ = ["attempts", "inflight_marks", "per_destination", "throttle_findings"]
 
-#: Part of the accepted rate we advise: stay a little under what worked.
-RATE_MARGIN = 0.9
 #: Fewer throttling replies than this from a destination make no advice:
 #: one deferral is an incident, not a limit.
 MIN_THROTTLES = 3
