@@ -129,10 +129,53 @@ def test_throttle_kinds():
     assert throttle_kind(421, "4.7.0", "Try again later, closing connection") == "rate"
     assert throttle_kind(421, "4.7.0", "Too many concurrent SMTP connections") == "connections"
     assert throttle_kind(451, "", "Connection rate limit exceeded") == "connect-rate"
-    assert throttle_kind(450, "4.2.1", "The user you are trying to contact is receiving mail "
-                         "too quickly") is None or True
     assert throttle_kind(550, "5.7.1", "rate limited") is None  # permanent: not a throttle
     assert throttle_kind(451, "4.3.0", "Temporary server error") is None
+
+
+#: Replies that look like "slow down" but are about one sender or mailbox.
+NOT_THROTTLES = [
+    (451, "4.7.1", "Greylisted, see http://postgrey.schweikert.ch/help/example.net.html"),
+    (450, "4.2.0", "<a@example.net>: Recipient address rejected: Greylisted"),
+    (450, "4.2.0", "Try again later"),
+    (451, "", "greylisting in action, please come back later"),
+    (421, "4.7.0", "You have been grey-listed, try again later"),
+    (450, "4.2.1", "The user you are trying to contact is receiving mail too quickly"),
+    (452, "4.2.2", "The email account that you tried to reach is over quota"),
+]
+
+
+@pytest.mark.parametrize(("code", "enhanced", "text"), NOT_THROTTLES)
+def test_greylisting_and_mailbox_replies_are_not_throttles(code, enhanced, text):
+    assert throttle_kind(code, enhanced, text) is None
+
+
+MX_HOSTS = ["gmail-smtp-in.l.google.com.", "mx1.eu.example.co.uk", "mx.example.com",
+            "10.0.0.1", "[192.0.2.7]", "[IPv6:2001:db8::1]", "2001:db8::25", "localhost", None]
+
+
+def test_an_ip_literal_mx_is_a_group_of_its_own():
+    assert mx_group("10.0.0.1") == ("ip-10-0-0-1", ("10.0.0.1",))
+    assert mx_group("[192.0.2.7]") == ("ip-192-0-2-7", ("192.0.2.7",))
+    assert mx_group("[IPv6:2001:db8::1]") == ("ip-2001-db8-1", ("2001:db8::1",))
+
+
+def test_spark_throttle_and_mx_group_agree_with_the_reference(spark):
+    from pyspark.sql import functions as F
+
+    from sluice.pipeline import expressions as X
+
+    replies = [(421, "4.7.0", "Try again later, closing connection"),
+               (421, "4.7.0", "Too many concurrent SMTP connections"),
+               (451, "", "Connection rate limit exceeded"), *NOT_THROTTLES]
+    rows = [(c, e, t, mx) for (c, e, t), mx in zip(replies * 2, MX_HOSTS * 2, strict=False)]
+    df = spark.createDataFrame(rows, "code int, enhanced string, text string, mx string")
+    got = df.select(X.throttle(F.col("code"), F.col("enhanced"), F.col("text")).alias("t"),
+                    X.mx_group(F.col("mx")).alias("g")).collect()
+    for (code, enhanced, text, mx), row in zip(rows, got, strict=True):
+        kind = throttle_kind(code, enhanced or None, text)
+        assert row["t"] == (None if kind is None else str(kind)), (code, enhanced, text)
+        assert row["g"] == (None if mx is None else mx_group(mx)[0]), mx
 
 
 def test_mx_groups():

@@ -4,6 +4,9 @@
     sluice shaping check [FILE]      validate a rules file and run each rule's test reply
     sluice shaping reload            read delivery.shaping again (asks the server)
     sluice shaping lift KEY          end an automatic action now (asks the server)
+    sluice shaping apply FILE [--dry-run]
+                                     install advice (sluice analytics shape) now, after
+                                     simulating the queue with and without it
 """
 
 from __future__ import annotations
@@ -32,15 +35,24 @@ def register(sub: Any) -> None:
     lf = cmds.add_parser("lift", help="end an automatic action now")
     lf.add_argument("key", help="the action's key (from `sluice shaping status`)")
     lf.set_defaults(func=cmd_lift)
+    ap = cmds.add_parser("apply", help="install shaping advice now, after simulating the "
+                                       "queue with and without it")
+    ap.add_argument("file", help="advice rules (shaping-advice.yaml of sluice analytics shape)")
+    ap.add_argument("--dry-run", action="store_true", help="simulate and print; install nothing")
+    ap.add_argument("--top", type=int, default=100, metavar="N",
+                    help="domains of the queue to look at, largest first (default 100)")
+    ap.add_argument("--limit", type=int, default=2000, metavar="N",
+                    help="recipients per domain to simulate (default 2000)")
+    ap.set_defaults(func=cmd_apply)
 
 
 def _ask(args: argparse.Namespace, method: str, path: str,
-         query: dict[str, str] | None = None) -> Any:
+         query: dict[str, Any] | None = None, body: Any = None) -> Any:
     from sluice.api.client import ApiClient, ApiRequestError, ApiUnavailable
 
     client = ApiClient.from_config(load(args))
     try:
-        return client.request(method, path, query=query)
+        return client.request(method, path, query=query, body=body)
     except ApiUnavailable as exc:
         raise CommandError(f"{exc} (is `sluice serve` running with api.enabled?)") from None
     except ApiRequestError as exc:
@@ -117,4 +129,110 @@ def cmd_check(args: argparse.Namespace) -> int:
     if bad:
         return 1
     print(f"{path}: OK ({len(rules)} rules)")
+    return 0
+
+
+# -- apply --------------------------------------------------------------------------------
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "not drained"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _next_hops(cfg: Any, domains: list[str]) -> dict[str, str]:
+    """Each domain's first next-hop host (remotemx), as delivery would route it."""
+    import asyncio
+
+    from sluice.delivery.router import NextHop, Router
+
+    router = Router.from_config(cfg)
+
+    async def route_all() -> list[Any]:
+        return await asyncio.gather(*(router.route(d) for d in domains))
+
+    out = {}
+    for domain, hop in zip(domains, asyncio.run(route_all()), strict=True):
+        if isinstance(hop, NextHop):
+            out[domain] = hop.remotemx
+        else:
+            print(f"{domain}: not routed ({hop.reply.text}); left out")
+    return out
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    import time
+
+    from sluice.scheduler.policy import PolicyError
+    from sluice.scheduler.policy_parse import parse_policy
+    from sluice.scheduler.settings import Settings
+    from sluice.scheduler.simulation import Simulation
+    from sluice.shaping.advice_apply import (
+        AdviceError,
+        Queued,
+        compare,
+        plan_advice,
+        scenarios,
+    )
+    from sluice.shaping.rulefile import ShapingError, load_file
+    from sluice.shaping.runtime import Shaper
+
+    if args.top < 1 or args.limit < 1:
+        raise CommandError("--top and --limit are at least 1", status=2)
+    cfg = load(args)
+    try:
+        rules = load_file(args.file)
+    except ShapingError as exc:
+        raise CommandError(str(exc), status=2) from None
+    running = _ask(args, "GET", "/policy")
+    try:
+        policy = Shaper.augment(parse_policy(running["policy"], "the running policy"))
+        plan = plan_advice(rules, policy, time.time())
+    except (PolicyError, AdviceError) as exc:
+        raise CommandError(f"{args.file}: {exc}", status=2) from None
+    if not plan:
+        print(f"{args.file}: no advice rules; nothing to do")
+        return 0
+    shape = _ask(args, "GET", "/queue/shape", query={"top": args.top})
+    counts = {row["domain"]: int(row["total"]) for row in shape["rows"]}
+    hops = _next_hops(cfg, sorted(counts))
+    queued = [Queued(d, n, hops[d]) for d, n in counts.items() if d in hops]
+    without, with_advice, simulated = scenarios(queued, plan, policy, Settings.from_config(cfg),
+                                                args.limit)
+    print(f"{len(plan)} advice rules from {args.file}, on counter {plan[0].counter}")
+    if simulated:
+        changes = compare(plan, queued, simulated, Simulation(without).run(),
+                          Simulation(with_advice).run())
+        print(f"{'domain':<28} {'next hop':<32} {'rule':<22} {'queued':>7} {'simulated':>9}"
+              f"  {'drain without':>13} {'with':>11}  {'refused without':>15} {'with':>6}")
+        for c in changes:
+            print(f"{c.domain:<28} {c.remotemx:<32} {c.rule:<22} {c.queued:>7} "
+                  f"{c.simulated:>9}  {_duration(c.drain_before_s):>13} "
+                  f"{_duration(c.drain_after_s):>11}  {c.refused_before:>15} "
+                  f"{c.refused_after:>6}")
+    else:
+        print(f"no queued mail (of the {len(counts)} largest domains) goes to a host the "
+              "advice names; nothing to simulate")
+    if args.dry_run:
+        print("dry run: nothing installed")
+        return 0
+    for p in plan:
+        th = p.condition.thresholds
+        body: dict[str, Any] = {
+            "counter": p.counter, "if": dict(p.condition.match), "id": p.condition.id,
+            "ttl": f"{p.ttl_s:.0f}s", "tag": "advice",
+            "reason": f"sluice shaping apply {args.file}: {p.condition.reason}"}
+        if th.concurrency is not None:
+            body["concurrency"] = th.concurrency
+        if th.rate is not None:
+            body["rate"] = str(th.rate)
+        answer = _ask(args, "POST", "/policy/conditions", body=body)
+        print(f"installed {p.condition.id} ({th}) on {p.counter} until "
+              f"{_at(p.condition.expires_at or 0)}; undo: sluice policy-audit rollback "
+              f"{answer['audit_id']}")
     return 0

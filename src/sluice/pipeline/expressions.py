@@ -92,8 +92,11 @@ def hard(event: Column, category_col: Column) -> Column:
 def throttle(code: Column, enhanced: Column, text: Column) -> Column:
     """ThrottleKind value, or null when the reply is not a throttle."""
     reply_text = F.coalesce(text, F.lit(""))
-    is_throttle = code.isin(list(rules.THROTTLE_CODES)) & (
-        _full(enhanced, r"4\.7\.\d{1,3}") | reply_text.rlike(rules.THROTTLE_TEXT)
+    is_throttle = (
+        code.isin(list(rules.THROTTLE_CODES))
+        & ~reply_text.rlike(rules.GREYLIST_TEXT)
+        & ~F.coalesce(_full(enhanced, rules.MAILBOX_STATUS), F.lit(False))
+        & (_full(enhanced, r"4\.7\.\d{1,3}") | reply_text.rlike(rules.THROTTLE_TEXT))
     )
     kinds = rules.ThrottleKind
     kind = (
@@ -118,6 +121,10 @@ def mx_group(host: Column) -> Column:
         F.regexp_extract(name, r"([^.]+\.[^.]+\.[^.]+)$", 1),
     ).otherwise(F.regexp_extract(name, r"([^.]+\.[^.]+|[^.]+)$", 1))
     derived = F.regexp_replace(F.regexp_replace(registered, r"[^a-z0-9]+", "-"), r"^-+|-+$", "")
-    return F.when(host.isNull() | (name == ""), F.lit(None).cast("string")).otherwise(
+    ip = F.regexp_replace(F.regexp_replace(name, r"^\[|\]$", ""), r"^ipv6:", "")
+    literal = F.concat(F.lit("ip-"), F.regexp_replace(
+        F.regexp_replace(ip, r"[^a-z0-9]+", "-"), r"^-+|-+$", ""))
+    return F.when(host.isNull() | (name == ""), F.lit(None).cast("string")).when(
+        name.rlike(rules.IP_LITERAL), literal).otherwise(
         chain.otherwise(F.when(derived == "", F.lit("unknown")).otherwise(derived))
     )

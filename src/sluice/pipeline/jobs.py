@@ -25,8 +25,8 @@ DESCRIPTION
       suppress  suppression (.parquet/ and .csv/), and the list itself at
                 list_path (default OUTPUT/suppression.jsonl), merged with
                 the list already there
-      shape     throttle_findings (.parquet/ and .csv/), policy.yaml (or
-                policy_path)
+      shape     throttle_findings (.parquet/ and .csv/), shaping-advice.yaml
+                (sluice.pipeline.advice), policy.yaml (or policy_path)
       maillog   events.parquet/ (EVENT_SCHEMA: feed it to the others)
 
 STRATEGIES
@@ -66,6 +66,7 @@ from pyspark.sql import functions as F
 
 from sluice.accounting import iso_time
 from sluice.pipeline import hfs, load
+from sluice.pipeline.advice import advice_rules, advice_yaml
 from sluice.pipeline.bounces import (
     MASKED_COLUMN,
     bounce_summary,
@@ -333,7 +334,15 @@ def shape_job(
         written["policy"] = hfs.write_text(spark, policy_path, text)
     else:
         written["policy"] = load.write_file(spark, output, "policy.yaml", text)
-    counts = {"destinations": len(limits), "throttled_attempts": sum(r["throttled"] for r in rows)}
+    made_at = iso_time(time.time())
+    advice = advice_rules(limits, made_at)
+    written["shaping"] = load.write_file(spark, output, "shaping-advice.yaml", advice_yaml(
+        advice,
+        f"Shaping rules advised by `sluice analytics shape` at {made_at}: when a destination\n"
+        "throttles again, go at once to what it took last time. Use as delivery.shaping,\n"
+        "or install now with `sluice shaping apply FILE` (try --dry-run first)."))
+    counts = {"destinations": len(limits), "throttled_attempts": sum(r["throttled"] for r in rows),
+              "advice_rules": len(advice["rules"])}
     return JobResult("shape", written, counts, time.monotonic() - started)
 
 

@@ -63,6 +63,7 @@ class DestinationLimit:
     concurrency: int | None = None
     connectinterval_s: float | None = None
     throttled: int = 0
+    example: str | None = None  # a throttling reply it gave
 
     def __post_init__(self) -> None:
         if not self.patterns:
@@ -94,6 +95,8 @@ def limits_from_findings(rows: Iterable[Mapping[str, Any]]) -> list[DestinationL
         rate = row.get("rate_per_min")
         conc = row.get("concurrency")
         interval = row.get("connectinterval_s")
+        if rate is None and conc is None and interval is None:
+            continue  # too little evidence (sluice.pipeline.shape): no advice
         limit = DestinationLimit(
             destination=gid,
             patterns=patterns,
@@ -101,6 +104,7 @@ def limits_from_findings(rows: Iterable[Mapping[str, Any]]) -> list[DestinationL
             concurrency=int(conc) if conc is not None else None,
             connectinterval_s=float(interval) if interval is not None else None,
             throttled=int(row.get("throttled") or 0),
+            example=row.get("example"),
         )
         before = merged.get(gid)
         if before is not None:
@@ -117,6 +121,7 @@ def limits_from_findings(rows: Iterable[Mapping[str, Any]]) -> list[DestinationL
                     else before.connectinterval_s or limit.connectinterval_s
                 ),
                 throttled=before.throttled + limit.throttled,
+                example=before.example or limit.example,
             )
         merged[gid] = limit
     return [merged[k] for k in sorted(merged)]
@@ -146,8 +151,8 @@ def build_policy(limits: Iterable[DestinationLimit]) -> list[dict[str, Any]]:
     return [counter]
 
 
-def policy_yaml(policy: list[dict[str, Any]], comment: str = "") -> str:
-    """The policy as YAML, with ``comment`` lines on top."""
+def policy_yaml(policy: list[dict[str, Any]] | dict[str, Any], comment: str = "") -> str:
+    """The policy (or another advice document) as YAML, with ``comment`` lines on top."""
     head = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines())
     body = yaml.safe_dump(policy, sort_keys=False, default_flow_style=False,
                           allow_unicode=True, width=100)

@@ -358,6 +358,12 @@ THROTTLE_TEXT = (
 CONNECTIONS_TEXT = _I + r"too many (concurrent |simultaneous |open )?(connections|sessions)" \
     r"|concurrent|simultaneous|connection limit"
 CONNECT_RATE_TEXT = _I + r"connection rate|connections per|too many connections in|too fast"
+#: Greylisting says "come back later" to a sender it does not know yet: a
+#: retry passes, and it says nothing about how fast the destination takes mail.
+GREYLIST_TEXT = _I + r"gr[ae]y[ -]?list"
+#: RFC 3463 X.2.X: the status of one mailbox (greylisting's 4.2.0, one user
+#: receiving too fast 4.2.1, over quota 4.2.2), not of the destination.
+MAILBOX_STATUS = r"4\.2\.\d{1,3}"
 
 
 def throttle_kind(code: int | None, enhanced: str | None, text: str | None) -> ThrottleKind | None:
@@ -366,6 +372,8 @@ def throttle_kind(code: int | None, enhanced: str | None, text: str | None) -> T
         return None
     reply_text = text or ""
     status = enhanced or ""
+    if _search(GREYLIST_TEXT, reply_text) or re.fullmatch(MAILBOX_STATUS, status):
+        return None
     if not (re.fullmatch(r"4\.7\.\d{1,3}", status) or _search(THROTTLE_TEXT, reply_text)):
         return None
     if _search(CONNECT_RATE_TEXT, reply_text):
@@ -413,9 +421,26 @@ def group_id(domain: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", domain.lower()).strip("-") or "unknown"
 
 
+#: An MX that is an address, not a name: 192.0.2.1, [192.0.2.1], [IPv6:2001:db8::1].
+IP_LITERAL = r"^\[?(ipv6:)?([0-9]{1,3}(\.[0-9]{1,3}){3}|[0-9a-f]*:[0-9a-f:.]*)\]?$"
+
+
+def ip_of_literal(name: str) -> str | None:
+    """The address an IP-literal MX names (lower case), else None."""
+    if not re.match(IP_LITERAL, name):
+        return None
+    return name.strip("[]").removeprefix("ipv6:")
+
+
 def mx_group(host: str | None) -> tuple[str, tuple[str, ...]]:
-    """The destination group of an MX host and its wild-card patterns."""
+    """The destination group of an MX host and its wild-card patterns.
+
+    An address is a group of its own (``ip-192-0-2-1``, pattern the
+    address itself): it has no registered domain to roll up to."""
     name = (host or "").lower().rstrip(".")
+    ip = ip_of_literal(name)
+    if ip is not None:
+        return "ip-" + group_id(ip), (ip,)
     for gid, patterns in PROVIDER_GROUPS:
         if any(re.match(glob_to_regex(p), name) for p in patterns):
             return gid, patterns

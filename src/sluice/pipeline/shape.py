@@ -17,8 +17,10 @@ DESCRIPTION
     rate         for replies about volume: the attempts per minute it still
                  answered without throttling (deliveries, bounces, ordinary
                  deferrals) in the minutes in which it throttled (median over
-                 those minutes); the advice is 90 % of that, at least 1 per
-                 minute.
+                 those minutes); the advice is 90 % of that.  None when it
+                 accepted fewer than MIN_ACCEPTED_PER_MIN a minute: a
+                 destination that throttles at one a minute speaks of
+                 reputation, not of a rate, and "1/60" helps nobody.
     concurrency  how many attempts were in flight when a throttling reply
                  came (median); the advice is one less, at least 1.  Only
                  given when the replies speak of connections.
@@ -26,8 +28,13 @@ DESCRIPTION
                  for "connection rate" replies: the seconds between
                  connections that the accepted rate implies.
 
+    No advice from little evidence: a destination that sent fewer than
+    MIN_THROTTLES throttling replies is listed in the findings with no
+    rate, concurrency or interval.  Greylisting and replies about one
+    mailbox (X.2.X) are not throttles (sluice.pipeline.rules.throttle_kind).
+
     sluice.pipeline.policy turns the findings into a Halon-format pickup
-    policy.
+    policy, and sluice.pipeline.advice into shaping rules.
 
 STRATEGIES
     In-flight counts come from the log alone: an attempt that ended at
@@ -60,11 +67,17 @@ from pyspark.sql import functions as F
 
 from sluice.pipeline import expressions as X
 from sluice.pipeline.rules import ThrottleKind
+from sluice.shaping.advice_apply import RATE_MARGIN  # stay a little under what worked
 
 __all__ = ["attempts", "inflight_marks", "per_destination", "throttle_findings"]
 
-#: Part of the accepted rate we advise: stay a little under what worked.
-RATE_MARGIN = 0.9
+#: Fewer throttling replies than this from a destination make no advice:
+#: one deferral is an incident, not a limit.
+MIN_THROTTLES = 3
+#: A destination that throttled while it accepted fewer than this many
+#: attempts a minute is not telling a rate (too little traffic to see one;
+#: it is reputation or a block): no rate or interval is advised for it.
+MIN_ACCEPTED_PER_MIN = 5
 
 
 def attempts(events: DataFrame) -> DataFrame:
@@ -183,16 +196,18 @@ def throttle_findings(events: DataFrame) -> DataFrame:
         .join(_inflight_at_throttle(tried), keys, "left")
     )
     accepted = F.coalesce(F.col("accepted_per_min"), F.lit(0))
+    enough = F.col("throttled") >= MIN_THROTTLES
+    measured = enough & (accepted >= MIN_ACCEPTED_PER_MIN)
     rate = F.when(
-        F.col("rate_throttles") > 0, F.greatest(F.lit(1), F.floor(accepted * RATE_MARGIN))
+        measured & (F.col("rate_throttles") > 0), F.floor(accepted * RATE_MARGIN)
     ).cast("long")
     concurrency = F.when(
-        F.col("connection_throttles") > 0,
+        enough & (F.col("connection_throttles") > 0),
         F.greatest(F.lit(1), F.coalesce(F.col("inflight_at_throttle"), F.lit(2)) - 1),
     ).cast("long")
     interval = F.when(
-        F.col("connect_rate_throttles") > 0,
-        F.round(F.lit(60.0) / F.greatest(F.lit(1.0), accepted.cast("double")), 2),
+        measured & (F.col("connect_rate_throttles") > 0),
+        F.round(F.lit(60.0) / accepted.cast("double"), 2),
     )
     return found.select(
         *keys,
@@ -225,4 +240,5 @@ def per_destination(findings: DataFrame) -> DataFrame:
         F.min("concurrency").alias("concurrency"),
         F.max("connectinterval_s").alias("connectinterval_s"),
         F.sum("throttled").alias("throttled"),
+        F.min("example").alias("example"),
     ).orderBy("destination")

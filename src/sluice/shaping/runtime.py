@@ -64,6 +64,7 @@ from sluice.scheduler.policy import (
     Suspension,
     Thresholds,
 )
+from sluice.shaping.advice_apply import counter_for
 from sluice.shaping.engine import Apply, Bounce, Command, Engine, Fired, Lift
 from sluice.shaping.rulefile import ShapingError, load_rules
 from sluice.shaping.rules import WHERE_FIELDS, Action, Observation, Rule, Where
@@ -201,14 +202,7 @@ class Shaper:
         return Policy(policy.counters + extra, policy.suspensions, policy.source)
 
     def _counter(self, fields: Iterable[tuple[str, str]]) -> Counter | None:
-        names = {n for n, _ in fields}
-        best: Counter | None = None
-        for counter in self.policy().counters:
-            if set(counter.field_names) == names:
-                return counter
-            if best is None and names <= set(counter.field_names):
-                best = counter
-        return best
+        return counter_for(self.policy(), (n for n, _ in fields))
 
     def _ceiling(self, group: tuple[tuple[str, str], ...]) -> tuple[Any, Any]:
         counter = self._counter(group)
