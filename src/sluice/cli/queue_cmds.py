@@ -20,6 +20,7 @@ import email.utils
 import io
 import itertools
 import json
+import re
 import sys
 import tempfile
 import time
@@ -41,7 +42,7 @@ from sluice.model import (
 )
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
-from sluice.store import Action, StorageError, narrow
+from sluice.store import Action, StorageError, Store, narrow
 
 QLIST_FIELDS = (
     "QueueID", "SPID", "State", "Sender", "Recipient", "Domain", "Arrival", "NextAttempt",
@@ -332,14 +333,54 @@ def working(text: str) -> contextlib.AbstractContextManager[object]:
     return console.status(text)
 
 
+_HEX_ID_RE = re.compile(r"^([0-9A-F]{4,32})(-\d{1,6})?$")
+
+
+def resolve_ids(store: Store, what: str, ids: list[str]) -> list[str]:
+    """Queue ids and SPIDs as given, each checked against the queue; a
+    prefix of at least 4 hex digits stands for the one SPID it starts.
+
+    An id that names nothing, or a prefix that fits several messages,
+    ends the command (exit 2) with one line naming it: an operator who
+    typed a wrong id must not read "bounced 0" and wonder.
+    """
+    out = []
+    for given in ids:
+        text = given.strip().upper()
+        m = _HEX_ID_RE.match(text)
+        if m is None:
+            raise CommandError(f"{what}: {given!r} is not a queue id or SPID", status=2)
+        prefix, idx = m.group(1), m.group(2) or ""
+        if len(prefix) >= 8 and store.count(Selector(qids=(text,))).recipients:
+            out.append(text)
+            continue
+        spids = sorted({e.spid for e in store.entries(Selector()) if e.spid.startswith(prefix)})
+        if not spids:
+            raise CommandError(f"{what}: no message in the queue has SPID or queue id {given}",
+                               status=2)
+        if len(spids) > 1:
+            shown = ", ".join(spids[:3]) + (", ..." if len(spids) > 3 else "")
+            raise CommandError(f"{what}: {given} is ambiguous: {len(spids)} messages have SPIDs "
+                               f"starting so ({shown})", status=2)
+        if idx and not store.count(Selector(qids=(spids[0] + idx,))).recipients:
+            raise CommandError(f"{what}: message {spids[0]} has no recipient {idx[1:]}",
+                               status=2)
+        out.append(spids[0] + idx)
+    return out
+
+
 def cmd_action(args: argparse.Namespace) -> int:
     action: Action = args.action
-    selector = selector_from_args(args)
-    if selector.is_empty and not args.all:
-        raise CommandError(
-            f"{action.value}: give queue ids or a selector (--domain, --sender, ...), "
-            "or --all for the whole queue", status=2)
+    if not args.ids:
+        selector = selector_from_args(args)
+        if selector.is_empty and not args.all:
+            raise CommandError(
+                f"{action.value}: give queue ids or a selector (--domain, --sender, ...), "
+                "or --all for the whole queue", status=2)
     with _open(args) as queue:
+        if args.ids:
+            args.ids = resolve_ids(queue.store, action.value, args.ids)
+            selector = selector_from_args(args)
         if args.dry_run:
             touched_by = narrow(selector, action)
             n = 0 if touched_by is None else queue.store.count(touched_by).recipients
