@@ -75,6 +75,8 @@ from sluice.suppression import (
 
 __all__ = ["Envelope", "Outcome", "cmd_sendmail", "main", "queue_message", "register"]
 
+NO_RECIPIENTS = "sendmail: no recipients (give them as arguments, or use -t)"
+
 #: Store flavours that admit a single process (Store.shared_access False).
 SINGLE_PROCESS_STORES = frozenset({"kv"})
 
@@ -154,7 +156,7 @@ def split_header(message: IO[bytes], limit: int = 1 << 20) -> bytes:
         if not line or line in (b"\r\n", b"\n"):
             return bytes(out)
         if len(out) > limit:
-            raise CommandError("the message header is larger than 1 MB")
+            raise CommandError("sendmail: the message header is larger than 1 MB")
 
 
 def header_lines(header: bytes) -> Iterator[bytes]:
@@ -254,7 +256,7 @@ def _open_queue(cfg: Config) -> Queue | None:
     except StorageError as exc:
         if cfg.queue.store in SINGLE_PROCESS_STORES and server_address(cfg) is not None:
             return None
-        raise CommandError(f"not queued: {exc}") from None
+        raise CommandError(f"sendmail: not queued: {exc}") from None
 
 
 def queue_message(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
@@ -290,7 +292,7 @@ def queue_message(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
         try:
             accepted = queue.submit(sub, iter(lambda: message.read(65536), b""))
         except StorageError as exc:
-            raise CommandError(f"not queued: {exc}") from None
+            raise CommandError(f"sendmail: not queued: {exc}") from None
         _log_suppressed(queue, env.sender, suppressed, accepted.spid, accepted.size)
     return Outcome(spid=accepted.spid, queued=len(accepted.qids), size=accepted.size,
                    refused=refused)
@@ -320,9 +322,9 @@ def hand_over(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if env.args.queue_fields:
         raise CommandError(
-            f"not queued: {', '.join(env.args.queue_fields)} cannot reach the queue, which the "
-            f"running server holds ({cfg.queue.store} store); without them sendmail hands the "
-            f"message over by SMTP at {where}, or use the injection API")
+            f"sendmail: not queued: {', '.join(env.args.queue_fields)} cannot reach the queue, "
+            f"which the running server holds ({cfg.queue.store} store); without them "
+            f"sendmail hands the message over by SMTP at {where}; or use the injection API")
     message.seek(0)
     data = message.read()
     out = Outcome(via=where)
@@ -335,7 +337,7 @@ def hand_over(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
                 options.append("BODY=8BITMIME")
             code, text = smtp.mail(env.sender, options)
             if code != 250:
-                raise CommandError(f"not queued: {where} refused the sender: {code} "
+                raise CommandError(f"sendmail: not queued: {where} refused the sender: {code} "
                                    f"{text.decode(errors='replace')}")
             accepted = 0
             for rcpt in env.recipients:
@@ -348,15 +350,15 @@ def hand_over(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
                 return out
             code, text = smtp.data(data)
             if code != 250:
-                raise CommandError(f"not queued: {where} answered the message with {code} "
-                                   f"{text.decode(errors='replace')}")
+                raise CommandError(f"sendmail: not queued: {where} answered the message with "
+                                   f"{code} {text.decode(errors='replace')}")
             words = text.decode(errors="replace").split()
             out.spid = words[-1] if "queued" in words else ""
             out.queued, out.size = accepted, len(data)
     except (OSError, smtplib.SMTPException) as exc:
-        raise CommandError(f"not queued: the {cfg.queue.store} queue is held by another "
-                           f"process and its server at {where} cannot take the message: "
-                           f"{exc}") from None
+        raise CommandError(f"sendmail: not queued: the {cfg.queue.store} queue is held by "
+                           f"another process and its server at {where} cannot take the "
+                           f"message: {exc}") from None
     return out
 
 
@@ -401,7 +403,7 @@ def cmd_sendmail(args: argparse.Namespace) -> int:
 
         return smtp_dialogue(cfg, opts, sys.stdin.buffer, sys.stdout.buffer)
     if not opts.recipients and not opts.from_headers:
-        raise CommandError("no recipients (give them as arguments, or use -t)", status=2)
+        raise CommandError(NO_RECIPIENTS, status=2)
     sender = opts.sender if opts.sender is not None else default_sender(cfg)
     with contextlib.ExitStack() as stack:
         raw = stack.enter_context(tempfile.SpooledTemporaryFile(max_size=8 << 20))
@@ -411,7 +413,7 @@ def cmd_sendmail(args: argparse.Namespace) -> int:
         header, found = complete_header(cfg, opts, sender, header)
         recipients = opts.recipients + found
         if not recipients:
-            raise CommandError("no recipients (give them as arguments, or use -t)", status=2)
+            raise CommandError(NO_RECIPIENTS, status=2)
         message = stack.enter_context(tempfile.SpooledTemporaryFile(max_size=8 << 20))
         message.write(header)
         body_at = message.tell()
