@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import email.utils
 import io
+import re
 import smtplib
 import sys
 import tempfile
@@ -75,6 +76,7 @@ from sluice.suppression import (
 
 __all__ = ["Envelope", "Outcome", "cmd_sendmail", "main", "queue_message", "register"]
 
+_BARE_LF = re.compile(rb"(?<!\r)\n")
 NO_RECIPIENTS = "sendmail: no recipients (give them as arguments, or use -t)"
 
 #: Store flavours that admit a single process (Store.shared_access False).
@@ -249,13 +251,14 @@ def _log_suppressed(queue: Queue, sender: str, items: list[tuple[str, Suppressio
     queue.accounting.record(events, now)
 
 
-def _open_queue(cfg: Config) -> Queue | None:
-    """The queue, or None when a running server holds a single-process store."""
+def _open_queue(cfg: Config) -> Queue | StorageError:
+    """The queue; or, for a single-process store that will not open (a
+    running server holds it), the error, so the message goes to that server."""
     try:
         return Queue.open(cfg)
     except StorageError as exc:
         if cfg.queue.store in SINGLE_PROCESS_STORES and server_address(cfg) is not None:
-            return None
+            return exc
         raise CommandError(f"sendmail: not queued: {exc}") from None
 
 
@@ -263,8 +266,8 @@ def queue_message(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
     """Queue ``message`` (header first, at position 0) for ``env``: here, or
     by the running server when it holds the queue."""
     queue = _open_queue(cfg)
-    if queue is None:
-        return hand_over(cfg, env, message)
+    if isinstance(queue, StorageError):
+        return hand_over(cfg, env, message, queue)
     with queue:
         suppression = load_suppression(cfg)
         mode = SuppressionMode(cfg.suppression.mode)
@@ -314,7 +317,7 @@ def server_address(cfg: Config) -> tuple[str, int] | None:
     return None
 
 
-def hand_over(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
+def hand_over(cfg: Config, env: Envelope, message: IO[bytes], why: StorageError) -> Outcome:
     """Submit over SMTP to the server that holds the queue."""
     address = server_address(cfg)
     assert address is not None  # _open_queue checked
@@ -326,7 +329,9 @@ def hand_over(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
             f"which the running server holds ({cfg.queue.store} store); without them "
             f"sendmail hands the message over by SMTP at {where}; or use the injection API")
     message.seek(0)
-    data = message.read()
+    # smtplib stuffs dots only at the starts of CRLF lines and leaves bytes as
+    # they are: a local program's bare LF lines become CRLF lines first.
+    data = _BARE_LF.sub(b"\r\n", message.read())
     out = Outcome(via=where)
     try:
         with smtplib.SMTP(host, port, local_hostname=cfg.node.hostname,
@@ -356,9 +361,8 @@ def hand_over(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
             out.spid = words[-1] if "queued" in words else ""
             out.queued, out.size = accepted, len(data)
     except (OSError, smtplib.SMTPException) as exc:
-        raise CommandError(f"sendmail: not queued: the {cfg.queue.store} queue is held by "
-                           f"another process and its server at {where} cannot take the "
-                           f"message: {exc}") from None
+        raise CommandError(f"sendmail: not queued: {why}; and the server at {where} cannot "
+                           f"take the message: {exc}") from None
     return out
 
 
