@@ -59,12 +59,11 @@ from email.parser import BytesHeaderParser
 from email.policy import compat32
 from typing import IO, Any
 
-from sluice.accounting import EventKind, make_event
 from sluice.cli import CommandError, load
 from sluice.cli.sendmail_args import USAGE, SendmailArgs, parse_args
 from sluice.config import Config, ConfigError, parse_duration
 from sluice.mime import HeaderScan
-from sluice.model import QueueEntry, QueueState, Reply, Submission, ascii_envelope
+from sluice.model import Reply, Submission, ascii_envelope
 from sluice.queue import Queue
 from sluice.store import StorageError
 from sluice.suppression import (
@@ -72,6 +71,7 @@ from sluice.suppression import (
     SuppressionFileError,
     SuppressionList,
     SuppressionMode,
+    suppressed_event,
 )
 
 __all__ = ["Envelope", "Outcome", "cmd_sendmail", "main", "queue_message", "register"]
@@ -238,17 +238,9 @@ def _log_suppressed(queue: Queue, sender: str, items: list[tuple[str, Suppressio
     if queue.accounting is None or not items:
         return
     now = queue.clock()
-    events = []
-    for address, entry in items:
-        row = QueueEntry(spid=spid, idx=0, sender=sender, recipient=address,
-                         state=QueueState.INCOMING, arrival_at=now, next_attempt_at=now,
-                         size=size)
-        event = make_event(EventKind.SUPPRESSED, row, now, node=queue.node,
-                           reply=entry.reply(address), attempt=0)
-        event["qid"] = None  # no queue entry exists for this recipient
-        event["spid"] = spid or None
-        events.append(event)
-    queue.accounting.record(events, now)
+    queue.accounting.record([suppressed_event(address, sender, entry, now, node=queue.node,
+                                              spid=spid, size=size)
+                             for address, entry in items], now)
 
 
 def _open_queue(cfg: Config) -> Queue | StorageError:
