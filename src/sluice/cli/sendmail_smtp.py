@@ -25,6 +25,8 @@ STRATEGIES
 
 LIMITATIONS
     Only a line of at most 64 KiB is read as one; longer lines are split.
+    A recipient refused at RCPT gets its accounting line only when the
+    transaction reaches DATA (the plain SMTP server writes it at RCPT).
 
 SEE ALSO
     sluice.cli.sendmail, RFC 5321
