@@ -60,6 +60,7 @@ from email.policy import compat32
 from typing import IO, Any
 
 from sluice.cli import CommandError, load
+from sluice.cli.queue_cmds import _user
 from sluice.cli.sendmail_args import USAGE, SendmailArgs, parse_args
 from sluice.config import Config, ConfigError, parse_duration
 from sluice.mime import HeaderScan
@@ -366,15 +367,6 @@ def _reply(code: int, text: bytes) -> Reply:
 
 
 # -- the command --------------------------------------------------------------------------
-
-def _user() -> str:
-    import getpass
-
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "nobody"
-
 
 def default_sender(cfg: Config) -> str:
     return f"{_user()}@{cfg.node.hostname}"
