@@ -87,8 +87,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sluice.accounting import iso_time
-from sluice.model import Reply, recipient_domain
+from sluice.accounting import EventKind, iso_time, make_event
+from sluice.model import QueueEntry, QueueState, Reply, recipient_domain
 
 __all__ = [
     "FORMAT",
@@ -101,6 +101,7 @@ __all__ = [
     "merge_entries",
     "normalise_address",
     "read_suppression_file",
+    "suppressed_event",
     "write_suppression_list",
 ]
 
@@ -490,3 +491,17 @@ class SuppressionList:
             except ValueError:
                 self.generated_at = None
             return True
+
+
+def suppressed_event(address: str, sender: str, entry: SuppressionEntry, now: float, *,
+                     node: str = "", spid: str = "", size: int = 0) -> dict[str, Any]:
+    """The accounting line of one suppressed recipient (refused or dropped):
+    no queue entry exists for it, so ``qid`` is null, and ``spid`` is the
+    message's when the rest of its recipients were queued."""
+    row = QueueEntry(spid=spid, idx=0, sender=sender, recipient=address,
+                     state=QueueState.INCOMING, arrival_at=now, next_attempt_at=now, size=size)
+    event = make_event(EventKind.SUPPRESSED, row, now, node=node, reply=entry.reply(address),
+                       attempt=0)
+    event["qid"] = None
+    event["spid"] = spid or None
+    return event

@@ -170,7 +170,27 @@ def test_actions_refuse_an_empty_selection_and_bad_ids(cfg: Path) -> None:
     proc = run(cfg, "hold", "not-a-queue-id", check=False)
     assert proc.returncode == 2 and "not a queue id" in proc.stderr
     proc = run(cfg, "hold", "0123456789ABCDEF-0", check=False)
-    assert proc.returncode == 1 and "held 0" in proc.stdout
+    assert proc.returncode == 2 and "no message" in proc.stderr
+    assert "0123456789ABCDEF" in proc.stderr
+
+
+def test_bounce_by_partial_spid_resolves_or_says_why_not(cfg: Path) -> None:
+    first = run(cfg, "sendmail", "-f", "a@example.org", "x@gmail.com", stdin=MSG).stdout.split()[1]
+    second = run(cfg, "sendmail", "-f", "a@example.org", "y@gmail.com", stdin=MSG).stdout.split()[1]
+    # SPIDs drawn a moment apart share their leading (millisecond) digits.
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
+    assert common >= 4
+    proc = run(cfg, "bounce", first[:common], check=False)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.count("\n") == 1 and "ambiguous" in proc.stderr, proc.stderr
+    proc = run(cfg, "bounce", "FFFFFFFF", check=False)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.count("\n") == 1 and "FFFFFFFF" in proc.stderr, proc.stderr
+    unique = second[:common + 1].lower()
+    assert run(cfg, "bounce", unique).stdout == "bounced 1 recipient(s)\n"
+    rows, _ = qlist(cfg)
+    assert sorted((r["Recipient"], r["DSN"]) for r in rows) == [
+        ("a@example.org", "yes"), ("x@gmail.com", "no")]
 
 
 def test_bounce_command_queues_an_ndr(cfg: Path) -> None:

@@ -21,14 +21,15 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sluice.config import Config, ConfigError, load_config
 
-__all__ = ["CommandError", "load", "main"]
+__all__ = ["CommandError", "load", "main", "run_command"]
 
 #: Modules that contribute sub-commands, in the order of the help text.
 COMMAND_MODULES = (
+    "sluice.cli.sendmail",
     "sluice.cli.queue_cmds",
     "sluice.cli.config_cmds",
     "sluice.cli.policy_cmds",
@@ -83,10 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and os.path.basename(sys.argv[0]) == "sendmail":
+        # Installed or linked as sendmail(1): Postfix's command line, no sub-command.
+        from sluice.cli.sendmail import main as sendmail_main
+
+        return sendmail_main()
     parser = build_parser()
     args = parser.parse_args(argv)
+    return run_command(args.func, args)
+
+
+def run_command(func: Callable[[argparse.Namespace], int | None],
+                args: argparse.Namespace) -> int:
+    """Run a command's handler: expected failures are one line and a status."""
     try:
-        status = args.func(args)
+        status = func(args)
     except ConfigError as exc:
         print(f"sluice: config error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Queue commands: sendmail, qlist, qcount, qshape, hold, release, retry, delete, priority, bounce.
+"""Queue commands: qlist, qcount, qshape, hold, release, retry, delete, priority, bounce.
 
 DESCRIPTION
     qlist follows Mailismus: semicolon-separated fields, the first row
@@ -16,32 +16,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import email.utils
-import io
-import itertools
 import json
+import re
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
-from email.parser import BytesHeaderParser
-from email.policy import compat32
-from typing import IO, Any
+from typing import Any
 
 from sluice.cli import CommandError, load
-from sluice.config import parse_duration
-from sluice.mime import HeaderScan
 from sluice.model import (
     QueueEntry,
     QueueState,
     Selector,
-    Submission,
-    ascii_envelope,
 )
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
-from sluice.store import Action, StorageError, narrow
+from sluice.store import Action, StorageError, Store, narrow
 
 QLIST_FIELDS = (
     "QueueID", "SPID", "State", "Sender", "Recipient", "Domain", "Arrival", "NextAttempt",
@@ -109,23 +99,6 @@ def _audit(args: argparse.Namespace, action: Action, selector: Selector, qids: l
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("sendmail", help="queue a message read from standard input")
-    p.add_argument("recipients", nargs="*", metavar="RCPT")
-    p.add_argument("-f", dest="sender", default=None, help="envelope sender")
-    p.add_argument("-t", dest="from_headers", action="store_true",
-                   help="take recipients from the To, Cc and Bcc headers (Bcc is removed)")
-    p.add_argument("--tenant", default="", help="tenantid")
-    p.add_argument("--job", default="", help="jobid")
-    p.add_argument("--transport", default="", help="transportid")
-    p.add_argument("--localip", action="append", default=[], help="source IP (repeatable)")
-    p.add_argument("--priority", type=int, choices=(0, 1), default=0)
-    p.add_argument("--hold", action="store_true", help="queue on hold")
-    p.add_argument("--delay", default=None, help="queue deferred for this long (e.g. 10m)")
-    p.add_argument("--smtputf8", action="store_true",
-                   help="deliver with SMTPUTF8 (set by itself when an address or the header "
-                        "is UTF-8)")
-    p.set_defaults(func=cmd_sendmail)
-
     p = sub.add_parser("qlist", help="list the queue (semicolon-separated, Mailismus style)")
     _add_selector_args(p, with_ids=False)
     p.add_argument("--json", action="store_true", help="JSON instead of semicolon CSV")
@@ -161,93 +134,6 @@ def register(sub: Any) -> None:
     p.add_argument("--all", action="store_true")
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_action, action=Action.PRIORITY)
-
-
-# -- sendmail -----------------------------------------------------------------------------
-
-def _read_header(stream: IO[bytes], limit: int = 1 << 20) -> bytes:
-    out = bytearray()
-    while True:
-        line = stream.readline(65536)
-        out += line
-        if not line or line in (b"\r\n", b"\n"):
-            return bytes(out)
-        if len(out) > limit:
-            raise CommandError("the message header is larger than 1 MB")
-
-
-def cmd_sendmail(args: argparse.Namespace) -> int:
-    cfg = load(args)
-    stdin = sys.stdin.buffer
-    header = _read_header(stdin)
-    recipients = list(args.recipients)
-    parsed = BytesHeaderParser(policy=compat32).parsebytes(header)
-    if args.from_headers:
-        fields = parsed.get_all("To", []) + parsed.get_all("Cc", []) + parsed.get_all("Bcc", [])
-        recipients += [addr for _, addr in email.utils.getaddresses(fields) if addr]
-        if parsed.get("Bcc") is not None:
-            header = b"".join(
-                line for line in _header_lines(header) if not line.lower().startswith(b"bcc:")
-            )
-    if not recipients:
-        raise CommandError("no recipients (give them as arguments, or use -t)", status=2)
-    sender = args.sender
-    if sender is None:
-        sender = f"{_user()}@{cfg.node.hostname}"
-    eol = b"\r\n" if header.endswith(b"\r\n") else b"\n"
-    extra = b""
-    if parsed.get("Date") is None:
-        extra += b"Date: " + email.utils.formatdate(localtime=False).encode() + eol
-    if parsed.get("Message-ID") is None:
-        extra += b"Message-ID: " + email.utils.make_msgid(domain=cfg.node.hostname).encode() + eol
-    if parsed.get("From") is None and sender:
-        extra += b"From: <" + sender.encode() + b">" + eol
-    delay_s = parse_duration(args.delay) if args.delay else 0.0
-    # As Postfix's sendmail (smtputf8_autodetect_classes = sendmail): a
-    # message whose envelope or any header block (attachments' too) is
-    # UTF-8 is flagged, so delivery treats it as one received with SMTPUTF8
-    # (docs/delivery.md).  Only a MIME message needs its body read first;
-    # it waits in a temporary file (in memory up to 8 MB).
-    with contextlib.ExitStack() as stack:
-        body: IO[bytes] = stdin
-        smtputf8 = args.smtputf8 or not ascii_envelope(sender, recipients)
-        if not smtputf8:
-            scan = HeaderScan()
-            scan.feed(header)
-            if not scan.settled:
-                body = stack.enter_context(tempfile.SpooledTemporaryFile(max_size=8 << 20))
-                for chunk in iter(lambda: stdin.read(65536), b""):
-                    body.write(chunk)
-                    scan.feed(chunk)
-                body.seek(0)
-            smtputf8 = scan.close()
-        sub = Submission(
-            sender=sender, recipients=tuple(recipients), tenantid=args.tenant, jobid=args.job,
-            transportid=args.transport, localip=tuple(args.localip), priority=args.priority,
-            hold=args.hold, delay_s=delay_s, smtputf8=smtputf8,
-        )
-        content = itertools.chain([extra + header], iter(lambda: body.read(65536), b""))
-        with _open(args) as queue:
-            try:
-                accepted = queue.submit(sub, content)
-            except StorageError as exc:
-                raise CommandError(f"not queued: {exc}") from None
-    print(f"queued {accepted.spid} for {len(accepted.qids)} recipient(s), {accepted.size} bytes")
-    return 0
-
-
-def _header_lines(header: bytes) -> Iterator[bytes]:
-    """Header fields with their continuation lines, one item per field."""
-    field = b""
-    for line in io.BytesIO(header):
-        if line[:1] in (b" ", b"\t") and field:
-            field += line
-            continue
-        if field:
-            yield field
-        field = line
-    if field:
-        yield field
 
 
 def _user() -> str:
@@ -332,14 +218,54 @@ def working(text: str) -> contextlib.AbstractContextManager[object]:
     return console.status(text)
 
 
+_HEX_ID_RE = re.compile(r"^([0-9A-F]{4,32})(-\d{1,6})?$")
+
+
+def resolve_ids(store: Store, what: str, ids: list[str]) -> list[str]:
+    """Queue ids and SPIDs as given, each checked against the queue; a
+    prefix of at least 4 hex digits stands for the one SPID it starts.
+
+    An id that names nothing, or a prefix that fits several messages,
+    ends the command (exit 2) with one line naming it: an operator who
+    typed a wrong id must not read "bounced 0" and wonder.
+    """
+    out = []
+    for given in ids:
+        text = given.strip().upper()
+        m = _HEX_ID_RE.match(text)
+        if m is None:
+            raise CommandError(f"{what}: {given!r} is not a queue id or SPID", status=2)
+        prefix, idx = m.group(1), m.group(2) or ""
+        if len(prefix) >= 8 and store.count(Selector(qids=(text,))).recipients:
+            out.append(text)
+            continue
+        spids = sorted({e.spid for e in store.entries(Selector()) if e.spid.startswith(prefix)})
+        if not spids:
+            raise CommandError(f"{what}: no message in the queue has SPID or queue id {given}",
+                               status=2)
+        if len(spids) > 1:
+            shown = ", ".join(spids[:3]) + (", ..." if len(spids) > 3 else "")
+            raise CommandError(f"{what}: {given} is ambiguous: {len(spids)} messages have SPIDs "
+                               f"starting so ({shown})", status=2)
+        if idx and not store.count(Selector(qids=(spids[0] + idx,))).recipients:
+            raise CommandError(f"{what}: message {spids[0]} has no recipient {idx[1:]}",
+                               status=2)
+        out.append(spids[0] + idx)
+    return out
+
+
 def cmd_action(args: argparse.Namespace) -> int:
     action: Action = args.action
-    selector = selector_from_args(args)
-    if selector.is_empty and not args.all:
-        raise CommandError(
-            f"{action.value}: give queue ids or a selector (--domain, --sender, ...), "
-            "or --all for the whole queue", status=2)
+    if not args.ids:
+        selector = selector_from_args(args)
+        if selector.is_empty and not args.all:
+            raise CommandError(
+                f"{action.value}: give queue ids or a selector (--domain, --sender, ...), "
+                "or --all for the whole queue", status=2)
     with _open(args) as queue:
+        if args.ids:
+            args.ids = resolve_ids(queue.store, action.value, args.ids)
+            selector = selector_from_args(args)
         if args.dry_run:
             touched_by = narrow(selector, action)
             n = 0 if touched_by is None else queue.store.count(touched_by).recipients
