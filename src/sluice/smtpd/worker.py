@@ -120,6 +120,14 @@ def _tell(ready: Any, message: tuple[Any, ...]) -> None:
             ready.set()
 
 
+def _fail(ready: Any, message: str) -> None:
+    """Tell the parent, which prints it (once, not once per process); print it
+    here only when no parent listens."""
+    _tell(ready, ("error", os.getpid(), message))
+    if not hasattr(ready, "send"):
+        print(f"sluice receiver: {message}", file=sys.stderr)
+
+
 def run_receiver_process(config: Config | str | os.PathLike[str] | None = None,
                          ready: Any = None, *, share: int = 1,
                          parent_pid: int | None = None,
@@ -137,8 +145,7 @@ def run_receiver_process(config: Config | str | os.PathLike[str] | None = None,
     try:
         cfg = config if isinstance(config, Config) else load_config(config)
     except ConfigError as exc:
-        _tell(ready, ("error", os.getpid(), str(exc)))
-        print(f"sluice receiver: {exc}", file=sys.stderr)
+        _fail(ready, str(exc))
         return 1
     # A spawned process starts with no logging: set it up as serve did (sluice.logs).
     setup_logging(cfg.logging, os.environ.get(LOG_LEVEL_ENV) or None, hostname=cfg.hostname)
@@ -155,17 +162,14 @@ async def _serve(config: Config, ready: Any, share: int,
     try:
         queue = Queue.open(config)
     except (StorageError, OSError) as exc:
-        message = f"cannot open the queue: {exc}"
-        _tell(ready, ("error", os.getpid(), message))
-        print(f"sluice receiver: {message}", file=sys.stderr)
+        _fail(ready, f"cannot open the queue: {exc}")
         return 1
     try:
         try:
             receiver = Receiver.from_config(config, queue, sockets=sockets, share=share)
             await receiver.start()
         except (ConfigError, ReceiverError) as exc:
-            _tell(ready, ("error", os.getpid(), str(exc)))
-            print(f"sluice receiver: {exc}", file=sys.stderr)
+            _fail(ready, str(exc))
             return 1
         _tell(ready, ("ready", os.getpid(), receiver.addresses))
         await stop.wait()
