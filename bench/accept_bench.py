@@ -1,8 +1,8 @@
 """Accept throughput of Sluice's receivers: smtp-source -> sluice.smtpd -> SQLite queue.
 
 Postfix's smtp-source sends N messages over S parallel sessions to Sluice
-receivers on 127.0.0.1 (1 and 2 processes sharing the port with
-SO_REUSEPORT), which queue them in the real SQLite store with its spool
+receivers on 127.0.0.1 (1 and 2 processes accepting from one listening
+socket that the pool bound), which queue them in the real SQLite store with its spool
 (fsync before every 250, group commit).  Nothing is delivered.  For each
 run it prints the accepted messages per second and the CPU the receivers
 used per message, checks that the queue holds exactly N messages, and ends

@@ -21,6 +21,15 @@ DESCRIPTION
     retry_granularity may not exceed half of the first retry delay; a larger
     value is silently reduced, as Mailismus does (section 4.3.2).
 
+    A key written twice in one mapping, at any depth, is an error naming
+    both lines (YAML itself would keep the last one silently).  The loader
+    is PyYAML's SafeLoader with its mapping constructor replaced through
+    the public add_constructor hook.
+
+    make_directories(config) creates the directories the queue writes to,
+    or raises ConfigError naming the key whose path is unusable; the queue
+    and ``sluice serve`` call it before they open anything.
+
 SEE ALSO
     docs/configuration.md, sluice.retry
 """
@@ -55,6 +64,7 @@ __all__ = [
     "config_schema",
     "format_duration",
     "load_config",
+    "make_directories",
     "parse_duration",
     "parse_retry_delays",
 ]
@@ -552,6 +562,67 @@ def config_from_dict(
     return _semantic_checks(cfg)
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, keypath: str, message: str) -> None:
+        super().__init__(message)
+        self.keypath = keypath
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping, at any depth."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicates(self, node, "", set())
+        return super().construct_document(node)
+
+
+def _refuse_duplicates(loader: yaml.SafeLoader, node: yaml.Node, path: str,
+                       seen_nodes: set[int]) -> None:
+    if id(node) in seen_nodes:  # an alias: checked where its anchor is
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicates(loader, item, f"{path}[{i}]", seen_nodes)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_line: dict[object, int] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # "<<" merges are YAML's own way of overriding on purpose
+        key = loader.construct_object(key_node, deep=True)
+        keypath = f"{path}.{key}" if path else str(key)
+        line = key_node.start_mark.line + 1
+        try:
+            seen = first_line.get(key)
+            first_line.setdefault(key, line)
+        except TypeError:
+            continue  # an unhashable key: the constructor says so itself
+        if seen is not None:
+            raise _DuplicateKey(keypath, f"duplicate key at line {line} "
+                                f"(first at line {seen}; YAML would keep the last)")
+        _refuse_duplicates(loader, value_node, keypath, seen_nodes)
+
+
+def make_directories(config: Config) -> None:
+    """Create the directories the queue writes to (queue.path, the spool's
+    root for the stores that use it, accounting.path); ConfigError names the
+    key whose directory cannot be made or written."""
+    dirs = [("queue.path", config.queue.path)]
+    if config.queue.store in ("sqlite", "fs"):
+        dirs.append(("queue.spool.rootpath", config.queue.spool.rootpath))
+    dirs.append(("accounting.path", config.accounting.path))
+    for keypath, path in dirs:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(config.source, keypath,
+                              f"cannot create {path}: {exc.strerror or exc}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(config.source, keypath, f"{path} is not writable")
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     """Load ``path``, or $SLUICE_CONFIG, or the embedded defaults."""
     if path is None:
@@ -568,7 +639,9 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(source, "", "not UTF-8 text") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except _DuplicateKey as exc:
+        raise ConfigError(source, exc.keypath, str(exc)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""

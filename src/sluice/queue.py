@@ -48,7 +48,7 @@ from typing import Any
 
 from sluice.accounting import AccountingLog, EventKind, make_event
 from sluice.bounce import FailedRecipient, build_ndr, read_header_block
-from sluice.config import Config
+from sluice.config import Config, make_directories
 from sluice.model import (
     IN_FLIGHT_STATES,
     Accepted,
@@ -120,6 +120,7 @@ class Queue:
 
     @classmethod
     def open(cls, config: Config, clock: Callable[[], float] = time.time) -> Queue:
+        make_directories(config)  # a bad path is a ConfigError naming its key
         store = open_store(config)
         acct = AccountingLog(config.accounting.path, config.accounting.rotate,
                              config.accounting.keep, node=config.node.id)

@@ -742,6 +742,6 @@ def test_a_taken_api_port_stops_serve_with_one_line(tmp_path: Path) -> None:
         path, _ = api_config(tmp_path, sink_port=9, api={"listen": f"127.0.0.1:{port}"})
         proc = subprocess.run([SLUICE, "-c", str(path), "serve"], capture_output=True,
                               text=True, env=subprocess_env(), timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # it cannot start: like a bad file
     assert f"api.listen 127.0.0.1:{port}: cannot listen" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -18,7 +18,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("config", help="check or show the configuration")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
-    check = csub.add_parser("check", help="validate the configuration; exit 0 when valid")
+    check = csub.add_parser("check", help="make every check `sluice serve` makes before it "
+                            "listens; exit 0 when they pass")
     check.set_defaults(func=cmd_check)
     show = csub.add_parser("show", help="print the effective configuration with defaults")
     show.add_argument("--json", action="store_true", help="JSON instead of YAML")
@@ -28,7 +29,10 @@ def register(sub: Any) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from sluice.runtime.preflight import preflight
+
     cfg = load(args)
+    preflight(cfg)  # what `sluice serve` checks before it binds a port
     print(f"{cfg.source}: OK")
     return 0
 

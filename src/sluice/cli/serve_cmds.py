@@ -58,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         raise CommandError(f"policy error: {exc}", status=2) from None
     except (ServeError, ReceiverError) as exc:
-        raise CommandError(str(exc)) from None
+        # It could not start (port taken, queue locked): like a bad file, exit 2.
+        raise CommandError(str(exc), status=2) from None
     except PartFailed as exc:
         # Logged with its cause when it happened; everything else was stopped.
         raise CommandError(f"serve stopped: {exc}") from None

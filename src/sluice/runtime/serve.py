@@ -8,12 +8,19 @@ DESCRIPTION
     One queue manager (this process) and the receivers:
 
     * with a store that several processes may open (SQLite, PostgreSQL),
-      ``smtpd.processes`` receiving processes (default: one per core)
-      share the SMTP port with SO_REUSEPORT; the queue manager learns of
+      ``smtpd.processes`` receiving processes (default: one per core but
+      one) accept from the listening sockets this process bound and
+      handed to them; the queue manager learns of
       new mail by polling the store every ``poll_s`` (a read that costs
       microseconds when nothing is new);
     * otherwise (LevelDB) the receiver runs inside this process and tells
       the queue manager of each message directly.
+
+    Starting checks the configuration first (sluice.runtime.preflight,
+    the very checks of `sluice config check`), then takes the lock, then
+    binds the SMTP port -- without SO_REUSEPORT, so a second `sluice
+    serve` on the same port gets "address already in use" as a second
+    Postfix would -- and only then opens the queue and starts the parts.
 
     The queue manager holds an exclusive lock on ``<queue.path>/manager-
     <node id>.lock``, so two managers never work one queue as the same
@@ -50,6 +57,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -64,8 +72,15 @@ from sluice.logs import ready, setup_logging
 from sluice.queue import Queue
 from sluice.runtime.manager import QueueManager
 from sluice.runtime.parts import Health, PartFailed, Supervisor, Trouble
+from sluice.runtime.preflight import preflight
 from sluice.scheduler import Policy
-from sluice.smtpd import Receiver, ReceiverPool, receiver_processes
+from sluice.smtpd import (
+    Receiver,
+    ReceiverPool,
+    bind_listeners,
+    listen_addresses,
+    receiver_processes,
+)
 
 __all__ = ["PartFailed", "ServeError", "Server", "serve"]
 
@@ -97,6 +112,7 @@ class Server:
         self.audit: AuditLog | None = None
         self.addresses: list[tuple[str, int]] = []
         self._lock_fd = -1
+        self._sockets: list[socket.socket] = []  # bound, not yet handed to a receiver
         self._manager_stop = asyncio.Event()
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
@@ -124,8 +140,10 @@ class Server:
     async def _open(self) -> None:
         """Everything that can refuse to start, before any part runs."""
         cfg = self.config
-        self._lock()
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, preflight, cfg)
+        self._lock()
+        self._sockets = bind_listeners(listen_addresses(cfg), cfg.smtpd.backlog)
         self.queue = await loop.run_in_executor(None, Queue.open, cfg)
         path = audit_path(cfg)
         try:
@@ -143,13 +161,20 @@ class Server:
         if self.api_enabled:
             self._create_api()
         nproc = receiver_processes(cfg, self.queue.store.shared_access)
+        sockets, self._sockets = self._sockets, []  # the receivers own them now
         if nproc:
-            self.pool = ReceiverPool(cfg if cfg.source.startswith("<") else cfg.source, nproc)
+            self.pool = ReceiverPool(cfg if cfg.source.startswith("<") else cfg.source, nproc,
+                                     sockets=sockets)
             self.addresses = await loop.run_in_executor(None, self.pool.start)
         else:
-            self.receiver = Receiver.from_config(
-                cfg, self.queue, hooks=hooks,
-                on_accepted=lambda accepted, sub: manager.notify_mail(len(accepted.qids)))
+            try:
+                self.receiver = Receiver.from_config(
+                    cfg, self.queue, hooks=hooks, sockets=sockets,
+                    on_accepted=lambda accepted, sub: manager.notify_mail(len(accepted.qids)))
+            except BaseException:
+                for sock in sockets:
+                    sock.close()
+                raise
             await self.receiver.start()
             self.addresses = self.receiver.addresses
 
@@ -263,6 +288,9 @@ class Server:
     async def _close(self) -> None:
         """What is left after the parts ended (or after a failure): in order."""
         await self._stop_receivers()
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
         if self.api_server is not None:
             with contextlib.suppress(Exception):
                 await self.api_server.stop()

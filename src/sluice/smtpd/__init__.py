@@ -23,7 +23,7 @@ MODULES
     session      the aiosmtpd adapter, one object per connection
     handoff      submits to the queue off the event loop, relays the durable result
     server       Receiver: sockets, limits, graceful stop
-    worker       receiving processes sharing the port (SO_REUSEPORT)
+    worker       receiving processes sharing the listening sockets the parent bound
 """
 
 from sluice.smtpd.credentials import Credentials, hash_password
@@ -35,7 +35,16 @@ from sluice.smtpd.policy import (
     RcptVerdict,
     ReceivePolicy,
 )
-from sluice.smtpd.server import Receiver, ReceiverError, load_tls_context, parse_listen
+from sluice.smtpd.server import (
+    Receiver,
+    ReceiverError,
+    ReceiverParts,
+    bind_listeners,
+    listen_addresses,
+    load_tls_context,
+    parse_listen,
+    receiver_parts,
+)
 from sluice.smtpd.session import ReceiverStats, Settings
 from sluice.smtpd.trace import protocol_name, received_header
 from sluice.smtpd.worker import ReceiverPool, receiver_processes, run_receiver_process
@@ -50,14 +59,18 @@ __all__ = [
     "ReceivePolicy",
     "Receiver",
     "ReceiverError",
+    "ReceiverParts",
     "ReceiverPool",
     "ReceiverStats",
     "Settings",
+    "bind_listeners",
     "hash_password",
+    "listen_addresses",
     "load_tls_context",
     "parse_listen",
     "protocol_name",
     "received_header",
+    "receiver_parts",
     "receiver_processes",
     "run_receiver_process",
 ]

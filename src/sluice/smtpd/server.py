@@ -1,7 +1,9 @@
 """The receiving SMTP server of one process: listening sockets and their sessions.
 
 SUMMARY
-    receiver = Receiver.from_config(config, queue)   # ConfigError if unusable
+    receiver_parts(config) -> ReceiverParts          # ConfigError if unusable
+    bind_listeners([(host, port), ...]) -> [socket]  # ReceiverError if taken
+    receiver = Receiver.from_config(config, queue, sockets=None)
     await receiver.start()      # listening; receiver.addresses
     await receiver.stop()       # graceful: see STRATEGIES
     receiver.stats() -> ReceiverStats
@@ -13,9 +15,11 @@ DESCRIPTION
     loop.  Messages go to the Queue it was given; the caller owns the
     queue and closes it after stop().
 
-    Several processes can each run a Receiver on the same port with
-    ``reuse_port=True`` (SO_REUSEPORT): the kernel spreads new connections
-    over them.  ``share`` tells each one how many there are, so that the
+    Several processes can each run a Receiver on the same listening
+    sockets: the parent binds them once (bind_listeners, no SO_REUSEPORT,
+    so no other program -- and no second `sluice serve` -- can join the
+    port) and hands them to each process, whose event loop accepts from
+    them.  ``share`` tells each one how many there are, so that the
     connection limits of the configuration hold for the whole set (each
     process enforces its share, rounded up).  sluice.smtpd.worker starts
     such processes.
@@ -30,8 +34,11 @@ STRATEGIES
     sent may still have been queued, and is then delivered twice at worst.
 
 LIMITATIONS
-    With SO_REUSEPORT, connections that the kernel had already queued for a
-    process's socket when that process stops are reset; clients retry.
+    The processes share one accept queue per socket: a new connection
+    wakes every process waiting on it and one wins the accept (with the
+    default of one receiving process on two cores there is no race).
+    Connections still in the accept queue when the last process stops are
+    reset; clients retry.
     The connection limits are per process (split as above), not counted
     across processes.
 
@@ -44,10 +51,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import ssl
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.config import Config, ConfigError
@@ -60,7 +67,17 @@ from sluice.smtpd.policy import ReceivePolicy
 from sluice.smtpd.session import ReceiverStats, Registry, Settings, SmtpSession
 from sluice.suppression import SuppressionFileError, SuppressionList
 
-__all__ = ["Receiver", "ReceiverError", "ReceiverStats", "load_tls_context", "parse_listen"]
+__all__ = [
+    "Receiver",
+    "ReceiverError",
+    "ReceiverParts",
+    "ReceiverStats",
+    "bind_listeners",
+    "listen_addresses",
+    "load_tls_context",
+    "parse_listen",
+    "receiver_parts",
+]
 
 log = logging.getLogger("sluice.smtpd")
 
@@ -119,22 +136,108 @@ def _load_suppression(config: Config) -> SuppressionList | None:
         raise ConfigError(config.source, "suppression.path", str(exc)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class ReceiverParts:
+    """What a Receiver is built from, each made from (and so checked against)
+    the configuration: sluice.runtime.preflight builds them too."""
+
+    listen: tuple[tuple[str, int], ...]
+    policy: ReceivePolicy
+    credentials: Credentials
+    hooks: Hooks
+    suppression: SuppressionList | None
+    tls_context: ssl.SSLContext | None
+
+
+def listen_addresses(config: Config, listen: Sequence[str] | None = None
+                     ) -> tuple[tuple[str, int], ...]:
+    """``smtpd.listen`` (or ``listen``) parsed; ConfigError names the bad item."""
+    out = []
+    for i, item in enumerate(config.smtpd.listen if listen is None else listen):
+        try:
+            out.append(parse_listen(item))
+        except ValueError as exc:
+            raise ConfigError(config.source, f"smtpd.listen[{i}]", str(exc)) from None
+    return tuple(out)
+
+
+def receiver_parts(config: Config, *, listen: Sequence[str] | None = None, share: int = 1,
+                   hooks: Hooks | None = None, suppression: SuppressionList | None = None
+                   ) -> ReceiverParts:
+    """The parts of a receiver for ``config``; ConfigError names the bad key.
+
+    ``hooks`` and ``suppression`` default to what the configuration names
+    (``smtpd.hook``, ``suppression.path``)."""
+    s = config.smtpd
+    addresses = listen_addresses(config, listen)
+    if hooks is None:
+        hook = (load_hook(s.hook, keypath="smtpd.hook", source=config.source,
+                          base_dir=config.base_dir) if s.hook else None)
+        hooks = Hooks(end_of_data=hook)
+    if suppression is None:
+        suppression = _load_suppression(config)
+    try:
+        credentials = Credentials.from_config(config)
+    except ValueError as exc:
+        raise ConfigError(config.source, "smtpd.auth.users", str(exc)) from None
+    return ReceiverParts(
+        listen=addresses,
+        policy=ReceivePolicy.from_config(config, suppression, share=share),
+        credentials=credentials, hooks=hooks, suppression=suppression,
+        tls_context=load_tls_context(config))
+
+
+def bind_listeners(addresses: Sequence[tuple[str, int]], backlog: int = 1024
+                   ) -> list[socket.socket]:
+    """Listening sockets for ``addresses``, without SO_REUSEPORT.
+
+    The port is this process's alone (a second `sluice serve` on it gets
+    "address already in use"); the receiving processes share these very
+    sockets, passed to them, rather than each binding its own.  Raises
+    ReceiverError in one line.  An empty host is every address, one
+    socket per family.
+    """
+    socks: list[socket.socket] = []
+    host, port = "", 0
+    try:
+        for host, port in addresses:
+            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+            done: set[tuple[int, object]] = set()
+            for family, kind, proto, _, addr in infos:
+                if (family, addr) in done:
+                    continue
+                done.add((family, addr))
+                sock = socket.socket(family, kind, proto)
+                socks.append(sock)
+                # SO_REUSEADDR only lets a restart bind past TIME_WAIT; on Linux
+                # it does not let two listeners share the port.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+                sock.listen(backlog)
+                sock.setblocking(False)
+    except OSError as exc:
+        for sock in socks:
+            sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host or '*'}:{port}"
+        reason = exc.strerror or str(exc)
+        raise ReceiverError(f"cannot listen on {where}: {reason}") from None
+    return socks
+
+
 class Receiver:
     """Listening sockets and sessions of one process; see the module doc."""
 
-    def __init__(self, settings: Settings, listen: Sequence[str], *, reuse_port: bool = False,
-                 backlog: int = 1024, shutdown_timeout_s: float = 30.0,
-                 source: str = "<config>") -> None:
+    def __init__(self, settings: Settings, listen: Sequence[tuple[str, int]], *,
+                 sockets: Sequence[socket.socket] | None = None,
+                 backlog: int = 1024, shutdown_timeout_s: float = 30.0) -> None:
         self.settings = settings
-        self.reuse_port = reuse_port
         self.backlog = backlog
         self.shutdown_timeout_s = shutdown_timeout_s
-        self._listen: list[tuple[str, int]] = []
-        for i, item in enumerate(listen):
-            try:
-                self._listen.append(parse_listen(item))
-            except ValueError as exc:
-                raise ConfigError(source, f"smtpd.listen[{i}]", str(exc)) from None
+        self._listen = list(listen)
+        self._sockets = None if sockets is None else list(sockets)
         self._registry = Registry()
         self._servers: list[asyncio.Server] = []
         self._stopped = False
@@ -146,7 +249,7 @@ class Receiver:
         queue: Queue,
         *,
         listen: Sequence[str] | None = None,
-        reuse_port: bool = False,
+        sockets: Sequence[socket.socket] | None = None,
         share: int = 1,
         hooks: Hooks | None = None,
         suppression: SuppressionList | None = None,
@@ -154,22 +257,14 @@ class Receiver:
     ) -> Receiver:
         """A receiver for ``config.smtpd``.
 
-        ``hooks`` and ``suppression`` default to what the configuration
-        names (``smtpd.hook``, ``suppression.path``).  ``on_accepted`` is
-        called on the event loop for every message queued.
-        Raises ConfigError naming the key that is wrong.
+        ``sockets`` are listening sockets bound already (bind_listeners), which
+        the receiver then owns; without them start() binds ``smtpd.listen``.
+        ``on_accepted`` is called on the event loop for every message queued.
+        Raises ConfigError naming the key that is wrong (receiver_parts).
         """
         s = config.smtpd
-        if hooks is None:
-            hook = (load_hook(s.hook, keypath="smtpd.hook", source=config.source,
-                              base_dir=config.base_dir) if s.hook else None)
-            hooks = Hooks(end_of_data=hook)
-        if suppression is None:
-            suppression = _load_suppression(config)
-        try:
-            credentials = Credentials.from_config(config)
-        except ValueError as exc:
-            raise ConfigError(config.source, "smtpd.auth.users", str(exc)) from None
+        parts = receiver_parts(config, listen=listen, share=share, hooks=hooks,
+                               suppression=suppression)
         spill_dir: str | None = config.queue.path
         try:
             Path(config.queue.path).mkdir(parents=True, exist_ok=True)
@@ -178,41 +273,46 @@ class Receiver:
         settings = Settings(
             hostname=s.hostname or config.node.hostname or socket.gethostname(),
             queue=queue,
-            policy=ReceivePolicy.from_config(config, suppression, share=share),
-            credentials=credentials,
-            hooks=hooks,
-            tls_context=load_tls_context(config),
+            policy=parts.policy,
+            credentials=parts.credentials,
+            hooks=parts.hooks,
+            tls_context=parts.tls_context,
             timeout_s=s.timeout,
             spill_size=s.spill_size,
             spill_dir=spill_dir,
             on_accepted=on_accepted,
             handoff=Handoff(queue),
         )
-        return cls(settings, listen if listen is not None else s.listen,
-                   reuse_port=reuse_port, backlog=s.backlog,
-                   shutdown_timeout_s=s.shutdown_timeout, source=config.source)
+        return cls(settings, parts.listen, sockets=sockets, backlog=s.backlog,
+                   shutdown_timeout_s=s.shutdown_timeout)
 
     # -- life cycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Listen on every address; ReceiverError if one cannot be bound."""
+        """Serve on the sockets given, or bind ``listen``; ReceiverError if it cannot."""
         loop = asyncio.get_running_loop()
         settings, registry = self.settings, self._registry
 
         def session() -> SmtpSession:
             return SmtpSession(settings, registry, loop)
 
+        sockets = self._sockets
+        self._sockets = []
+        if sockets is None:
+            sockets = bind_listeners(self._listen, self.backlog)
+        pending = list(sockets)
         try:
-            for host, port in self._listen:
-                server = await loop.create_server(
-                    session, host or None, port, backlog=self.backlog,
-                    reuse_address=True, reuse_port=self.reuse_port or None)
+            while pending:
+                server = await loop.create_server(session, sock=pending[0],
+                                                  backlog=self.backlog)
+                pending.pop(0)
                 self._servers.append(server)
         except OSError as exc:
+            where = pending[0].getsockname()
+            for rest in pending:
+                rest.close()
             await self._close_servers()
-            where = f"{host or '*'}:{port}"
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise ReceiverError(f"cannot listen on {where}: {reason}") from None
+            raise ReceiverError(f"cannot serve on {where}: {exc.strerror or exc}") from None
         log.info("receiving on %s", ", ".join(f"{h}:{p}" for h, p in self.addresses))
 
     @property

@@ -2,14 +2,18 @@
 
 SUMMARY
     receiver_processes(config, shared_access) -> int
-    pool = ReceiverPool(config_or_path, processes)
+    pool = ReceiverPool(config_or_path, processes, sockets=None)
     pool.start() -> [(host, port), ...]     # ReceiverError if one fails
     pool.stop(grace_s=None) -> exit codes
-    run_receiver_process(config_or_path, ready=None, *, share=1) -> int
+    run_receiver_process(config_or_path, ready=None, *, share=1, sockets=None) -> int
 
 DESCRIPTION
-    One Python process accepting mail keeps one core busy; a second one on
-    the same port (SO_REUSEPORT) uses the second core.  Each process opens
+    One Python process accepting mail keeps one core busy; a second one
+    accepting from the same listening socket uses the second core.  The
+    pool's owner binds the sockets once (sluice.smtpd.server.bind_listeners,
+    without SO_REUSEPORT, so the port is this pool's alone) and every
+    process inherits them: multiprocessing passes a socket given as a
+    process argument as a file descriptor.  Each process opens
     its own Queue on the configured store, which must allow several
     processes (Store.shared_access, true for SQLite and PostgreSQL).  A
     store that does not (LevelDB) is opened by one process only: then
@@ -17,7 +21,7 @@ DESCRIPTION
 
     run_receiver_process is the body of one such process: it loads the
     configuration (a path, or a Config passed by value), opens the queue,
-    starts a Receiver with reuse_port, says so on ``ready``, serves until
+    starts a Receiver on the sockets it was given, says so on ``ready``, serves until
     SIGTERM or SIGINT, stops gracefully and closes the queue.  It uses
     uvloop when it is installed.
 
@@ -33,7 +37,10 @@ STRATEGIES
     SIGTERM.
 
     Report, don't trace.  A start that fails (bad configuration, port in
-    use) sends one line naming the cause to the parent and exits 1.
+    use) sends one line naming the cause to the parent and exits 1; the
+    parent raises ReceiverError with that line.  `sluice serve` checks the
+    configuration (sluice.runtime.preflight) and binds the port before it
+    starts any process, so what a process can still find is rare.
 
 SEE ALSO
     sluice.smtpd.server, docs/smtpd.md
@@ -49,6 +56,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -57,7 +65,7 @@ from typing import Any
 from sluice.config import Config, ConfigError, load_config
 from sluice.logs import LOG_LEVEL_ENV, setup_logging
 from sluice.queue import Queue
-from sluice.smtpd.server import Receiver, ReceiverError
+from sluice.smtpd.server import Receiver, ReceiverError, bind_listeners, listen_addresses
 from sluice.store import StorageError
 
 __all__ = ["ReceiverPool", "receiver_processes", "run_receiver_process"]
@@ -112,31 +120,41 @@ def _tell(ready: Any, message: tuple[Any, ...]) -> None:
             ready.set()
 
 
+def _fail(ready: Any, message: str) -> None:
+    """Tell the parent, which prints it (once, not once per process); print it
+    here only when no parent listens."""
+    _tell(ready, ("error", os.getpid(), message))
+    if not hasattr(ready, "send"):
+        print(f"sluice receiver: {message}", file=sys.stderr)
+
+
 def run_receiver_process(config: Config | str | os.PathLike[str] | None = None,
                          ready: Any = None, *, share: int = 1,
-                         parent_pid: int | None = None) -> int:
+                         parent_pid: int | None = None,
+                         sockets: list[socket.socket] | None = None) -> int:
     """Serve SMTP in this process until SIGTERM/SIGINT; returns the exit status.
 
     ``ready`` is a multiprocessing Connection, which receives
     ("ready", pid, [(host, port), ...]) or ("error", pid, message), or an
     Event-like object that is set once listening.  ``share`` is the number
-    of receiving processes (for the connection limits).
+    of receiving processes (for the connection limits).  ``sockets`` are
+    listening sockets to serve on; without them ``smtpd.listen`` is bound here.
     """
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     try:
         cfg = config if isinstance(config, Config) else load_config(config)
     except ConfigError as exc:
-        _tell(ready, ("error", os.getpid(), str(exc)))
-        print(f"sluice receiver: {exc}", file=sys.stderr)
+        _fail(ready, str(exc))
         return 1
     # A spawned process starts with no logging: set it up as serve did (sluice.logs).
     setup_logging(cfg.logging, os.environ.get(LOG_LEVEL_ENV) or None, hostname=cfg.hostname)
     with asyncio.Runner(loop_factory=_new_loop) as runner:
-        return runner.run(_serve(cfg, ready, share))
+        return runner.run(_serve(cfg, ready, share, sockets))
 
 
-async def _serve(config: Config, ready: Any, share: int) -> int:
+async def _serve(config: Config, ready: Any, share: int,
+                 sockets: list[socket.socket] | None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -144,17 +162,14 @@ async def _serve(config: Config, ready: Any, share: int) -> int:
     try:
         queue = Queue.open(config)
     except (StorageError, OSError) as exc:
-        message = f"cannot open the queue: {exc}"
-        _tell(ready, ("error", os.getpid(), message))
-        print(f"sluice receiver: {message}", file=sys.stderr)
+        _fail(ready, f"cannot open the queue: {exc}")
         return 1
     try:
         try:
-            receiver = Receiver.from_config(config, queue, reuse_port=True, share=share)
+            receiver = Receiver.from_config(config, queue, sockets=sockets, share=share)
             await receiver.start()
         except (ConfigError, ReceiverError) as exc:
-            _tell(ready, ("error", os.getpid(), str(exc)))
-            print(f"sluice receiver: {exc}", file=sys.stderr)
+            _fail(ready, str(exc))
             return 1
         _tell(ready, ("ready", os.getpid(), receiver.addresses))
         await stop.wait()
@@ -164,16 +179,24 @@ async def _serve(config: Config, ready: Any, share: int) -> int:
         await asyncio.to_thread(queue.close)
 
 
-def _process_main(config: Config | str, ready: Any, share: int, parent_pid: int) -> None:
+def _process_main(config: Config | str, ready: Any, share: int, parent_pid: int,
+                  sockets: list[socket.socket]) -> None:
     # multiprocessing ignores a target's return value; the status is the exit code.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the loop installs its handler
-    sys.exit(run_receiver_process(config, ready, share=share, parent_pid=parent_pid))
+    sys.exit(run_receiver_process(config, ready, share=share, parent_pid=parent_pid,
+                                  sockets=sockets))
 
 
 class ReceiverPool:
-    """A set of receiving processes sharing the SMTP port (see the module doc)."""
+    """A set of receiving processes sharing the SMTP port (see the module doc).
+
+    ``sockets`` are listening sockets bound already, which the pool then
+    owns (it closes its copies once the processes have theirs); without
+    them start() binds ``smtpd.listen``.
+    """
 
     def __init__(self, config: Config | str | os.PathLike[str], processes: int, *,
+                 sockets: list[socket.socket] | None = None,
                  start_timeout_s: float = 60.0) -> None:
         if processes < 1:
             raise ValueError("a receiver pool needs at least one process")
@@ -183,6 +206,7 @@ class ReceiverPool:
         self._ctx = multiprocessing.get_context("spawn")
         self._procs: list[Any] = []
         self._addresses: list[tuple[str, int]] = []
+        self._sockets = sockets
 
     @property
     def pids(self) -> list[int]:
@@ -199,16 +223,27 @@ class ReceiverPool:
         """Start every process and wait until each listens; ReceiverError if one fails."""
         if self._procs:
             raise RuntimeError("the pool is already started")
+        sockets, self._sockets = self._sockets, None
+        if sockets is None:
+            cfg = self.config if isinstance(self.config, Config) else load_config(self.config)
+            sockets = bind_listeners(listen_addresses(cfg), cfg.smtpd.backlog)
         pipes = []
-        for i in range(self.processes):
-            parent_end, child_end = self._ctx.Pipe(duplex=False)
-            proc = self._ctx.Process(
-                target=_process_main, name=f"sluice-receiver-{i}",
-                args=(self.config, child_end, self.processes, os.getpid()), daemon=False)
-            proc.start()
-            child_end.close()
-            self._procs.append(proc)
-            pipes.append(parent_end)
+        try:
+            for i in range(self.processes):
+                parent_end, child_end = self._ctx.Pipe(duplex=False)
+                proc = self._ctx.Process(
+                    target=_process_main, name=f"sluice-receiver-{i}",
+                    args=(self.config, child_end, self.processes, os.getpid(), sockets),
+                    daemon=False)
+                proc.start()
+                child_end.close()
+                self._procs.append(proc)
+                pipes.append(parent_end)
+        finally:
+            # Each process has its own descriptors now; the port stays open
+            # while any of them listens.
+            for sock in sockets:
+                sock.close()
         deadline = time.monotonic() + self.start_timeout_s
         problem: str | None = None
         for proc, pipe in zip(self._procs, pipes, strict=True):
@@ -221,7 +256,8 @@ class ReceiverPool:
             elif problem is None:
                 problem = str(message[2])
         if problem is not None:
-            self.stop(grace_s=0.0)
+            # The others are starting or serving: they stop at once on SIGTERM.
+            self.stop(grace_s=10.0)
             raise ReceiverError(problem)
         return self.addresses
 

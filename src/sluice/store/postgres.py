@@ -115,7 +115,7 @@ from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows, repl
 if TYPE_CHECKING:
     from sluice.config import Config
 
-__all__ = ["CHUNK_SIZE", "ENV_DSN", "PgStore"]
+__all__ = ["CHUNK_SIZE", "ENV_DSN", "PgStore", "postgres_dsn"]
 
 ENV_DSN = "SLUICE_PG_DSN"
 
@@ -396,14 +396,9 @@ class PgStore:
     @classmethod
     def from_config(cls, config: Config) -> PgStore:
         from sluice.cluster import enabled as cluster_enabled
-        from sluice.config import ConfigError
 
         q = config.queue
-        dsn = os.environ.get(ENV_DSN) or q.postgres.dsn
-        if not dsn:
-            raise ConfigError(config.source, "queue.postgres.dsn",
-                              f"the postgres store needs a connection string (or ${ENV_DSN})")
-        store = cls(dsn, node_id=config.node.id, pool_size=q.postgres.pool_size,
+        store = cls(postgres_dsn(config), node_id=config.node.id, pool_size=q.postgres.pool_size,
                     max_batch=q.commit_max_batch)
         if cluster_enabled(config):
             # Several nodes: hold no more of one domain than can start soon.
@@ -841,3 +836,14 @@ def _fail(exc: BaseException) -> BaseException:
     if isinstance(exc, psycopg.Error):
         return _storage_error(exc, "postgres queue")
     return exc
+
+
+def postgres_dsn(config: Config) -> str:
+    """$SLUICE_PG_DSN, else queue.postgres.dsn; ConfigError when neither is set."""
+    from sluice.config import ConfigError
+
+    dsn = os.environ.get(ENV_DSN) or config.queue.postgres.dsn
+    if not dsn:
+        raise ConfigError(config.source, "queue.postgres.dsn",
+                          f"the postgres store needs a connection string (or ${ENV_DSN})")
+    return dsn
