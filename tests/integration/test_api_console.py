@@ -40,7 +40,8 @@ def test_headers_for_every_token_the_body_only_for_body_tokens(tmp_path: Path) -
 
 
 def test_destinations_and_charts_follow_what_happens(tmp_path: Path) -> None:
-    with api_server(tmp_path) as srv:
+    # One deferral and no retry while the test looks.
+    with api_server(tmp_path, queue={"retry_delays": "1h"}) as srv:
         srv.sink.behaviours["slow.example"] = Behaviour("tempfail")
         srv.submit("s@sender.example", ["a@ok.example", "b@ok.example"])
         srv.submit("s@sender.example", ["c@slow.example"])
