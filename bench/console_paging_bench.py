@@ -95,11 +95,9 @@ def main() -> None:
     db = next(iter((base / "q").rglob("queue.db")), base / "q" / "queue.db")
     for name, selector, sql in cases:
         # The cursor 90 % of the way through this selection.
-        n = 0
+        n = sum(1 for _ in store.entries(selector))
         cursor = None
         skip = None
-        for e in store.entries(selector):
-            n += 1
         target = int(n * 0.9)
         for i, e in enumerate(store.entries(selector)):
             if i == target:
