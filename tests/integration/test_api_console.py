@@ -3,13 +3,14 @@ body only for a token in api.body_tokens), the destination table, the charts."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sluice.sink import Behaviour
-from tests.integration.serving import wait_until
+from tests.integration.serving import free_port, wait_until
 from tests.integration.test_api_support import ALICE, BOB, api_server
 
 pytestmark = [pytest.mark.integration]
@@ -88,3 +89,38 @@ def test_destinations_and_charts_follow_what_happens(tmp_path: Path) -> None:
         assert wait_until(lambda: any(
             q["by_state"].get("deferred") == 1
             for q in srv.ok("GET", "/api/v1/charts")["queue"]), 25)
+
+
+def test_destination_states_suspended_then_dead(tmp_path: Path) -> None:
+    closed = free_port()  # nothing listens there: connections are refused
+    relay = f"smtp:[127.0.0.1]:{closed}"
+    with api_server(tmp_path, queue={"retry_delays": "1h"},
+                    delivery={"transport": {"*": relay}},
+                    scheduler={"suspensions": str(tmp_path / "susp.yaml")}) as srv:
+        srv.ok("POST", "/api/v1/suspensions", json={
+            "fields": {"recipientdomain": "paused.example"}, "ttl": "10m", "reason": "test"})
+        srv.submit("s@sender.example", ["a@paused.example"])
+
+        def row() -> dict[str, Any]:
+            items = srv.ok("GET", "/api/v1/destinations", params={"q": relay})["items"]
+            return items[0] if items else {}
+
+        # Every sub-queue waiting for the relay is suspended: so is the relay.
+        assert wait_until(lambda: row().get("state") == "suspended", 20)
+        r = row()
+        assert r["queued"] == 1 and r["until_at"] == pytest.approx(time.time() + 600, abs=30)
+        assert r["held_by"] == ["suspension recipientdomain=paused.example"]
+        only = srv.ok("GET", "/api/v1/destinations", params={"state": "suspended"})["items"]
+        assert [d["destination"] for d in only] == [relay]
+
+        # Mail that may go finds nobody listening: after a cohort of failures (the
+        # slow-start window: 2) the relay is dead for a while.
+        for i in range(4):
+            srv.submit("s@sender.example", [f"b{i}@go{i}.example"])
+        ok = wait_until(lambda: row().get("state") == "dead", 20)
+        assert ok, (row(), srv.ok("GET", "/api/v1/scheduler/destinations"),
+                    srv.ok("GET", "/api/v1/queue/entries"))
+        r = row()
+        assert r["until_at"] == pytest.approx(time.time() + 300, abs=30)
+        first = srv.ok("GET", "/api/v1/destinations")["items"][0]
+        assert first["destination"] == relay  # trouble first

@@ -24,8 +24,9 @@ DESCRIPTION
     follower counted (sluice.api.activity).
 
 STRATEGIES
-    One state per destination, the most telling first: dead, suspended,
-    back-off, slow start (window below its limit), normal.
+    One state per destination, the most telling first: dead, suspended
+    (every sub-queue waiting for it parked on a suspension), back-off,
+    slow start (window below its limit), normal.
 
 SEE ALSO
     sluice.api.activity, sluice.api.console_models, docs/operations.md
@@ -77,7 +78,12 @@ _STATE_RANK: dict[str, int] = {"dead": 0, "suspended": 1, "back-off": 2, "slow s
 
 @dataclass(slots=True)
 class _Waiting:
+    """A destination's sub-queues in the active queue."""
+
     queued: int = 0
+    subqueues: int = 0
+    suspended: int = 0  # of them, parked on a suspension
+    until_at: list[float | None] = field(default_factory=list)  # those suspensions' ends
     held_by: list[str] = field(default_factory=list)
 
 
@@ -150,12 +156,19 @@ class ConsoleOps:
         now = c.now()
         sched = {v.destination: v for v in c.scheduler.destinations(now)}
         waiting: dict[str, _Waiting] = {}
+        suspensions = {v.id: v.expires_at for v in c.scheduler.suspensions(now)}
         for sq in c.scheduler.subqueues():
             name = sq.route.destination or sq.route.recipientdomain
             w = waiting.setdefault(name, _Waiting())
             w.queued += sq.entries
+            w.subqueues += 1
+            held = [h.removeprefix("suspension ") for h in sq.held_by
+                    if h.startswith("suspension ")]
+            if held:
+                w.suspended += 1
+                w.until_at.append(None if any(suspensions.get(sid) is None for sid in held)
+                                  else max(suspensions[sid] or 0.0 for sid in held))
             w.held_by += [h for h in sq.held_by if h not in w.held_by]
-        suspensions = {v.id: v.expires_at for v in c.scheduler.suspensions(now)}
         backoff: dict[str, float] = {}
         for fired in c.manager.shaper.active():
             if fired.action is ShapingAction.BACKOFF:
@@ -170,7 +183,7 @@ class ConsoleOps:
         for name in names:
             view = sched.get(name)
             w = waiting.get(name, _Waiting())
-            st, until = self._state(view, w, suspensions, backoff.get(name))
+            st, until = self._state(view, w, backoff.get(name))
             if state is not None and st != state:
                 continue
             d5 = activity.destination_counts(name, now, 5)
@@ -196,14 +209,15 @@ class ConsoleOps:
         return DestinationTable(at=now, total=len(rows), items=rows[:limit])
 
     @staticmethod
-    def _state(view: DestinationView | None, w: _Waiting, suspensions: dict[str, float | None],
+    def _state(view: DestinationView | None, w: _Waiting,
                backoff_until: float | None) -> tuple[DestinationState, float | None]:
         if view is not None and view.dead:
             return "dead", view.dead_until_at
-        for held in w.held_by:
-            if held.startswith("suspension "):
-                sid = held.removeprefix("suspension ")
-                return "suspended", suspensions.get(sid)
+        # Suspended when every sub-queue waiting for it is (one tenant's
+        # suspension does not stop a destination others still use).
+        if w.subqueues and w.suspended == w.subqueues:
+            ends = w.until_at
+            return "suspended", None if None in ends else max(e or 0.0 for e in ends)
         if backoff_until is not None:
             return "back-off", backoff_until
         if view is not None and view.window < view.limit:
