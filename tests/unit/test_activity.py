@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.api.activity import HOUR_S, MAX_REASONS, Activity, reason_of
+from sluice.api.activity import HOUR_S, MAX_DESTINATIONS, MAX_REASONS, Activity, reason_of
 
 
 def deferred(domain: str, text: str, code: int = 451) -> dict[str, object]:
@@ -68,10 +68,28 @@ def test_reasons_are_masked_counted_and_bounded() -> None:
                                         ("451 4.7.1 mailbox busy", 1)]
     assert a.top_reasons(t0 + 10, 1) == [("451 4.7.1 greylisted for # s", 5)]
     assert a.top_reasons(t0 + 2 * HOUR_S, 5) == []
-    for i in range(MAX_REASONS + 10):
-        a.record("deferred", deferred("c.example", f"reason {'x' * (i % 50)}{chr(65 + i % 26)}"
-                                      f"{i // 26}z"), t0 + 20)
-    assert len(a._reasons) <= MAX_REASONS
+    # Full: the reason seen longest ago goes first, one still recurring stays.
+    words = [f"{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676)}"
+             for i in range(MAX_REASONS + 10)]
+    for i, word in enumerate(words):
+        a.record("deferred", deferred("c.example", f"reason {word}"), t0 + 20)
+        if i % 100 == 0:
+            a.record("deferred", deferred("a.example", "greylisted for 9 s"), t0 + 20)
+    top = dict(a.top_reasons(t0 + 30, MAX_REASONS + 100))
+    assert len(top) == MAX_REASONS
+    assert top["451 4.7.1 greylisted for # s"] == 5 + (MAX_REASONS + 10 + 99) // 100
+    assert "451 4.7.1 mailbox busy" not in top
+    assert f"451 4.7.1 reason {words[-1]}" in top and f"451 4.7.1 reason {words[0]}" not in top
+
+
+def test_destinations_are_bounded_oldest_first() -> None:
+    a = Activity()
+    for i in range(MAX_DESTINATIONS + 5):
+        a.record("delivered", {"domain": f"d{i}.example"}, 1000.0 + i)
+        if i % 1000 == 0:
+            a.record("delivered", {"domain": "kept.example"}, 1000.0 + i)
+    assert len(a.destinations) == MAX_DESTINATIONS
+    assert "kept.example" in a.destinations and "d0.example" not in a.destinations
 
 
 def test_queue_samples_one_per_ten_seconds() -> None:

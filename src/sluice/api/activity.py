@@ -20,11 +20,13 @@ STRATEGIES
     Rings, not lists.  Counts per second live in a ring of HOUR_S slots,
     each stamped with the second it holds; a slot whose stamp is old is
     zero, so nothing needs sweeping and memory never grows.  Per
-    destination and per deferral reason the ring is per minute (60
-    slots), which is what the 5-minute and 1-hour columns need.
+    destination and per deferral reason the counts are per minute, which
+    is what the 5-minute and 1-hour columns need, kept only for minutes
+    that had events (at most 60).
 
     Bounded tables.  At most MAX_DESTINATIONS destinations and MAX_REASONS
-    reasons are followed; when full, the one seen longest ago goes.  A
+    reasons are followed, each table kept in the order last seen; when
+    full, the one seen longest ago goes (O(1): no search).  A
     reason is the reply with what changes from message to message (queue
     ids, numbers, addresses) masked, so one server's "try again in 37
     seconds" is one reason and not a thousand.
@@ -41,6 +43,7 @@ SEE ALSO
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +56,7 @@ KINDS = ("accepted", "delivered", "deferred", "bounced")
 HOUR_S = 3600
 MINUTES = 60
 QUEUE_STEP_S = 10
-MAX_DESTINATIONS = 20_000
+MAX_DESTINATIONS = 10_000
 MAX_REASONS = 2_000
 
 _MASKS = (
@@ -78,29 +81,31 @@ def reason_of(event: Mapping[str, Any]) -> str:
 
 
 class _MinuteRing:
-    """Counts per minute over the last hour, per kind."""
+    """Counts per minute over the last hour, per kind; only minutes with events
+    take room (most destinations see few)."""
 
-    __slots__ = ("counts", "stamps")
+    __slots__ = ("kinds", "minutes")
 
     def __init__(self, kinds: int) -> None:
-        self.stamps = [-1] * MINUTES
-        self.counts = [[0] * kinds for _ in range(MINUTES)]
+        self.kinds = kinds
+        self.minutes: dict[int, list[int]] = {}
 
     def add(self, now: float, kind: int) -> None:
         minute = int(now // 60)
-        slot = minute % MINUTES
-        if self.stamps[slot] != minute:
-            self.stamps[slot] = minute
-            self.counts[slot] = [0] * len(self.counts[slot])
-        self.counts[slot][kind] += 1
+        counts = self.minutes.get(minute)
+        if counts is None:
+            if len(self.minutes) >= MINUTES:  # forget what is an hour old
+                for old in [m for m in self.minutes if m <= minute - MINUTES]:
+                    del self.minutes[old]
+            counts = self.minutes[minute] = [0] * self.kinds
+        counts[kind] += 1
 
     def total(self, now: float, minutes: int) -> list[int]:
         current = int(now // 60)
-        out = [0] * len(self.counts[0])
-        for slot in range(MINUTES):
-            age = current - self.stamps[slot]
-            if 0 <= age < minutes:
-                out = [a + b for a, b in zip(out, self.counts[slot], strict=True)]
+        out = [0] * self.kinds
+        for minute, counts in self.minutes.items():
+            if 0 <= current - minute < minutes:
+                out = [a + b for a, b in zip(out, counts, strict=True)]
         return out
 
 
@@ -124,9 +129,9 @@ class Activity:
         self._queue: list[tuple[float, int, dict[str, int]] | None] = \
             [None] * (HOUR_S // QUEUE_STEP_S)
         self._queue_last: int = -1
-        self._reasons: dict[str, _MinuteRing] = {}
-        self._reason_seen: dict[str, float] = {}
-        self.destinations: dict[str, DestinationActivity] = {}
+        # Both in the order last seen (oldest first): the first goes when full.
+        self._reasons: OrderedDict[str, _MinuteRing] = OrderedDict()
+        self.destinations: OrderedDict[str, DestinationActivity] = OrderedDict()
 
     # -- recording ---------------------------------------------------------------------
 
@@ -149,20 +154,21 @@ class Activity:
             ring = self._reasons.get(reason)
             if ring is None:
                 if len(self._reasons) >= MAX_REASONS:
-                    oldest = min(self._reason_seen, key=self._reason_seen.__getitem__)
-                    del self._reasons[oldest], self._reason_seen[oldest]
+                    self._reasons.popitem(last=False)
                 ring = self._reasons[reason] = _MinuteRing(1)
+            else:
+                self._reasons.move_to_end(reason)
             ring.add(now, 0)
-            self._reason_seen[reason] = now
 
     def _destination(self, domain: str, name: str, event: Mapping[str, Any],
                      now: float) -> None:
         dest = self.destinations.get(domain)
         if dest is None:
             if len(self.destinations) >= MAX_DESTINATIONS:
-                oldest = min(self.destinations, key=lambda d: self.destinations[d].last_at)
-                del self.destinations[oldest]
+                self.destinations.popitem(last=False)
             dest = self.destinations[domain] = DestinationActivity()
+        else:
+            self.destinations.move_to_end(domain)
         dest.ring.add(now, KINDS.index(name) - 1)
         dest.last_at = now
         dest.last_event = name
