@@ -3,7 +3,10 @@
 The test signs in with a token, reads the counts and the qshape table,
 releases held mail by a selector (preview, then apply) and checks that
 the queue changed and the mail reached the next hop, adds and lifts a
-suspension, and keeps a screenshot under artifacts/ (printed).
+suspension, and keeps a screenshot under artifacts/ (printed).  The
+console's views (a message found and acted on, the destinations, the
+charts) are driven the same way, with a screenshot of each
+(artifacts/web-console-<view>.png).
 Playwright never downloads a browser here: it drives /usr/bin/chromium.
 """
 
