@@ -20,6 +20,7 @@ let destSort = { key: "state", desc: false };
 // -- views -----------------------------------------------------------------------------
 
 function route() {
+  if (!sessionStorage.getItem(KEY)) return;  // start() routes after signing in
   const hash = location.hash.replace(/^#/, "");
   const [name, arg] = hash.split("/", 2);
   view = VIEWS.includes(name) ? name : "overview";
