@@ -357,6 +357,7 @@ class ApiConfig:
 
     ``tokens`` is a list (named token-1, token-2, ... in order) or a mapping
     of name to token; ``named_tokens`` gives both as (name, token) pairs.
+    ``body_tokens`` names the tokens that may read message bodies.
     """
 
     enabled: bool = True
@@ -368,6 +369,7 @@ class ApiConfig:
     metrics_min_count: int = 10
     metrics_domain_groups: Mapping[str, Sequence[str]] = field(default_factory=dict)
     history_max_bytes: int = 1 << 30
+    body_tokens: tuple[str, ...] = ()
     inject: InjectConfig = field(default_factory=InjectConfig)
 
     @property

@@ -3,7 +3,10 @@
 The test signs in with a token, reads the counts and the qshape table,
 releases held mail by a selector (preview, then apply) and checks that
 the queue changed and the mail reached the next hop, adds and lifts a
-suspension, and keeps a screenshot under artifacts/ (printed).
+suspension, and keeps a screenshot under artifacts/ (printed).  The
+console's views (a message found and acted on, the destinations, the
+charts) are driven the same way, with a screenshot of each
+(artifacts/web-console-<view>.png).
 Playwright never downloads a browser here: it drives /usr/bin/chromium.
 """
 
@@ -142,3 +145,119 @@ def run_page(srv: ApiServer, browser: Any) -> None:
     assert page.evaluate("sessionStorage.getItem('sluice.token')") is None
     assert errors == [], errors
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def shot(page: Any, name: str) -> Path:
+    path = ROOT / "artifacts" / f"web-console-{name}.png"
+    path.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(path), full_page=True)
+    print(f"\nweb console screenshot ({name}): {path}")
+    assert path.stat().st_size > 10_000
+    return path
+
+
+def test_web_console_views(tmp_path: Path, browser: Any) -> None:
+    """Find a message (paged), open it, act on it; the destinations; the charts."""
+    from playwright.sync_api import expect
+
+    from sluice.sink import Behaviour
+
+    expect.set_options(timeout=15_000)
+    with api_server(tmp_path, api={"body_tokens": ["alice"]},
+                    queue={"retry_delays": "1h"}) as srv:
+        srv.sink.behaviours["slow.example"] = Behaviour("tempfail")
+        srv.submit("s@sender.example", ["a@ok.example", "b@ok.example"])
+        srv.submit("s@sender.example", ["c@slow.example"])
+        for i in range(53):
+            srv.hold(f"s{i}@sender.example", [f"r{i}@page.example"])
+        target = srv.hold("ann@sender.example", ["one@find.example", "two@find.example"],
+                          tenantid="t1", body=b"From: Ann <ann@sender.example>\r\n"
+                          b"Subject: find me\r\n\r\nthe body text\r\n").spid
+
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(15_000)
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(srv.url + "/#messages")
+        page.fill("#token", ALICE)
+        page.click("#login-button")
+        page.wait_for_selector("#view-messages", state="visible")
+
+        # Search by domain: 53 recipients, two pages of 50 by queue id.
+        page.fill("#find-domain", "page.example")
+        page.click("#find-button")
+        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+        first = page.eval_on_selector_all("#found tbody tr td:first-child",
+                                          "cells => cells.map(c => c.textContent)")
+        assert first == sorted(first) and len(set(first)) == 50
+        page.click("#find-next")
+        expect(page.locator("#find-info")).to_have_text("page 2: 3 recipient(s) (the last page)")
+        second = page.eval_on_selector_all("#found tbody tr td:first-child",
+                                           "cells => cells.map(c => c.textContent)")
+        assert len(second) == 3 and min(second) > max(first)
+        page.click("#find-first")
+        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+
+        # By tenant and state: the one message, two recipients.
+        page.fill("#find-domain", "")
+        page.fill("#find-tenant", "t1")
+        page.select_option("#find-state", "hold")
+        page.click("#find-button")
+        expect(page.locator("#find-info")).to_have_text("page 1: 2 recipient(s) (the last page)")
+        shot(page, "messages")
+
+        # The message: recipients, why, history, headers; the body on request.
+        page.locator("#found tbody a").first.click()
+        page.wait_for_selector("#view-message", state="visible")
+        expect(page.locator("#msg-spid")).to_have_text(target)
+        expect(page.locator("#msg-recipients tbody tr")).to_have_count(2)
+        expect(page.locator("#msg-recipients tbody tr").first).to_contain_text("hold")
+        expect(page.locator("#msg-why li").first).to_contain_text(f"{target}-0")
+        expect(page.locator("#msg-history tbody tr").first).to_contain_text("received")
+        expect(page.locator("#msg-headers")).to_contain_text("find me")
+        assert page.is_hidden("#msg-body")
+        page.click("#msg-body-button")
+        expect(page.locator("#msg-body")).to_contain_text("the body text")
+
+        # An action needs a reason, which goes into the audit history.
+        page.click("#msg-actions button[data-action=priority-1]")
+        expect(page.locator("#msg-result")).to_contain_text("Give a reason")
+        page.fill("#msg-reason", "customer asked")
+        page.click("#msg-actions button[data-action=priority-1]")
+        expect(page.locator("#msg-result")).to_contain_text("priority: changed 2")
+        expect(page.locator("#msg-recipients tbody tr").first).to_contain_text("hold (high)")
+        record = srv.ok("GET", "/api/v1/audit", params={"limit": 1})["records"][0]
+        assert (record["who"], record["action"], record["reason"]) == \
+            ("alice", "queue.priority", "customer asked")
+        shot(page, "message")
+
+        # The destinations: deliveries and deferrals of the last minutes.
+        page.click("#tabs a[data-view=destinations]")
+        ok_row = page.locator("#destinations tbody tr", has_text="ok.example")
+        expect(ok_row.locator("td").nth(4)).to_have_text("2")
+        slow_row = page.locator("#destinations tbody tr", has_text="slow.example")
+        expect(slow_row.locator("td").nth(5)).to_have_text("1")
+        expect(slow_row.locator("td").nth(10)).to_contain_text("4")
+        page.click("#destinations th[data-sort=deferred_1h]")
+        expect(page.locator("#destinations tbody tr").first).to_contain_text("slow.example")
+        page.fill("#dest-q", "ok.")
+        expect(page.locator("#destinations tbody tr")).to_have_count(1)
+        page.fill("#dest-q", "")
+        expect(page.locator("#destinations tbody tr").nth(1)).to_be_visible()
+        shot(page, "destinations")
+        # A row links to its messages.
+        page.locator("#destinations tbody a", has_text="slow.example").click()
+        page.wait_for_selector("#view-messages", state="visible")
+        expect(page.locator("#find-domain")).to_have_value("slow.example")
+        expect(page.locator("#found tbody tr")).to_have_count(1)
+
+        # The charts: one line per kind, the deferral reason as a bar.
+        page.click("#tabs a[data-view=charts]")
+        expect(page.locator("#chart-rates polyline")).to_have_count(4)
+        expect(page.locator("#chart-reasons rect")).to_have_count(1)
+        expect(page.locator("#chart-reasons")).to_contain_text("4")
+        expect(page.locator("#chart-queue polyline")).to_have_count(1)
+        points = page.get_attribute("#chart-rates polyline[data-name=delivered]", "points")
+        assert points is not None and len(points.split()) >= 300
+        shot(page, "charts")
+        assert errors == [], errors

@@ -44,7 +44,18 @@ from sluice.api.auth import Tokens
 from sluice.api.control import Control
 from sluice.api.errors import ApiError
 from sluice.api.inject import inject_router
-from sluice.api.routes import audit, metrics, page, policy, queue, scheduler, suspensions
+from sluice.api.routes import (
+    audit,
+    charts,
+    destinations,
+    messages,
+    metrics,
+    page,
+    policy,
+    queue,
+    scheduler,
+    suspensions,
+)
 from sluice.api.routes.common import COMMON, E404, Auth
 from sluice.shaping.api import shaping_router
 
@@ -227,7 +238,8 @@ def build_app(control: Control, tokens: Tokens) -> FastAPI:
     _errors(app)
     app.add_middleware(Guard)
     app.include_router(metrics.health_router(control))
-    for module in (queue, scheduler, policy, suspensions, audit):
+    for module in (queue, messages, scheduler, destinations, charts, policy, suspensions,
+                   audit):
         app.include_router(module.router(control, auth))
 
     @app.get("/api/v1/openapi.json", include_in_schema=False, dependencies=[Depends(auth)])

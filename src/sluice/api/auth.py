@@ -16,8 +16,10 @@ STRATEGIES
     different lengths compare in the same time too.
 
 LIMITATIONS
-    Tokens are read at start; changing them needs a restart.  There are
-    no scopes: any token may do anything the API offers.
+    Tokens are read at start; changing them needs a restart.  There is
+    one scope: reading a message's body needs a token named in
+    api.body_tokens (sluice.api.console checks it); otherwise any token
+    may do anything the API offers.
 """
 
 from __future__ import annotations

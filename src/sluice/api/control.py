@@ -6,6 +6,7 @@ SUMMARY
     control.views       the scheduler and the metrics     (sluice.api.views)
     control.policy_ops  suspensions, conditions, reloads  (sluice.api.policy_ops)
     control.rollbacks   undoing a change                  (sluice.api.rollback)
+    control.console     headers, bodies, destinations, charts (sluice.api.console)
 
 DESCRIPTION
     The HTTP layer (sluice.api.app and its routers) validates shapes; the
@@ -41,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from sluice.api.audit import AuditAction, AuditLog, AuditRecord
+from sluice.api.console import ConsoleOps
 from sluice.api.errors import ApiError
 from sluice.api.metrics import Metrics
 from sluice.api.policy_ops import PolicyOps
@@ -80,6 +82,7 @@ class Control:
         self.views = Views(self)
         self.policy_ops = PolicyOps(self)
         self.rollbacks = Rollbacks(self)
+        self.console = ConsoleOps(self)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

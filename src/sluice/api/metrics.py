@@ -75,6 +75,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sluice.api.activity import Activity
 from sluice.config import Config
 from sluice.model import Accepted, QueueEntry, QueueState, Reply, Selector, Submission
 from sluice.scheduler import Pattern
@@ -453,6 +454,9 @@ class Metrics:
         #: (at, accepted, delivered, deferred, bounced), one per poll, 5 minutes' worth.
         self.samples: deque[tuple[float, int, int, int, int]] = deque(maxlen=301)
         self.snapshot: Snapshot | None = None
+        #: The last hour by second, destination and deferral reason (the web page's charts).
+        self.activity = Activity()
+        self._polled_at = time.time()
         #: The store's counts of the last scrape: (when, counts), kept a second.
         self.counts_cache: tuple[float, Counts | None] | None = None
         self._pending: dict[tuple[str, str, str], int] = {}
@@ -481,6 +485,7 @@ class Metrics:
         key = (name, domain, tenant)
         self._pending[key] = self._pending.get(key, 0) + 1
         self.totals[name] += 1
+        self.activity.record(name, event, self._polled_at)
         if name == "accepted" and str(event.get("qid", "")).endswith("-0"):
             # A message's recipients are numbered from 0: count it once.
             self._accepted[0] += 1
@@ -509,6 +514,7 @@ class Metrics:
 
     def poll(self, now: float) -> int:
         """Read new accounting lines and take a throughput sample (blocking I/O)."""
+        self._polled_at = now
         read = self.tail.poll(self.observe_line)
         self.flush()
         t = self.totals

@@ -49,6 +49,7 @@ from sluice.api.ports import Manager
 from sluice.config import Config
 from sluice.queue import Queue
 from sluice.shaping.metrics import ShapingCollector
+from sluice.store import StorageError
 
 __all__ = ["ApiServer", "ApiStartError", "parse_listen"]
 
@@ -180,9 +181,26 @@ class ApiServer:
         """The metrics follower: the accounting log, every second (a part)."""
         loop = asyncio.get_running_loop()
         while True:
-            await loop.run_in_executor(self.control.pool, self.metrics.poll, time.time())
+            now = time.time()
+            await loop.run_in_executor(self.control.pool, self.metrics.poll, now)
+            if self.metrics.activity.queue_due(now):
+                await self._sample_queue(now)
             trouble.ok()
             await asyncio.sleep(TAIL_INTERVAL_S)
+
+    async def _sample_queue(self, now: float) -> None:
+        """The queue's size for the web page's chart (every 10 s).  SQLite and
+        the KV store keep these counts; PostgreSQL and the file store count
+        (as a /metrics scrape does).  A store that fails is logged here and
+        reported by the parts that need it."""
+        try:
+            counts = await asyncio.get_running_loop().run_in_executor(
+                self.control.pool, self.queue.store.count)
+        except StorageError as exc:
+            log.warning("queue size for the chart not read: %s", exc)
+            return
+        self.metrics.activity.sample_queue(
+            now, counts.recipients, {str(k): v for k, v in counts.by_state.items()})
 
     async def listening(self, timeout_s: float = 10.0) -> None:
         """Until uvicorn has started (ApiStartError if it does not)."""

@@ -1,8 +1,10 @@
 """The REST API's routers, one module per resource; sluice.api.app puts them together.
 
 SUMMARY
-    queue (entries, counts, qshape, actions, messages, why), scheduler
-    (stats, sub-queues, counters, destinations, throughput), policy (the
+    queue (entries, counts, qshape, actions, messages, why), messages (a
+    message's headers and body), scheduler (stats, sub-queues, counters,
+    destinations, throughput), destinations (the console's table), charts
+    (the last hour in memory), policy (the
     running policy, reloads, conditions), suspensions, audit (history and
     rollbacks), metrics (/metrics and health), page (the web page);
     common holds what they share: authentication, selectors, error

@@ -123,6 +123,7 @@ function logout(message) {
 function start() {
   $("login").hidden = true;
   $("dashboard").hidden = false;
+  route();  // console.js: the view the URL names
   refreshFast();
   refreshSlow();
   timers = [setInterval(refreshFast, FAST_MS), setInterval(refreshSlow, SLOW_MS)];
@@ -146,6 +147,7 @@ async function refreshFast() {
     drawSubqueues(subq);
     drawCounters(ctrs);
     drawShaping(shaping);
+    refreshView();  // console.js: the destinations or charts, if on screen
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     showError(null);
   } catch (err) {
