@@ -217,6 +217,7 @@ class Outcome:
     silent: int = 0
     refused: int = 0  # the connection could not be made or was reset at once
     accepted: int = 0  # 250 after content
+    inputs: int = 0  # writes made: command lines, pipelined groups, contents, junk
 
 
 class _Reader:
@@ -269,6 +270,7 @@ def run_session(port: int, steps: list[Step], out: Outcome) -> None:
         for step in steps:
             if step.content and last != 354:
                 continue
+            out.inputs += 1
             try:
                 sock.sendall(step.data)
             except OSError:
@@ -322,6 +324,7 @@ def fuzz(port: int, seed: int, sessions: int, threads: int = 4, first: int = 0) 
             tally.outcome.silent += out.silent
             tally.outcome.refused += out.refused
             tally.outcome.accepted += out.accepted
+            tally.outcome.inputs += out.inputs
 
     start = time.monotonic()
     workers = [threading.Thread(target=worker) for _ in range(threads)]

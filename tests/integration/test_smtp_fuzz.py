@@ -37,7 +37,8 @@ def test_fuzzed_sessions_leave_the_server_up_and_quiet(tmp_path: Path) -> None:
         try:
             tally = fuzz(srv.port, SEED, SESSIONS, threads=4)
             out = tally.outcome
-            print(f"\nfuzz: {tally.sessions} sessions in {tally.elapsed_s:.1f} s; "
+            print(f"\nfuzz: {tally.sessions} sessions ({out.inputs} inputs) in "
+                  f"{tally.elapsed_s:.1f} s; "
                   f"{out.accepted} messages accepted; {out.silent} silent; "
                   f"{len(out.malformed)} malformed replies; {out.refused} refused; "
                   f"codes {dict(sorted(out.codes.items()))}")
