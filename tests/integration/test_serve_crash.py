@@ -40,7 +40,7 @@ from tests.integration.stores import flavour_sections
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CRASH_FLAVOURS = ["sqlite", "fs", "postgres", "kv"]
-TOTAL = 2000
+TOTAL = 1200
 KILLS = 2
 TOKEN = "0123456789abcdef0123"
 CLIENTS = 8
@@ -151,7 +151,9 @@ def test_sigkill_during_injection_loses_nothing_accepted(tmp_path: Path, flavour
                                for m in ID_RE.findall(msg.data))
 
             assert wait_until(lambda: set(delivered()) >= inj.acked, 180), (
-                f"lost: {sorted(inj.acked - set(delivered()))[:20]}")
+                f"lost: {sorted(inj.acked - set(delivered()))[:20]}; "
+                f"{recipients_left(api_port)} recipients still queued; serve said:\n"
+                + "\n".join(srv.output[-40:]))
             assert wait_until(lambda: recipients_left(api_port) == 0, 60)
         finally:
             assert srv.stop() == 0
