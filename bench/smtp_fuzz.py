@@ -11,8 +11,8 @@ tests/integration/smtp_fuzz.py, the generator the suite's test uses, in
 chunks.  After every chunk it checks that the server is still running and
 prints a progress line with the machine's load.  At the end (all sessions,
 or --minutes spent, or the server gone) it sends one normal message, waits
-for its delivery, stops the server and scans its output for tracebacks and
-"session error" lines.
+until the queue has drained (no recipient left), stops the server and scans
+its output for tracebacks and "session error" lines.
 
 A session makes about ten inputs (a command line, a pipelined group, a
 message's content or a burst of junk are one input each), so the default

@@ -21,7 +21,7 @@ from tests.integration.smtp_fuzz import fuzz
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SEED = 22
-SESSIONS = 4000
+SESSIONS = 3000
 
 #: A small size limit and spill threshold, so oversized and spilled content is reached cheaply.
 FUZZ_SMTPD = {"processes": 1, "max_message_size": 65536, "spill_size": 4096,
