@@ -90,9 +90,11 @@ def _drain(proc: subprocess.Popen[bytes], output: list[str]) -> None:
             output.append(line.decode(errors="replace").rstrip("\n"))
 
 
-def start_serve_with(config: Path, tmp: Path, port: int, timeout: float = 60) -> Serving:
+def start_serve_with(config: Path, tmp: Path, port: int, timeout: float = 60,
+                     wrapper: tuple[str, ...] = ()) -> Serving:
+    """Starts `sluice serve`; ``wrapper``, if given, is a command that execs its arguments."""
     proc = subprocess.Popen(
-        [SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
+        [*wrapper, SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=subprocess_env(),
         start_new_session=True)
     assert proc.stdout is not None

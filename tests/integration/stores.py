@@ -8,6 +8,7 @@ schema of its own per queue directory on the tests' server (tests/integration/pg
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,8 @@ def open_flavour(flavour: str, tmp: Path, **sections: dict[str, Any]) -> Store:
 # see the tmpfs).
 
 
-def diskfull_scenario(flavour: str, mount: Path, ballast_mb: int = 1) -> dict[str, Any]:
+def diskfull_scenario(flavour: str, mount: Path, ballast_mb: int = 1,
+                      body_kb: int = 192) -> dict[str, Any]:
     """Fill ``mount`` through a store; free space; check; returns the findings."""
     import hashlib
     import os
@@ -94,7 +96,7 @@ def diskfull_scenario(flavour: str, mount: Path, ballast_mb: int = 1) -> dict[st
     out: dict[str, Any] = {"accepted": 0, "error": None, "other_error": None}
     digests: dict[str, str] = {}
     try:
-        body = os.urandom(96 * 1024).hex().encode()  # 192 KB
+        body = os.urandom(body_kb * 512).hex().encode()
         for i in range(400):
             content = b"Subject: %d\r\n\r\n" % i + body
             try:
@@ -150,12 +152,48 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["diskfull"]:
-        print(json.dumps(diskfull_scenario(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))),
-              flush=True)
+        print(json.dumps(diskfull_scenario(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]),
+                                           int(sys.argv[5]))), flush=True)
 
 
-def run_diskfull(flavour: str, size: str = "4m", ballast_mb: int = 1) -> dict[str, Any]:
-    """Run diskfull_scenario in a child with a tmpfs of ``size`` of its own."""
+@functools.cache
+def private_mounts_refused() -> str | None:
+    """Why a child cannot mount a tmpfs in a mount namespace of its own, or None if it can."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("unshare") is None:
+        return "unshare(1) is not installed"
+    where = tempfile.mkdtemp(prefix="sluice-unshare-")
+    try:
+        proc = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             'mount -t tmpfs -o size=1m tmpfs "$1" && umount "$1"', "sh", where],
+            capture_output=True, text=True, timeout=30)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    if proc.returncode != 0:
+        return f"no private tmpfs mount here (needs CAP_SYS_ADMIN): {proc.stderr.strip()}"
+    return None
+
+
+def skip_without_private_mounts() -> None:
+    """Skips the calling test, with the reason, where a full disk cannot be made."""
+    import pytest
+
+    reason = private_mounts_refused()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def run_diskfull(flavour: str, size: str = "4m", ballast_mb: int = 1,
+                 body_kb: int = 192) -> dict[str, Any]:
+    """Run diskfull_scenario in a child with a tmpfs of ``size`` of its own.
+
+    Skips the test where mount namespaces are not allowed (no root, a
+    locked-down container).
+    """
     import json
     import shutil
     import subprocess
@@ -164,15 +202,16 @@ def run_diskfull(flavour: str, size: str = "4m", ballast_mb: int = 1) -> dict[st
 
     from tests.conftest import ROOT, subprocess_env
 
+    skip_without_private_mounts()
     # Not under pytest's tmp_path: the postgres user must reach the mount point.
     mount = Path(tempfile.mkdtemp(prefix="sluice-full-"))
     mount.chmod(0o755)
     script = ('mount -t tmpfs -o size="$4",mode=0755 tmpfs "$1" && '
-              'exec "$2" -m tests.integration.stores diskfull "$3" "$1" "$5"')
+              'exec "$2" -m tests.integration.stores diskfull "$3" "$1" "$5" "$6"')
     try:
         proc = subprocess.run(
             ["unshare", "-m", "sh", "-c", script, "sh", str(mount), sys.executable, flavour,
-             size, str(ballast_mb)],
+             size, str(ballast_mb), str(body_kb)],
             capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     finally:
         shutil.rmtree(mount, ignore_errors=True)

@@ -1,23 +1,29 @@
-"""SIGKILL of `sluice serve` during a 5,000-message injection loses nothing that got 250.
+"""SIGKILL of `sluice serve` during an injection loses nothing that got 250, on every store.
 
-Eight clients inject 5,000 numbered messages.  Mid-way the whole serve
-process group (queue manager and receiving processes) is killed with
-SIGKILL; it is started again on the same queue and the clients carry on
-with the messages they had not had accepted.  At the end every message
-answered with 250 has reached the sink.  Duplicates (accepted, delivered,
-killed before the delivery was recorded) are allowed: they are counted and
-reported.
+For each store flavour (SQLite, filesystem, PostgreSQL, LevelDB), eight
+clients inject TOTAL numbered messages while the queue manager delivers them
+to a sink.  Twice, at seeded random points of the injection, the whole
+serve process group (queue manager and receiving processes) is killed with
+SIGKILL; it is started again on the same queue and the clients carry on with
+the messages they had not had accepted.  At the end every message answered
+with 250 has reached the sink.  Duplicates (accepted, delivered, killed
+before the delivery was recorded) are allowed: they are counted and
+reported.  (``sqlite_files`` is left out: it is the sqlite store with its
+content in spool files, which the fs flavour's files already cover here.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import re
 import signal
 import smtplib
 import threading
+import urllib.request
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,10 +35,14 @@ from tests.integration.serving import (
     wait_until,
     write_serve_config,
 )
+from tests.integration.stores import flavour_sections
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TOTAL = 5000
+CRASH_FLAVOURS = ["sqlite", "fs", "postgres", "kv"]
+TOTAL = 1200
+KILLS = 2
+TOKEN = "0123456789abcdef0123"
 CLIENTS = 8
 ID_RE = re.compile(rb"^X-Test-Id: (\d+)\r?$", re.MULTILINE)
 
@@ -45,6 +55,9 @@ class Injector:
         self.lock = threading.Lock()
         self.acked: set[int] = set()
         self.failed: list[int] = []
+
+    def has_acked(self, n: int) -> bool:
+        return len(self.acked) >= n
 
     def take(self) -> int | None:
         with self.lock:
@@ -82,31 +95,50 @@ class Injector:
         return threads
 
 
-def test_sigkill_during_injection_loses_nothing_accepted(tmp_path: Path) -> None:
+def recipients_left(api_port: int) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{api_port}/api/v1/queue/counts",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return int(json.load(response)["recipients"])
+
+
+@pytest.mark.parametrize("flavour", CRASH_FLAVOURS)
+def test_sigkill_during_injection_loses_nothing_accepted(tmp_path: Path, flavour: str) -> None:
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
-    port = 0
     try:
-        port = free_port()
+        port, api_port = free_port(), free_port()
+        # The queue's count comes from the API: LevelDB's lock keeps `sluice
+        # qcount` out of a queue that a running server holds.
         config = write_serve_config(tmp_path, port, smtpd={"processes": 2},
-                                    delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"}})
+                                    delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"}},
+                                    api={"enabled": True, "listen": f"127.0.0.1:{api_port}",
+                                         "tokens": {"ops": TOKEN}},
+                                    **flavour_sections(flavour, tmp_path))
         inj = Injector(list(range(TOTAL, 0, -1)))
+        rng = random.Random(f"{TOTAL}:{flavour}")
+        # Kill points spread over the injection, each in its own stretch.
+        stretch = TOTAL // (KILLS + 1)
+        targets = [k * stretch + rng.randint(stretch // 4, stretch * 3 // 4)
+                   for k in range(KILLS)]
+        acked_at_kill: list[int] = []
+        delivered_at_kill: list[int] = []
         srv = start_serve_with(config, tmp_path, port)
-        stop = threading.Event()
-        threads = inj.inject(port, stop)
-        # Kill somewhere in the middle of the injection.
-        target = random.Random(5000).randint(TOTAL // 5, TOTAL // 2)
-        assert wait_until(lambda: len(inj.acked) >= target, 120)
-        srv.stop(signal.SIGKILL)
-        acked_at_kill = len(inj.acked)
-        stop.set()
-        for t in threads:
-            t.join(30)
-        # Start again on the same queue; send what was not accepted.
-        with inj.lock:
-            inj.todo.extend(inj.failed)
-            inj.failed.clear()
-        srv = start_serve_with(config, tmp_path, port)
+        for target in targets:
+            stop = threading.Event()
+            threads = inj.inject(port, stop)
+            assert wait_until(partial(inj.has_acked, target), 120)
+            srv.stop(signal.SIGKILL)
+            acked_at_kill.append(len(inj.acked))
+            delivered_at_kill.append(len(sink.messages))
+            stop.set()
+            for t in threads:
+                t.join(30)
+            # Start again on the same queue; what was not accepted is sent again.
+            with inj.lock:
+                inj.todo.extend(inj.failed)
+                inj.failed.clear()
+            srv = start_serve_with(config, tmp_path, port)
         try:
             stop = threading.Event()
             for t in inj.inject(port, stop):
@@ -119,16 +151,21 @@ def test_sigkill_during_injection_loses_nothing_accepted(tmp_path: Path) -> None
                                for m in ID_RE.findall(msg.data))
 
             assert wait_until(lambda: set(delivered()) >= inj.acked, 180), (
-                f"lost: {sorted(inj.acked - set(delivered()))[:20]}")
-            assert wait_until(lambda: srv.recipients_left() == 0, 60)
+                f"lost: {sorted(inj.acked - set(delivered()))[:20]}; "
+                f"{recipients_left(api_port)} recipients still queued; serve said:\n"
+                + "\n".join(srv.output[-40:]))
+            assert wait_until(lambda: recipients_left(api_port) == 0, 60)
         finally:
             assert srv.stop() == 0
         counts = delivered()
         lost = inj.acked - set(counts)
         dupes = sum(n - 1 for n in counts.values() if n > 1)
-        print(f"\nsigkill test: killed after {acked_at_kill} accepted; {TOTAL} accepted in all; "
+        print(f"\nsigkill test [{flavour}]: {KILLS} kills survived, after {acked_at_kill} "
+              f"accepted and {delivered_at_kill} delivered; {TOTAL} accepted in all; "
               f"{len(counts)} distinct delivered; {dupes} duplicates; {len(lost)} lost")
+        # Deliveries were in flight: some mail had reached the sink at each kill.
+        assert delivered_at_kill[0] > 0
         assert not lost
-        assert dupes < TOTAL // 10  # only those in flight at the kill may come twice
+        assert dupes < TOTAL // 10  # only those in flight at a kill may come twice
     finally:
         sink.stop_thread()

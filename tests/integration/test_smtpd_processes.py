@@ -20,6 +20,7 @@ from sluice.model import Selector
 from sluice.queue import Queue
 from sluice.smtpd import ReceiverError, ReceiverPool
 from tests.conftest import write_config
+from tests.integration.stores import skip_without_private_mounts
 from tests.integration.test_smtpd import HOST, Raw
 
 pytestmark = pytest.mark.integration
@@ -162,6 +163,7 @@ FULL_DISK_CHILD = textwrap.dedent('''
 def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path, inline_max: int) -> None:
     # The queue lives on a 2 MB tmpfs mounted in a private mount namespace of
     # a child process (we are root here and in CI); the network is shared.
+    skip_without_private_mounts()
     (tmp_path / "small").mkdir()
     script = tmp_path / "child.py"
     script.write_text(FULL_DISK_CHILD)

@@ -19,7 +19,7 @@ import sluice.store.sqlite as sqlite_module
 from sluice.model import Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition
 from sluice.store.sqlite import SqliteStore
-from tests.integration.stores import check_migrated_v1_queue, open_flavour
+from tests.integration.stores import check_migrated_v1_queue, open_flavour, run_diskfull
 
 pytestmark = pytest.mark.integration
 
@@ -376,3 +376,17 @@ def test_a_queue_newer_than_the_code_is_refused_and_left_alone(tmp_path: Path) -
     with pytest.raises(StorageError, match=rf"{db}.*schema version 4.*newer"):
         _store(tmp_path)
     assert _schema(db) == before
+
+
+@pytest.mark.parametrize("body_kb", [192, 16], ids=["spool-file", "inline"])
+def test_a_full_disk_is_a_temporary_failure_and_passes(body_kb: int) -> None:
+    # The database and the spool share a 4 MB tmpfs: big bodies fill it
+    # through spool files, small ones through the database itself.
+    found = run_diskfull("sqlite", size="4m", ballast_mb=1, body_kb=body_kb)
+    assert found["other_error"] is None
+    assert found["error"] and ("No space left" in found["error"]
+                               or "disk is full" in found["error"]), found
+    assert found["accepted"] > 0 and found["second_ok"] is False
+    assert found["all_listed"] and found["all_intact"] and found["count"] == found["accepted"]
+    assert found["after_ok"], found.get("after_error")
+    assert found["count_after"] == found["accepted"] - 3 + 1
