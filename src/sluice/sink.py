@@ -97,6 +97,8 @@ class SinkStats:
     # per recipient, when its connection opened: the nearest the sink sees
     # to the sender's pickup (rate tests; with no connection reuse)
     connected_at: dict[str, list[float]] = field(default_factory=dict)
+    # per domain, (when, how many connections) each time the count rose
+    rises_by_domain: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
 
     def copy(self) -> SinkStats:
         return SinkStats(
@@ -111,6 +113,7 @@ class SinkStats:
             peers=collections.Counter(self.peers),
             accepted_at={k: list(v) for k, v in self.accepted_at.items()},
             connected_at={k: list(v) for k, v in self.connected_at.items()},
+            rises_by_domain={k: list(v) for k, v in self.rises_by_domain.items()},
         )
 
     @property
@@ -197,6 +200,8 @@ class Sink:
                 s.current_by_domain[domain] += 1
                 s.peak_by_domain[domain] = max(s.peak_by_domain[domain],
                                                s.current_by_domain[domain])
+                s.rises_by_domain.setdefault(domain, []).append(
+                    (time.time(), s.current_by_domain[domain]))
         if isinstance(server, _SinkSMTP):
             with self._lock:
                 self._stats.connected_at.setdefault(domain, []).append(server.connected_at)

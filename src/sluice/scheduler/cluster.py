@@ -49,7 +49,10 @@ STRATEGIES
     (ClusterModeChanged(shared=True, transition_s)), a node keeps to its
     share and pauses rates one window more for ``transition_s``, while the
     other nodes may not have noticed yet.  Grants are forgotten; when the store is back
-    the node asks again, first for the slots of what it has in flight.
+    the node asks again, first for the slots of what it has in flight.  When
+    the come-back ends, leases beyond that share (granted while this node
+    was back alone, before the store counted the others' deliveries in
+    flight) go back, and the node asks the store for its share again.
 
     Alone in the fall-back.  A node may lose the store while the others
     still reach it (a partition, a reply too late): it is told so
@@ -325,6 +328,24 @@ class ClusterLimits(GroupedLimits):
                     grant.idle_at = now
         return waited
 
+    def _trim_after_comeback(self, key: str, grant: _Grant, cb: _Fallback) -> None:
+        """Leases asked for while this node was back alone may hold more than
+        its part now that the others are back too (the store counts their
+        deliveries in flight as leases, even beyond the limit): keep no
+        more than what is in use or the share it kept meanwhile, give the
+        rest back, and ask again for the store's share."""
+        limit = None
+        if grant.entry is not None:
+            parts = self._cluster_parts(grant.entry)
+            if parts is not None:
+                limit = parts[1].concurrency
+        keep = grant.used if limit is None else max(grant.used, cb.share(limit))
+        if grant.slots > keep:
+            self.returning.append((key, grant.slots - keep))
+            grant.slots = keep
+            grant.share = None
+            grant.asked = False
+
     def _give_back_above_share(self, grant: _Grant) -> None:
         """Return at once the leases above the node's share that nothing uses."""
         if grant.share is None or self.fallback is not None:
@@ -463,7 +484,9 @@ class ClusterLimits(GroupedLimits):
                 self.fallback = replace(self.fallback, until=0.0)  # transition over: shares
                 return [g.entry for g in self.grants.values() if g.entry is not None]
             case ClockTicked() if self.comeback is not None and self.comeback.until <= now:
-                self.comeback = None  # every node is back: the store's grants alone
+                cb, self.comeback = self.comeback, None  # every node is back: grants alone
+                for key, grant in self.grants.items():
+                    self._trim_after_comeback(key, grant, cb)
                 return [g.entry for g in self.grants.values() if g.entry is not None]
         return []
 
