@@ -259,6 +259,7 @@ class TlsConfig:
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
     users: Mapping[str, str] = field(default_factory=dict)
+    allow_plaintext: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ from sluice.queue import Queue
 from sluice.runtime.manager import QueueManager
 from sluice.runtime.parts import Health, PartFailed, Supervisor, Trouble
 from sluice.scheduler import Policy
-from sluice.smtpd import Receiver, ReceiverPool, receiver_processes
+from sluice.smtpd import Credentials, Receiver, ReceiverPool, receiver_processes
 
 __all__ = ["PartFailed", "ServeError", "Server", "serve"]
 
@@ -144,6 +144,9 @@ class Server:
             self._create_api()
         nproc = receiver_processes(cfg, self.queue.store.shared_access)
         if nproc:
+            # A bad smtpd.auth entry is the operator's config error (exit 2),
+            # found here rather than as a receiving process that will not start.
+            Credentials.from_config(cfg)
             self.pool = ReceiverPool(cfg if cfg.source.startswith("<") else cfg.source, nproc)
             self.addresses = await loop.run_in_executor(None, self.pool.start)
         else:
