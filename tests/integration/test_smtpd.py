@@ -283,8 +283,19 @@ def test_recipient_limit(serve: Callable[..., Running]) -> None:
     assert sorted(e.recipient for e in entries) == ["r0@y.test", "r1@y.test", "r2@y.test"]
 
 
-def test_line_longer_than_the_limit_is_refused(serve: Callable[..., Running]) -> None:
+def test_long_lines_are_accepted_and_kept_byte_exact(serve: Callable[..., Running]) -> None:
     run = serve()
+    body = b"<html>" + b"x" * 5000 + b"</html>\r\n" + b"y" * 999 + b"\r\n"
+    with run.smtp() as c:
+        c.ehlo()
+        assert c.sendmail("a@x.test", ["b@y.test"], b"Subject: long\r\n\r\n" + body) == {}
+    (spid,) = run.messages()
+    assert run.content(spid).endswith(b"\r\n\r\n" + body)
+
+
+def test_line_longer_than_the_limit_is_refused_when_strict(serve: Callable[..., Running]
+                                                           ) -> None:
+    run = serve(smtpd={"reject_long_lines": True})
     with run.smtp() as c:
         c.ehlo()
         with pytest.raises(smtplib.SMTPDataError) as err:

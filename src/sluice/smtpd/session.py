@@ -709,7 +709,7 @@ class SmtpSession(SMTP):
     async def _read_data(self) -> MessageBuffer | None:
         settings = self._settings
         policy = self._policy
-        buf = MessageBuffer(policy.max_message_size, policy.max_line_length,
+        buf = MessageBuffer(policy.max_message_size, policy.line_limit,
                             settings.spill_size, settings.spill_dir)
         unstuffer = Unstuffer()
         reader = self._reader
