@@ -246,6 +246,26 @@ def test_short_crlf_lines_still_pass_through_with_folding_on(
             enc.feed(chunk)
 
 
+@pytest.mark.property
+@settings(max_examples=400, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=40), max_size=25),
+    final_break=st.booleans(),
+    limit=st.integers(min_value=2, max_value=16),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6),
+)
+def test_clean_crlf_content_folds_as_postfix(lengths: list[int], final_break: bool, limit: int,
+                                             cuts: list[int]) -> None:
+    # Our own server's spool shape, where the fast path decides whether to fold.
+    content = b"\r\n".join(b"abcdefghij"[i % 10:i % 10 + 1] * n for i, n in enumerate(lengths))
+    content += b"\r\n" if final_break and lengths else b""
+    points = sorted({c for c in cuts if c <= len(content)})
+    enc = DataEncoder(line_length_limit=limit)
+    out = b"".join(enc.feed(content[a:b])
+                   for a, b in itertools.pairwise([0, *points, len(content)])) + enc.finish()
+    assert out == postfix_reference(content, limit)
+
+
 def test_limit_must_leave_room_for_the_space() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         DataEncoder(line_length_limit=1)
