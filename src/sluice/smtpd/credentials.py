@@ -28,8 +28,9 @@ DESCRIPTION
     (RFC 4954 section 4: credentials never cross the wire in clear).
 
 STRATEGIES
-    Slow hashes off the loop.  An Argon2 or bcrypt check takes tens of
-    milliseconds of CPU (and Argon2 its memory cost, 64 MiB by default);
+    Slow hashes off the loop.  An Argon2 or bcrypt check takes a good part
+    of a second of CPU at the default costs (bench/auth_lines_bench.py),
+    and Argon2 its memory cost, 64 MiB by default;
     ``check`` runs it in a small thread pool of its own so the event loop
     keeps serving other sessions, and at most AUTH_THREADS checks run at
     once, which bounds the memory a flood of AUTH commands can take.  A
