@@ -269,6 +269,7 @@ class TlsConfig:
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
     users: Mapping[str, str] = field(default_factory=dict)
+    allow_plaintext: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +283,7 @@ class SmtpdConfig:
     max_message_size: int = 52428800
     max_recipients: int = 1000
     max_line_length: int = 998
+    reject_long_lines: bool = False
     max_connections_per_client: int = 50
     max_connections: int = 1000
     timeout: float = _dur("300s")
@@ -332,6 +334,7 @@ class DeliveryConfig:
     post_hook: str | None = None
     shaping: str | None = _path(None)
     shaping_defaults: bool = True
+    smtp_line_length_limit: int = 998
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,6 +538,9 @@ def _semantic_checks(cfg: Config) -> Config:
     if sum(tenants.min_shares.values()) > 1:
         raise ConfigError(cfg.source, "scheduler.tenants.shares",
                           "the min_share values add up to more than 100 %")
+    if 0 < cfg.delivery.smtp_line_length_limit < 78:
+        raise ConfigError(cfg.source, "delivery.smtp_line_length_limit",
+                          "must be 0 (send long lines unchanged) or at least 78")
     hostname = cfg.node.hostname or socket.gethostname() or "localhost"
     node = NodeConfig(hostname=hostname, id=cfg.node.id or hostname)
     return dataclasses.replace(cfg, queue=queue, node=node)

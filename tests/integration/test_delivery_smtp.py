@@ -91,7 +91,7 @@ def test_bodies_round_trip_byte_exact(pipelining: bool) -> None:
     async def scenario() -> None:
         handler = SinkHandler(pipelining=pipelining)
         async with sink(handler) as s:
-            agent = make_agent()
+            agent = make_agent(smtp_line_length_limit=0)  # long lines unchanged
             for name, body in BODIES.items():
                 res = await agent.deliver(request(hop(s.port), "rcpt@dest.test", data=body,
                                                   smtputf8=name == "utf-8 headers"))
@@ -656,6 +656,24 @@ def test_addresses_that_could_smuggle_commands_never_reach_the_wire() -> None:
                                               sender="a@src.test>\r\nDATA"))
             assert outcomes(res) == [("ok@dest.test", PermFail, 553, "5.1.7")]
         assert [m.recipients for m in handler.messages] == [("ok@dest.test",)]
+
+    run(scenario())
+
+
+def test_long_lines_are_folded_by_default() -> None:
+    body = BODIES["long lines"]
+
+    async def scenario() -> None:
+        handler = SinkHandler()
+        async with sink(handler) as s:
+            agent = make_agent()
+            res = await agent.deliver(request(hop(s.port), "rcpt@dest.test", data=body))
+            assert outcomes(res) == [("rcpt@dest.test", Delivered, 250, "2.0.0")]
+            await agent.close()
+        (got,) = handler.messages
+        assert max(map(len, got.data.split(b"\r\n"))) == 998
+        assert got.data.count(b"\r\n ") == -(-(150_000 - 998) // 997)
+        assert got.data.replace(b"\r\n ", b"") == body
 
     run(scenario())
 

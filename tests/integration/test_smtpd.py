@@ -23,11 +23,13 @@ from typing import Any
 import pytest
 import uvloop
 
+from sluice.config import ConfigError
 from sluice.model import QueueEntry, QueueState, Selector
 from sluice.queue import Queue
 from sluice.smtpd import Receiver, hash_password
 from sluice.suppression import SuppressionEntry, write_suppression_list
-from tests.conftest import make_config
+from tests.conftest import SLUICE, make_config, subprocess_env
+from tests.unit.test_smtpd_credentials import cheap
 
 pytestmark = pytest.mark.integration
 
@@ -179,7 +181,7 @@ def test_every_extension_is_advertised(serve: Callable[..., Running],
                                        certificate: tuple[str, str]) -> None:
     cert, key = certificate
     run = serve(smtpd={"tls": {"cert": cert, "key": key}, "max_message_size": 123456,
-                       "auth": {"users": {"alice": "s3cret"}}})
+                       "auth": {"users": {"alice": cheap("ARGON2ID", "s3cret")}}})
     with run.smtp() as c:
         code, _ = c.ehlo()
         assert code == 250
@@ -281,8 +283,19 @@ def test_recipient_limit(serve: Callable[..., Running]) -> None:
     assert sorted(e.recipient for e in entries) == ["r0@y.test", "r1@y.test", "r2@y.test"]
 
 
-def test_line_longer_than_the_limit_is_refused(serve: Callable[..., Running]) -> None:
+def test_long_lines_are_accepted_and_kept_byte_exact(serve: Callable[..., Running]) -> None:
     run = serve()
+    body = b"<html>" + b"x" * 5000 + b"</html>\r\n" + b"y" * 999 + b"\r\n"
+    with run.smtp() as c:
+        c.ehlo()
+        assert c.sendmail("a@x.test", ["b@y.test"], b"Subject: long\r\n\r\n" + body) == {}
+    (spid,) = run.messages()
+    assert run.content(spid).endswith(b"\r\n\r\n" + body)
+
+
+def test_line_longer_than_the_limit_is_refused_when_strict(serve: Callable[..., Running]
+                                                           ) -> None:
+    run = serve(smtpd={"reject_long_lines": True})
     with run.smtp() as c:
         c.ehlo()
         with pytest.raises(smtplib.SMTPDataError) as err:
@@ -321,7 +334,8 @@ def test_auth_only_over_tls_and_then_relay(serve: Callable[..., Running],
                                            certificate: tuple[str, str]) -> None:
     cert, key = certificate
     run = serve(smtpd={"tls": {"cert": cert, "key": key},
-                       "auth": {"users": {"alice": "s3cret", "bob": hash_password("hunter2")}}})
+                       "auth": {"users": {"alice": cheap("ARGON2ID", "s3cret"),
+                                          "bob": cheap("BLF-CRYPT", "hunter2")}}})
     plain = base64.b64encode(b"\0alice\0s3cret").decode()
     with run.smtp(source=OUTSIDER) as c:
         c.ehlo()
@@ -346,10 +360,69 @@ def test_auth_only_over_tls_and_then_relay(serve: Callable[..., Running],
     assert b"with ESMTPSA id" in run.content(spid_b)
 
 
+def test_auth_against_every_password_scheme(serve: Callable[..., Running],
+                                            certificate: tuple[str, str]) -> None:
+    cert, key = certificate
+    users = {"argon2id": cheap("ARGON2ID", "pw-argon2id"),
+             "argon2i": cheap("ARGON2I", "pw-argon2i"),
+             "blf": cheap("BLF-CRYPT", "pw-blf"),
+             "sha": cheap("SHA256", "pw-sha"),
+             "shahex": cheap("SHA256.HEX", "pw-shahex"),
+             "slow": hash_password("pw-slow"),  # the default cost, as `sluice auth hash` makes
+             "plain": "{PLAIN}pw-plain"}
+    run = serve(smtpd={"tls": {"cert": cert, "key": key},
+                       "auth": {"users": users, "allow_plaintext": True}})
+    for user in users:
+        with run.smtp(source=OUTSIDER) as c:
+            c.starttls(context=no_verify())
+            c.ehlo()
+            with pytest.raises(smtplib.SMTPAuthenticationError) as err:
+                c.login(user, f"pw-{user}x")
+            assert err.value.smtp_code == 535
+            c.login(user, f"pw-{user}")  # PLAIN first (smtplib's choice)
+            c.sendmail(f"{user}@outside.test", ["far@elsewhere.test"], b"Subject: a\r\n\r\nx\r\n")
+        with run.smtp(source=OUTSIDER) as c:
+            c.starttls(context=no_verify())
+            c.ehlo()
+            c.user, c.password = user, f"pw-{user}"
+            assert c.auth("LOGIN", c.auth_login)[0] == 235
+    assert len(run.messages()) == len(users)
+
+
+def test_plain_text_passwords_refused_by_default(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, smtpd={"listen": [f"{HOST}:0"],
+                                       "auth": {"users": {"alice": "hunter2"}}})
+    queue = Queue.open(cfg)
+    try:
+        with pytest.raises(ConfigError) as err:
+            Receiver.from_config(cfg, queue)
+    finally:
+        queue.close()
+    assert err.value.keypath == "smtpd.auth.users.alice"
+    path = tmp_path / "sluice.yaml"
+    path.write_text(f"queue: {{path: {tmp_path / 'q'}}}\n"
+                    f"smtpd: {{listen: ['{HOST}:0'], auth: {{users: {{alice: hunter2}}}}}}\n")
+    proc = subprocess.run([SLUICE, "-c", str(path), "serve"], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith(f"sluice: config error: {path}: smtpd.auth.users.alice: "
+                           "a plain-text password")
+    # what `sluice auth hash` prints is accepted
+    made = subprocess.run([SLUICE, "auth", "hash", "-s", "blf-crypt"], input="hunter2\n",
+                          capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert made.returncode == 0, made.stderr
+    entry = made.stdout.strip()
+    assert entry.startswith("{BLF-CRYPT}$2b$")
+    assert "hunter2" not in entry
+
+
 def test_repeated_auth_failures_close_the_session(serve: Callable[..., Running],
                                                   certificate: tuple[str, str]) -> None:
     cert, key = certificate
-    run = serve(smtpd={"tls": {"cert": cert, "key": key}, "auth": {"users": {"a": "b"}}})
+    run = serve(smtpd={"tls": {"cert": cert, "key": key},
+                       "auth": {"users": {"a": "{PLAIN}b"}, "allow_plaintext": True}})
     with run.smtp() as c:
         c.starttls(context=no_verify())
         c.ehlo()

@@ -201,3 +201,14 @@ def test_tenant_shares_are_read_with_percentages_and_checked() -> None:
         config_from_dict({"scheduler": {"tenants": {"shares": {"a": {"min_share": "170%"}}}}})
     with pytest.raises(ConfigError, match=r"scheduler\.tenants\.shares\.a\.weight"):
         config_from_dict({"scheduler": {"tenants": {"shares": {"a": {"weight": 0}}}}})
+
+
+def test_long_line_settings() -> None:
+    cfg = config_from_dict({})
+    assert cfg.delivery.smtp_line_length_limit == 998  # Postfix's default: fold
+    assert cfg.smtpd.reject_long_lines is False  # accept long lines
+    assert config_from_dict({"delivery": {"smtp_line_length_limit": 0}}
+                            ).delivery.smtp_line_length_limit == 0
+    with pytest.raises(ConfigError, match=r"x\.yaml: delivery\.smtp_line_length_limit: "
+                                          r"must be 0 .* or at least 78"):
+        config_from_dict({"delivery": {"smtp_line_length_limit": 10}}, source="x.yaml")

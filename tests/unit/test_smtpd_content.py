@@ -113,6 +113,23 @@ def test_line_length(pieces: list[bytes], ok: bool) -> None:
     assert (buf.state is ContentState.OK) is ok
 
 
+def test_no_line_limit_measures_nothing() -> None:
+    buf = MessageBuffer(max_size=1 << 20, max_line_length=0)
+    buf.write(b"Subject: x\r\n\r\n" + b"x" * 5000 + b"\r\n")
+    assert buf.state is ContentState.OK
+    assert b"".join(buf.content()).count(b"x") == 5001
+
+
+def test_policy_measures_lines_only_when_strict() -> None:
+    from sluice.smtpd.policy import ReceivePolicy
+
+    assert ReceivePolicy().line_limit == 0
+    strict = ReceivePolicy(reject_long_lines=True, max_line_length=1200)
+    assert strict.line_limit == 1200
+    reply = strict.content(ContentState.LINE_TOO_LONG)
+    assert reply is not None and (reply.code, reply.enhanced) == (554, "5.6.0")
+
+
 def test_spills_to_a_file_and_gives_back_the_same_bytes(tmp_path: Path) -> None:
     buf = MessageBuffer(max_size=1 << 20, max_line_length=998, spill_size=100,
                         spill_dir=tmp_path)

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from sluice.config import ConfigError
-from sluice.smtpd.credentials import Credentials, hash_password
 from sluice.smtpd.policy import (
     LIMIT_CLIENT,
     LIMIT_TOTAL,
@@ -156,31 +155,6 @@ def test_from_config_splits_connection_limits_and_names_bad_networks(tmp_path: P
     with pytest.raises(ConfigError) as err:
         ReceivePolicy.from_config(bad)
     assert err.value.keypath == "smtpd.mynetworks[1]"
-
-
-def test_credentials_plain_and_sha256() -> None:
-    creds = Credentials({"alice": "s3cret", "bob": hash_password("hunter2")})
-    assert creds
-    assert len(creds) == 2
-    assert creds.verify("alice", "s3cret")
-    assert creds.verify(b"alice", b"s3cret")
-    assert not creds.verify("alice", "s3cret ")
-    assert not creds.verify("alice", "")
-    assert creds.verify("bob", "hunter2")
-    assert not creds.verify("bob", hash_password("hunter2"))  # the digest is not the password
-    assert not creds.verify("carol", "s3cret")
-    assert not creds.verify("", "")
-    assert not Credentials()
-    assert hash_password("x").startswith("{sha256}")
-    assert len(hash_password("x")) == len("{sha256}") + 64
-
-
-def test_bad_sha256_entry_names_the_user(tmp_path: Path) -> None:
-    cfg = make_config(tmp_path, smtpd={"auth": {"users": {"bob": "{sha256}abc"}}})
-    with pytest.raises(ConfigError) as err:
-        Credentials.from_config(cfg)
-    assert err.value.keypath == "smtpd.auth.users.bob"
-    assert "64 hex digits" in str(err.value)
 
 
 def test_routed_local_parts_are_refused_to_outsiders_unless_allowed() -> None:

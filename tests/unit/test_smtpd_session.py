@@ -30,7 +30,7 @@ pytestmark = pytest.mark.unit
 #: Attributes only our session has: its own state, and the command limits,
 #: which aiosmtpd keeps in a dict shared by every session of the process.
 OURS = {"_settings", "_registry", "_policy", "_ip", "_port", "_client", "_txn", "_auth_user",
-        "_auth_failures", "_admitted", "_idle", "_closing", "command_size_limits",
+        "_auth_failures", "_offered", "_admitted", "_idle", "_closing", "command_size_limits",
         "_deadline", "_timer_at"}
 
 
@@ -48,7 +48,7 @@ NO_QUEUE = cast(Queue, None)
 @pytest.fixture
 def settings() -> Settings:
     return Settings(hostname="mx.sluice.test", queue=NO_QUEUE, policy=ReceivePolicy(),
-                    credentials=Credentials({"u": "p"}))
+                    credentials=Credentials({"u": "{PLAIN}p"}, allow_plaintext=True))
 
 
 def test_lean_constructor_sets_what_aiosmtpd_sets(loop: asyncio.AbstractEventLoop,

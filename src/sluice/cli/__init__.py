@@ -40,6 +40,7 @@ COMMAND_MODULES = (
     "sluice.cli.analytics_cmds",
     "sluice.cli.sendout_cmds",
     "sluice.cli.shaping_cmds",
+    "sluice.cli.auth_cmds",
 )
 
 

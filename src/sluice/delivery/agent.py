@@ -518,7 +518,8 @@ class DeliveryAgent:
                 try:
                     session = await Session.open(
                         host, helo=helo, localip=localip, lmtp=lmtp, starttls=starttls,
-                        timeouts=self.timeouts, ssl_context=self.ssl_context)
+                        timeouts=self.timeouts, ssl_context=self.ssl_context,
+                        line_length_limit=self.config.smtp_line_length_limit)
                 except SessionError as exc:
                     errors.append(exc)
                     if exc.tls_failed and starttls == StartTls.OPPORTUNISTIC:

@@ -323,8 +323,10 @@ class Session:
     """A greeted, EHLO'd connection to one host; carries transactions in turn."""
 
     def __init__(self, host: Host, localip: str, lmtp: bool, reader: _ReplyReader,
-                 timeouts: DeliveryTimeouts) -> None:
+                 timeouts: DeliveryTimeouts, line_length_limit: int = 998) -> None:
         self.host = host
+        #: Lines longer than this are folded on the wire (0: sent as they are).
+        self.line_length_limit = line_length_limit
         self.localip = localip
         self.lmtp = lmtp
         self.timeouts = timeouts
@@ -342,7 +344,8 @@ class Session:
     @classmethod
     async def open(cls, host: Host, *, helo: str, localip: str = "", lmtp: bool = False,
                    starttls: StartTls = StartTls.OPPORTUNISTIC, timeouts: DeliveryTimeouts,
-                   ssl_context: ssl.SSLContext | None = None) -> Session:
+                   ssl_context: ssl.SSLContext | None = None,
+                   line_length_limit: int = 998) -> Session:
         """Connect, read the greeting, EHLO/LHLO, STARTTLS per policy.
 
         Raises SessionError with a 4xx reply naming the host.
@@ -369,7 +372,7 @@ class Session:
         if sock is not None:
             # Commands are written whole; don't let Nagle hold the last one back.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self = cls(host, localip, lmtp, reader, timeouts)
+        self = cls(host, localip, lmtp, reader, timeouts, line_length_limit)
         try:
             await self._handshake(helo, starttls, ssl_context)
         except BaseException:
@@ -611,7 +614,7 @@ class Session:
 
     async def _data(self, content: IO[bytes], first: bytes, second: bytes, replies: int
                     ) -> list[ServerReply]:
-        enc = DataEncoder()
+        enc = DataEncoder(self.line_length_limit)
         chunk, nxt = first, second
         while True:
             out = enc.feed(chunk)

@@ -163,6 +163,7 @@ class Server:
         nproc = receiver_processes(cfg, self.queue.store.shared_access)
         sockets, self._sockets = self._sockets, []  # the receivers own them now
         if nproc:
+            # A bad smtpd.auth entry was found by preflight (receiver_parts).
             self.pool = ReceiverPool(cfg if cfg.source.startswith("<") else cfg.source, nproc,
                                      sockets=sockets)
             self.addresses = await loop.run_in_executor(None, self.pool.start)

@@ -17,7 +17,7 @@ DESCRIPTION
 
 MODULES
     policy       what may pass, as Reply values (pure)
-    credentials  AUTH users and constant-time checks (pure)
+    credentials  AUTH users, Dovecot-style password hashes, checks off the loop
     content      DATA pieces: end detection, unstuffing, limits, spilling
     trace        the Received header
     session      the aiosmtpd adapter, one object per connection

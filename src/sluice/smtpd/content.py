@@ -26,6 +26,9 @@ STRATEGIES
     of the previous piece, so a CRLF or a ".CRLF" split across pieces is
     still seen.
 
+    Measure only when asked.  ``max_line_length`` 0 (the default policy:
+    long lines are accepted) skips the line measuring altogether.
+
     Keep reading past a limit.  A message that is too big or has a line
     too long is not stored further, but DATA is read to its end so the
     session stays in step (RFC 5321 4.2.5 sends the refusal after the
@@ -136,7 +139,7 @@ class MessageBuffer:
         if self.size > self.max_size:
             self._drop(ContentState.TOO_BIG)
             return
-        if not self._measure(text):
+        if self.max_line_length and not self._measure(text):
             self._drop(ContentState.LINE_TOO_LONG)
             return
         try:

@@ -30,8 +30,17 @@ DESCRIPTION
     Limits.  Connections per client address and in all (421 4.7.0 at
     connect), message size (552 5.3.4, at MAIL FROM SIZE= and after
     DATA), recipients per message (452 4.5.3: RFC 5321 4.5.3.1.10 says to
-    answer 452 and take the others in a later transaction), line length
-    in the message text (554 5.6.0 after DATA, see LIMITATIONS).
+    answer 452 and take the others in a later transaction).
+
+    Long lines.  A text line longer than RFC 5322's 998 characters is
+    accepted: applications send HTML without line breaks, Postfix and most
+    MTAs take it, and refusing it bounces a sender's mail for a reason the
+    sender rarely controls.  Delivery folds such lines the way Postfix
+    does (delivery.smtp_line_length_limit, sluice.delivery.encoder).  With
+    ``smtpd.reject_long_lines`` a line over ``smtpd.max_line_length`` is
+    refused instead: 554 (RFC 5321 4.3.2 lists 554, not 500, among the
+    replies to the end of DATA; 500 is for command lines) with 5.6.0, a
+    problem with the content.
 
     Suppression.  A recipient on the suppression list is refused with
     550 5.1.1 (mode ``reject``), or accepted and left out of the queued
@@ -46,14 +55,6 @@ STRATEGIES
 
     Cached membership.  mynetworks is checked once per client address and
     remembered (bounded), so a busy client costs one dict lookup.
-
-LIMITATIONS
-    Over-long text lines are refused, not folded.  RFC 5322 2.1.1 caps a
-    line at 998 characters; Postfix splits longer lines, which changes the
-    message.  We keep bodies byte-exact, so the only honest answer is to
-    refuse: 554 (RFC 5321 4.3.2 lists 554, not 500, among the replies to
-    the end of DATA; 500 is for command lines) with 5.6.0, a problem with
-    the content.  ``smtpd.max_line_length`` raises the limit.
 
 SEE ALSO
     sluice.smtpd.session (the adapter), sluice.suppression, RFC 5321,
@@ -245,6 +246,7 @@ class ReceivePolicy:
         max_message_size: int = 52428800,
         max_recipients: int = 1000,
         max_line_length: int = 998,
+        reject_long_lines: bool = False,
         max_connections_per_client: int = 50,
         max_connections: int = 1000,
         suppression: SuppressionList | None = None,
@@ -259,6 +261,9 @@ class ReceivePolicy:
         self.max_message_size = max_message_size
         self.max_recipients = max_recipients
         self.max_line_length = max_line_length
+        self.reject_long_lines = reject_long_lines
+        #: What the message buffer measures against; 0: lines are not measured.
+        self.line_limit = max_line_length if reject_long_lines else 0
         self.max_connections_per_client = max_connections_per_client
         self.max_connections = max_connections
         self.suppression = suppression
@@ -289,6 +294,7 @@ class ReceivePolicy:
             max_message_size=s.max_message_size,
             max_recipients=s.max_recipients,
             max_line_length=s.max_line_length,
+            reject_long_lines=s.reject_long_lines,
             max_connections_per_client=-(-s.max_connections_per_client // share),
             max_connections=-(-s.max_connections // share),
             suppression=suppression,

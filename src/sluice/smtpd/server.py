@@ -356,6 +356,7 @@ class Receiver:
         if self.settings.handoff is not None:
             # Submissions already handed over finish (their sessions are gone).
             await asyncio.to_thread(self.settings.handoff.close)
+        self.settings.credentials.close()
 
     async def _close_servers(self) -> None:
         for server in self._servers:

@@ -384,6 +384,7 @@ class SmtpSession(SMTP):
         self._txn: _Transaction | None = None
         self._auth_user: str | None = None
         self._auth_failures = 0
+        self._offered: LoginPassword | None = None  # AUTH credentials awaiting their check
         self._admitted = False
         self._idle = False
         self._closing = False
@@ -552,8 +553,24 @@ class SmtpSession(SMTP):
         self.envelope = None
 
     def _authenticate(self, mechanism: str, auth_data: LoginPassword) -> AuthResult:
-        login = auth_data.login.decode("utf-8", "replace")
-        if self._settings.credentials.verify(auth_data.login, auth_data.password):
+        # aiosmtpd calls this synchronously from auth_PLAIN/auth_LOGIN, but a
+        # slow hash must not run on the loop: only note what to check, and
+        # let _checked (awaited by our auth_* methods) do the check.
+        self._offered = auth_data
+        return AuthResult(success=False, handled=False)
+
+    async def auth_PLAIN(self, server: Any, args: list[str]) -> AuthResult:
+        return await self._checked("PLAIN", await super().auth_PLAIN(server, args))
+
+    async def auth_LOGIN(self, server: Any, args: list[str]) -> AuthResult:
+        return await self._checked("LOGIN", await super().auth_LOGIN(server, args))
+
+    async def _checked(self, mechanism: str, parsed: AuthResult) -> AuthResult:
+        offered, self._offered = self._offered, None
+        if offered is None:
+            return parsed  # aiosmtpd answered already (bad base64, cancelled)
+        login = offered.login.decode("utf-8", "replace")
+        if await self._settings.credentials.check(offered.login, offered.password):
             self._auth_user = login
             assert self._client is not None
             self._client = Client(self._client.ip, self._client.trusted, login)
@@ -692,7 +709,7 @@ class SmtpSession(SMTP):
     async def _read_data(self) -> MessageBuffer | None:
         settings = self._settings
         policy = self._policy
-        buf = MessageBuffer(policy.max_message_size, policy.max_line_length,
+        buf = MessageBuffer(policy.max_message_size, policy.line_limit,
                             settings.spill_size, settings.spill_dir)
         unstuffer = Unstuffer()
         reader = self._reader
