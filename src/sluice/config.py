@@ -281,6 +281,8 @@ class SmtpdConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     hook: str | None = None
+    dedupe: bool = False
+    dedupe_window: float = _dur("1h")
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,6 +525,8 @@ def _semantic_checks(cfg: Config) -> Config:
     if sum(tenants.min_shares.values()) > 1:
         raise ConfigError(cfg.source, "scheduler.tenants.shares",
                           "the min_share values add up to more than 100 %")
+    if cfg.smtpd.dedupe_window <= 0:
+        raise ConfigError(cfg.source, "smtpd.dedupe_window", "must be longer than 0 s")
     hostname = cfg.node.hostname or socket.gethostname() or "localhost"
     node = NodeConfig(hostname=hostname, id=cfg.node.id or hostname)
     return dataclasses.replace(cfg, queue=queue, node=node)

@@ -10,6 +10,7 @@ SUMMARY
     index.forget(scope, keys)              # the submission failed
     index.settle(exists) -> (confirmed, forgotten)   once, before serving
     index.expire(now) -> int
+    fingerprint(recipient, sender); in_store(store)   what settle() compares
 
 DESCRIPTION
     A client that did not see our answer sends again.  With a key per
@@ -62,7 +63,8 @@ LIMITATIONS
     forgotten by settle(): a retry after that sends it again.
 
 SEE ALSO
-    sluice.api.injector (the HTTP injection API), docs/api.md
+    sluice.api.injector (the HTTP injection API), sluice.smtpd.dedupe
+    (resent SMTP messages), docs/api.md, docs/queue.md
 """
 
 from __future__ import annotations
@@ -75,8 +77,30 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import Protocol
 
-__all__ = ["Claim", "Hit", "HitState", "IdempotencyIndex"]
+from sluice.model import QueueEntry
+
+__all__ = ["Claim", "Hit", "HitState", "IdempotencyIndex", "fingerprint", "in_store"]
+
+
+def fingerprint(recipient: str, sender: str) -> str:
+    """What a key is bound to: the recipient and sender it was claimed for."""
+    return f"{recipient.lower()} {sender.lower()}"
+
+
+class _Entries(Protocol):
+    def get(self, qid: str) -> QueueEntry | None: ...
+
+
+def in_store(store: _Entries) -> Callable[[str, str], bool]:
+    """settle()'s question put to a queue store: is ``qid`` there, with the
+    recipient and sender of ``fingerprint``?"""
+    def exists(qid: str, fp: str) -> bool:
+        entry = store.get(qid)
+        return entry is not None and fingerprint(entry.recipient, entry.sender) == fp
+
+    return exists
 
 
 class HitState(IntEnum):

@@ -69,7 +69,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from sluice.accounting import EventKind, make_event
 from sluice.address import Invalid, Mailbox, check
 from sluice.api.control import ApiError, Control
-from sluice.idempotency import Claim, Hit, IdempotencyIndex
+from sluice.idempotency import Claim, Hit, IdempotencyIndex, fingerprint, in_store
 from sluice.model import (
     Accepted,
     QueueEntry,
@@ -119,10 +119,6 @@ NOT_QUEUED = Reply(451, "4.3.0", "the queue could not store the message; try aga
 def _reply_data(email: str, reply: Reply) -> dict[str, Any]:
     return {"email": email, "status": "refused", "code": reply.code,
             "enhanced": reply.enhanced or None, "reason": reply.text}
-
-
-def _fingerprint(recipient: str, sender: str) -> str:
-    return f"{recipient.lower()} {sender.lower()}"
 
 
 @dataclass(slots=True)
@@ -202,7 +198,7 @@ class Injector:
                                       self.settings.idempotency_window)
         # Before the queue manager delivers anything: keys claimed by a run
         # that crashed are settled against what the queue holds.
-        confirmed, forgotten = self.index.settle(self._in_queue)
+        confirmed, forgotten = self.index.settle(in_store(control.queue.store))
         if confirmed or forgotten:
             log.info("idempotency keys pending at the last stop: %d queued, %d not",
                      confirmed, forgotten)
@@ -216,10 +212,6 @@ class Injector:
         self._commit_s = 0.0
         self._sampled_at = 0.0
         self._expired_at = 0.0
-
-    def _in_queue(self, qid: str, fingerprint: str) -> bool:
-        entry = self.control.queue.store.get(qid)
-        return entry is not None and _fingerprint(entry.recipient, entry.sender) == fingerprint
 
     # -- 1. admit -------------------------------------------------------------------
 
@@ -334,7 +326,7 @@ class Injector:
         for _ in range(CLAIM_ROUNDS):
             if not unclaimed:
                 break
-            claims = [Claim(r.key, _fingerprint(r.address, self._sender(body, p)), p.qid(r))
+            claims = [Claim(r.key, fingerprint(r.address, self._sender(body, p)), p.qid(r))
                       for p in unclaimed for r in p.rcpts if r.key is not None]
             known = await self.control.io(self.index.remember, scope, claims)
             if not known:
@@ -374,7 +366,7 @@ class Injector:
 
     def _known(self, body: InjectRequest, p: _Plan, r: _Rcpt, hit: Hit) -> dict[str, Any]:
         email = self._email(body, r)
-        if hit.fingerprint != _fingerprint(r.address, self._sender(body, p)):
+        if hit.fingerprint != fingerprint(r.address, self._sender(body, p)):
             return _reply_data(email, KEY_OTHER)
         if not hit.done:
             return _reply_data(email, KEY_BUSY)

@@ -55,6 +55,7 @@ from sluice.hooks import Hooks, load_hook
 from sluice.model import Accepted, Submission
 from sluice.queue import Queue
 from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.dedupe import Resends
 from sluice.smtpd.handoff import Handoff
 from sluice.smtpd.policy import ReceivePolicy
 from sluice.smtpd.session import ReceiverStats, Registry, Settings, SmtpSession
@@ -186,7 +187,7 @@ class Receiver:
             spill_size=s.spill_size,
             spill_dir=spill_dir,
             on_accepted=on_accepted,
-            handoff=Handoff(queue),
+            handoff=Handoff(queue, Resends.open(config, queue.accounting) if s.dedupe else None),
         )
         return cls(settings, listen if listen is not None else s.listen,
                    reuse_port=reuse_port, backlog=s.backlog,
