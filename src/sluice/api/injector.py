@@ -121,6 +121,17 @@ def _reply_data(email: str, reply: Reply) -> dict[str, Any]:
             "enhanced": reply.enhanced or None, "reason": reply.text}
 
 
+def recipient_key(msg: InjectMessage, mi: int, ri: int, request_key: str | None
+                  ) -> str | None:
+    """A recipient's idempotency key: its own, else one derived from the
+    request's Idempotency-Key header and its place in the request (a space
+    cannot occur in a key of its own, so the two never collide)."""
+    own = msg.recipients[ri].idempotency_key
+    if own:
+        return own
+    return f"{request_key} {mi}.{ri}" if request_key else None
+
+
 @dataclass(slots=True)
 class _Rcpt:
     slot: tuple[int, int]  # (message, recipient) index in the request
@@ -249,7 +260,8 @@ class Injector:
 
     def _plans_for(self, mi: int, msg: InjectMessage, who: str, client: str, now: float,
                    answers: dict[tuple[int, int], dict[str, Any]],
-                   suppressed: list[tuple[str, str, SuppressionEntry]]) -> list[_Plan]:
+                   suppressed: list[tuple[str, str, SuppressionEntry]],
+                   request_key: str | None = None) -> list[_Plan]:
         sender = check(msg.envelope_sender)
         accepted: list[tuple[int, Mailbox]] = []
         for ri, r in enumerate(msg.recipients):
@@ -283,7 +295,7 @@ class Injector:
             utf8 = (not ascii_envelope(sender.address, [b.address for _, b in accepted])
                     or utf8_header(body))
             plans.append(_Plan(mi, [_Rcpt((mi, ri), box.address,
-                                          msg.recipients[ri].idempotency_key or None)
+                                          recipient_key(msg, mi, ri, request_key))
                                     for ri, box in accepted], body, utf8))
         else:
             for ri, box in accepted:
@@ -298,7 +310,8 @@ class Injector:
                                                     Reply(550, "5.6.0", f"template: {exc}"))
                     continue
                 utf8 = not ascii_envelope(sender.address, [box.address]) or utf8_header(body)
-                plans.append(_Plan(mi, [_Rcpt((mi, ri), box.address, r.idempotency_key or None)],
+                plans.append(_Plan(mi, [_Rcpt((mi, ri), box.address,
+                                              recipient_key(msg, mi, ri, request_key))],
                                    body, utf8))
         limit = self.control.config.smtpd.max_message_size
         for p in plans:
@@ -412,7 +425,9 @@ class Injector:
 
     # -- the request -----------------------------------------------------------------------
 
-    async def inject(self, body: InjectRequest, who: str, client: str) -> dict[str, Any]:
+    async def inject(self, body: InjectRequest, who: str, client: str,
+                     request_key: str | None = None) -> dict[str, Any]:
+        """One request; ``request_key``: its Idempotency-Key header, if any."""
         total = sum(len(m.recipients) for m in body.messages)
         if total > self.settings.max_recipients:
             raise ApiError(422, "too many recipients",
@@ -424,7 +439,8 @@ class Injector:
         suppressed: list[tuple[str, str, SuppressionEntry]] = []
         plans = []
         for mi, msg in enumerate(body.messages):
-            plans += self._plans_for(mi, msg, who, client, now, answers, suppressed)
+            plans += self._plans_for(mi, msg, who, client, now, answers, suppressed,
+                                     request_key)
         if suppressed:
             self._log_suppressed(suppressed, now)
         plans = await self._claim(who, plans, body, answers)

@@ -45,6 +45,9 @@ STRATEGIES
     header (the first chunk handed over, it names the SPID and the time)
     is left out, and so is the header block, so a client that rebuilds
     the Date header on a retry but keeps the Message-ID is recognised.
+    Text without an empty line is digested whole: when in doubt, two
+    messages are different (a duplicate costs a second copy, a wrong
+    match would lose a message).
 
 INVARIANTS
     A message is answered "queued as X" from the index only for an X that
@@ -67,7 +70,9 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -107,6 +112,9 @@ EXPIRE_EVERY_S = 60.0
 #: Bytes of header block read for the Message-ID (as MessageBuffer.header_block).
 HEADER_MAX = 64 * 1024
 
+#: The end of a header block: a line feed, then an empty line.
+_EMPTY_LINE = re.compile(rb"\n\r?\n")
+
 #: The reply text of a duplicate line in the accounting log.
 DUPLICATE_TEXT = "a resend of a message already queued; not queued again"
 
@@ -133,15 +141,17 @@ def scope_of(origin: Origin) -> str:
 
 def message_key(message_id: str, sender: str, recipients: Iterable[str], digest: str) -> str:
     """The key of a message: order of recipients does not matter, everything else does."""
-    parts = [message_id, sender, *sorted(recipients), digest]
-    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
+    parts = json.dumps([message_id, sender, sorted(recipients), digest])  # unambiguous
+    return hashlib.sha256(parts.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def body_digest(chunks: Iterable[bytes]) -> tuple[str, str]:
     """(Message-ID, SHA-256 of the body) of a message's text in pieces.
 
-    The body is what follows the first empty line; chunk boundaries do not
-    matter.  The Message-ID is '' when the header block has none.
+    The body is what follows the first empty line (CRLF, or a bare LF as
+    some clients send); chunk boundaries do not matter.  Text without an
+    empty line in its first 64 KiB is digested whole.  The Message-ID is
+    '' when the header block has none.
     """
     sha = hashlib.sha256()
     head = b""
@@ -150,19 +160,24 @@ def body_digest(chunks: Iterable[bytes]) -> tuple[str, str]:
         if in_body:
             sha.update(chunk)
             continue
-        scan_from = max(0, len(head) - 3)
+        scan_from = max(0, len(head) - 2)  # an end may straddle two chunks
         head += chunk
-        end = head.find(b"\r\n\r\n", scan_from)
-        if end >= 0:
-            sha.update(head[end + 4:])
-            head = head[:end + 4]
+        if head.startswith((b"\n", b"\r\n")):  # an empty header block
+            sha.update(head[head.index(b"\n") + 1:])
+            head = b""
             in_body = True
-        elif len(head) > HEADER_MAX:  # no header block worth the name: all of it is body
+            continue
+        end = _EMPTY_LINE.search(head, scan_from)
+        if end is not None:
+            sha.update(head[end.end():])
+            head = head[:end.end()]
+            in_body = True
+        elif len(head) > HEADER_MAX:  # no header block worth the name
             sha.update(head)
             head = head[:HEADER_MAX]
             in_body = True
-    if head.startswith(b"\r\n"):
-        head = b""
+    if not in_body:  # no empty line at all: every byte counts
+        sha.update(head)
     value = BytesHeaderParser(policy=compat32).parsebytes(head[:HEADER_MAX]).get("Message-ID")
     return ("" if value is None else "".join(str(value).split())), sha.hexdigest()
 
