@@ -5,6 +5,7 @@ SUMMARY
     index.lookup(scope, keys, now) -> {key: Hit}
     index.remember(scope, [Claim(key, fingerprint, qid)], now) -> {key: Hit}
                                           # durable on return; hits are keys known before
+    index.remember_all({scope: [Claim, ...]}, now) -> {scope: {key: Hit}}   one fsync
     (submit the message under the queue ids claimed; wait until durable)
     index.confirm(scope, {key: qid})       # the submission is durable
     index.forget(scope, keys)              # the submission failed
@@ -229,19 +230,29 @@ class IdempotencyIndex:
                  ) -> dict[str, Hit]:
         """Claim keys for their planned queue ids, durably; returns the keys that
         were known already (within the window), which are left as they were."""
+        return self.remember_all({scope: claims}, now).get(scope, {})
+
+    def remember_all(self, claims: Mapping[str, Sequence[Claim]], now: float | None = None
+                     ) -> dict[str, dict[str, Hit]]:
+        """remember() for several scopes in one transaction (one fsync);
+        returns the known keys per scope (scopes with none left out)."""
         at = self.clock() if now is None else now
-        if len(claims) != len({c.key for c in claims}):
-            raise ValueError("a key is claimed twice in one call")
+        for items in claims.values():
+            if len(items) != len({c.key for c in items}):
+                raise ValueError("a key is claimed twice in one call")
+        out: dict[str, dict[str, Hit]] = {}
         with self._conn(durable=True) as conn:
-            known = self._rows(conn, scope, [c.key for c in claims], at - self.window_s)
-            fresh = [c for c in claims if c.key not in known]
-            # An expired row of the same key is replaced.
-            conn.executemany(
-                "INSERT OR REPLACE INTO idempotency "
-                "(scope, key, fingerprint, qid, state, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                [(scope, c.key, c.fingerprint, c.qid, int(HitState.PENDING), at)
-                 for c in fresh])
-        return known
+            for scope, items in claims.items():
+                known = self._rows(conn, scope, [c.key for c in items], at - self.window_s)
+                if known:
+                    out[scope] = known
+                # An expired row of the same key is replaced.
+                conn.executemany(
+                    "INSERT OR REPLACE INTO idempotency "
+                    "(scope, key, fingerprint, qid, state, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    [(scope, c.key, c.fingerprint, c.qid, int(HitState.PENDING), at)
+                     for c in items if c.key not in known])
+        return out
 
     def confirm(self, scope: str, done: Mapping[str, str]) -> None:
         """The submissions of these keys are durable, under these queue ids."""

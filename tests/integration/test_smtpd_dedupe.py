@@ -13,7 +13,7 @@ import pytest
 
 from sluice.idempotency import HitState
 from sluice.model import Submission
-from sluice.smtpd.dedupe import Claimed, Duplicate, Origin, Resends, settle
+from sluice.smtpd.dedupe import Claimed, Duplicate, InFlight, Origin, Resends, settle
 from tests.integration.test_smtpd import HOST, Running, no_verify
 
 pytestmark = pytest.mark.integration
@@ -222,3 +222,27 @@ def test_two_resends_at_once_queue_one(serve: Callable[..., Running]) -> None:
     codes = sorted(code for code, _ in replies)
     assert codes in ([250, 250], [250, 451]), replies
     assert len(run.messages()) == 1
+
+
+def test_claims_in_one_batch(serve: Callable[..., Running]) -> None:
+    """claim_all: one write for several messages; the same key twice in a batch
+    is claimed once, and a key known from before is answered."""
+    run = serve(smtpd=DEDUPE)
+    resends = Resends.open(run.config)
+    data, other = message(), message(msg_id="<m9@client.example>")
+    accepted = run.queue.submit(Submission(SENDER, tuple(RCPTS)), data)
+    known = resends.mark(Submission(SENDER, tuple(RCPTS), spid=accepted.spid), [data],
+                         Origin(None, HOST), len(data))
+    assert known is not None and resends.claim(known) == Claimed()
+    resends.confirm(known, accepted)
+
+    def mark(text: bytes, spid: str, ip: str = HOST) -> Any:
+        return resends.mark(Submission(SENDER, tuple(RCPTS), spid=spid), [text],
+                            Origin(None, ip), len(text))
+
+    verdicts = resends.claim_all([
+        mark(other, "0000000004AAAA"), mark(other, "0000000004BBBB"),
+        mark(other, "0000000004CCCC", ip="127.0.9.1"), mark(data, "0000000004DDDD")])
+    assert verdicts[:3] == [Claimed(), InFlight(), Claimed()]
+    assert isinstance(verdicts[3], Duplicate) and verdicts[3].accepted.spid == accepted.spid
+    resends.close()

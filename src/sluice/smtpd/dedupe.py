@@ -4,6 +4,7 @@ SUMMARY
     resends = Resends.open(config, accounting)     # smtpd.dedupe: true
     mark = resends.mark(submission, chunks, origin) -> Mark | None
     verdict = resends.claim(mark) -> Claimed | Duplicate | InFlight
+    verdicts = resends.claim_all([mark, ...])           # one fsync for all
     (submit under mark.submission; wait until durable)
     resends.confirm(mark, accepted) | resends.forget(mark)
     resends.close()
@@ -32,10 +33,10 @@ STRATEGIES
     confirm once durable, forget on failure, settle once at start against
     what the queue holds.  Its file is ``<queue.path>/smtpd-dedupe.db``,
     not the API's, because expiry is by the index's window and the two
-    windows differ.  SQLite in WAL mode with one write transaction per
-    claim: every receiving process of the node opens the same file, and
-    exactly one of two processes claiming one key wins (the other answers
-    451 4.5.0: a copy is being queued right now, try again).
+    windows differ.  SQLite in WAL mode, one write transaction per batch
+    of claims: every receiving process of the node opens the same file,
+    and exactly one of two processes claiming one key wins (the other
+    answers 451 4.3.0: a copy is being queued right now, try again).
 
     One key per message.  The recipients of a message are committed
     together, so the queue id of its first recipient stands for all of
@@ -49,6 +50,10 @@ STRATEGIES
     messages are different (a duplicate costs a second copy, a wrong
     match would lose a message).
 
+    Claims in batches.  The handoff thread claims every message waiting
+    for it in one transaction of the index, so a burst pays one fsync,
+    not one per message (claim_all).
+
 INVARIANTS
     A message is answered "queued as X" from the index only for an X that
     is, or was, in the queue: a claim is confirmed after its submission is
@@ -58,9 +63,10 @@ INVARIANTS
 LIMITATIONS
     At-least-once still: a resend after the window, from another scope, to
     another node, or after a claim's confirmation was lost with power
-    (sluice.idempotency) is queued again.  A claim is one fsync of the
-    index per message, in the receiver's handoff thread.  A message spilled
-    to disk during DATA is read twice (digest, then spool).
+    (sluice.idempotency) is queued again.  Claims add a synced write of
+    the index before the message's own, in the receiver's handoff thread.
+    A message spilled to disk during DATA is read twice (digest, then
+    spool).
 
 SEE ALSO
     sluice.idempotency, sluice.smtpd.handoff, docs/queue.md, docs/smtpd.md
@@ -74,7 +80,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from email.parser import BytesHeaderParser
 from email.policy import compat32
@@ -266,26 +272,46 @@ class Resends:
 
     def claim(self, mark: Mark, now: float | None = None) -> Verdict:
         """Claim the key for the message's planned queue ids (durable on return)."""
+        return self.claim_all([mark], now)[0]
+
+    def claim_all(self, marks: Sequence[Mark], now: float | None = None) -> list[Verdict]:
+        """claim() for several messages in one write to the index (one fsync).
+        The same key twice: the first is claimed, the others are InFlight."""
         at = self.clock() if now is None else now
-        sub = mark.submission
-        if not sub.spid:
-            raise ValueError("a marked submission needs its SPID drawn")
-        first = format_qid(sub.spid, 0)
-        known = self.index.remember(
-            mark.scope, [Claim(mark.key, fingerprint(sub.recipients[0], sub.sender), first)], at)
+        claims: dict[str, dict[str, Claim]] = {}
+        mine: list[bool] = []  # whether marks[i] is the one that claims its key
+        for mark in marks:
+            sub = mark.submission
+            if not sub.spid:
+                raise ValueError("a marked submission needs its SPID drawn")
+            scope = claims.setdefault(mark.scope, {})
+            mine.append(mark.key not in scope)
+            if mine[-1]:
+                scope[mark.key] = Claim(mark.key, fingerprint(sub.recipients[0], sub.sender),
+                                        format_qid(sub.spid, 0))
+        known = self.index.remember_all(
+            {scope: list(items.values()) for scope, items in claims.items()}, at)
         if at - self._expired_at >= EXPIRE_EVERY_S:
             self._expired_at = at
             self.index.expire(at)
-        hit = known.get(mark.key)
-        if hit is None:
-            return Claimed()
-        if not hit.done:
-            return InFlight()
+        verdicts: list[Verdict] = []
+        for mark, first in zip(marks, mine, strict=True):
+            hit = known.get(mark.scope, {}).get(mark.key)
+            if hit is None:
+                verdicts.append(Claimed() if first else InFlight())
+            elif not hit.done:
+                verdicts.append(InFlight())
+            else:
+                verdicts.append(self._duplicate(mark, hit, at))
+        return verdicts
+
+    def _duplicate(self, mark: Mark, hit: Hit, now: float) -> Duplicate:
+        sub = mark.submission
         spid, _ = parse_qid(hit.qid)
         accepted = Accepted(spid=spid,
                             qids=tuple(format_qid(spid, i) for i in range(len(sub.recipients))),
                             size=mark.size, duplicate=True)
-        self._record(sub, accepted, at)
+        self._record(sub, accepted, now)
         log.info("message %s from <%s> is a resend of %s (%s): not queued again",
                  sub.spid, sub.sender, spid, mark.scope)
         return Duplicate(accepted, hit)

@@ -36,7 +36,8 @@ STRATEGIES
 
     Resends checked before submitting (``smtpd.dedupe``, with an origin).
     The handoff thread marks the message and claims its key in the index
-    (sluice.smtpd.dedupe), then submits it; a resend resolves the future
+    (sluice.smtpd.dedupe), then submits it -- every claim waiting in its
+    queue in one transaction, so a burst pays one fsync of the index; a resend resolves the future
     with the first message's Accepted (``duplicate``) and queues nothing.
     When the queue's future resolves, the committer thread only puts the
     confirmation (or, on failure, the forgetting) of the key on the
@@ -66,6 +67,7 @@ import queue as queuelib
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO
 
 from sluice.model import Accepted, Submission
@@ -82,6 +84,9 @@ _STOP = object()
 
 #: Bytes read at a time from the temporary copy of a big message.
 _PIECE = 1 << 16
+
+#: Claims written to the index in one transaction at most.
+CLAIM_BATCH = 256
 
 
 class ResendInFlight(StorageError):
@@ -142,6 +147,24 @@ def _replay(prefix: bytes, copy: IO[bytes]) -> Iterator[bytes]:
         copy.close()
 
 
+@dataclass(slots=True)
+class _ClaimJob:
+    """A message to check for a resend before submitting (smtpd.dedupe)."""
+
+    loop: asyncio.AbstractEventLoop
+    submission: Submission
+    content: Content
+    text: Iterable[bytes]  # the client's text: content without our trace header
+    size: int | None
+    origin: Origin
+    out: asyncio.Future[Accepted]
+    discard: Callable[[], None] | None = None  # when content is not submitted
+
+    def dispose(self) -> None:
+        if self.discard is not None:
+            self.discard()
+
+
 class Handoff:
     """A thread that submits messages to a Queue for the event loop."""
 
@@ -174,8 +197,8 @@ class Handoff:
             out.set_exception(RuntimeError("the handoff is closed"))
         elif self.resends is not None and origin is not None:
             if not big and isinstance(content, list):
-                self._items.put(functools.partial(
-                    self._marked, loop, submission, content, content[1:], size, origin, out))
+                self._items.put(_ClaimJob(loop, submission, content, content[1:], size,
+                                          origin, out))
             else:
                 loop.run_in_executor(None, self._marked_big, loop, submission, content, size,
                                      origin, out)
@@ -204,41 +227,45 @@ class Handoff:
 
     # -- resends (smtpd.dedupe) -----------------------------------------------------
 
-    def _marked(self, loop: asyncio.AbstractEventLoop, submission: Submission,
-                content: Content, text: Iterable[bytes], size: int | None, origin: Origin,
-                out: asyncio.Future[Accepted],
-                discard: Callable[[], None] | None = None) -> None:
-        """Mark, claim, then submit or answer from the index (a thread, not the loop).
-
-        ``text``: the client's text, without our trace header.  ``discard``:
-        called when ``content`` will not be submitted."""
+    def _claim_batch(self, jobs: list[_ClaimJob]) -> None:
+        """Mark, claim (one write of the index for all), then submit each or
+        answer it from the index.  On the handoff thread or a worker."""
         resends = self.resends
         assert resends is not None
-        try:
-            mark = resends.mark(submission, text, origin, size or 0)
-        except BaseException as exc:  # the content could not be read (451)
-            if discard is not None:
-                discard()
-            _call(loop, _fail, out, exc)
-            return
-        verdict: Claimed | Duplicate | InFlight = Claimed()
-        if mark is not None:
+        marked: list[tuple[_ClaimJob, Mark | None]] = []
+        for job in jobs:
             try:
-                verdict = resends.claim(mark)
-            except Exception as exc:  # sqlite3.Error, OSError: queue it unchecked
-                log.warning("smtpd.dedupe: the index failed (%s); message %s queued "
-                            "without the resend check", exc, submission.spid)
-                mark = None
-        if discard is not None and not isinstance(verdict, Claimed):
-            discard()
-        match verdict:
-            case Duplicate(accepted=accepted):
-                _call(loop, _give, out, accepted)
-            case InFlight():
-                _call(loop, _fail, out, ResendInFlight(
-                    "the same message is being queued by another session"))
-            case Claimed():
-                self._submit_one(loop, submission, content, out, mark)
+                mark = resends.mark(job.submission, job.text, job.origin, job.size or 0)
+            except BaseException as exc:  # the content could not be read (451)
+                job.dispose()
+                _call(job.loop, _fail, job.out, exc)
+                continue
+            marked.append((job, mark))
+        claims = [m for _, m in marked if m is not None]
+        verdicts: Iterator[Claimed | Duplicate | InFlight] | None = None
+        if claims:
+            try:
+                verdicts = iter(resends.claim_all(claims))
+            except Exception as exc:  # sqlite3.Error, OSError: queue them unchecked
+                log.warning("smtpd.dedupe: the index failed (%s); %d message(s) queued "
+                            "without the resend check", exc, len(claims))
+        for job, mark in marked:
+            verdict: Claimed | Duplicate | InFlight = Claimed()
+            if mark is not None:
+                if verdicts is None:
+                    mark = None
+                else:
+                    verdict = next(verdicts)
+            if not isinstance(verdict, Claimed):
+                job.dispose()
+            match verdict:
+                case Duplicate(accepted=accepted):
+                    _call(job.loop, _give, job.out, accepted)
+                case InFlight():
+                    _call(job.loop, _fail, job.out, ResendInFlight(
+                        "the same message is being queued by another session"))
+                case Claimed():
+                    self._submit_one(job.loop, job.submission, job.content, job.out, mark)
 
     def _marked_big(self, loop: asyncio.AbstractEventLoop, submission: Submission,
                     content: Content, size: int | None, origin: Origin,
@@ -264,8 +291,8 @@ class Handoff:
                 yield piece
 
         # mark() reads ``copied`` to its end before _replay is read.
-        self._marked(loop, submission, _replay(prefix, copy), copied(), size, origin, out,
-                     copy.close)
+        self._claim_batch([_ClaimJob(loop, submission, _replay(prefix, copy), copied(), size,
+                                     origin, out, copy.close)])
 
     def _after(self, mark: Mark,
                done: concurrent.futures.Future[Accepted] | None) -> None:
@@ -288,6 +315,23 @@ class Handoff:
     def _run(self) -> None:
         while True:
             item = self._items.get()
+            if isinstance(item, _ClaimJob):
+                # Every claim waiting now goes in one write of the index.
+                jobs = [item]
+                item = None
+                while len(jobs) < CLAIM_BATCH:
+                    try:
+                        item = self._items.get_nowait()
+                    except queuelib.Empty:
+                        item = None
+                        break
+                    if not isinstance(item, _ClaimJob):
+                        break
+                    jobs.append(item)
+                    item = None
+                self._claim_batch(jobs)
+                if item is None:
+                    continue
             if item is _STOP:
                 return
             assert callable(item)
