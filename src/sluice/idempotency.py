@@ -232,16 +232,19 @@ class IdempotencyIndex:
         were known already (within the window), which are left as they were."""
         return self.remember_all({scope: claims}, now).get(scope, {})
 
-    def remember_all(self, claims: Mapping[str, Sequence[Claim]], now: float | None = None
-                     ) -> dict[str, dict[str, Hit]]:
+    def remember_all(self, claims: Mapping[str, Sequence[Claim]], now: float | None = None,
+                     durable: bool = True) -> dict[str, dict[str, Hit]]:
         """remember() for several scopes in one transaction (one fsync);
-        returns the known keys per scope (scopes with none left out)."""
+        returns the known keys per scope (scopes with none left out).
+
+        ``durable=False`` leaves the sync to the next durable write: a power
+        cut may then lose the claims (never a message: see sluice.smtpd.dedupe)."""
         at = self.clock() if now is None else now
         for items in claims.values():
             if len(items) != len({c.key for c in items}):
                 raise ValueError("a key is claimed twice in one call")
         out: dict[str, dict[str, Hit]] = {}
-        with self._conn(durable=True) as conn:
+        with self._conn(durable=durable) as conn:
             for scope, items in claims.items():
                 known = self._rows(conn, scope, [c.key for c in items], at - self.window_s)
                 if known:

@@ -6,7 +6,8 @@ SUMMARY
     verdict = resends.claim(mark) -> Claimed | Duplicate | InFlight
     verdicts = resends.claim_all([mark, ...])           # one fsync for all
     (submit under mark.submission; wait until durable)
-    resends.confirm(mark, accepted) | resends.forget(mark)
+    resends.confirm(mark, accepted) | resends.forget(mark)   # after the queue's answer
+    resends.settle_all([(mark, accepted or None), ...])
     resends.close()
     settle(config, store) -> (confirmed, forgotten)   once, before any receiver serves
 
@@ -51,8 +52,18 @@ STRATEGIES
     match would lose a message).
 
     Claims in batches.  The handoff thread claims every message waiting
-    for it in one transaction of the index, so a burst pays one fsync,
-    not one per message (claim_all).
+    for it in one transaction of the index (claim_all).
+
+    Claims written, not synced.  The HTTP API syncs its claims before
+    submitting; here that fsync halved the receivers' throughput
+    (bench/dedupe_bench.py), and it buys little: a claim matters only if
+    its message's 250 is lost, and a plain crash of the process keeps
+    what was written.  Only a power cut can lose claims (a WAL loses its
+    last commits, never one in the middle), and then a resend of such a
+    message is queued again -- a duplicate, as without dedupe.  It cannot
+    make the rule answer for a message that is not in the queue: a key
+    is confirmed only after its message is durable, and a key left
+    pending is settled against the queue.
 
 INVARIANTS
     A message is answered "queued as X" from the index only for an X that
@@ -63,8 +74,9 @@ INVARIANTS
 LIMITATIONS
     At-least-once still: a resend after the window, from another scope, to
     another node, or after a claim's confirmation was lost with power
-    (sluice.idempotency) is queued again.  Claims add a synced write of
-    the index before the message's own, in the receiver's handoff thread.
+    (sluice.idempotency), or whose claim a power cut took, is queued
+    again.  Claims add a write of the index before the message's own, in
+    the receiver's handoff thread.
     A message spilled to disk during DATA is read twice (digest, then
     spool).
 
@@ -289,8 +301,10 @@ class Resends:
             if mine[-1]:
                 scope[mark.key] = Claim(mark.key, fingerprint(sub.recipients[0], sub.sender),
                                         format_qid(sub.spid, 0))
+        # Not synced: see STRATEGIES, "Claims written, not synced".
         known = self.index.remember_all(
-            {scope: list(items.values()) for scope, items in claims.items()}, at)
+            {scope: list(items.values()) for scope, items in claims.items()}, at,
+            durable=False)
         if at - self._expired_at >= EXPIRE_EVERY_S:
             self._expired_at = at
             self.index.expire(at)
@@ -323,6 +337,20 @@ class Resends:
     def forget(self, mark: Mark) -> None:
         """The marked message was not queued: its resend must be."""
         self.index.forget(mark.scope, [mark.key])
+
+    def settle_all(self, answered: Sequence[tuple[Mark, Accepted | None]]) -> None:
+        """confirm() or forget() several marks, one call of the index per scope."""
+        done: dict[str, dict[str, str]] = {}
+        failed: dict[str, list[str]] = {}
+        for mark, accepted in answered:
+            if accepted is not None:
+                done.setdefault(mark.scope, {})[mark.key] = accepted.qids[0]
+            else:
+                failed.setdefault(mark.scope, []).append(mark.key)
+        for scope, keys in done.items():
+            self.index.confirm(scope, keys)
+        for scope, lost in failed.items():
+            self.index.forget(scope, lost)
 
     def _record(self, sub: Submission, accepted: Accepted, now: float) -> None:
         if self.accounting is None:

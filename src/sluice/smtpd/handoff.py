@@ -165,6 +165,14 @@ class _ClaimJob:
             self.discard()
 
 
+@dataclass(frozen=True, slots=True)
+class _SettleJob:
+    """The queue has answered a marked submission: confirm or forget its key."""
+
+    mark: Mark
+    accepted: Accepted | None  # None: not queued
+
+
 class Handoff:
     """A thread that submits messages to a Queue for the event loop."""
 
@@ -298,42 +306,42 @@ class Handoff:
                done: concurrent.futures.Future[Accepted] | None) -> None:
         ok = done is not None and not done.cancelled() and done.exception() is None
         accepted = done.result() if done is not None and ok else None
-        self._items.put(functools.partial(self._settle_mark, mark, accepted))
+        self._items.put(_SettleJob(mark, accepted))
 
-    def _settle_mark(self, mark: Mark, accepted: Accepted | None) -> None:
+    def _settle_batch(self, jobs: list[_SettleJob]) -> None:
+        """Confirm (or forget) the keys of submissions the queue has answered."""
         resends = self.resends
         assert resends is not None
         try:
-            if accepted is not None:
-                resends.confirm(mark, accepted)
-            else:
-                resends.forget(mark)
-        except Exception as exc:  # the key stays pending: settled at the next start
-            log.warning("smtpd.dedupe: the index could not record %s: %s",
-                        mark.submission.spid, exc)
+            resends.settle_all([(job.mark, job.accepted) for job in jobs])
+        except Exception as exc:  # the keys stay pending: settled at the next start
+            log.warning("smtpd.dedupe: the index could not record %d message(s): %s",
+                        len(jobs), exc)
 
     def _run(self) -> None:
+        pending: object = None
         while True:
-            item = self._items.get()
-            if isinstance(item, _ClaimJob):
-                # Every claim waiting now goes in one write of the index.
-                jobs = [item]
-                item = None
-                while len(jobs) < CLAIM_BATCH:
-                    try:
-                        item = self._items.get_nowait()
-                    except queuelib.Empty:
-                        item = None
-                        break
-                    if not isinstance(item, _ClaimJob):
-                        break
-                    jobs.append(item)
-                    item = None
-                self._claim_batch(jobs)
-                if item is None:
-                    continue
+            item = pending if pending is not None else self._items.get()
+            pending = None
             if item is _STOP:
                 return
+            if isinstance(item, _ClaimJob | _SettleJob):
+                # Every job of the kind waiting now goes in one write of the index.
+                batch = [item]
+                while len(batch) < CLAIM_BATCH:
+                    try:
+                        more = self._items.get_nowait()
+                    except queuelib.Empty:
+                        break
+                    if type(more) is not type(item):
+                        pending = more
+                        break
+                    batch.append(more)
+                if isinstance(item, _ClaimJob):
+                    self._claim_batch([j for j in batch if isinstance(j, _ClaimJob)])
+                else:
+                    self._settle_batch([j for j in batch if isinstance(j, _SettleJob)])
+                continue
             assert callable(item)
             item()
 
@@ -347,10 +355,13 @@ class Handoff:
         # Confirmations that came in behind the stop (the committer was
         # still at work) are done here; any later ones are settled at the
         # next start.
+        late: list[_SettleJob] = []
         with contextlib.suppress(queuelib.Empty):
             while True:
                 item = self._items.get_nowait()
-                if callable(item):
-                    item()
+                if isinstance(item, _SettleJob):
+                    late.append(item)
+        if late:
+            self._settle_batch(late)
         if self.resends is not None:
             self.resends.close()
