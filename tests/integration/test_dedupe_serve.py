@@ -14,6 +14,7 @@ import pytest
 
 from tests.integration.serving import wait_until
 from tests.integration.test_api_support import ApiServer, api_server, start_api_server
+from tests.integration.test_metrics import scrape, total
 
 pytestmark = pytest.mark.integration
 
@@ -74,6 +75,11 @@ def test_a_resent_message_is_answered_with_the_first_queue_id(srv: ApiServer) ->
     assert wait_until(lambda: delivered(srv, rcpts[0]) == 2, 30)
     assert wait_until(lambda: srv.counts()["recipients"] == 0, 30)
     assert delivered(srv, rcpts[0]) == 2 and delivered(srv, rcpts[1]) == 2
+
+    def duplicates() -> float:
+        return total(scrape(srv), "sluice_recipients_total", event="duplicate")
+
+    assert wait_until(lambda: duplicates() == 2, 30), scrape(srv)["sluice_recipients_total"]
 
 
 def test_the_index_outlives_a_restart(tmp_path: Path) -> None:

@@ -279,7 +279,7 @@ class Handoff:
                     content: Content, size: int | None, origin: Origin,
                     out: asyncio.Future[Accepted]) -> None:
         """Content in a file: digested into a temporary copy, which is then
-        submitted; otherwise as _marked (on a worker thread)."""
+        submitted; otherwise as _claim_batch (on a worker thread)."""
         resends = self.resends
         assert resends is not None
         if isinstance(content, bytes | bytearray | memoryview):
