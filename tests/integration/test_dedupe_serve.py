@@ -82,15 +82,19 @@ def test_a_resent_message_is_answered_with_the_first_queue_id(srv: ApiServer) ->
     assert wait_until(lambda: duplicates() == 2, 30), scrape(srv)["sluice_recipients_total"]
 
 
-def test_the_index_outlives_a_restart(tmp_path: Path) -> None:
+def test_the_index_is_shared_by_the_receivers_and_outlives_a_restart(tmp_path: Path) -> None:
     rcpts = ["c@resend.example"]
-    srv = start_api_server(tmp_path, smtpd={"dedupe": True, "relay_domains": ["resend.example"]})
+    # Two receiving processes on one port: the kernel spreads the connections.
+    srv = start_api_server(tmp_path, smtpd={"dedupe": True, "processes": 2,
+                                            "relay_domains": ["resend.example"]})
     try:
         first = send(srv, message("<r2@client.example>"), rcpts)
+        assert {send(srv, message("<r2@client.example>"), rcpts) for _ in range(5)} == {first}
         assert srv.close(keep_sink=True) == 0
         srv = start_api_server(tmp_path, reuse=srv)
         assert send(srv, message("<r2@client.example>"), rcpts) == first
         assert len(accounting(srv, "received", rcpts[0])) == 1
+        assert len(accounting(srv, "duplicate", rcpts[0])) == 6
     finally:
         assert srv.close() == 0
 
