@@ -2,9 +2,9 @@
 
 SUMMARY
     resends = Resends.open(config, accounting)     # smtpd.dedupe: true
-    mark = resends.mark(submission, chunks, origin) -> Mark | None
+    mark = resends.mark(submission, chunks, origin, size) -> Mark | None
     verdict = resends.claim(mark) -> Claimed | Duplicate | InFlight
-    verdicts = resends.claim_all([mark, ...])           # one fsync for all
+    verdicts = resends.claim_all([mark, ...])           # one transaction for all
     (submit under mark.submission; wait until durable)
     resends.confirm(mark, accepted) | resends.forget(mark)   # after the queue's answer
     resends.settle_all([(mark, accepted or None), ...])
@@ -283,11 +283,11 @@ class Resends:
         return Mark(scope_of(origin), key, submission, size)
 
     def claim(self, mark: Mark, now: float | None = None) -> Verdict:
-        """Claim the key for the message's planned queue ids (durable on return)."""
+        """Claim the key for the message's planned queue ids (written, not synced)."""
         return self.claim_all([mark], now)[0]
 
     def claim_all(self, marks: Sequence[Mark], now: float | None = None) -> list[Verdict]:
-        """claim() for several messages in one write to the index (one fsync).
+        """claim() for several messages in one write transaction of the index.
         The same key twice: the first is claimed, the others are InFlight."""
         at = self.clock() if now is None else now
         claims: dict[str, dict[str, Claim]] = {}
