@@ -106,7 +106,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_config(root: Path, port: int) -> Path:
+def write_config(root: Path, port: int, smtpd: dict[str, object] | None = None) -> Path:
     data = {
         "node": {"hostname": "bench.sluice.test", "id": "bench"},
         "queue": {"path": str(root / "queue"), "spool": {"rootpath": str(root / "spool")}},
@@ -115,6 +115,7 @@ def write_config(root: Path, port: int) -> Path:
             "listen": [f"127.0.0.1:{port}"],
             "max_connections_per_client": 10000,
             "max_connections": 10000,
+            **(smtpd or {}),
         },
     }
     path = root / "sluice.yaml"
@@ -125,7 +126,7 @@ def write_config(root: Path, port: int) -> Path:
 def run_once(args: argparse.Namespace, processes: int, mode: str, profile: Path | None) -> Run:
     root = Path(tempfile.mkdtemp(prefix="accept-bench-", dir=args.dir))
     port = free_port()
-    cfg_path = write_config(root, port)
+    cfg_path = write_config(root, port, getattr(args, "smtpd", None))
     pool = ReceiverPool(cfg_path, processes)
     spies: list[subprocess.Popen[bytes]] = []
     try:

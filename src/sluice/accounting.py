@@ -6,10 +6,11 @@ SUMMARY
 
 DESCRIPTION
     Every transition of a recipient entry -- received, deferred, delivered,
-    bounced, expired, held, released, retried, deleted, ndr, discarded --
-    appends one line.  The lines are the input of the Spark pipeline
-    (sluice.pipeline), so their fields are a contract: see EVENT_FIELDS and
-    docs/accounting.md.  Absent values are JSON null, never missing keys.
+    bounced, expired, held, released, retried, deleted, ndr, discarded,
+    duplicate (a resend not queued again) -- appends one line.  The lines
+    are the input of the Spark pipeline (sluice.pipeline), so their fields
+    are a contract: see EVENT_FIELDS and docs/accounting.md.  Absent
+    values are JSON null, never missing keys.
 
 STRATEGIES
     Rotation by name.  Lines go to ``sluice-acct-YYYYMMDDTHH.jsonl`` (hourly)
@@ -56,6 +57,7 @@ class EventKind(StrEnum):
     DISCARDED = "discarded"  # an expired NDR, or mail dropped by policy
     SUPPRESSED = "suppressed"  # refused or dropped by the suppression list
     RECOVERED = "recovered"  # returned to the queue after a restart
+    DUPLICATE = "duplicate"  # a resend answered with the first queue id, not queued again
 
 
 #: The contract with the pipeline: every line carries exactly these keys.

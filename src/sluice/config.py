@@ -293,6 +293,8 @@ class SmtpdConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     hook: str | None = None
+    dedupe: bool = False
+    dedupe_window: float = _dur("1h")
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,6 +543,8 @@ def _semantic_checks(cfg: Config) -> Config:
     if 0 < cfg.delivery.smtp_line_length_limit < 78:
         raise ConfigError(cfg.source, "delivery.smtp_line_length_limit",
                           "must be 0 (send long lines unchanged) or at least 78")
+    if cfg.smtpd.dedupe_window <= 0:
+        raise ConfigError(cfg.source, "smtpd.dedupe_window", "must be longer than 0 s")
     hostname = cfg.node.hostname or socket.gethostname() or "localhost"
     node = NodeConfig(hostname=hostname, id=cfg.node.id or hostname)
     return dataclasses.replace(cfg, queue=queue, node=node)

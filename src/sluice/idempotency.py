@@ -5,11 +5,13 @@ SUMMARY
     index.lookup(scope, keys, now) -> {key: Hit}
     index.remember(scope, [Claim(key, fingerprint, qid)], now) -> {key: Hit}
                                           # durable on return; hits are keys known before
+    index.remember_all({scope: [Claim, ...]}, now) -> {scope: {key: Hit}}   one fsync
     (submit the message under the queue ids claimed; wait until durable)
     index.confirm(scope, {key: qid})       # the submission is durable
     index.forget(scope, keys)              # the submission failed
     index.settle(exists) -> (confirmed, forgotten)   once, before serving
     index.expire(now) -> int
+    fingerprint(recipient, sender); in_store(store)   what settle() compares
 
 DESCRIPTION
     A client that did not see our answer sends again.  With a key per
@@ -62,7 +64,8 @@ LIMITATIONS
     forgotten by settle(): a retry after that sends it again.
 
 SEE ALSO
-    sluice.api.injector (the HTTP injection API), docs/api.md
+    sluice.api.injector (the HTTP injection API), sluice.smtpd.dedupe
+    (resent SMTP messages), docs/api.md, docs/queue.md
 """
 
 from __future__ import annotations
@@ -75,8 +78,30 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import Protocol
 
-__all__ = ["Claim", "Hit", "HitState", "IdempotencyIndex"]
+from sluice.model import QueueEntry
+
+__all__ = ["Claim", "Hit", "HitState", "IdempotencyIndex", "fingerprint", "in_store"]
+
+
+def fingerprint(recipient: str, sender: str) -> str:
+    """What a key is bound to: the recipient and sender it was claimed for."""
+    return f"{recipient.lower()} {sender.lower()}"
+
+
+class _Entries(Protocol):
+    def get(self, qid: str) -> QueueEntry | None: ...
+
+
+def in_store(store: _Entries) -> Callable[[str, str], bool]:
+    """settle()'s question put to a queue store: is ``qid`` there, with the
+    recipient and sender of ``fingerprint``?"""
+    def exists(qid: str, fp: str) -> bool:
+        entry = store.get(qid)
+        return entry is not None and fingerprint(entry.recipient, entry.sender) == fp
+
+    return exists
 
 
 class HitState(IntEnum):
@@ -205,19 +230,32 @@ class IdempotencyIndex:
                  ) -> dict[str, Hit]:
         """Claim keys for their planned queue ids, durably; returns the keys that
         were known already (within the window), which are left as they were."""
+        return self.remember_all({scope: claims}, now).get(scope, {})
+
+    def remember_all(self, claims: Mapping[str, Sequence[Claim]], now: float | None = None,
+                     durable: bool = True) -> dict[str, dict[str, Hit]]:
+        """remember() for several scopes in one transaction (one fsync);
+        returns the known keys per scope (scopes with none left out).
+
+        ``durable=False`` leaves the sync to the next durable write: a power
+        cut may then lose the claims (never a message: see sluice.smtpd.dedupe)."""
         at = self.clock() if now is None else now
-        if len(claims) != len({c.key for c in claims}):
-            raise ValueError("a key is claimed twice in one call")
-        with self._conn(durable=True) as conn:
-            known = self._rows(conn, scope, [c.key for c in claims], at - self.window_s)
-            fresh = [c for c in claims if c.key not in known]
-            # An expired row of the same key is replaced.
-            conn.executemany(
-                "INSERT OR REPLACE INTO idempotency "
-                "(scope, key, fingerprint, qid, state, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                [(scope, c.key, c.fingerprint, c.qid, int(HitState.PENDING), at)
-                 for c in fresh])
-        return known
+        for items in claims.values():
+            if len(items) != len({c.key for c in items}):
+                raise ValueError("a key is claimed twice in one call")
+        out: dict[str, dict[str, Hit]] = {}
+        with self._conn(durable=durable) as conn:
+            for scope, items in claims.items():
+                known = self._rows(conn, scope, [c.key for c in items], at - self.window_s)
+                if known:
+                    out[scope] = known
+                # An expired row of the same key is replaced.
+                conn.executemany(
+                    "INSERT OR REPLACE INTO idempotency "
+                    "(scope, key, fingerprint, qid, state, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    [(scope, c.key, c.fingerprint, c.qid, int(HitState.PENDING), at)
+                     for c in items if c.key not in known])
+        return out
 
     def confirm(self, scope: str, done: Mapping[str, str]) -> None:
         """The submissions of these keys are durable, under these queue ids."""

@@ -265,11 +265,16 @@ class Submission:
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """A submission is durable: content and meta are on stable storage."""
+    """A submission is durable: content and meta are on stable storage.
+
+    ``duplicate``: nothing was queued; the message is a resend of one
+    queued earlier, whose queue ids these are (sluice.smtpd.dedupe).
+    """
 
     spid: str
     qids: tuple[str, ...]
     size: int
+    duplicate: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,8 @@ DESCRIPTION
     string) or a template (``content`` an object: from, subject, text and
     HTML parts, headers) with substitutions per recipient; envelope
     sender, recipients, tenant, job and priority; an idempotency key per
-    recipient.  The shape follows KumoMTA's injection API, batched.
+    recipient, or one for the request in the Idempotency-Key header.
+    The shape follows KumoMTA's injection API, batched.
 
     The answer is per recipient: ``queued`` with its queue id, or
     ``refused`` with an SMTP code and reason (4xx: try again, 5xx: do
@@ -27,7 +28,7 @@ SEE ALSO
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
@@ -51,6 +52,16 @@ MAX_MESSAGES = 1000
 
 #: An idempotency key: printable ASCII, as HTTP's Idempotency-Key header.
 KEY_PATTERN = r"^[\x21-\x7e]{0,200}$"
+
+#: The Idempotency-Key header: the same characters, at least one.
+REQUEST_KEY_PATTERN = r"^[\x21-\x7e]{1,200}$"
+
+REQUEST_KEY_HELP = (
+    "A key for the whole request (HTTP's Idempotency-Key). Every recipient without an "
+    "idempotency_key of its own gets the key '<this> <message index>.<recipient index>': "
+    "sending the same request again with the same header (per token, within "
+    "api.inject.idempotency_window) is answered with the first queue ids, "
+    "duplicate: true, and queues nothing. A recipient's own idempotency_key wins.")
 
 _Address = Annotated[str, Field(min_length=3, max_length=320)]
 _Field = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -160,10 +171,13 @@ def inject_router(control: Control, principal: Callable[..., Coroutine[Any, Any,
                  responses={400: {"model": ErrorBody, "description": "The body is not JSON"},
                             429: _BUSY, 503: _BUSY})
     async def inject(body: InjectRequest, request: Request,
-                     who: Annotated[str, Depends(principal)]) -> dict[str, Any]:
+                     who: Annotated[str, Depends(principal)],
+                     idempotency_key: Annotated[str | None, Header(
+                         alias="Idempotency-Key", pattern=REQUEST_KEY_PATTERN,
+                         description=REQUEST_KEY_HELP)] = None) -> dict[str, Any]:
         """Queue a batch of messages; the answer is per recipient, and 200 means every
         recipient answered 'queued' is on stable storage."""
         client = request.client.host if request.client is not None else "unknown"
-        return await injector.inject(body, who, client)
+        return await injector.inject(body, who, client, request_key=idempotency_key)
 
     return router

@@ -69,7 +69,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from sluice.accounting import EventKind, make_event
 from sluice.address import Invalid, Mailbox, check
 from sluice.api.control import ApiError, Control
-from sluice.idempotency import Claim, Hit, IdempotencyIndex
+from sluice.idempotency import Claim, Hit, IdempotencyIndex, fingerprint, in_store
 from sluice.model import (
     Accepted,
     QueueEntry,
@@ -121,8 +121,15 @@ def _reply_data(email: str, reply: Reply) -> dict[str, Any]:
             "enhanced": reply.enhanced or None, "reason": reply.text}
 
 
-def _fingerprint(recipient: str, sender: str) -> str:
-    return f"{recipient.lower()} {sender.lower()}"
+def recipient_key(msg: InjectMessage, mi: int, ri: int, request_key: str | None
+                  ) -> str | None:
+    """A recipient's idempotency key: its own, else one derived from the
+    request's Idempotency-Key header and its place in the request (a space
+    cannot occur in a key of its own, so the two never collide)."""
+    own = msg.recipients[ri].idempotency_key
+    if own:
+        return own
+    return f"{request_key} {mi}.{ri}" if request_key else None
 
 
 @dataclass(slots=True)
@@ -202,7 +209,7 @@ class Injector:
                                       self.settings.idempotency_window)
         # Before the queue manager delivers anything: keys claimed by a run
         # that crashed are settled against what the queue holds.
-        confirmed, forgotten = self.index.settle(self._in_queue)
+        confirmed, forgotten = self.index.settle(in_store(control.queue.store))
         if confirmed or forgotten:
             log.info("idempotency keys pending at the last stop: %d queued, %d not",
                      confirmed, forgotten)
@@ -216,10 +223,6 @@ class Injector:
         self._commit_s = 0.0
         self._sampled_at = 0.0
         self._expired_at = 0.0
-
-    def _in_queue(self, qid: str, fingerprint: str) -> bool:
-        entry = self.control.queue.store.get(qid)
-        return entry is not None and _fingerprint(entry.recipient, entry.sender) == fingerprint
 
     # -- 1. admit -------------------------------------------------------------------
 
@@ -257,7 +260,8 @@ class Injector:
 
     def _plans_for(self, mi: int, msg: InjectMessage, who: str, client: str, now: float,
                    answers: dict[tuple[int, int], dict[str, Any]],
-                   suppressed: list[tuple[str, str, SuppressionEntry]]) -> list[_Plan]:
+                   suppressed: list[tuple[str, str, SuppressionEntry]],
+                   request_key: str | None = None) -> list[_Plan]:
         sender = check(msg.envelope_sender)
         accepted: list[tuple[int, Mailbox]] = []
         for ri, r in enumerate(msg.recipients):
@@ -291,7 +295,7 @@ class Injector:
             utf8 = (not ascii_envelope(sender.address, [b.address for _, b in accepted])
                     or utf8_header(body))
             plans.append(_Plan(mi, [_Rcpt((mi, ri), box.address,
-                                          msg.recipients[ri].idempotency_key or None)
+                                          recipient_key(msg, mi, ri, request_key))
                                     for ri, box in accepted], body, utf8))
         else:
             for ri, box in accepted:
@@ -306,7 +310,8 @@ class Injector:
                                                     Reply(550, "5.6.0", f"template: {exc}"))
                     continue
                 utf8 = not ascii_envelope(sender.address, [box.address]) or utf8_header(body)
-                plans.append(_Plan(mi, [_Rcpt((mi, ri), box.address, r.idempotency_key or None)],
+                plans.append(_Plan(mi, [_Rcpt((mi, ri), box.address,
+                                              recipient_key(msg, mi, ri, request_key))],
                                    body, utf8))
         limit = self.control.config.smtpd.max_message_size
         for p in plans:
@@ -334,7 +339,7 @@ class Injector:
         for _ in range(CLAIM_ROUNDS):
             if not unclaimed:
                 break
-            claims = [Claim(r.key, _fingerprint(r.address, self._sender(body, p)), p.qid(r))
+            claims = [Claim(r.key, fingerprint(r.address, self._sender(body, p)), p.qid(r))
                       for p in unclaimed for r in p.rcpts if r.key is not None]
             known = await self.control.io(self.index.remember, scope, claims)
             if not known:
@@ -374,7 +379,7 @@ class Injector:
 
     def _known(self, body: InjectRequest, p: _Plan, r: _Rcpt, hit: Hit) -> dict[str, Any]:
         email = self._email(body, r)
-        if hit.fingerprint != _fingerprint(r.address, self._sender(body, p)):
+        if hit.fingerprint != fingerprint(r.address, self._sender(body, p)):
             return _reply_data(email, KEY_OTHER)
         if not hit.done:
             return _reply_data(email, KEY_BUSY)
@@ -420,7 +425,9 @@ class Injector:
 
     # -- the request -----------------------------------------------------------------------
 
-    async def inject(self, body: InjectRequest, who: str, client: str) -> dict[str, Any]:
+    async def inject(self, body: InjectRequest, who: str, client: str,
+                     request_key: str | None = None) -> dict[str, Any]:
+        """One request; ``request_key``: its Idempotency-Key header, if any."""
         total = sum(len(m.recipients) for m in body.messages)
         if total > self.settings.max_recipients:
             raise ApiError(422, "too many recipients",
@@ -432,7 +439,8 @@ class Injector:
         suppressed: list[tuple[str, str, SuppressionEntry]] = []
         plans = []
         for mi, msg in enumerate(body.messages):
-            plans += self._plans_for(mi, msg, who, client, now, answers, suppressed)
+            plans += self._plans_for(mi, msg, who, client, now, answers, suppressed,
+                                     request_key)
         if suppressed:
             self._log_suppressed(suppressed, now)
         plans = await self._claim(who, plans, body, answers)

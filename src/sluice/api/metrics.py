@@ -111,6 +111,7 @@ EVENT_NAMES = {
     "deferred": "deferred",
     "bounced": "bounced",
     "expired": "bounced",
+    "duplicate": "duplicate",  # a resend answered, not queued (smtpd.dedupe)
 }
 
 OTHER = "other"
@@ -413,8 +414,9 @@ class Metrics:
         self.started_at = time.time()
         self.registry = CollectorRegistry(auto_describe=False)
         self.recipients = Counter(
-            "sluice_recipients", "Recipients accepted, delivered, deferred and bounced "
-            "(from the accounting log), by domain group and tenant",
+            "sluice_recipients", "Recipients accepted, delivered, deferred and bounced, "
+            "and resends answered without queueing (duplicate), from the accounting log, "
+            "by domain group and tenant",
             ["event", "domain", "tenant"], registry=self.registry)
         self.attempt_seconds = Histogram(
             "sluice_delivery_attempt_seconds", "How long delivery attempts took, by outcome",
@@ -484,8 +486,9 @@ class Metrics:
         tenant = self.tenants.label(str(event.get("tenantid") or ""))
         key = (name, domain, tenant)
         self._pending[key] = self._pending.get(key, 0) + 1
-        self.totals[name] += 1
-        self.activity.record(name, event, self._polled_at)
+        if name in self.totals:  # the throughput samples' four (and the console's)
+            self.totals[name] += 1
+            self.activity.record(name, event, self._polled_at)
         if name == "accepted" and str(event.get("qid", "")).endswith("-0"):
             # A message's recipients are numbered from 0: count it once.
             self._accepted[0] += 1

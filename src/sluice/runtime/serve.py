@@ -81,6 +81,7 @@ from sluice.smtpd import (
     listen_addresses,
     receiver_processes,
 )
+from sluice.smtpd.dedupe import settle as settle_resends
 
 __all__ = ["PartFailed", "ServeError", "Server", "serve"]
 
@@ -158,6 +159,13 @@ class Server:
         manager.policy_file.on_reload = self._audit_reload
         with contextlib.suppress(OSError):  # reported by _audit's own logging
             await loop.run_in_executor(None, self._audit_restart)
+        if cfg.smtpd.dedupe:
+            # Before any receiver serves: claims a crash left pending (sluice.smtpd.dedupe).
+            confirmed, forgotten = await loop.run_in_executor(
+                None, settle_resends, cfg, self.queue.store)
+            if confirmed or forgotten:
+                log.info("smtpd.dedupe: messages pending at the last stop: %d queued, %d not",
+                         confirmed, forgotten)
         if self.api_enabled:
             self._create_api()
         nproc = receiver_processes(cfg, self.queue.store.shared_access)

@@ -22,6 +22,7 @@ MODULES
     trace        the Received header
     session      the aiosmtpd adapter, one object per connection
     handoff      submits to the queue off the event loop, relays the durable result
+    dedupe       resent messages answered with the first queue id (smtpd.dedupe)
     server       Receiver: sockets, limits, graceful stop
     worker       receiving processes sharing the listening sockets the parent bound
 """

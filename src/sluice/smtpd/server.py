@@ -62,6 +62,7 @@ from sluice.hooks import Hooks, load_hook
 from sluice.model import Accepted, Submission
 from sluice.queue import Queue
 from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.dedupe import Resends
 from sluice.smtpd.handoff import Handoff
 from sluice.smtpd.policy import ReceivePolicy
 from sluice.smtpd.session import ReceiverStats, Registry, Settings, SmtpSession
@@ -281,7 +282,7 @@ class Receiver:
             spill_size=s.spill_size,
             spill_dir=spill_dir,
             on_accepted=on_accepted,
-            handoff=Handoff(queue),
+            handoff=Handoff(queue, Resends.open(config, queue.accounting) if s.dedupe else None),
         )
         return cls(settings, parts.listen, sockets=sockets, backlog=s.backlog,
                    shutdown_timeout_s=s.shutdown_timeout)

@@ -93,6 +93,7 @@ from sluice.model import Accepted, QueueEntry, QueueState, Reply, Submission
 from sluice.queue import Queue
 from sluice.smtpd.content import MessageBuffer, Unstuffer
 from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.dedupe import Origin
 from sluice.smtpd.handoff import Handoff, await_durable
 from sluice.smtpd.policy import (
     NO_VALID_RECIPIENTS,
@@ -778,8 +779,9 @@ class SmtpSession(SMTP):
         content = buf.content(header)
         try:
             if settings.handoff is not None:
-                accepted = await settings.handoff.submit(submission, content, big=buf.spilled,
-                                                         size=buf.size + len(header))
+                accepted = await settings.handoff.submit(
+                    submission, content, big=buf.spilled, size=buf.size + len(header),
+                    origin=Origin(self._auth_user, self._ip))
             else:
                 accepted = await await_durable(queue.submit_future(submission, content))
         except (StorageError, OSError) as exc:
@@ -794,7 +796,7 @@ class SmtpSession(SMTP):
             self._log_suppressed(txn, txn.dropped, accepted.spid, accepted.size)
         if settings.on_accepted is not None:
             settings.on_accepted(accepted, submission)
-        if accepted.spid != spid:  # rare: another process drew the same SPID first
+        if accepted.spid != spid and not accepted.duplicate:  # another process drew it first
             log.info("%s: SPID %s (named in the Received header) was taken; queued as %s",
                      self._ip, spid, accepted.spid)
         if log.isEnabledFor(logging.DEBUG):
