@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -78,10 +79,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sluice import faults
 from sluice.cluster.agent import ClusterAgent
 from sluice.cluster.shared_limits import SharedLimits
 from sluice.config import Config
-from sluice.delivery.agent import AgentStats, DeliveryAgent, DeliveryRequest
+from sluice.delivery.agent import AgentStats, DeliveryAgent, DeliveryRequest, DeliveryResult
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
 from sluice.hooks import Drop, Hold, Hooks
@@ -195,6 +197,7 @@ class QueueManager:
         self._routing: set[str] = set()  # qids claimed and being routed
         self._modified_while_routing: set[str] = set()
         self._delivering: list[QueueEntry] = []
+        self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()
@@ -334,9 +337,20 @@ class QueueManager:
         finally:
             if self._delivering:
                 # The "delivering" mark of every attempt started in this step,
-                # as one store operation (not waited for; see mark_delivering).
-                self.queue.mark_delivering(self._delivering)
-                self._delivering = []
+                # as one store operation; each waits for it after 354.
+                entries, marked = self._delivering, self._marked
+                self._delivering, self._marked = [], None
+                if marked is not None and self._spawn(self._mark(entries, marked)) is None:
+                    marked.set_result(None)
+
+    async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
+        try:
+            await self._io(self.queue.mark_delivering, entries)
+        except Exception as exc:
+            self.recorder.failed(exc)  # only the note at a restart is missed
+        finally:
+            if not marked.done():
+                marked.set_result(None)
 
     def _decide(self) -> None:
         events, self._events = self._events, []
@@ -499,20 +513,43 @@ class QueueManager:
         info.started = True
         entries = [info.entries[q] for q in qids]
         self._delivering.extend(entries)
+        if self._marked is None:
+            self._marked = asyncio.get_running_loop().create_future()
         self.stats.deliveries += 1
-        if self._spawn(self._deliver(info, tuple(entries), localip), delivery=True) is None:
+        if self._spawn(self._deliver(info, tuple(entries), localip, self._marked),
+                       delivery=True) is None:
             self.post(DeliveryFinished(job.ref, (), connection_failed=False,
                                        new_connection=False, localip=localip))
 
-    async def _deliver(self, info: _Job, entries: tuple[QueueEntry, ...], localip: str) -> None:
+    async def _deliver(self, info: _Job, entries: tuple[QueueEntry, ...], localip: str,
+                       marked: asyncio.Future[None]) -> None:
         ref = info.job.ref
+        # Outcomes made durable while the agent still held the connection.
+        settled: list[AttemptResult] = []
+
+        async def started() -> None:
+            await asyncio.shield(marked)
+
+        async def settle(result: DeliveryResult) -> None:
+            results = await self.planner.finish(result)
+            settled.extend(results)
+            await asyncio.shield(self.recorder.record(results))
+            faults.point("after_commit")
+
+        rest: list[AttemptResult] = []
         try:
             request = DeliveryRequest(
                 route=info.hop, entries=entries,
                 content=functools.partial(self.queue.store.open_content, entries[0].spid),
-                localip=localip, smtputf8=entries[0].smtputf8)
+                localip=localip, smtputf8=entries[0].smtputf8, started=started, settle=settle)
             result = await self.agent.deliver(request)
-            results = await self.planner.finish(result)
+            done = {r.entry.qid for r in settled}
+            if len(done) < len(result.outcomes):
+                # No transaction (a refusal, no connection), or only part of
+                # the entries had one (sluice.delivery.agent._deliver_safe_part).
+                rest = await self.planner.finish(dataclasses.replace(result, outcomes=tuple(
+                    (e, o) for e, o in result.outcomes if e.qid not in done)))
+            results = settled + rest
             self.shaper.observe(info.job.route, results)  # shaping
             self.shaper.take(self.hooks)  # shaping: Shape decisions of the post hook
             self.post(DeliveryFinished(
@@ -527,13 +564,17 @@ class QueueManager:
         except Exception:
             log.exception("delivery of %s failed unexpectedly", ref)
             reply = Reply(451, "4.3.0", "local error during delivery, will retry")
-            results = [AttemptResult(e, TempFail(reply), attempted=False) for e in entries]
-            self.post(DeliveryFinished(ref, tuple((e.qid, TempFail(reply)) for e in entries),
+            done = {r.entry.qid for r in settled}
+            rest = [AttemptResult(e, TempFail(reply), attempted=False) for e in entries
+                    if e.qid not in done]
+            self.post(DeliveryFinished(ref, tuple((r.entry.qid, r.outcome)
+                                                  for r in settled + rest),
                                        connection_failed=False, new_connection=False,
                                        localip=localip))
         finally:
             self._jobs.pop(ref, None)
-        self.recorder.record(results)
+        if rest:
+            self.recorder.record(rest)
 
     def _defer_dead(self, job: DeliveryJob, qids: tuple[str, ...], reply: Reply) -> None:
         info = self._jobs.pop(job.ref, None)
