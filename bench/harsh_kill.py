@@ -12,6 +12,10 @@ Each duplicate (a message the sink accepted more than once) is explained
 or not, from the sink's acceptance times, the kill times and the
 accounting log:
 
+    no reply     the first copy was accepted by the sink after a kill, less
+                 than the sink's delay (plus 0.1 s) after it: the message
+                 and its final dot had gone out, the sink was still
+                 waiting to answer when the sender died.  Unavoidable.
     recorded     the "delivered" line of the first copy was written before
                  the kill that followed it: the outcome was in the store,
                  and the message went again all the same.  A bug.
@@ -232,9 +236,13 @@ def accounting(log_dir: Path) -> dict[str, list[tuple[str, float, str]]]:
 
 
 def classify(copies: list[float], kills: list[float], events: list[tuple[str, float, str]],
-             window: float) -> tuple[str, float]:
+             window: float, slow: float) -> tuple[str, float]:
     """Why the first copy went again: (class, seconds from its acceptance to the kill)."""
     first = copies[0]
+    before = [k for k in kills if k < first]
+    if before and first - before[-1] <= slow + 0.1:
+        # A restarted serve needs far longer than that to deliver anything.
+        return "no reply", before[-1] - first
     after = [k for k in kills if k >= first]
     if not after:
         return "no kill after it", float("nan")
@@ -321,7 +329,7 @@ def main() -> int:
     deltas: dict[str, list[float]] = defaultdict(list)
     for n, c in sorted(dupes.items()):
         for i in range(len(c) - 1):
-            cls, delta = classify(c[i:], kills, events[n], window)
+            cls, delta = classify(c[i:], kills, events[n], window, args.slow)
             classes[cls] += 1
             deltas[cls].append(delta)
     noted = sum(1 for n in dupes if any("may be a duplicate" in r for _, _, r in events[n]))
@@ -329,7 +337,7 @@ def main() -> int:
           f"{len(spids)} distinct delivered; {len(lost)} lost; {extra} delivery duplicates "
           f"({100 * extra / max(1, args.messages):.1f} %); {resent} queued twice by the "
           f"receiving side (no 250 seen by the client); load {loadavg()}")
-    for cls in ("reply", "late", "recorded", "no kill after it"):
+    for cls in ("no reply", "reply", "late", "recorded", "no kill after it"):
         if classes[cls]:
             d = deltas[cls]
             print(f"    {cls:10s} {classes[cls]:4d}   acceptance to kill: median "
