@@ -16,6 +16,7 @@ queue, without the fault, and drains.  Then, per point:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -58,10 +59,8 @@ def _copies(sink: Sink) -> int:
 def _died(srv: Serving) -> int:
     """Wait for the fault to kill the manager; then end its receivers too."""
     code = srv.proc.wait(30)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(srv.proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     if srv.proc.stdout:
         srv.proc.stdout.close()
     return code
