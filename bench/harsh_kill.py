@@ -342,6 +342,15 @@ def main() -> int:
             d = deltas[cls]
             print(f"    {cls:10s} {classes[cls]:4d}   acceptance to kill: median "
                   f"{statistics.median(d) * 1000:.1f} ms, max {max(d) * 1000:.1f} ms")
+    # How long outcomes took to be recorded in this run: the sink's
+    # acceptance to the "delivered" line (written when the store has it).
+    latency = sorted(at - copies[sp][0] for sp in copies if len(copies[sp]) == 1
+                     for e, at, _ in events[sp] if e == "delivered")
+    if latency:
+        q = statistics.quantiles(latency, n=100)
+        print(f"  reply to recorded, single copies: median {statistics.median(latency) * 1000:.1f}"
+              f" ms, p90 {q[89] * 1000:.1f} ms, p99 {q[98] * 1000:.1f} ms, max "
+              f"{latency[-1] * 1000:.1f} ms")
     every = sorted(d for v in deltas.values() for d in v if d == d)
     print("  acceptance to kill (ms), every duplicate: "
           + " ".join(f"{d * 1000:.1f}" for d in every))
