@@ -14,8 +14,9 @@ DESCRIPTION
                        of one message and destination into a job; answer
                        EntriesClaimed, then JobsQueued.
         StartDelivery  mark the entries delivering, hand the job to the
-                       delivery agent, run the post-delivery hook; answer
-                       DeliveryFinished; record the outcomes in the store.
+                       delivery agent, run the post-delivery hook and
+                       record the outcomes in the store (durably, before
+                       the connection is reused); answer DeliveryFinished.
         DeferJob       a dead destination: defer without a connection.
 
     and sleeps until the next event or the scheduler's next_wakeup().
@@ -48,6 +49,16 @@ STRATEGIES
     Graceful stop.  No refill and no new delivery once stopping; in-flight
     deliveries finish (for up to ``grace_s``), their outcomes are
     recorded, and every entry still held in memory gets its claim back.
+
+    At least once, with short windows (docs/queue.md, "What is
+    promised").  Each step's "delivering" marks are one store operation,
+    and a delivery waits for it after the server's 354, before the
+    message goes out: a crash after that point is logged at the next
+    start as "in flight at crash, may be a duplicate".  Once the replies
+    are in, the agent calls back (DeliveryRequest.settle): the outcomes
+    go to the recorder's next group commit and the connection waits for
+    it, so a success is durable one commit after its reply.  Outcomes of
+    deliveries without a transaction are recorded after, as before.
 
     A failing store backs off.  A refill that cannot claim (a full disk)
     waits before the scheduler may ask again -- 50 ms, doubling, at most
