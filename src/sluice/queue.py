@@ -75,6 +75,9 @@ QSHAPE_EDGES_MIN: tuple[int, ...] = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
 #: How long an NDR run holds the bounce entries it works on.
 NDR_LEASE_S = 600.0
 
+#: The accounting note of an entry whose attempt was cut short by a crash.
+IN_FLIGHT_REPLY = Reply(451, "4.4.2", "in flight at crash, may be a duplicate")
+
 #: Reply recorded when an entry expires without a reply of its own.
 EXPIRED_REPLY = Reply(451, "4.4.7", "delivery time expired")
 
@@ -195,13 +198,18 @@ class Queue:
         return self.store.claim(limit, self.clock(), self.config.queue.quota_deferred)
 
     def mark_delivering(self, entries: Sequence[QueueEntry]) -> None:
-        """Note that attempts started.  Neither waited for nor flushed:
-        recovery treats active and delivering alike, so losing this in a
-        crash changes nothing."""
+        """Note that attempts started; returns once the store has the mark.
+
+        Not flushed: recovery returns active and delivering entries alike,
+        the mark only lets it say "in flight at crash, may be a duplicate"
+        (see recover()).  The queue manager waits for it in a thread,
+        before the message's first byte goes out: after a crash of the
+        process (not of the machine) the mark is always there for an
+        attempt that may have delivered."""
         self.store.apply(
             [Transition(e.qid, QueueState.DELIVERING, expect=(QueueState.ACTIVE,))
              for e in entries],
-            wait=False, durable=False,
+            durable=False,
         )
 
     def release_claims(self, entries: Sequence[QueueEntry]) -> None:
@@ -269,10 +277,13 @@ class Queue:
                             e.qid, QueueState.DEFERRED, next_attempt_at=at, reply=reply,
                             attempted=True, expect=IN_FLIGHT_STATES))
                         planned.append((res, QueueState.DEFERRED, EventKind.DEFERRED, reply))
-        # Not flushed before returning (as Postfix does not fsync after a
-        # delivery): lost in a power cut, an outcome is only redone -- a
-        # duplicate delivery or an earlier retry, never a lost message.
-        applied = self.store.apply(transitions, durable=False)
+        # A success is made durable in the store's group commit before the
+        # queue manager reuses the connection (docs/queue.md, "What is
+        # promised"): a crash then sends it again only if it came in the
+        # last commit interval.  Failures alone are not flushed: lost in a
+        # power cut, a deferral is only redone, never a lost message.
+        delivered = any(isinstance(res.outcome, Delivered) for res in results)
+        applied = self.store.apply(transitions, durable=delivered)
         out: list[tuple[AttemptResult, QueueState | None]] = []
         events = []
         for res, state, kind, reply in planned:
@@ -402,6 +413,18 @@ class Queue:
         return touched
 
     def recover(self) -> int:
-        """After a restart: in-flight entries return to the queue."""
+        """After a restart: in-flight entries return to the queue.
+
+        Those whose attempt had started (state delivering: the server may
+        have the message) are logged as "recovered" with the reply
+        IN_FLIGHT_REPLY, "in flight at crash, may be a duplicate".  Not
+        for PostgreSQL, whose queue other nodes share: their attempts are
+        in flight too, and its entries do not say whose they are."""
         now = self.clock()
-        return self.store.recover(now)
+        in_flight: list[QueueEntry] = []
+        if self.store.flavour != "postgres":
+            in_flight = list(self.store.entries(Selector(states=(QueueState.DELIVERING,))))
+        count = self.store.recover(now)
+        self._log((self._event(EventKind.RECOVERED, e, now, reply=IN_FLIGHT_REPLY)
+                   for e in in_flight), now)
+        return count

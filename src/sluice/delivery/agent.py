@@ -43,6 +43,15 @@ STRATEGIES
     before the server answered anything is replaced by a new connection
     once, with the content read again from the start.
 
+    Durable before reuse.  Once the replies to a message are in, the
+    request's ``settle`` runs (the queue manager records the outcomes and
+    waits for the store's group commit) before the session goes back to
+    the pool: a connection never carries the next message while the
+    previous one's success could still be forgotten by a crash.  Its
+    ``started`` runs after 354, before the first byte of the message, so
+    an attempt that may have delivered is always known to the store as
+    one in flight.
+
     Bounded connections.  When ``max_connections`` sessions are open, a new
     one first closes the longest-idle session of any destination.  The
     number in flight is the scheduler's to limit.
@@ -84,10 +93,11 @@ import functools
 import ipaddress
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import IO
 
+from sluice import faults
 from sluice.config import Config, DeliveryConfig
 from sluice.delivery.client import (
     READ_SIZE,
@@ -124,7 +134,8 @@ class DeliveryRequest:
     store.open_content, spid)); it is called once per attempt and the
     stream is closed after.  ``localip``: the source IP ("" = the
     system's choice).  ``smtputf8``: the message was received with
-    SMTPUTF8 and needs it onwards.
+    SMTPUTF8 and needs it onwards.  ``started`` and ``settle``: see
+    STRATEGIES, "Durable before reuse".
     """
 
     route: NextHop
@@ -132,6 +143,12 @@ class DeliveryRequest:
     content: Callable[[], IO[bytes]]
     localip: str = ""
     smtputf8: bool = False
+    #: Awaited once the server said 354, before the message goes out: the
+    #: attempt is known to be in flight (the store's "delivering" mark).
+    started: Callable[[], Awaitable[None]] | None = None
+    #: Awaited with the result once the peer's replies are in, before the
+    #: session takes another message: it makes the outcomes durable.
+    settle: Callable[[DeliveryResult], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         if not self.entries:
@@ -434,7 +451,7 @@ class DeliveryAgent:
                     return self._result(request, [refusal] * count, session.host, started,
                                         new=new, failed=False, tls=session.tls)
                 try:
-                    replies = await session.send(env, content, head)
+                    replies = await session.send(env, content, head, request.started)
                 except SessionError as exc:
                     self._pool.drop(session)
                     if exc.stale and not new and attempt == 1:
@@ -453,10 +470,18 @@ class DeliveryAgent:
                     self._pool.drop(session)
                     raise
                 self._transactions += 1
-                self._pool.give(key, session)
+                faults.point("after_reply")
                 outcomes = [_peer_outcome(r, session.host) for r in replies]
-                return self._result(request, outcomes, session.host, started, new=new,
-                                    failed=False, tls=session.tls)
+                result = self._result(request, outcomes, session.host, started, new=new,
+                                      failed=False, tls=session.tls)
+                if request.settle is not None:
+                    try:
+                        await request.settle(result)
+                    except BaseException:
+                        self._pool.drop(session)
+                        raise
+                self._pool.give(key, session)
+                return result
             raise AssertionError("unreachable: the second attempt always returns")
         finally:
             content.close()

@@ -68,11 +68,12 @@ import re
 import socket
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import IO, cast
 
+from sluice import faults
 from sluice.config import DeliveryTimeouts
 from sluice.delivery.encoder import DataEncoder
 from sluice.delivery.router import Host
@@ -515,25 +516,30 @@ class Session:
         value = self.extensions.get("SIZE", "")
         return int(value) if value.isdigit() else 0
 
-    async def send(self, env: Envelope, content: IO[bytes], head: bytes
+    async def send(self, env: Envelope, content: IO[bytes], head: bytes,
+                   before_data: Callable[[], Awaitable[None]] | None = None
                    ) -> tuple[ServerReply, ...]:
         """One transaction; one reply per recipient (see DESCRIPTION).
 
         ``head``: the first READ_SIZE bytes of the message, which the caller
         has read from ``content`` already (the agent looks at the header
         block before MAIL); the rest comes from ``content``.
+        ``before_data`` is awaited once the server said 354, before the
+        first byte of the message goes out (the queue manager's
+        "delivering" mark is written by then).
         The caller checks SMTPUTF8 and SIZE first (these are outcomes, not
         protocol).  Raises SessionError when the session breaks; the
         session is then closed.
         """
         self.answers = 0
         try:
-            return await self._transaction(env, content, head)
+            return await self._transaction(env, content, head, before_data)
         except SessionError as exc:
             exc.stale = self.answers == 0
             raise
 
-    async def _transaction(self, env: Envelope, content: IO[bytes], first: bytes
+    async def _transaction(self, env: Envelope, content: IO[bytes], first: bytes,
+                           before_data: Callable[[], Awaitable[None]] | None
                            ) -> tuple[ServerReply, ...]:
         if not self.alive:
             raise SessionError(Reply(451, "4.4.2", f"connection to {self.host} is not usable"))
@@ -592,6 +598,9 @@ class Session:
             # RFC 2920 3.1: a server should refuse DATA then; this one did not.
             await self._dot_then_rset()
             return tuple(rcpt_replies)
+        if before_data is not None:
+            await before_data()
+        faults.point("before_data")
         finals = await self._data(content, first, second, len(accepted) if self.lmtp else 1)
         out = list(rcpt_replies)
         for n, i in enumerate(accepted):
@@ -620,6 +629,9 @@ class Session:
             out = enc.feed(chunk)
             if not nxt:
                 self.write(out + enc.finish())
+                # With nothing buffered, asyncio hands the bytes to the
+                # kernel at once: a crash here still sends them.
+                faults.point("after_dot")
                 break
             self.write(out)
             if self._reader.paused:

@@ -14,8 +14,9 @@ DESCRIPTION
                        of one message and destination into a job; answer
                        EntriesClaimed, then JobsQueued.
         StartDelivery  mark the entries delivering, hand the job to the
-                       delivery agent, run the post-delivery hook; answer
-                       DeliveryFinished; record the outcomes in the store.
+                       delivery agent, run the post-delivery hook and
+                       record the outcomes in the store (durably, before
+                       the connection is reused); answer DeliveryFinished.
         DeferJob       a dead destination: defer without a connection.
 
     and sleeps until the next event or the scheduler's next_wakeup().
@@ -49,6 +50,16 @@ STRATEGIES
     deliveries finish (for up to ``grace_s``), their outcomes are
     recorded, and every entry still held in memory gets its claim back.
 
+    At least once, with short windows (docs/queue.md, "What is
+    promised").  Each step's "delivering" marks are one store operation,
+    and a delivery waits for it after the server's 354, before the
+    message goes out: a crash after that point is logged at the next
+    start as "in flight at crash, may be a duplicate".  Once the replies
+    are in, the agent calls back (DeliveryRequest.settle): the outcomes
+    go to the recorder's next group commit and the connection waits for
+    it, so a success is durable one commit after its reply.  Outcomes of
+    deliveries without a transaction are recorded after, as before.
+
     A failing store backs off.  A refill that cannot claim (a full disk)
     waits before the scheduler may ask again -- 50 ms, doubling, at most
     30 s by default -- and logs one warning, a reminder a minute, one line
@@ -69,6 +80,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -78,10 +90,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sluice import faults
 from sluice.cluster.agent import ClusterAgent
 from sluice.cluster.shared_limits import SharedLimits
 from sluice.config import Config
-from sluice.delivery.agent import AgentStats, DeliveryAgent, DeliveryRequest
+from sluice.delivery.agent import AgentStats, DeliveryAgent, DeliveryRequest, DeliveryResult
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop, Router
 from sluice.hooks import Drop, Hold, Hooks
@@ -195,6 +208,7 @@ class QueueManager:
         self._routing: set[str] = set()  # qids claimed and being routed
         self._modified_while_routing: set[str] = set()
         self._delivering: list[QueueEntry] = []
+        self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()
@@ -334,9 +348,20 @@ class QueueManager:
         finally:
             if self._delivering:
                 # The "delivering" mark of every attempt started in this step,
-                # as one store operation (not waited for; see mark_delivering).
-                self.queue.mark_delivering(self._delivering)
-                self._delivering = []
+                # as one store operation; each waits for it after 354.
+                entries, marked = self._delivering, self._marked
+                self._delivering, self._marked = [], None
+                if marked is not None and self._spawn(self._mark(entries, marked)) is None:
+                    marked.set_result(None)
+
+    async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
+        try:
+            await self._io(self.queue.mark_delivering, entries)
+        except Exception as exc:
+            self.recorder.failed(exc)  # only the note at a restart is missed
+        finally:
+            if not marked.done():
+                marked.set_result(None)
 
     def _decide(self) -> None:
         events, self._events = self._events, []
@@ -499,20 +524,43 @@ class QueueManager:
         info.started = True
         entries = [info.entries[q] for q in qids]
         self._delivering.extend(entries)
+        if self._marked is None:
+            self._marked = asyncio.get_running_loop().create_future()
         self.stats.deliveries += 1
-        if self._spawn(self._deliver(info, tuple(entries), localip), delivery=True) is None:
+        if self._spawn(self._deliver(info, tuple(entries), localip, self._marked),
+                       delivery=True) is None:
             self.post(DeliveryFinished(job.ref, (), connection_failed=False,
                                        new_connection=False, localip=localip))
 
-    async def _deliver(self, info: _Job, entries: tuple[QueueEntry, ...], localip: str) -> None:
+    async def _deliver(self, info: _Job, entries: tuple[QueueEntry, ...], localip: str,
+                       marked: asyncio.Future[None]) -> None:
         ref = info.job.ref
+        # Outcomes made durable while the agent still held the connection.
+        settled: list[AttemptResult] = []
+
+        async def started() -> None:
+            await asyncio.shield(marked)
+
+        async def settle(result: DeliveryResult) -> None:
+            results = await self.planner.finish(result)
+            settled.extend(results)
+            await asyncio.shield(self.recorder.record(results))
+            faults.point("after_commit")
+
+        rest: list[AttemptResult] = []
         try:
             request = DeliveryRequest(
                 route=info.hop, entries=entries,
                 content=functools.partial(self.queue.store.open_content, entries[0].spid),
-                localip=localip, smtputf8=entries[0].smtputf8)
+                localip=localip, smtputf8=entries[0].smtputf8, started=started, settle=settle)
             result = await self.agent.deliver(request)
-            results = await self.planner.finish(result)
+            done = {r.entry.qid for r in settled}
+            if len(done) < len(result.outcomes):
+                # No transaction (a refusal, no connection), or only part of
+                # the entries had one (sluice.delivery.agent._deliver_safe_part).
+                rest = await self.planner.finish(dataclasses.replace(result, outcomes=tuple(
+                    (e, o) for e, o in result.outcomes if e.qid not in done)))
+            results = settled + rest
             self.shaper.observe(info.job.route, results)  # shaping
             self.shaper.take(self.hooks)  # shaping: Shape decisions of the post hook
             self.post(DeliveryFinished(
@@ -527,13 +575,17 @@ class QueueManager:
         except Exception:
             log.exception("delivery of %s failed unexpectedly", ref)
             reply = Reply(451, "4.3.0", "local error during delivery, will retry")
-            results = [AttemptResult(e, TempFail(reply), attempted=False) for e in entries]
-            self.post(DeliveryFinished(ref, tuple((e.qid, TempFail(reply)) for e in entries),
+            done = {r.entry.qid for r in settled}
+            rest = [AttemptResult(e, TempFail(reply), attempted=False) for e in entries
+                    if e.qid not in done]
+            self.post(DeliveryFinished(ref, tuple((r.entry.qid, r.outcome)
+                                                  for r in settled + rest),
                                        connection_failed=False, new_connection=False,
                                        localip=localip))
         finally:
             self._jobs.pop(ref, None)
-        self.recorder.record(results)
+        if rest:
+            self.recorder.record(rest)
 
     def _defer_dead(self, job: DeliveryJob, qids: tuple[str, ...], reply: Reply) -> None:
         info = self._jobs.pop(job.ref, None)

@@ -15,7 +15,11 @@ DESCRIPTION
 
 STRATEGIES
     Group commit again: outcomes that arrive while one batch commits
-    gather into the next.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
+    gather into the next.  A delivery waits for the batch that holds its
+    outcomes before its connection takes another message (record()'s
+    future; sluice.delivery.agent, "Durable before reuse"), so a success
+    is durable one commit after its reply, not whenever the loop gets to
+    it.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
     burst of bounces makes few runs.
 
     A failing store is retried, not dropped.  A batch of outcomes that
@@ -74,6 +78,7 @@ class Recorder:
         self._notify_mail = notify_mail
         self._sleep = sleep
         self._pending: list[AttemptResult] = []
+        self._waiters: list[asyncio.Future[None]] = []
         self._task: asyncio.Task[None] | None = None
         self._bounce_pending = False
         self._stopping = False
@@ -86,11 +91,25 @@ class Recorder:
         """The batch being recorded, if any."""
         return self._task
 
-    def record(self, results: Iterable[AttemptResult]) -> None:
-        """Queue outcomes for the store (not waited for)."""
+    def record(self, results: Iterable[AttemptResult]) -> asyncio.Future[None]:
+        """Queue outcomes for the store.  The future resolves when the batch
+        that holds them has been tried once: applied, or failed (they are
+        then retried in the background); await it through asyncio.shield."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.extend(results)
+        self._waiters.append(done)
         if self._task is None or self._task.done():
             self._task = self._spawn(self._flush())
+            if self._task is None:  # the manager is ending: the next start redoes them
+                self._wake(self._waiters)
+                self._waiters = []
+        return done
+
+    @staticmethod
+    def _wake(waiters: list[asyncio.Future[None]]) -> None:
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     def failed(self, exc: BaseException) -> None:
         """A store change of the manager's own failed (held or dropped by a hook)."""
@@ -99,9 +118,15 @@ class Recorder:
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
+            waiters, self._waiters = self._waiters, []
             try:
                 applied = await self._io(self.queue.record, batch)
-            except Exception as exc:
+            except BaseException as exc:
+                # Failed (retried below) or cancelled: the deliveries
+                # waiting for this batch go on.
+                self._wake(waiters)
+                if not isinstance(exc, Exception):
+                    raise
                 delay = self._recording.failed(exc)
                 if self._stopping:
                     # The entries stay claimed and return at the next start.
@@ -111,6 +136,7 @@ class Recorder:
                 self._pending[:0] = batch
                 await self._sleep(delay)
                 continue
+            self._wake(waiters)
             self._recording.ok()
             bounced = False
             for res, state in applied:

@@ -1,0 +1,111 @@
+"""A crash at each step of a delivery: what reaches the next hop, and what the log says.
+
+`sluice serve` is started with SLUICE_FAULT naming one point of a delivery
+(sluice.faults); it queues one message, delivers it to a loopback sink and
+kills itself with SIGKILL at that point.  It is started again on the same
+queue, without the fault, and drains.  Then, per point:
+
+    before_data   the sink never saw the message before the crash: once
+    after_dot     the sink may have taken it, no reply was read: once or
+                  twice, and twice only with the "may be a duplicate" note
+    after_reply   the sink took it, the outcome was not committed: twice,
+                  and the accounting log says "in flight at crash, may be
+                  a duplicate"
+    after_commit  the outcome was committed: exactly once
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import smtplib
+from pathlib import Path
+
+import pytest
+
+from sluice.faults import POINTS
+from sluice.sink import Sink
+from tests.integration.serving import (
+    Serving,
+    free_port,
+    start_serve_with,
+    wait_until,
+    write_serve_config,
+)
+
+pytestmark = [pytest.mark.integration]
+
+RCPT = "someone@dest.example"
+NOTE = "in flight at crash, may be a duplicate"
+
+
+def _send(port: int) -> None:
+    with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=10) as c:
+        c.sendmail("sender@src.example", [RCPT],
+                   b"Subject: crash point\r\nX-Test-Id: 1\r\n\r\nthe body\r\n")
+
+
+def _accounting(log_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for path in sorted(log_dir.glob("sluice-acct-*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+def _copies(sink: Sink) -> int:
+    return sum(1 for m in list(sink.messages) if RCPT in m.recipients)
+
+
+def _died(srv: Serving) -> int:
+    """Wait for the fault to kill the manager; then end its receivers too."""
+    code = srv.proc.wait(30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+    if srv.proc.stdout:
+        srv.proc.stdout.close()
+    return code
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_crash_at_a_point_of_delivery(point: str, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    sink = Sink(keep=True)
+    sport = sink.start_in_thread()
+    try:
+        port = free_port()
+        config = write_serve_config(tmp_path, port,
+                                    delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"}})
+        monkeypatch.setenv("SLUICE_FAULT", point)
+        srv = start_serve_with(config, tmp_path, port)
+        _send(port)
+        assert _died(srv) == -signal.SIGKILL, "the fault point was not reached"
+        before = _copies(sink)
+
+        monkeypatch.delenv("SLUICE_FAULT")
+        srv = start_serve_with(config, tmp_path, port)
+        try:
+            assert wait_until(lambda: srv.recipients_left() == 0 and _copies(sink) >= 1, 60)
+        finally:
+            assert srv.stop() == 0
+        after = _copies(sink)
+        events = [e for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT]
+        noted = [e for e in events if e["event"] == "recovered" and e["response"] == NOTE]
+        delivered = [e for e in events if e["event"] == "delivered"]
+        assert len(delivered) == 1, events
+    finally:
+        sink.stop_thread()
+
+    match point:
+        case "before_data":
+            assert (before, after) == (0, 1)
+        case "after_dot":
+            assert before in (0, 1)
+            assert after == before + 1
+            if after == 2:
+                assert noted, events
+        case "after_reply":
+            assert (before, after) == (1, 2)
+            assert len(noted) == 1, events
+        case "after_commit":
+            assert (before, after) == (1, 1)
+            assert not noted, events
