@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from sluice._loopback import free_port
 from sluice.config import config_from_dict
 from sluice.delivery.agent import DeliveryAgent, DeliveryRequest, DeliveryResult
 from sluice.delivery.router import Host, NextHop
@@ -19,7 +20,6 @@ from sluice.model import Delivered, PermFail, QueueEntry, QueueState, Reply, Tem
 from sluice.scheduler.events import Transport
 from tests.integration.test_delivery_peers import (
     SinkHandler,
-    free_port,
     mini_smtp,
     raw_server,
     run,

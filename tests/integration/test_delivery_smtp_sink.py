@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from sluice._loopback import free_port
 from sluice.config import config_from_dict
 from sluice.delivery import DeliveryAgent, DeliveryRequest, Host, NextHop
 from sluice.model import Delivered, QueueEntry, QueueState, TempFail
 from sluice.scheduler.events import Transport
-from tests.integration.test_delivery_peers import free_port, run
+from tests.integration.test_delivery_peers import run
 
 SMTP_SINK = shutil.which("smtp-sink") or ("/usr/sbin/smtp-sink"
                                           if os.path.exists("/usr/sbin/smtp-sink") else None)
