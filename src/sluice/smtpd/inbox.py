@@ -23,8 +23,10 @@ STRATEGIES
 
     Pieces, not lines, in DATA.  read_data_piece returns everything up to
     and with the next ".CRLF" (the Unstuffer in sluice.smtpd.content
-    decides whether it ends the data), or, when there is none yet, all
-    but the last two bytes buffered (they may begin a ".CRLF").
+    decides whether it ends the data), or, when there is none in the
+    first LINE_READ_MAX bytes, all but the last two (they may begin a
+    ".CRLF").  Waiting for the mark rather than handing out what came
+    makes a small message one piece, not one per network read.
 
 INVARIANTS
     Bytes come out in the order they went in, each once; nothing after
@@ -142,14 +144,14 @@ class Inbox:
             await self._wait()
 
     async def read_data_piece(self) -> bytes | None:
-        """Raw DATA up to and with the next ".CRLF", or what is safe to give; None at the end."""
+        """Raw DATA up to and with the next ".CRLF", or a big safe piece; None at the end."""
         start = 0
         while True:
             buf = self._buf
             end = buf.find(_END_MARK, start)
             if end >= 0:
                 return self._take(end + 3)
-            if len(buf) > 2:
+            if len(buf) >= LINE_READ_MAX:
                 return self._take(len(buf) - 2)
             if self._eof:
                 return None
