@@ -845,3 +845,30 @@ def test_garbage_after_starttls_logs_one_line_without_traceback(
     records = caplog.records  # ours and aiosmtpd's
     assert not [r for r in records if r.exc_info or "Traceback" in r.getMessage()]
     assert len([r for r in records if r.levelno >= 30]) <= 3
+
+
+def test_commands_pipelined_behind_starttls_are_thrown_away(
+        serve: Callable[..., Running], certificate: tuple[str, str]) -> None:
+    # RFC 3207 5 (the STARTTLS command injection of CVE-2011-0411): plaintext
+    # a client, or a man in the middle, sends behind STARTTLS must not be
+    # executed inside the encrypted session.
+    cert, key = certificate
+    run = serve(smtpd={"tls": {"cert": cert, "key": key}})
+    with socket.create_connection((HOST, run.port), timeout=10) as raw:
+        stream = raw.makefile("rb")
+        assert stream.readline().startswith(b"220 ")
+        raw.sendall(b"EHLO inject.test\r\n")
+        while stream.readline()[3:4] == b"-":
+            pass
+        raw.sendall(b"STARTTLS\r\nMAIL FROM:<injected@x.test>\r\n")
+        assert stream.readline().startswith(b"220 ")
+        with no_verify().wrap_socket(raw, server_hostname="mx.sluice.test") as tls:
+            secure = tls.makefile("rb")
+            tls.sendall(b"RCPT TO:<b@y.test>\r\n")
+            # had the MAIL been run, this RCPT would be accepted
+            assert secure.readline().startswith(b"503 ")
+            tls.sendall(b"EHLO inject.test\r\nMAIL FROM:<a@x.test>\r\n")
+            while secure.readline()[3:4] == b"-":
+                pass
+            assert secure.readline().startswith(b"250 2.1.0")
+            secure.close()

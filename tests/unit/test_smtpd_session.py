@@ -1,4 +1,4 @@
-"""The aiosmtpd adapter's pieces that need no network: its lean constructor and envelope parsing."""
+"""The SMTP session's pieces that need no network: idle timer, EHLO, envelope, handoff."""
 
 from __future__ import annotations
 
@@ -10,29 +10,19 @@ from collections.abc import Iterator
 from typing import cast
 
 import pytest
-from aiosmtpd.smtp import SMTP
 
 from sluice.model import Accepted, Reply, Submission
 from sluice.queue import Queue
 from sluice.smtpd.credentials import Credentials
+from sluice.smtpd.envelope import parse_path
 from sluice.smtpd.handoff import Handoff
 from sluice.smtpd.policy import ReceivePolicy
-from sluice.smtpd.session import (
-    Registry,
-    Settings,
-    SmtpSession,
-    _parse_path,
-)
+from sluice.smtpd.protocol import render
+from sluice.smtpd.session import SmtpSession
+from sluice.smtpd.settings import Registry, Settings
 from sluice.store import StorageError
 
 pytestmark = pytest.mark.unit
-
-#: Attributes only our session has: its own state, and the command limits,
-#: which aiosmtpd keeps in a dict shared by every session of the process.
-OURS = {"_settings", "_registry", "_policy", "_ip", "_port", "_client", "_txn", "_auth_user",
-        "_auth_failures", "_offered", "_admitted", "_idle", "_closing", "command_size_limits",
-        "_deadline", "_timer_at"}
-
 
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
@@ -49,24 +39,6 @@ NO_QUEUE = cast(Queue, None)
 def settings() -> Settings:
     return Settings(hostname="mx.sluice.test", queue=NO_QUEUE, policy=ReceivePolicy(),
                     credentials=Credentials({"u": "{PLAIN}p"}, allow_plaintext=True))
-
-
-def test_lean_constructor_sets_what_aiosmtpd_sets(loop: asyncio.AbstractEventLoop,
-                                                  settings: Settings) -> None:
-    # SmtpSession skips SMTP.__init__ (its per-connection introspection);
-    # if aiosmtpd grows new state, this fails and the constructor must follow.
-    base = SMTP(object(), hostname="mx.sluice.test", loop=loop, enable_SMTPUTF8=True)
-    ours = SmtpSession(settings, Registry(), loop)
-    assert set(vars(ours)) - OURS == set(vars(base))
-    assert ours.hostname == "mx.sluice.test"
-    assert ours.data_size_limit == settings.policy.max_message_size
-    assert ours.enable_SMTPUTF8
-    assert ours._auth_require_tls
-    assert set(ours._auth_methods) == {"PLAIN", "LOGIN"}
-    assert set(ours._smtp_methods) >= {"EHLO", "HELO", "MAIL", "RCPT", "DATA", "RSET", "NOOP",
-                                       "QUIT", "STARTTLS", "AUTH", "VRFY", "HELP"}
-    # bound to this session, not to another
-    assert ours._smtp_methods["MAIL"].__self__ is ours
 
 
 def test_a_command_moves_the_idle_deadline_without_a_new_timer(
@@ -93,11 +65,6 @@ def test_a_command_moves_the_idle_deadline_without_a_new_timer(
         assert len(fired) == 2
 
     loop.run_until_complete(scenario())
-
-
-def test_no_users_no_auth_mechanisms(loop: asyncio.AbstractEventLoop) -> None:
-    plain = Settings(hostname="mx", queue=NO_QUEUE, policy=ReceivePolicy())
-    assert SmtpSession(plain, Registry(), loop)._auth_methods == {}
 
 
 def test_ehlo_reply_lists_extensions(settings: Settings) -> None:
@@ -133,21 +100,19 @@ def test_ehlo_reply_lists_extensions(settings: Settings) -> None:
     ("<" + "a" * 250 + "@b.test>", None, ""),
 ])
 def test_parse_path(arg: str, address: str | None, params: str) -> None:
-    got, rest = _parse_path(arg)
+    got, rest = parse_path(arg)
     assert got == address
     if address is not None:
         assert rest == params
 
 
-def test_replies_carry_enhanced_codes_only_for_esmtp(loop: asyncio.AbstractEventLoop,
-                                                     settings: Settings) -> None:
-    session = SmtpSession(settings, Registry(), loop)
-    session.session = session._create_session()
+def test_replies_carry_enhanced_codes_only_for_esmtp() -> None:
     reply = Reply(452, "4.5.3", "Too many recipients")
-    session.session.extended_smtp = True
-    assert session._render(reply) == b"452 4.5.3 Too many recipients\r\n"
-    session.session.extended_smtp = False  # HELO: RFC 2034 codes are an ESMTP extension
-    assert session._render(reply) == b"452 Too many recipients\r\n"
+    assert render(reply, esmtp=True) == b"452 4.5.3 Too many recipients\r\n"
+    # HELO: RFC 2034 codes are an ESMTP extension
+    assert render(reply, esmtp=False) == b"452 Too many recipients\r\n"
+    # but every client understands a 421
+    assert render(Reply(421, "4.3.2", "bye"), esmtp=False) == b"421 4.3.2 bye\r\n"
 
 
 class _FakeQueue:
@@ -208,30 +173,3 @@ def test_handoff_relays_store_errors() -> None:
             await handoff.submit(SUB, b"x")
 
     asyncio.run(after_close())
-
-
-def test_aiosmtpd_command_logging_is_skipped_when_off_and_still_masks_auth(
-        caplog: pytest.LogCaptureFixture) -> None:
-    import logging
-
-    import aiosmtpd.smtp
-
-    import sluice.smtpd.session  # noqa: F401  (installs the lazy sanitiser)
-
-    mail_log = logging.getLogger("mail.log")
-    calls: list[object] = []
-    original = aiosmtpd.smtp.sanitize
-    aiosmtpd.smtp.sanitize = lambda text: calls.append(text) or original(text)  # type: ignore[assignment]
-    try:
-        mail_log.setLevel(logging.WARNING)
-        aiosmtpd.smtp.sanitized_log(mail_log.info, "%r >> %r", "peer", b"AUTH PLAIN c2VjcmV0\r\n")
-        assert calls == []  # dropped without the regular expression running
-        mail_log.setLevel(logging.INFO)
-        with caplog.at_level(logging.INFO, logger="mail.log"):
-            aiosmtpd.smtp.sanitized_log(mail_log.info, "%r >> %r", "peer",
-                                        b"AUTH PLAIN c2VjcmV0\r\n")
-        assert len(calls) == 1
-        assert "c2VjcmV0" not in caplog.text and "********" in caplog.text
-    finally:
-        aiosmtpd.smtp.sanitize = original  # type: ignore[assignment]
-        mail_log.setLevel(logging.NOTSET)

@@ -1,4 +1,4 @@
-"""The receiving side: an ESMTP server (on aiosmtpd) that queues what it accepts.
+"""The receiving side: Sluice's own ESMTP server, which queues what it accepts.
 
 SUMMARY
     Receiver.from_config(config, queue) -> Receiver; await start() / stop()
@@ -20,7 +20,11 @@ MODULES
     credentials  AUTH users, Dovecot-style password hashes, checks off the loop
     content      DATA pieces: end detection, unstuffing, limits, spilling
     trace        the Received header
-    session      the aiosmtpd adapter, one object per connection
+    protocol     the RFC 5321 state machine as a table, command parsing (pure)
+    envelope     MAIL and RCPT arguments, the transaction (pure)
+    inbox        buffered input of one connection: lines and DATA pieces
+    session      the SMTP server protocol, one object per connection
+    settings     what a receiver's sessions share; the registry of open ones
     handoff      submits to the queue off the event loop, relays the durable result
     dedupe       resent messages answered with the first queue id (smtpd.dedupe)
     server       Receiver: sockets, limits, graceful stop
@@ -46,7 +50,7 @@ from sluice.smtpd.server import (
     parse_listen,
     receiver_parts,
 )
-from sluice.smtpd.session import ReceiverStats, Settings
+from sluice.smtpd.settings import ReceiverStats, Settings
 from sluice.smtpd.trace import protocol_name, received_header
 from sluice.smtpd.worker import ReceiverPool, receiver_processes, run_receiver_process
 

@@ -11,9 +11,9 @@ SUMMARY
 DESCRIPTION
     A Receiver listens on ``smtpd.listen`` (``host:port`` or
     ``[v6addr]:port``; port 0 picks a free port, for tests) and runs one
-    sluice.smtpd.session.SmtpSession per connection on the running event
-    loop.  Messages go to the Queue it was given; the caller owns the
-    queue and closes it after stop().
+    sluice.smtpd.session.SmtpSession (Sluice's own SMTP server protocol)
+    per connection on the running event loop.  Messages go to the Queue it
+    was given; the caller owns the queue and closes it after stop().
 
     Several processes can each run a Receiver on the same listening
     sockets: the parent binds them once (bind_listeners, no SO_REUSEPORT,
@@ -65,7 +65,8 @@ from sluice.smtpd.credentials import Credentials
 from sluice.smtpd.dedupe import Resends
 from sluice.smtpd.handoff import Handoff
 from sluice.smtpd.policy import ReceivePolicy
-from sluice.smtpd.session import ReceiverStats, Registry, Settings, SmtpSession
+from sluice.smtpd.session import SmtpSession
+from sluice.smtpd.settings import ReceiverStats, Registry, Settings
 from sluice.suppression import SuppressionFileError, SuppressionList
 
 __all__ = [
@@ -353,6 +354,8 @@ class Receiver:
             for session in list(registry.sessions):
                 session.abort()
             await asyncio.sleep(0)
+        # The sessions' command loops end once their connections are gone.
+        await registry.wait_tasks(5.0)
         await self._close_servers()
         if self.settings.handoff is not None:
             # Submissions already handed over finish (their sessions are gone).
