@@ -128,7 +128,8 @@ def test_the_scope_is_the_authenticated_user(serve: Callable[..., Running],
                                              certificate: tuple[str, str]) -> None:
     cert, key = certificate
     run = serve(smtpd={**DEDUPE, "tls": {"cert": cert, "key": key},
-                       "auth": {"users": {"alice": "s3cret", "bob": "hunter2"}}})
+                       "auth": {"users": {"alice": "s3cret", "bob": "hunter2"},
+                                "allow_plaintext": True}})
     a = spid_of(send(run, message(), login=("alice", "s3cret"))[1])
     b = spid_of(send(run, message(), login=("bob", "hunter2"))[1])
     assert a != b

@@ -120,7 +120,7 @@ def run_session(stream: bytes, cuts: list[int]) -> tuple[list[bytes], InstantQue
     fake = InstantQueue()
     config = Settings(hostname="mx.fuzz.test", queue=cast(Queue, fake),
                       policy=ReceivePolicy(max_message_size=10_000),
-                      credentials=Credentials({"u": "p"}), timeout_s=30)
+                      credentials=Credentials({"u": "p"}, allow_plaintext=True), timeout_s=30)
     registry = Registry()
     session = SmtpSession(config, registry, loop)
     transport = MemoryTransport(loop, session)
