@@ -413,9 +413,6 @@ class KvStore(Reading):
         return result
 
     def recover(self, now: float) -> int:
-        with self._inflight_lock:
-            inflight = set(self._inflight)
-
         def work(view: Batch) -> int:
             loader = Loader(view)
             moved = 0
@@ -430,9 +427,15 @@ class KvStore(Reading):
                     self._change_state(view, spid, dz, rec, new, set())
                     moved += 1
             # Content whose submission never committed (a crash mid-stream).
+            # Which submissions are under way is asked now, in the committer,
+            # not before: a receiver may already be streaming a message whose
+            # record commits after this batch (a snapshot taken earlier would
+            # not name it, and its content would go while its record stays).
             for key, _ in list(view.items(PENDING_PREFIX)):
                 spid = key[len(PENDING_PREFIX):].decode()
-                if spid in inflight:
+                with self._inflight_lock:
+                    busy = spid in self._inflight
+                if busy:
                     continue
                 if view.get(exists_key(spid)) is None:
                     prefix = b(f"message {spid} ")
