@@ -303,14 +303,14 @@ class QueueEntry:
     size: int = 0
     domain: str = field(default="")
     smtputf8: bool = False
+    #: The queue id (format_qid of spid and idx), made once: the queue
+    #: manager looks it up several times per recipient and attempt.
+    qid: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.domain:
             object.__setattr__(self, "domain", recipient_domain(self.recipient))
-
-    @property
-    def qid(self) -> str:
-        return format_qid(self.spid, self.idx)
+        object.__setattr__(self, "qid", format_qid(self.spid, self.idx))
 
 
 @dataclass(frozen=True, slots=True)

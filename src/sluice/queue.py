@@ -249,12 +249,16 @@ class Queue:
         now = self.clock()
         transitions: list[Transition] = []
         planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]] = []
+        stamped: dict[int, Reply] = {}  # recipients of one transaction share a reply
         for res in results:
             e = res.entry
             reply = res.outcome.reply
             if res.attempted:
                 # The reply says when it was got: the NDR's Last-Attempt-Date.
-                reply = dataclasses.replace(reply, attempt_at=now)
+                got = stamped.get(id(reply))
+                if got is None:
+                    got = stamped[id(reply)] = dataclasses.replace(reply, attempt_at=now)
+                reply = got
             match res.outcome:
                 case Delivered():
                     transitions.append(Transition(e.qid, None, reply=reply))

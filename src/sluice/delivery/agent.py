@@ -93,7 +93,7 @@ import functools
 import ipaddress
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -257,6 +257,19 @@ def _peer_outcome(reply: ServerReply, host: Host) -> Outcome:
     """What the server said, marked as its own (the NDR's Remote-MTA and
     "smtp;" Diagnostic-Code); Reply.describe() adds "host X said:"."""
     return outcome_of(dataclasses.replace(reply.to_reply(), remote_mta=host.name))
+
+
+def _peer_outcomes(replies: Sequence[ServerReply], host: Host) -> list[Outcome]:
+    """_peer_outcome of each reply, made once per reply: after DATA every
+    accepted recipient of a transaction shares the one final reply."""
+    made: dict[int, Outcome] = {}
+    out = []
+    for r in replies:
+        outcome = made.get(id(r))
+        if outcome is None:
+            outcome = made[id(r)] = _peer_outcome(r, host)
+        out.append(outcome)
+    return out
 
 
 _Key = tuple[Transport, str, str]
@@ -471,7 +484,7 @@ class DeliveryAgent:
                     raise
                 self._transactions += 1
                 faults.point("after_reply")
-                outcomes = [_peer_outcome(r, session.host) for r in replies]
+                outcomes = _peer_outcomes(replies, session.host)
                 result = self._result(request, outcomes, session.host, started, new=new,
                                       failed=False, tls=session.tls)
                 if request.settle is not None:

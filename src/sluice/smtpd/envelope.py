@@ -33,6 +33,7 @@ _DOMAIN = r'(?:\[[^\[\]\s\\]+\]|[^\s@<>()\\,;:"\[\]]+)'
 _MAILBOX_RE = re.compile(rf"^(?:{_ATOM_LOCAL}|{_QUOTED_LOCAL})@{_DOMAIN}$")
 _ROUTE_RE = re.compile(r"^@[^:]*:")  # RFC 5321 4.1.2 obsolete source route, ignored
 _MAX_PATH = 256  # RFC 5321 4.5.3.1.3
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")  # C0 controls and DEL: never in a path
 
 
 @dataclass(slots=True)
@@ -65,7 +66,7 @@ def parse_path(arg: str) -> tuple[str | None, str]:
         address, _, rest = text.partition(" ")
     if address.startswith("@"):
         address = _ROUTE_RE.sub("", address)
-    if len(address) > _MAX_PATH or any(ord(ch) < 32 or ord(ch) == 127 for ch in address):
+    if len(address) > _MAX_PATH or _CONTROL_RE.search(address):
         return None, ""
     if address and not _MAILBOX_RE.match(address):
         return None, ""
