@@ -70,8 +70,10 @@ LIMITATIONS
     counts rows (an index scan; about a second per million recipients).
 
 SEE ALSO
-    sluice.store (the interface), sluice.store.sqlite (the same schema,
-    embedded), seeds/000 section 4.3.3, docs/storage.md.
+    sluice.store (the interface), sluice.store._pg_schema (tables and
+    dialect), sluice.store._pg_content (the pool and content rows),
+    sluice.store.sqlite (the same schema, embedded), seeds/000 section
+    4.3.3, docs/storage.md.
 """
 
 from __future__ import annotations
@@ -81,18 +83,14 @@ import contextlib
 import io
 import math
 import os
-import queue as queuelib
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any
 
 from sluice.store import StorageError
 
 try:
     import psycopg
-    from psycopg import errors as pgerrors
 except ImportError as exc:  # an optional extra: say which
     raise StorageError(
         "the postgres store needs psycopg: pip install 'sluice-mta[postgres]'") from exc
@@ -107,10 +105,21 @@ from sluice.model import (
     format_qid,
     parse_qid,
 )
-from sluice.spool import Content, iter_chunks, spid_candidates
+from sluice.spool import Content
 from sluice.store import Action, Change, Counts, StorageError, Transition, _pg_nodes
 from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows, reply_columns
+from sluice.store._pg_content import CHUNK_SIZE, READ_CHUNKS, ContentReader, Pool, write_content
+from sluice.store._pg_schema import (
+    MIGRATIONS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    TRANSIENT,
+    Postgres,
+    fail,
+    storage_error,
+    where_name,
+)
+from sluice.store._sql import SqlQueue, migrate, queue_rows, reply_columns
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -119,183 +128,12 @@ __all__ = ["CHUNK_SIZE", "ENV_DSN", "PgStore", "postgres_dsn"]
 
 ENV_DSN = "SLUICE_PG_DSN"
 
-#: The version of _SCHEMA (kept in sluice_meta); _MIGRATIONS[v] takes a
-#: queue of version v to v + 1 when it is opened (sluice.store._sql.migrate).
-SCHEMA_VERSION = 3
-
-_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
-    1: ("ALTER TABLE sluice_queue ADD COLUMN smtputf8 boolean NOT NULL DEFAULT false",),
-    # 3: who gave the last reply and when (the NDR's Remote-MTA and
-    # Last-Attempt-Date); older replies read as Sluice's own, at no time.
-    2: ("ALTER TABLE sluice_queue ADD COLUMN last_mta text",
-        "ALTER TABLE sluice_queue ADD COLUMN last_attempt_at double precision"),
-}
-
-#: Content rows hold at most this many bytes.
-CHUNK_SIZE = 65536
-
-#: Content rows fetched per query when reading (8 x 64 KB: memory stays bounded).
-READ_CHUNKS = 8
-
 #: Content without rows older than this is removed by recover(): younger
 #: content may belong to a submission another node has not committed yet.
 ORPHAN_AGE_S = 3600.0
 
 #: Operator changes are kept this long in the change feed.
 CHANGES_KEEP_S = 3600.0
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sluice_queue (
-    spid            text COLLATE "C" NOT NULL,
-    idx             integer NOT NULL,
-    sender          text NOT NULL,
-    recipient       text NOT NULL,
-    domain          text NOT NULL,
-    state           text NOT NULL,
-    arrival_at      double precision NOT NULL,
-    next_attempt_at double precision NOT NULL,
-    attempts        integer NOT NULL DEFAULT 0,
-    last_code       integer,
-    last_enhanced   text,
-    last_text       text,
-    priority        smallint NOT NULL DEFAULT 0,
-    tenantid        text NOT NULL DEFAULT '',
-    jobid           text NOT NULL DEFAULT '',
-    transportid     text NOT NULL DEFAULT '',
-    localip         text NOT NULL DEFAULT '',
-    is_report       boolean NOT NULL DEFAULT false,
-    size            bigint NOT NULL DEFAULT 0,
-    owner           text,
-    smtputf8        boolean NOT NULL DEFAULT false,
-    last_mta        text,
-    last_attempt_at double precision,
-    PRIMARY KEY (spid, idx)
-);
-CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
-CREATE INDEX IF NOT EXISTS sluice_queue_domain ON sluice_queue (domain);
-CREATE INDEX IF NOT EXISTS sluice_queue_tenant ON sluice_queue (tenantid, jobid);
-CREATE INDEX IF NOT EXISTS sluice_queue_owner ON sluice_queue (owner) WHERE owner IS NOT NULL;
-CREATE TABLE IF NOT EXISTS sluice_content (
-    spid       text COLLATE "C" NOT NULL,
-    chunk      integer NOT NULL,
-    data       bytea NOT NULL,
-    created_at double precision NOT NULL,
-    PRIMARY KEY (spid, chunk)
-);
-CREATE TABLE IF NOT EXISTS sluice_changes (
-    seq    bigserial PRIMARY KEY,
-    at     double precision NOT NULL,
-    qid    text NOT NULL,
-    action text NOT NULL
-);
-CREATE TABLE IF NOT EXISTS sluice_meta (key text PRIMARY KEY, value text);
-"""
-
-_TRANSIENT = (pgerrors.DeadlockDetected, pgerrors.SerializationFailure,
-              pgerrors.LockNotAvailable)
-
-
-class _Postgres(Dialect):
-    """PostgreSQL's side of the queue statements (sluice.store._sql)."""
-
-    p = "%s"
-    queue = "sluice_queue"
-    changes = "sluice_changes"
-    meta = "sluice_meta"
-    true = "true"
-    is_report = "is_report"
-    not_report = "NOT is_report"
-    # Rows an operator changes are locked, in key order so that nodes
-    # changing the same rows take their locks in the same order; a refill
-    # or a bounce lease skips the rows another node has locked.
-    for_change = " ORDER BY spid, idx FOR UPDATE"
-    claim_order = "next_attempt_at, spid, idx"
-    claim_lock = " FOR UPDATE SKIP LOCKED"
-
-    # Arrays, not a chain of ORs or IN lists: an operator may select
-    # thousands of ids, and they go as one parameter.
-
-    def one_of(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
-        return f"{column} = ANY(%s)", [list(values)]
-
-    def keys_in(self, spids: list[str], idxs: list[int]) -> tuple[str, list[Any]]:
-        return "(spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))", [spids, idxs]
-
-    def equal_nocase(self, column: str) -> str:
-        return f"lower({column}) = lower(%s)"
-
-    def change_rows(self, conn: Conn, head: str, params: Sequence[Any],
-                    rows: Sequence[Sequence[Any]]) -> None:
-        # One statement for all the rows: one round trip.
-        conn.execute(f"{head} WHERE (spid, idx) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
-                     (*params, [r[0] for r in rows], [r[1] for r in rows]))
-
-    def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
-        with cast("psycopg.Connection[Any]", conn).cursor() as cur:
-            cur.executemany(sql, params)
-
-
-def _where(conn: psycopg.Connection[Any]) -> str:
-    """Which queue ``conn`` is on, for messages (without the password)."""
-    row = conn.execute("SELECT current_schema()").fetchone()
-    info = conn.info
-    return f"postgres {info.dbname} on {info.host}:{info.port}, schema {row[0] if row else '?'}"
-
-
-def _storage_error(exc: BaseException, what: str) -> StorageError:
-    if isinstance(exc, StorageError):
-        return exc
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return StorageError(f"{what}: {text}")
-
-
-# --------------------------------------------------------------------------
-# Connections
-
-
-class _Pool:
-    """A few autocommit connections for readers and content writers."""
-
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], size: int) -> None:
-        self._connect = connect
-        self._idle: queuelib.LifoQueue[psycopg.Connection[Any]] = queuelib.LifoQueue()
-        self._slots = threading.BoundedSemaphore(size)
-        self._all: list[psycopg.Connection[Any]] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        self._slots.acquire()
-        conn: psycopg.Connection[Any] | None = None
-        try:
-            try:
-                conn = self._idle.get_nowait()
-            except queuelib.Empty:
-                conn = None
-            if conn is None or conn.closed or conn.broken:
-                conn = self._connect()
-                with self._lock:
-                    self._all.append(conn)
-            yield conn
-        finally:
-            if conn is not None:
-                if conn.closed or conn.broken:
-                    with contextlib.suppress(psycopg.Error):
-                        conn.close()
-                else:
-                    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                        with contextlib.suppress(psycopg.Error):
-                            conn.rollback()
-                    self._idle.put(conn)
-            self._slots.release()
-
-    def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                with contextlib.suppress(psycopg.Error):
-                    conn.close()
-            self._all.clear()
 
 
 @dataclass(slots=True)
@@ -304,49 +142,6 @@ class _Batch:
 
     conn: psycopg.Connection[Any]
     gone: set[str] = field(default_factory=set)
-
-
-class _ContentReader(io.RawIOBase):
-    """A message's content, a few chunk rows per query (at most READ_CHUNKS)."""
-
-    def __init__(self, store: PgStore, spid: str, chunks: int, first: list[bytes]) -> None:
-        self._store = store
-        self._spid = spid
-        self._chunks = chunks
-        self._next = 1 + len(first)
-        self._pending = first
-        self._buf = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def _fetch(self) -> None:
-        last = min(self._chunks, self._next + READ_CHUNKS - 1)
-        try:
-            with self._store._pool.connection() as conn:
-                rows = conn.execute(
-                    "SELECT chunk, data FROM sluice_content WHERE spid = %s "
-                    "AND chunk BETWEEN %s AND %s ORDER BY chunk",
-                    (self._spid, self._next, last), binary=True).fetchall()
-        except psycopg.Error as exc:
-            raise OSError(f"reading {self._spid} failed: {exc}") from exc
-        if [r[0] for r in rows] != list(range(self._next, last + 1)):
-            raise OSError(f"chunks {self._next}-{last} of {self._spid} are missing")
-        self._pending = [bytes(r[1]) for r in rows]
-        self._next = last + 1
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        if not self._buf:
-            if not self._pending:
-                if self._next > self._chunks:
-                    return 0
-                self._fetch()
-            self._buf = memoryview(self._pending.pop(0))
-        n = min(len(view), len(self._buf))
-        view[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
 
 
 # --------------------------------------------------------------------------
@@ -371,23 +166,23 @@ class PgStore:
         self._connect_timeout = max(1, math.ceil(connect_timeout_s))
         self._closed = False
         self._writer: psycopg.Connection[Any] | None = None
-        self._pool = _Pool(lambda: self._connect(autocommit=True), max(1, pool_size))
-        self._sql = SqlQueue(_Postgres(), self._reading)
+        self._pool = Pool(lambda: self._connect(autocommit=True), max(1, pool_size))
+        self._sql = SqlQueue(Postgres(), self._reading)
         conn = self._connect(autocommit=False)
         try:
             with conn.transaction():
                 # Two nodes starting at once must not race on CREATE TABLE or
                 # on a migration; a refused one rolls back the whole open.
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext('sluice schema'))")
-                conn.execute(_SCHEMA)
+                conn.execute(SCHEMA)
                 _pg_nodes.ensure(conn)
-                migrate(conn, _Postgres(), SCHEMA_VERSION, _MIGRATIONS, _where(conn))
+                migrate(conn, Postgres(), SCHEMA_VERSION, MIGRATIONS, where_name(conn))
         except (psycopg.Error, StorageError) as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
             if isinstance(exc, StorageError):
                 raise
-            raise _storage_error(exc, "cannot open the postgres queue") from exc
+            raise storage_error(exc, "cannot open the postgres queue") from exc
         self._writer = conn
         self._committer = GroupCommitter(
             self._commit, max_batch=max_batch, name="sluice-pg-commit",
@@ -413,7 +208,7 @@ class PgStore:
                                    connect_timeout=self._connect_timeout,
                                    application_name=f"sluice {self.node_id}")
         except psycopg.Error as exc:
-            raise _storage_error(exc, "cannot connect to the postgres queue") from exc
+            raise storage_error(exc, "cannot connect to the postgres queue") from exc
         # Durable on return, whatever the server's default says.
         conn.execute("SET synchronous_commit = on")
         if not autocommit:
@@ -428,7 +223,7 @@ class PgStore:
             with self._pool.connection() as conn:
                 yield conn
         except psycopg.Error as exc:
-            raise _storage_error(exc, "reading the postgres queue failed") from exc
+            raise storage_error(exc, "reading the postgres queue failed") from exc
 
     # -- the committer ------------------------------------------------------------------
 
@@ -476,7 +271,7 @@ class PgStore:
         try:
             try:
                 values, gone = self._run(batch)
-            except _TRANSIENT:
+            except TRANSIENT:
                 values, gone = self._run(batch)  # a deadlock with another node: once more
         except Exception:
             # One transaction per operation, so that only the failing one fails.
@@ -484,10 +279,10 @@ class PgStore:
                 try:
                     try:
                         (value,), op_gone = self._run([op])
-                    except _TRANSIENT:
+                    except TRANSIENT:
                         (value,), op_gone = self._run([op])
                 except Exception as exc:
-                    op.future.set_exception(_fail(exc))
+                    op.future.set_exception(fail(exc))
                     continue
                 if op_gone:
                     self._collect_content(op_gone)
@@ -520,53 +315,11 @@ class PgStore:
         return self._op(work).result()
 
     # -- submission ---------------------------------------------------------------------
-
-    def _write_content(self, content: Content, wanted: str = "") -> tuple[str, int]:
-        """Stream the content into chunk rows under ``wanted`` if it is free,
-        else under a fresh SPID; (spid, size)."""
-        created = time.time()
-        try:
-            with self._pool.connection() as conn, conn.transaction():
-                # Flushed by the committer's synchronous commit that follows.
-                conn.execute("SET LOCAL synchronous_commit = off")
-                for spid in spid_candidates(wanted):
-                    row = conn.execute(
-                        "INSERT INTO sluice_content (spid, chunk, data, created_at) "
-                        "VALUES (%s, 0, '', %s) ON CONFLICT DO NOTHING RETURNING 1",
-                        (spid, created)).fetchone()
-                    if row is not None:
-                        break
-                else:  # pragma: no cover - 100 collisions in a row
-                    raise RuntimeError("could not allocate a unique SPID")
-                size = 0
-                n = 0
-                buf = bytearray()
-                # Binary COPY: the bytes go as they are, not as escaped text.
-                with conn.cursor().copy(
-                        "COPY sluice_content (spid, chunk, data, created_at) "
-                        "FROM STDIN (FORMAT BINARY)"
-                ) as copy:
-                    copy.set_types(["text", "int4", "bytea", "float8"])
-                    for piece in iter_chunks(content, CHUNK_SIZE):
-                        buf += piece
-                        while len(buf) >= CHUNK_SIZE:
-                            n += 1
-                            copy.write_row((spid, n, bytes(buf[:CHUNK_SIZE]), created))
-                            del buf[:CHUNK_SIZE]
-                            size += CHUNK_SIZE
-                    if buf:
-                        n += 1
-                        copy.write_row((spid, n, bytes(buf), created))
-                        size += len(buf)
-        except psycopg.Error as exc:
-            raise _storage_error(exc, "writing the content failed") from exc
-        return spid, size
-
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
         if self._closed:
             raise StorageError("the store is closed")
-        spid, size = self._write_content(content, submission.spid)
+        spid, size = write_content(self._pool, content, submission.spid)
         rows, accepted = queue_rows(submission, spid, size, now)
 
         def work(batch: _Batch) -> Accepted:
@@ -810,7 +563,7 @@ class PgStore:
         first = [bytes(r[2]) for r in rows if r[1] is not None]
         if len(first) != min(chunks, READ_CHUNKS):
             raise StorageError(f"the content of {spid} is incomplete")
-        return io.BufferedReader(_ContentReader(self, spid, chunks, first), CHUNK_SIZE)
+        return io.BufferedReader(ContentReader(self._pool, spid, chunks, first), CHUNK_SIZE)
 
     # -- life ---------------------------------------------------------------------------
 
@@ -829,13 +582,6 @@ class PgStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _fail(exc: BaseException) -> BaseException:
-    """What an operation's caller sees: driver errors become StorageError."""
-    if isinstance(exc, psycopg.Error):
-        return _storage_error(exc, "postgres queue")
-    return exc
 
 
 def postgres_dsn(config: Config) -> str:

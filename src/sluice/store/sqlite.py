@@ -74,22 +74,22 @@ LIMITATIONS
     One machine: for several nodes sharing a queue use the postgres flavour.
 
 SEE ALSO
-    sluice.store (the interface), sluice.spool.fs, seeds/000 section 4.3.3.
+    sluice.store (the interface), sluice.store._sqlite_schema (tables and
+    triggers), sluice.store._sqlite_db (connections and the committer),
+    sluice.spool.fs, seeds/000 section 4.3.3.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import io
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any
 
 from sluice.model import (
     IN_FLIGHT_STATES,
@@ -101,185 +101,29 @@ from sluice.model import (
     Submission,
     parse_qid,
 )
-from sluice.spool import Content, SpoolFile, SpoolIOError, new_spid
+from sluice.spool import Content, SpoolIOError, new_spid
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError, Transition
-from sluice.store._commit import GroupCommitter, Op
-from sluice.store._sql import Conn, Dialect, SqlQueue, migrate, queue_rows, reply_columns
+from sluice.store._commit import GroupCommitter
+from sluice.store._sql import SqlQueue, queue_rows, reply_columns
+from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database
+from sluice.store._sqlite_schema import SCHEMA_VERSION, Sqlite, open_schema
 
 if TYPE_CHECKING:
     from sluice.config import Config
 
-__all__ = ["SqliteStore"]
-
-#: The version of _SCHEMA (kept in qmeta); _MIGRATIONS[v] takes a queue
-#: of version v to v + 1 when it is opened (sluice.store._sql.migrate).
-SCHEMA_VERSION = 3
-
-_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
-    1: ("ALTER TABLE queue ADD COLUMN smtputf8 INTEGER NOT NULL DEFAULT 0",),
-    # 3: who gave the last reply and when (the NDR's Remote-MTA and
-    # Last-Attempt-Date); older replies read as Sluice's own, at no time.
-    2: ("ALTER TABLE queue ADD COLUMN last_mta TEXT",
-        "ALTER TABLE queue ADD COLUMN last_attempt_at REAL"),
-}
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS queue (
-    spid            TEXT    NOT NULL,
-    idx             INTEGER NOT NULL,
-    sender          TEXT    NOT NULL,
-    recipient       TEXT    NOT NULL,
-    domain          TEXT    NOT NULL,
-    state           TEXT    NOT NULL,
-    arrival_at      REAL    NOT NULL,
-    next_attempt_at REAL    NOT NULL,
-    attempts        INTEGER NOT NULL DEFAULT 0,
-    last_code       INTEGER,
-    last_enhanced   TEXT,
-    last_text       TEXT,
-    priority        INTEGER NOT NULL DEFAULT 0,
-    tenantid        TEXT    NOT NULL DEFAULT '',
-    jobid           TEXT    NOT NULL DEFAULT '',
-    transportid     TEXT    NOT NULL DEFAULT '',
-    localip         TEXT    NOT NULL DEFAULT '',
-    is_report       INTEGER NOT NULL DEFAULT 0,
-    size            INTEGER NOT NULL DEFAULT 0,
-    owner           TEXT,
-    smtputf8        INTEGER NOT NULL DEFAULT 0,
-    last_mta        TEXT,
-    last_attempt_at REAL,
-    PRIMARY KEY (spid, idx)
-) WITHOUT ROWID;
--- due-deferred selection, incoming FIFO, listing and counting by state
-CREATE INDEX IF NOT EXISTS queue_pick ON queue (state, priority, next_attempt_at);
--- selectors and qshape by domain
-CREATE INDEX IF NOT EXISTS queue_domain ON queue (domain);
--- selectors by tenant and job
-CREATE INDEX IF NOT EXISTS queue_tenant ON queue (tenantid, jobid);
-
-CREATE TABLE IF NOT EXISTS qstats (key TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
-INSERT OR IGNORE INTO qstats (key, n) VALUES
-    ('hold', 0), ('incoming', 0), ('deferred', 0), ('active', 0),
-    ('delivering', 0), ('bounce', 0), ('messages', 0);
-
-CREATE TRIGGER IF NOT EXISTS queue_ins AFTER INSERT ON queue BEGIN
-    UPDATE qstats SET n = n + 1 WHERE key = new.state;
-    UPDATE qstats SET n = n + 1 WHERE key = 'messages' AND new.idx = 0;
-END;
-CREATE TRIGGER IF NOT EXISTS queue_del AFTER DELETE ON queue BEGIN
-    UPDATE qstats SET n = n - 1 WHERE key = old.state;
-END;
-CREATE TRIGGER IF NOT EXISTS queue_upd AFTER UPDATE OF state ON queue
-WHEN old.state <> new.state BEGIN
-    UPDATE qstats SET n = n - 1 WHERE key = old.state;
-    UPDATE qstats SET n = n + 1 WHERE key = new.state;
-END;
-
-CREATE TABLE IF NOT EXISTS qchanges (
-    seq    INTEGER PRIMARY KEY AUTOINCREMENT,
-    at     REAL NOT NULL,
-    qid    TEXT NOT NULL,
-    action TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS qmeta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
-
--- Content of small messages (spool.inline_max), committed with their rows;
--- the rowid is the SPID read as a hexadecimal number.
-CREATE TABLE IF NOT EXISTS content (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
-"""
+__all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
 #: How long an orphan spool file (content without rows) must have existed
 #: before recover() removes it: a submission in another process may be
 #: between its spool write and its commit.
 ORPHAN_AGE_S = 3600.0
 
-#: The savepoint each operation of a batch runs in; an operation may roll
-#: back to it to start over.
-_OP_SAVEPOINT = "op"
-
 #: Operator changes are kept this long in the change feed.
 CHANGES_KEEP_S = 3600.0
 
 
-class _Sqlite(Dialect):
-    """SQLite's side of the queue statements (sluice.store._sql)."""
-
-    p = "?"
-    queue = "queue"
-    changes = "qchanges"
-    meta = "qmeta"
-    true = "1"
-    is_report = "is_report = 1"
-    not_report = "is_report = 0"
-    # Every change runs under the database's write lock (one writer at a
-    # time): no rows to lock, none to skip.
-    for_change = ""
-    claim_order = "next_attempt_at"
-    claim_lock = ""
-
-    # IN lists, not a chain of ORs: SQLite refuses expression trees deeper
-    # than 1000, which a selection of many ids would build.
-
-    def one_of(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
-        return f"{column} IN ({','.join('?' * len(values))})", list(values)
-
-    def keys_in(self, spids: list[str], idxs: list[int]) -> tuple[str, list[Any]]:
-        return (f"(spid, idx) IN (VALUES {','.join(['(?,?)'] * len(spids))})",
-                [v for key in zip(spids, idxs, strict=True) for v in key])
-
-    def equal_nocase(self, column: str) -> str:
-        return f"{column} = ? COLLATE NOCASE"
-
-    # One prepared statement run per row: no round trips in an embedded
-    # database, and no limit on the number of rows one change may touch.
-
-    def change_rows(self, conn: Conn, head: str, params: Sequence[Any],
-                    rows: Sequence[Sequence[Any]]) -> None:
-        # Claims and most operator actions have one parameter: a tuple
-        # display per row is half the cost of unpacking ``params`` into it.
-        args: list[tuple[Any, ...]]
-        if not params:
-            args = [(r[0], r[1]) for r in rows]
-        elif len(params) == 1:
-            value = params[0]
-            args = [(value, r[0], r[1]) for r in rows]
-        else:
-            args = [(*params, r[0], r[1]) for r in rows]
-        cast(sqlite3.Connection, conn).executemany(f"{head} WHERE spid = ? AND idx = ?", args)
-
-    def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
-        cast(sqlite3.Connection, conn).executemany(sql, params)
-
-
-def _open_schema(conn: sqlite3.Connection, where: str) -> None:
-    """Create what is missing and migrate (sluice.store._sql.migrate), in one
-    transaction; the caller holds the write lock."""
-    # executescript() commits an open transaction before it starts, so the
-    # BEGIN is the script's first statement; the transaction stays open.
-    conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA)
-    try:
-        migrate(conn, _Sqlite(), SCHEMA_VERSION, _MIGRATIONS, where)
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
-# --------------------------------------------------------------------------
-# The committer
-
-@dataclass(slots=True)
-class _Batch:
-    """What the operations of one commit share: the connection, and the
-    content to delete once the commit is durable."""
-
-    conn: sqlite3.Connection
-    unlink: list[str] = field(default_factory=list)
-
-
-class SqliteStore:
+class SqliteStore(Database):
     """Meta queue on SQLite (WAL), small content inline, the rest in a
     filesystem spool; see the module doc."""
 
@@ -321,7 +165,7 @@ class SqliteStore:
         try:
             with self._write_lock():
                 writer = self._connect()
-                _open_schema(writer, str(self.db_path))
+                open_schema(writer, str(self.db_path))
         except (sqlite3.Error, StorageError) as exc:
             if writer is not None:
                 writer.close()
@@ -335,7 +179,7 @@ class SqliteStore:
         self._writer.execute("PRAGMA synchronous = NORMAL")
         self._committer = GroupCommitter(self._commit, max_batch=max_batch, name="sluice-commit",
                                          dropped=self._discard)
-        self._sql = SqlQueue(_Sqlite(), self._reading)
+        self._sql = SqlQueue(Sqlite(), self._reading)
 
     @classmethod
     def from_config(cls, config: Config) -> SqliteStore:
@@ -344,172 +188,6 @@ class SqliteStore:
                         q.spool.sync_method)
         return cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch,
                    inline_max=q.spool.inline_max)
-
-    # -- connections ---------------------------------------------------------------
-
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.db_path, isolation_level=None, check_same_thread=False,
-            timeout=self._busy_timeout_ms / 1000,
-        )
-        conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
-        conn.execute("PRAGMA journal_mode = WAL")
-        # FULL, not NORMAL: in WAL mode NORMAL is not durable on power loss
-        # (the writer uses NORMAL and syncs the WAL itself: see _commit).
-        conn.execute("PRAGMA synchronous = FULL")
-        conn.execute("PRAGMA foreign_keys = OFF")
-        conn.execute("PRAGMA cache_size = -65536")
-        return conn
-
-    def _reader(self) -> sqlite3.Connection:
-        if self._closed:
-            raise StorageError("the store is closed")
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            try:
-                conn = self._connect()
-                conn.execute("PRAGMA query_only = ON")
-            except sqlite3.Error as exc:
-                raise StorageError(f"cannot read the queue: {exc}") from exc
-            self._local.conn = conn
-            with self._readers_lock:
-                self._readers.append(conn)
-        return conn
-
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[sqlite3.Connection]:
-        conn = self._reader()
-        try:
-            yield conn
-        except sqlite3.Error as exc:
-            raise StorageError(f"reading the queue failed: {exc}") from exc
-
-    # -- the committer thread -------------------------------------------------------
-
-    def _submit_op(self, work: Callable[[_Batch], Any],
-                   files: list[SpoolFile] | None = None, *,
-                   durable: bool = True) -> concurrent.futures.Future[Any]:
-        if self._closed:
-            raise StorageError("the store is closed")
-        return self._committer.submit(work, files or (), durable=durable)
-
-    def _call(self, work: Callable[[_Batch], Any], *, durable: bool = True) -> Any:
-        return self._submit_op(work, durable=durable).result()
-
-    @contextlib.contextmanager
-    def _write_lock(self) -> Iterator[None]:
-        """The flock(2) beside the database that every process's writer takes."""
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def _flush_wal(self) -> None:
-        """Make every commit so far durable: fdatasync the WAL (after a batch
-        that needs it, and before deleting spool files that an unsynced batch
-        freed).  fdatasync flushes the file, whichever descriptor or process
-        wrote it; a checkpoint in between syncs the WAL before copying it
-        into the database and the database after, so frames it took along
-        are durable too."""
-        try:
-            fd = os.open(f"{self.db_path}-wal", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return  # no WAL: the last checkpoint synced the database file
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-
-    def _discard(self, op: Op) -> None:
-        """An operation cancelled before its commit: its content goes."""
-        for f in op.files:
-            self.spool.discard(f)
-
-    def _commit(self, batch: list[Op]) -> None:
-        # 1. Content first: sync every spool file of the batch in one go.
-        files = [f for op in batch for f in op.files]
-        if files:
-            try:
-                self.spool.sync(files)
-            except OSError as exc:
-                err = StorageError(f"spool sync failed: {exc}")
-                for op in batch:
-                    if op.files:
-                        for f in op.files:
-                            self.spool.discard(f)
-                        op.future.set_exception(err)
-                batch = [op for op in batch if not op.files]
-                if not batch:
-                    return
-        # 2. Meta: the whole batch in one transaction, one savepoint per op.
-        conn = self._writer
-        durable = any(op.durable or op.files for op in batch)
-        after = _Batch(conn)
-        results: list[tuple[Op, Any, BaseException | None]] = []
-        # Several processes (receivers, the queue manager) commit to one
-        # database.  SQLite's busy handler sleeps 1, 2, 5, 10 ms between
-        # tries; a kernel lock around the transaction wakes the next
-        # committer the moment the current one is done.
-        with self._write_lock():
-            try:
-                self._transaction(batch, after, results)
-            except sqlite3.Error as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-                err = StorageError(f"queue commit failed: {exc}")
-                for op in batch:
-                    for f in op.files:
-                        self.spool.discard(f)
-                    op.future.set_exception(err)
-                return
-        # 3. Durability, outside the lock: the commit wrote the WAL without
-        #    syncing it (synchronous=NORMAL), so that no process waits for
-        #    another's fsync to begin its own transaction; the batch's
-        #    callers hear of it only once the WAL is synced.  If that fails,
-        #    the rows are in the queue but maybe not on disk: callers that
-        #    needed durability get an error (a client retries; a duplicate
-        #    is possible, a loss after 250 is not).
-        unsynced: StorageError | None = None
-        if durable:
-            try:
-                self._flush_wal()
-            except OSError as exc:
-                unsynced = StorageError(f"the queue's log could not be synced: {exc}")
-        # 4. Content whose last row is gone may go too (on the spool's own
-        #    thread: unlinks must not delay the next commit).
-        self.spool.delete_soon(after.unlink, barrier=(
-            None if durable and unsynced is None else self._flush_wal))
-        for op, value, failure in results:
-            if failure is None and unsynced is not None and (op.durable or op.files):
-                op.future.set_exception(unsynced)
-            elif failure is None:
-                op.future.set_result(value)
-            else:
-                for f in op.files:
-                    self.spool.discard(f)
-                if isinstance(failure, sqlite3.Error):
-                    failure = StorageError(str(failure))
-                op.future.set_exception(failure)
-
-    @staticmethod
-    def _transaction(batch: list[Op], after: _Batch,
-                     results: list[tuple[Op, Any, BaseException | None]]) -> None:
-        """The whole batch in one transaction, one savepoint per operation."""
-        conn = after.conn
-        conn.execute("BEGIN IMMEDIATE")
-        for op in batch:
-            conn.execute(f"SAVEPOINT {_OP_SAVEPOINT}")
-            try:
-                value = op.work(after)
-            except Exception as exc:
-                conn.execute(f"ROLLBACK TO {_OP_SAVEPOINT}")
-                conn.execute(f"RELEASE {_OP_SAVEPOINT}")
-                results.append((op, None, exc))
-            else:
-                conn.execute(f"RELEASE {_OP_SAVEPOINT}")
-                results.append((op, value, None))
-        conn.execute("COMMIT")
 
     # -- submission --------------------------------------------------------------
 
@@ -524,7 +202,7 @@ class SqliteStore:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
         rows, accepted = queue_rows(submission, sf.spid, sf.size, now)
 
-        def work(after: _Batch) -> Accepted:
+        def work(after: Batch) -> Accepted:
             self._sql.insert(after.conn, rows)
             return accepted
 
@@ -553,7 +231,7 @@ class SqliteStore:
         """Content and rows in one operation: one WAL fsync makes both durable,
         and no file is created, synced or later unlinked."""
 
-        def work(after: _Batch) -> Accepted:
+        def work(after: Batch) -> Accepted:
             conn = after.conn
             spid = submission.spid or new_spid()
             while True:
@@ -566,7 +244,7 @@ class SqliteStore:
                     rows, accepted = queue_rows(submission, spid, len(blob), now)
                     self._sql.insert(conn, rows)
                 except sqlite3.IntegrityError:
-                    conn.execute(f"ROLLBACK TO {_OP_SAVEPOINT}")
+                    conn.execute(f"ROLLBACK TO {OP_SAVEPOINT}")
                     spid = new_spid()
                     continue
                 return accepted
@@ -597,7 +275,7 @@ class SqliteStore:
             return []
         node = self.node_id
 
-        def work(after: _Batch) -> list[QueueEntry]:
+        def work(after: Batch) -> list[QueueEntry]:
             return self._sql.claim(after.conn, limit, now, quota_deferred, node)[0]
 
         # A claim lost in a power cut leaves the entries where they were.
@@ -611,7 +289,7 @@ class SqliteStore:
         items = list(transitions)
         node = self.node_id
 
-        def work(after: _Batch) -> set[str]:
+        def work(after: Batch) -> set[str]:
             conn = after.conn
             applied: set[str] = set()
             touched: set[str] = set()
@@ -656,7 +334,7 @@ class SqliteStore:
         result: set[str] = fut.result()
         return result
 
-    def _collect_gone(self, conn: sqlite3.Connection, spids: set[str], after: _Batch) -> None:
+    def _collect_gone(self, conn: sqlite3.Connection, spids: set[str], after: Batch) -> None:
         """Queue for deletion the content of messages that have no rows left."""
         for spid in spids:
             if conn.execute("SELECT 1 FROM queue WHERE spid = ? LIMIT 1", (spid,)).fetchone():
@@ -671,14 +349,14 @@ class SqliteStore:
         if limit <= 0:
             return []
 
-        def work(after: _Batch) -> list[QueueEntry]:
+        def work(after: Batch) -> list[QueueEntry]:
             return self._sql.claim_bounces(after.conn, limit, now, lease_s)
 
         result: list[QueueEntry] = self._call(work)
         return result
 
     def recover(self, now: float) -> int:
-        def work(after: _Batch) -> int:
+        def work(after: Batch) -> int:
             conn = after.conn
             # On the embedded store one queue manager owns the whole queue, so
             # every in-flight row is ours to return, whichever node id wrote it
@@ -734,7 +412,7 @@ class SqliteStore:
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
         change = self._sql.modifier(selector, action, now, priority, reply)
 
-        def work(after: _Batch) -> list[QueueEntry]:
+        def work(after: Batch) -> list[QueueEntry]:
             conn = after.conn
             return change(conn, lambda spids: self._collect_gone(conn, spids, after))
 

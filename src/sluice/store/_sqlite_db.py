@@ -1,0 +1,244 @@
+"""The sqlite flavour's database: connections, the write lock and the committer.
+
+SUMMARY
+    Database, a part of SqliteStore (a mixin: SqliteStore sets the
+    attributes): _reading() for readers, _submit_op(work) and _call(work)
+    for the committer thread, _write_lock() for every writer; Batch, what
+    the operations of one commit share.
+
+DESCRIPTION
+    Readers take one connection per thread, opened on first use and
+    read-only.  Every write goes through the one committer thread, which
+    owns the only write connection.
+
+STRATEGIES
+    Group commit, and the fsync outside the write lock: the committer runs
+    everything that queued up in one transaction with a savepoint per
+    operation, commits with synchronous=NORMAL under the flock(2) lock
+    beside the database, releases the lock and only then fdatasyncs the
+    WAL before telling the batch's callers (see sluice.store.sqlite,
+    STRATEGIES, for why).  Spool files are synced before the rows that
+    point at them are committed, and deleted only after the commit that
+    removed their last row is durable.
+
+See Also:
+    sluice.store.sqlite (the store), sluice.store._commit (GroupCommitter).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sluice.spool import SpoolFile
+from sluice.spool.fs import FsSpool
+from sluice.store import StorageError
+from sluice.store._commit import GroupCommitter, Op
+
+__all__ = ["OP_SAVEPOINT", "Batch", "Database"]
+
+#: The savepoint each operation of a batch runs in; an operation may roll
+#: back to it to start over.
+OP_SAVEPOINT = "op"
+
+
+@dataclass(slots=True)
+class Batch:
+    """What the operations of one commit share.
+
+    The connection, and the content to delete once the commit is durable.
+    """
+
+    conn: sqlite3.Connection
+    unlink: list[str] = field(default_factory=list)
+
+
+class Database:
+    """SQLite connections and the committer of SqliteStore; see the module doc."""
+
+    db_path: Path
+    spool: FsSpool
+    _busy_timeout_ms: int
+    _local: threading.local
+    _readers: list[sqlite3.Connection]
+    _readers_lock: threading.Lock
+    _closed: bool
+    _lock_fd: int
+    _writer: sqlite3.Connection
+    _committer: GroupCommitter
+
+    # -- connections ---------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.db_path, isolation_level=None, check_same_thread=False,
+            timeout=self._busy_timeout_ms / 1000,
+        )
+        conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        # FULL, not NORMAL: in WAL mode NORMAL is not durable on power loss
+        # (the writer uses NORMAL and syncs the WAL itself: see _commit).
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = OFF")
+        conn.execute("PRAGMA cache_size = -65536")
+        return conn
+
+    def _reader(self) -> sqlite3.Connection:
+        if self._closed:
+            raise StorageError("the store is closed")
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = self._connect()
+                conn.execute("PRAGMA query_only = ON")
+            except sqlite3.Error as exc:
+                raise StorageError(f"cannot read the queue: {exc}") from exc
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        conn = self._reader()
+        try:
+            yield conn
+        except sqlite3.Error as exc:
+            raise StorageError(f"reading the queue failed: {exc}") from exc
+
+    # -- the committer thread -------------------------------------------------------
+
+    def _submit_op(self, work: Callable[[Batch], Any],
+                   files: list[SpoolFile] | None = None, *,
+                   durable: bool = True) -> concurrent.futures.Future[Any]:
+        if self._closed:
+            raise StorageError("the store is closed")
+        return self._committer.submit(work, files or (), durable=durable)
+
+    def _call(self, work: Callable[[Batch], Any], *, durable: bool = True) -> Any:
+        return self._submit_op(work, durable=durable).result()
+
+    @contextlib.contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """The flock(2) beside the database that every process's writer takes."""
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _flush_wal(self) -> None:
+        """Make every commit so far durable: fdatasync the WAL.
+
+        Called after a batch that needs it, and before deleting spool files
+        that an unsynced batch freed.  fdatasync flushes the file, whichever
+        descriptor or process wrote it; a checkpoint in between syncs the
+        WAL before copying it into the database and the database after, so
+        frames it took along are durable too.
+        """
+        try:
+            fd = os.open(f"{self.db_path}-wal", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # no WAL: the last checkpoint synced the database file
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _discard(self, op: Op) -> None:
+        """An operation cancelled before its commit: its content goes."""
+        for f in op.files:
+            self.spool.discard(f)
+
+    def _commit(self, batch: list[Op]) -> None:
+        # 1. Content first: sync every spool file of the batch in one go.
+        files = [f for op in batch for f in op.files]
+        if files:
+            try:
+                self.spool.sync(files)
+            except OSError as exc:
+                err = StorageError(f"spool sync failed: {exc}")
+                for op in batch:
+                    if op.files:
+                        for f in op.files:
+                            self.spool.discard(f)
+                        op.future.set_exception(err)
+                batch = [op for op in batch if not op.files]
+                if not batch:
+                    return
+        # 2. Meta: the whole batch in one transaction, one savepoint per op.
+        conn = self._writer
+        durable = any(op.durable or op.files for op in batch)
+        after = Batch(conn)
+        results: list[tuple[Op, Any, BaseException | None]] = []
+        # Several processes (receivers, the queue manager) commit to one
+        # database.  SQLite's busy handler sleeps 1, 2, 5, 10 ms between
+        # tries; a kernel lock around the transaction wakes the next
+        # committer the moment the current one is done.
+        with self._write_lock():
+            try:
+                self._transaction(batch, after, results)
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                err = StorageError(f"queue commit failed: {exc}")
+                for op in batch:
+                    for f in op.files:
+                        self.spool.discard(f)
+                    op.future.set_exception(err)
+                return
+        # 3. Durability, outside the lock: the commit wrote the WAL without
+        #    syncing it (synchronous=NORMAL), so that no process waits for
+        #    another's fsync to begin its own transaction; the batch's
+        #    callers hear of it only once the WAL is synced.  If that fails,
+        #    the rows are in the queue but maybe not on disk: callers that
+        #    needed durability get an error (a client retries; a duplicate
+        #    is possible, a loss after 250 is not).
+        unsynced: StorageError | None = None
+        if durable:
+            try:
+                self._flush_wal()
+            except OSError as exc:
+                unsynced = StorageError(f"the queue's log could not be synced: {exc}")
+        # 4. Content whose last row is gone may go too (on the spool's own
+        #    thread: unlinks must not delay the next commit).
+        self.spool.delete_soon(after.unlink, barrier=(
+            None if durable and unsynced is None else self._flush_wal))
+        for op, value, failure in results:
+            if failure is None and unsynced is not None and (op.durable or op.files):
+                op.future.set_exception(unsynced)
+            elif failure is None:
+                op.future.set_result(value)
+            else:
+                for f in op.files:
+                    self.spool.discard(f)
+                if isinstance(failure, sqlite3.Error):
+                    failure = StorageError(str(failure))
+                op.future.set_exception(failure)
+
+    @staticmethod
+    def _transaction(batch: list[Op], after: Batch,
+                     results: list[tuple[Op, Any, BaseException | None]]) -> None:
+        """The whole batch in one transaction, one savepoint per operation."""
+        conn = after.conn
+        conn.execute("BEGIN IMMEDIATE")
+        for op in batch:
+            conn.execute(f"SAVEPOINT {OP_SAVEPOINT}")
+            try:
+                value = op.work(after)
+            except Exception as exc:
+                conn.execute(f"ROLLBACK TO {OP_SAVEPOINT}")
+                conn.execute(f"RELEASE {OP_SAVEPOINT}")
+                results.append((op, None, exc))
+            else:
+                conn.execute(f"RELEASE {OP_SAVEPOINT}")
+                results.append((op, value, None))
+        conn.execute("COMMIT")
