@@ -206,6 +206,32 @@ def test_delivered_entries_leave_and_content_goes_with_the_last(store: Store) ->
     assert _content_goes(store, acc.spid)
 
 
+def test_one_call_for_all_recipients_of_a_message_reports_each(store: Store) -> None:
+    """The recipients of one transaction in one apply (SQLite runs them as one
+    statement): each is reported by itself, and one not in the expected
+    state is neither changed nor reported."""
+    acc = store.submit(sub("a@x.org", "b@x.org", "c@x.org", "d@x.org"), body(), T0)
+    e0, e1, e2, e3 = store.claim(10, T0, 10)
+    store.apply([Transition(e2.qid, S.HOLD)])
+    marked = store.apply([Transition(e.qid, S.DELIVERING, expect=(S.ACTIVE,))
+                          for e in (e0, e1, e2, e3)])
+    assert marked == {e0.qid, e1.qid, e3.qid}
+    assert states(store) == {e0.qid: S.DELIVERING, e1.qid: S.DELIVERING, e2.qid: S.HOLD,
+                             e3.qid: S.DELIVERING}
+    ok = Reply(250, "2.0.0", "ok")
+    gone = store.apply([Transition(e.qid, None, reply=ok, expect=(S.DELIVERING,))
+                        for e in (e0, e1, e2, e3)])
+    assert gone == {e0.qid, e1.qid, e3.qid}
+    assert states(store) == {e2.qid: S.HOLD}
+    assert read(store, acc.spid) == body()  # the held recipient keeps the content
+    # The same entry twice in one call: applied in order, not grouped.
+    twice = store.apply([Transition(e2.qid, S.DEFERRED, next_attempt_at=T0, expect=(S.HOLD,)),
+                         Transition(e2.qid, S.HOLD, expect=(S.HOLD,))])
+    assert twice == {e2.qid} and states(store) == {e2.qid: S.DEFERRED}
+    store.apply([Transition(e2.qid, None)])
+    assert _content_goes(store, acc.spid)
+
+
 def test_outcomes_applied_without_a_flush_still_apply_and_free_content(store: Store) -> None:
     acc = store.submit(sub(), body(), T0)
     (e,) = store.claim(10, T0, 10)

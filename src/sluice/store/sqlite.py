@@ -114,6 +114,39 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
+#: Entries per grouped statement in apply(): far below SQLite's limit on
+#: variables.
+_KEYS_PER_STATEMENT = 400
+
+
+def _transition_sql(t: Transition, node: str) -> tuple[str, tuple[Any, ...]]:
+    """The statement that applies ``t`` up to its key condition, and its values.
+
+    The statement ends inside its WHERE clause; the caller adds the key
+    (one entry, or several as one row-value IN list).
+    """
+    cond = "WHERE 1"
+    cparams: list[Any] = []
+    if t.expect:
+        cond = f"WHERE state IN ({','.join('?' * len(t.expect))})"
+        cparams.extend(str(s) for s in t.expect)
+    if t.state is None:
+        return f"DELETE FROM queue {cond}", tuple(cparams)
+    sets = ["state = ?"]
+    params: list[Any] = [str(t.state)]
+    if t.next_attempt_at is not None:
+        sets.append("next_attempt_at = ?")
+        params.append(t.next_attempt_at)
+    if t.reply is not None:
+        sets += ["last_code = ?", "last_enhanced = ?", "last_text = ?",
+                 "last_mta = ?", "last_attempt_at = ?"]
+        params += reply_columns(t.reply)
+    if t.attempted:
+        sets.append("attempts = attempts + 1")
+    sets.append("owner = ?")
+    params.append(node if t.state in IN_FLIGHT_STATES else None)
+    return f"UPDATE queue SET {', '.join(sets)} {cond}", (*params, *cparams)
+
 #: How long an orphan spool file (content without rows) must have existed
 #: before recover() removes it: a submission in another process may be
 #: between its spool write and its commit.
@@ -293,38 +326,40 @@ class SqliteStore(Database):
             conn = after.conn
             applied: set[str] = set()
             touched: set[str] = set()
+            # Transitions of one message with the same statement and values
+            # (its recipients in one transaction: delivered, or marked
+            # delivering) run as one statement over their indexes.  Grouping
+            # reorders, so it is only done when no entry appears twice.
+            groups: dict[tuple[str, tuple[Any, ...], str], list[tuple[int, str]]] = {}
+            each: list[tuple[str, tuple[Any, ...], str, list[tuple[int, str]]]] = []
             for t in items:
                 spid, idx = parse_qid(t.qid)
                 if idx is None:
                     raise ValueError(f"a transition needs a full queue id, not {t.qid!r}")
-                cond = "spid = ? AND idx = ?"
-                cparams: list[Any] = [spid, idx]
-                if t.expect:
-                    cond += f" AND state IN ({','.join('?' * len(t.expect))})"
-                    cparams.extend(str(s) for s in t.expect)
-                if t.state is None:
-                    cur = conn.execute(f"DELETE FROM queue WHERE {cond}", cparams)
-                else:
-                    sets = ["state = ?"]
-                    params: list[Any] = [str(t.state)]
-                    if t.next_attempt_at is not None:
-                        sets.append("next_attempt_at = ?")
-                        params.append(t.next_attempt_at)
-                    if t.reply is not None:
-                        sets += ["last_code = ?", "last_enhanced = ?", "last_text = ?",
-                                 "last_mta = ?", "last_attempt_at = ?"]
-                        params += reply_columns(t.reply)
-                    if t.attempted:
-                        sets.append("attempts = attempts + 1")
-                    sets.append("owner = ?")
-                    params.append(node if t.state in IN_FLIGHT_STATES else None)
-                    cur = conn.execute(
-                        f"UPDATE queue SET {', '.join(sets)} WHERE {cond}", params + cparams
-                    )
-                if cur.rowcount:
-                    applied.add(t.qid)
-                    if t.state is None:
-                        touched.add(spid)
+                statement, params = _transition_sql(t, node)
+                groups.setdefault((statement, params, spid), []).append((idx, t.qid))
+                each.append((statement, params, spid, [(idx, t.qid)]))
+            plan = each
+            if len(groups) < len(items) and len({(g[2], g[3][0][0]) for g in each}) == len(items):
+                plan = [(*key, keys) for key, keys in groups.items()]
+            for statement, params, spid, keys in plan:
+                for at in range(0, len(keys), _KEYS_PER_STATEMENT):
+                    part = keys[at : at + _KEYS_PER_STATEMENT]
+                    if len(part) == 1:
+                        idx, qid = part[0]
+                        cur = conn.execute(statement + " AND spid = ? AND idx = ?",
+                                           (*params, spid, idx))
+                        done = [qid] if cur.rowcount else []
+                    else:
+                        by_idx = dict(part)
+                        rows = conn.execute(
+                            f"{statement} AND spid = ? AND idx IN ({','.join('?' * len(part))})"
+                            " RETURNING idx", (*params, spid, *by_idx)).fetchall()
+                        done = [by_idx[idx] for idx, in rows]
+                    if done:
+                        applied.update(done)
+                        if statement.startswith("DELETE"):
+                            touched.add(spid)
             self._collect_gone(conn, touched, after)
             return applied
 
