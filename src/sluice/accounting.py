@@ -87,6 +87,9 @@ EVENT_FIELDS: tuple[str, ...] = (
 )
 
 
+#: One encoder for every line: json.dumps with arguments builds a new one per call.
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
 _second: tuple[int, str] = (-1, "")  # the last whole second formatted, and its text
 
 
@@ -178,7 +181,7 @@ class AccountingLog:
             if self.node and not event.get("node"):
                 event = {**event, "node": self.node}
             written.append(event)
-            lines.append(json.dumps(event, separators=(",", ":"), ensure_ascii=False))
+            lines.append(_encode(event))
         if not lines:
             return 0
         data = ("\n".join(lines) + "\n").encode("utf-8")
