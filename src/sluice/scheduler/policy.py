@@ -1,4 +1,4 @@
-"""Pickup policies: counters over fields, conditions, groups and thresholds.
+r"""Pickup policies: counters over fields, conditions, groups and thresholds.
 
 SUMMARY
     Policy, Counter, FieldSpec, Group, Pattern, Condition, Thresholds,
@@ -25,7 +25,7 @@ DESCRIPTION
     limit.
 
     A field may carry *groups* that roll values up into one entry:
-    ``remotemx: {gsuite: ['*.google.com', '/\\.goog$/']}`` makes every MX
+    ``remotemx: {gsuite: ['*.google.com', '/\.goog$/']}`` makes every MX
     that matches one of the patterns count as the single value
     ``#gsuite``, which conditions then name.  Patterns are wildcards
     (``*`` = any characters) or ``/regex/`` (``/regex/i`` ignores case),
@@ -406,7 +406,8 @@ class Policy:
         """This policy with ``cond`` inserted in a counter at ``position`` (0:
         evaluated first); a condition with the same id is replaced.  A
         condition without an id gets the first free ``cN``.  Returns the
-        new policy and the condition as inserted."""
+        new policy and the condition as inserted.
+        """
         counter = self.counter(counter_id)
         conditions = list(counter.conditions)
         if not cond.id:

@@ -126,6 +126,7 @@ class MessageBuffer:
 
     @property
     def spilled(self) -> bool:
+        """Whether the message outgrew memory and is being written to a file."""
         return self._file is not None
 
     def write(self, text: bytes) -> None:
@@ -240,6 +241,7 @@ class MessageBuffer:
             yield piece
 
     def close(self) -> None:
+        """Drop the text held, closing the spill file if there is one."""
         self._pieces = []
         if self._file is not None:
             self._file.close()
