@@ -79,6 +79,7 @@ __all__ = [
 
 
 class BounceCategory(StrEnum):
+    """Why a recipient failed: the categories the bounce classification assigns."""
     BAD_MAILBOX = "bad-mailbox"
     BAD_DOMAIN = "bad-domain"
     INACTIVE_MAILBOX = "inactive-mailbox"
@@ -343,6 +344,7 @@ def mask(text: str | None) -> str:
 # Throttling: replies that ask us to slow down rather than refuse the mail.
 
 class ThrottleKind(StrEnum):
+    """What a throttling reply complains of."""
     RATE = "rate"  # too many messages per time unit
     CONNECTIONS = "connections"  # too many connections at once
     CONNECT_RATE = "connect-rate"  # new connections too often
