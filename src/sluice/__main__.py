@@ -1,4 +1,4 @@
-"""python -m sluice"""
+"""Run the command line: ``python -m sluice`` is ``sluice``."""
 
 import sys
 

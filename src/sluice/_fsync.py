@@ -37,7 +37,7 @@ def _sync_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def fsync_path(path: str) -> None:
-    """fsync a file or a directory by path."""
+    """Sync a file or a directory to disk by path (fsync)."""
     flags = os.O_RDONLY | os.O_CLOEXEC
     if os.path.isdir(path):
         flags |= os.O_DIRECTORY
@@ -49,7 +49,7 @@ def fsync_path(path: str) -> None:
 
 
 def fsync_paths(paths: Iterable[str], also: Callable[[], None] | None = None) -> None:
-    """fsync files and directories by path, in parallel; ``also`` runs meanwhile.
+    """Sync files and directories by path, in parallel; ``also`` runs meanwhile.
 
     An fsync through a read-only descriptor flushes the file's dirty pages
     as well as one through the descriptor that wrote them (Linux), so
@@ -77,7 +77,7 @@ def fsync_paths(paths: Iterable[str], also: Callable[[], None] | None = None) ->
 
 
 def fsync_fds(fds: Iterable[int]) -> None:
-    """fsync open descriptors in parallel; raises the first OSError."""
+    """Sync open descriptors in parallel (fsync); raises the first OSError."""
     todo = list(fds)
     if len(todo) <= 1:
         for fd in todo:

@@ -43,6 +43,7 @@ __all__ = ["EVENT_FIELDS", "AccountingLog", "EventKind", "iso_time", "make_event
 
 
 class EventKind(StrEnum):
+    """What happened to a recipient: the ``event`` of an accounting line."""
     RECEIVED = "received"
     DEFERRED = "deferred"
     DELIVERED = "delivered"
@@ -165,6 +166,7 @@ class AccountingLog:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def filename(self, at: float) -> str:
+        """The name of the file that holds lines written at ``at`` (hourly or daily)."""
         fmt = "%Y%m%dT%H" if self.rotate == "hourly" else "%Y%m%d"
         return f"sluice-acct-{datetime.fromtimestamp(at, UTC).strftime(fmt)}.jsonl"
 
@@ -223,9 +225,11 @@ class AccountingLog:
                 continue
 
     def files(self) -> list[Path]:
+        """The accounting files under ``path``, oldest first."""
         return sorted(self.path.glob("sluice-acct-*.jsonl"))
 
     def close(self) -> None:
+        """Close the file being appended to; the next write opens it again."""
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)

@@ -97,6 +97,7 @@ class Mailbox:
 
 @dataclass(frozen=True, slots=True)
 class Invalid:
+    """Why check() refused an address."""
     reason: str
 
 

@@ -152,10 +152,12 @@ class EndOfData:
 
     @property
     def sender(self) -> str:
+        """The envelope sender of the submission."""
         return self.submission.sender
 
     @property
     def recipients(self) -> tuple[str, ...]:
+        """The envelope recipients of the submission."""
         return self.submission.recipients
 
     def headers(self) -> Message:
@@ -310,9 +312,10 @@ class PostDelivery:
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """Post-delivery: take a traffic shaping action (docs/shaping.md), as a
-    rule would, for the attempt's destination -- and keep the outcome, or
-    replace it with ``outcome``.
+    """Post-delivery: take a traffic shaping action for the attempt's destination.
+
+    As a rule would (docs/shaping.md); then keep the outcome, or replace it
+    with ``outcome``.
 
     ``action``: suspend, suspend-tenant, suspend-job, backoff, condition
     (with ``concurrency`` and/or ``rate`` such as "1/10") or bounce.
@@ -475,8 +478,10 @@ class Hooks:
         return result
 
     async def run_pre_delivery(self, entry: QueueEntry) -> PreDecision:
-        """The hook's decision for ``entry``; Proceed() without a hook,
-        Defer(451 4.3.0) if it fails."""
+        """The hook's decision for ``entry``.
+
+        Proceed() without a hook, Defer(451 4.3.0) if it fails.
+        """
         hook = self.pre_delivery
         if hook is None:
             return _PROCEED
@@ -494,8 +499,10 @@ class Hooks:
         return result
 
     async def run_post_delivery(self, context: PostDelivery) -> Outcome:
-        """The final outcome: the hook's override, or the original outcome when
-        there is no hook, it returns None, or it fails."""
+        """The final outcome: the hook's override, or the original outcome.
+
+        The original stands when there is no hook, it returns None, or it fails.
+        """
         hook = self.post_delivery
         if hook is None:
             return context.outcome

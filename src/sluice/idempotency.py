@@ -95,8 +95,10 @@ class _Entries(Protocol):
 
 
 def in_store(store: _Entries) -> Callable[[str, str], bool]:
-    """settle()'s question put to a queue store: is ``qid`` there, with the
-    recipient and sender of ``fingerprint``?"""
+    """settle()'s question put to a queue store: is ``qid`` there, as ``fingerprint`` says?
+
+    That is, with the recipient and sender of ``fingerprint``.
+    """
     def exists(qid: str, fp: str) -> bool:
         entry = store.get(qid)
         return entry is not None and fingerprint(entry.recipient, entry.sender) == fp
@@ -105,6 +107,7 @@ def in_store(store: _Entries) -> Callable[[str, str], bool]:
 
 
 class HitState(IntEnum):
+    """Where a remembered key stands: claimed, or answered by a durable queue id."""
     PENDING = 0  # claimed; its submission is in flight (or was, at a crash)
     DONE = 1  # its submission is durable; qid is the answer
 
@@ -130,6 +133,7 @@ class Hit:
 
     @property
     def done(self) -> bool:
+        """Whether the key's submission is durable, so ``qid`` is the answer."""
         return self.state is HitState.DONE
 
 
@@ -187,8 +191,11 @@ class IdempotencyIndex:
 
     @contextlib.contextmanager
     def _conn(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
-        """One write transaction; FULL syncs the WAL at commit, NORMAL leaves
-        it to the next FULL commit (or checkpoint)."""
+        """One write transaction.
+
+        FULL syncs the WAL at commit, NORMAL leaves it to the next FULL commit
+        (or checkpoint).
+        """
         conn = self._connection()
         conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         conn.execute("BEGIN IMMEDIATE")
@@ -200,6 +207,7 @@ class IdempotencyIndex:
         conn.execute("COMMIT")
 
     def close(self) -> None:
+        """Close every thread's connection; a later call opens new ones."""
         with self._lock:
             conns, self._all = self._all, []
         for conn in conns:
@@ -228,17 +236,22 @@ class IdempotencyIndex:
 
     def remember(self, scope: str, claims: Sequence[Claim], now: float | None = None
                  ) -> dict[str, Hit]:
-        """Claim keys for their planned queue ids, durably; returns the keys that
-        were known already (within the window), which are left as they were."""
+        """Claim keys for their planned queue ids, durably.
+
+        Returns the keys that were known already (within the window), which are
+        left as they were.
+        """
         return self.remember_all({scope: claims}, now).get(scope, {})
 
     def remember_all(self, claims: Mapping[str, Sequence[Claim]], now: float | None = None,
                      durable: bool = True) -> dict[str, dict[str, Hit]]:
-        """remember() for several scopes in one transaction (one fsync);
-        returns the known keys per scope (scopes with none left out).
+        """remember() for several scopes in one transaction (one fsync).
+
+        Returns the known keys per scope (scopes with none left out).
 
         ``durable=False`` leaves the sync to the next durable write: a power
-        cut may then lose the claims (never a message: see sluice.smtpd.dedupe)."""
+        cut may then lose the claims (never a message: see sluice.smtpd.dedupe).
+        """
         at = self.clock() if now is None else now
         for items in claims.values():
             if len(items) != len({c.key for c in items}):
@@ -277,9 +290,11 @@ class IdempotencyIndex:
                 [(scope, key, int(HitState.PENDING)) for key in items])
 
     def settle(self, exists: Callable[[str, str], bool]) -> tuple[int, int]:
-        """After a restart: a pending key whose planned queue id ``exists`` (with
-        that fingerprint) is confirmed, any other is forgotten.  Returns
-        (confirmed, forgotten)."""
+        """After a restart: confirm the pending keys whose queue id exists, forget the rest.
+
+        A pending key whose planned queue id ``exists`` (with that fingerprint)
+        is confirmed, any other is forgotten.  Returns (confirmed, forgotten).
+        """
         conn = self._connection()
         pending = conn.execute(
             "SELECT scope, key, fingerprint, qid FROM idempotency WHERE state = ?",

@@ -67,6 +67,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line: time (UTC, ISO 8601), level, logger, message."""
 
     def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON, with its ``event`` and traceback if it has them."""
         out: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
@@ -185,8 +186,10 @@ def _stamp(event: Mapping[str, Any]) -> str:
 
 
 def maillog_line(event: Mapping[str, Any], host: str = "", pid: int | None = None) -> str | None:
-    """The Postfix-style line for one accounting event, or None if Postfix
-    would write none for it."""
+    """The Postfix-style line for one accounting event.
+
+    None if Postfix would write none for it.
+    """
     kind = str(event.get("event"))
     qid = event.get("spid") or event.get("qid")
     head = f"{_stamp(event)} {host or event.get('node') or 'localhost'}"
@@ -226,8 +229,11 @@ def _secs(value: float) -> str:
 
 
 class MailLog:
-    """Appends lines to one file, each batch one write(2) (O_APPEND), so
-    several processes share it; reopened when logrotate moves it away."""
+    """Appends lines to one file that several processes share.
+
+    Each batch is one write(2) (O_APPEND); the file is reopened when
+    logrotate moves it away.
+    """
 
     def __init__(self, path: str, hostname: str = "") -> None:
         self.path = path
@@ -255,6 +261,10 @@ class MailLog:
         return self._fd
 
     def write(self, lines: list[str]) -> None:
+        """Append ``lines`` in one write, under our host name if one is set.
+
+        A failure to write is logged as a warning, not raised.
+        """
         if self.hostname:
             lines = [_rehost(line, self.hostname) for line in lines]
         data = ("\n".join(lines) + "\n").encode("utf-8", errors="replace")
@@ -268,6 +278,7 @@ class MailLog:
                 logging.getLogger("sluice.logs").warning("mail log %s: %s", self.path, exc)
 
     def close(self) -> None:
+        """Close the file; the next write opens it again."""
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)

@@ -58,8 +58,11 @@ _BOUNDARY_RE = re.compile(rb'(?i);\s*boundary\s*=\s*(?:"((?:[^"\\\r\n]|\\.)*)"|(
 
 
 class HeaderScan:
-    """Fed the content in order; ``utf8`` is True once a UTF-8 header block
-    (top, MIME part or attached message) has been seen."""
+    """Finds whether a message has a UTF-8 header block, fed its content in order.
+
+    ``utf8`` is True once a UTF-8 header block (top, MIME part or attached
+    message) has been seen.
+    """
 
     def __init__(self) -> None:
         self.utf8 = False
@@ -69,9 +72,11 @@ class HeaderScan:
 
     @property
     def settled(self) -> bool:
-        """No more content can change the answer: a UTF-8 block was seen,
-        or a body is being read outside any multipart (no header block can
-        follow)."""
+        """Whether no more content can change the answer.
+
+        True once a UTF-8 block was seen, or a body is being read outside any
+        multipart (no header block can follow).
+        """
         return self.utf8 or (self._header is None and not self._boundaries)
 
     def feed(self, data: bytes) -> None:

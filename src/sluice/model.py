@@ -94,8 +94,10 @@ def recipient_domain(address: str) -> str:
 
 
 def ascii_envelope(sender: str, recipients: Iterable[str]) -> bool:
-    """Whether every address of an envelope is ASCII (RFC 6531: otherwise
-    the message can only travel with SMTPUTF8)."""
+    """Whether every address of an envelope is ASCII.
+
+    Otherwise the message can only travel with SMTPUTF8 (RFC 6531).
+    """
     return sender.isascii() and all(r.isascii() for r in recipients)
 
 
@@ -162,8 +164,11 @@ class Reply:
         return " ".join(parts)
 
     def describe(self) -> str:
-        """The reply for a person: "host mx.example.com said: 550 5.1.1 ..."
-        when a server gave it, else what Sluice said."""
+        """The reply for a person.
+
+        "host mx.example.com said: 550 5.1.1 ..." when a server gave it, else
+        what Sluice said.
+        """
         return f"host {self.remote_mta} said: {self}" if self.remote_mta else str(self)
 
     def to_record(self) -> list[object]:
@@ -175,8 +180,11 @@ class Reply:
 
     @classmethod
     def from_record(cls, record: Sequence[Any]) -> Reply:
-        """The reply of to_record(); a three-item record (written before
-        Sluice kept who and when) reads as a reply Sluice made, at no time."""
+        """The reply of to_record().
+
+        A three-item record (written before Sluice kept who and when) reads as
+        a reply Sluice made, at no time.
+        """
         mta = record[3] if len(record) > 3 else ""
         at = record[4] if len(record) > 4 else None
         return cls(int(record[0]), record[1] or "", record[2] or "", mta or "",
@@ -184,10 +192,12 @@ class Reply:
 
     @property
     def is_permanent(self) -> bool:
+        """Whether the reply is a permanent failure (5xx)."""
         return 500 <= self.code <= 599
 
     @property
     def is_transient(self) -> bool:
+        """Whether the reply is a transient failure (4xx)."""
         return 400 <= self.code <= 499
 
 
@@ -254,8 +264,10 @@ class Submission:
             raise ValueError("delay_s must not be negative")
 
     def initial_state(self, now: float) -> tuple[QueueState, float]:
-        """The state and next_attempt_at its entries start with when queued at
-        ``now`` (every store flavour, and the accounting of a submission)."""
+        """The state and next_attempt_at its entries start with when queued at ``now``.
+
+        Every store flavour uses it, and so does the accounting of a submission.
+        """
         if self.hold:
             return QueueState.HOLD, now
         if self.delay_s > 0:
@@ -340,6 +352,7 @@ class Selector:
 
     @property
     def is_empty(self) -> bool:
+        """Whether the selector has no criterion (it would match every entry)."""
         return not (
             self.qids
             or self.states

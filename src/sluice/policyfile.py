@@ -105,6 +105,11 @@ def _times_to_epoch(data: Any) -> Any:
 
 
 def read_yaml(path: str) -> Any:
+    """Read a YAML file, its ISO 8601 times as POSIX seconds.
+
+    Raises PolicyError naming the file when it is missing, unreadable, not
+    UTF-8 or not YAML (with the line and column).
+    """
     try:
         text = Path(path).read_text("utf-8")
     except FileNotFoundError:

@@ -33,6 +33,7 @@ def entry_json(e: QueueEntry) -> dict[str, Any]:
 
 
 def counts_json(c: Counts) -> dict[str, Any]:
+    """Queue counts as JSON: messages, recipients, and recipients by state."""
     return {"messages": c.messages, "recipients": c.recipients,
             "by_state": {s.value: c[s] for s in QueueState}}
 

@@ -60,6 +60,12 @@ class _QueueSettings(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
+    """When to try a deferred recipient again, and when to give it up.
+
+    ``mode`` is "schedule" (``delays_s``) or "exponential" (between
+    ``minimal_backoff_s`` and ``maximal_backoff_s``); the module header
+    describes both, the granularity and the expiry.
+    """
     delays_s: tuple[float, ...] = (1800.0, 7200.0, 14400.0)
     granularity_s: float = 900.0
     maxtime_s: float = 72 * 3600.0
@@ -83,6 +89,7 @@ class RetryPolicy:
 
     @classmethod
     def from_config(cls, queue: _QueueSettings) -> RetryPolicy:
+        """The policy the queue section of a configuration describes."""
         return cls(
             delays_s=tuple(queue.retry_delays),
             granularity_s=queue.retry_granularity,
@@ -111,12 +118,15 @@ class RetryPolicy:
         return math.ceil(at / g - 1e-9) * g
 
     def maxtime_for(self, is_report: bool) -> float:
+        """How long a message may stay queued: shorter for reports."""
         return self.maxtime_reports_s if is_report else self.maxtime_s
 
     def expires_at(self, arrival_at: float, is_report: bool) -> float:
+        """When a message that arrived at ``arrival_at`` is given up."""
         return arrival_at + self.maxtime_for(is_report)
 
     def is_expired(self, now: float, arrival_at: float, is_report: bool) -> bool:
+        """Whether a message that arrived at ``arrival_at`` is given up at ``now``."""
         return now >= self.expires_at(arrival_at, is_report)
 
     def next_attempt_at(

@@ -72,6 +72,7 @@ def parse_behaviour(text: str) -> Behaviour:
 
 @dataclass(frozen=True, slots=True)
 class ReceivedMessage:
+    """One message the sink accepted, kept when the sink is asked to keep them."""
     sender: str
     recipients: tuple[str, ...]
     data: bytes
@@ -101,6 +102,7 @@ class SinkStats:
     rises_by_domain: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
 
     def copy(self) -> SinkStats:
+        """A copy whose counters and lists are not shared with this one."""
         return SinkStats(
             delivered=collections.Counter(self.delivered),
             replies=collections.Counter(self.replies),
@@ -118,6 +120,7 @@ class SinkStats:
 
     @property
     def total_delivered(self) -> int:
+        """How many recipients were accepted, over all domains."""
         return sum(self.delivered.values())
 
 
@@ -176,6 +179,7 @@ class Sink:
     # -- behaviour -----------------------------------------------------------------
 
     def behaviour(self, domain: str) -> Behaviour:
+        """The behaviour for ``domain``: exact name, then ``*.`` pattern, then the default."""
         domain = domain.lower()
         if domain in self.behaviours:
             return self.behaviours[domain]
@@ -277,6 +281,7 @@ class Sink:
                 self._stats.current_by_domain[domain] -= 1
 
     def snapshot(self) -> SinkStats:
+        """A copy of the statistics so far, safe to read while the sink runs."""
         with self._lock:
             return self._stats.copy()
 
@@ -296,6 +301,7 @@ class Sink:
         return int(sock[1])
 
     async def stop(self) -> None:
+        """Close the listening servers and wait for them to finish."""
         for server in self._servers:
             server.close()
             await server.wait_closed()
@@ -330,6 +336,7 @@ class Sink:
         return ready[0]
 
     def stop_thread(self) -> None:
+        """Stop the event loop start_in_thread() runs, and wait for its thread."""
         if self._loop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)

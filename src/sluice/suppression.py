@@ -110,12 +110,14 @@ VERSION = 1
 
 
 class SuppressionReason(StrEnum):
+    """Why an address is on the suppression list."""
     HARD = "hard"  # a permanent failure that says the address is bad
     SOFT = "soft"  # N soft failures in a row within D days
     MANUAL = "manual"  # put there by an operator; the pipeline keeps it
 
 
 class SuppressionMode(StrEnum):
+    """What the SMTP server does with a suppressed recipient."""
     REJECT = "reject"  # 550 5.1.1 at RCPT TO
     DROP = "drop"  # accept, leave the recipient out, log it
 
@@ -189,9 +191,11 @@ class SuppressionEntry:
 
     @property
     def is_domain(self) -> bool:
+        """Whether the entry lists a whole domain (``@example.com``)."""
         return self.address.startswith("@")
 
     def is_expired(self, now: float) -> bool:
+        """Whether the entry has an expiry time and it has passed at ``now``."""
         return self.expires_at is not None and self.expires_at <= now
 
     def reply(self, address: str | None = None) -> Reply:
@@ -213,6 +217,7 @@ class SuppressionEntry:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as JSON, its times as ISO 8601 text."""
         return {
             "address": self.address,
             "reason": str(self.reason),
@@ -495,9 +500,11 @@ class SuppressionList:
 
 def suppressed_event(address: str, sender: str, entry: SuppressionEntry, now: float, *,
                      node: str = "", spid: str = "", size: int = 0) -> dict[str, Any]:
-    """The accounting line of one suppressed recipient (refused or dropped):
-    no queue entry exists for it, so ``qid`` is null, and ``spid`` is the
-    message's when the rest of its recipients were queued."""
+    """The accounting line of one suppressed recipient (refused or dropped).
+
+    No queue entry exists for it, so ``qid`` is null, and ``spid`` is the
+    message's when the rest of its recipients were queued.
+    """
     row = QueueEntry(spid=spid, idx=0, sender=sender, recipient=address,
                      state=QueueState.INCOMING, arrival_at=now, next_attempt_at=now, size=size)
     event = make_event(EventKind.SUPPRESSED, row, now, node=node, reply=entry.reply(address),

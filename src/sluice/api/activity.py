@@ -68,8 +68,10 @@ _MASKS = (
 
 
 def reason_of(event: Mapping[str, Any]) -> str:
-    """A deferral's reply with what varies between messages masked (at most 160
-    characters): the key of the top reasons."""
+    """The key of the top reasons: a deferral's reply with what varies between messages masked.
+
+    At most 160 characters.
+    """
     code = event.get("code")
     enhanced = event.get("enhanced")
     text = str(event.get("response") or "").strip()
@@ -81,8 +83,10 @@ def reason_of(event: Mapping[str, Any]) -> str:
 
 
 class _MinuteRing:
-    """Counts per minute over the last hour, per kind; only minutes with events
-    take room (most destinations see few)."""
+    """Counts per minute over the last hour, per kind.
+
+    Only minutes with events take room (most destinations see few).
+    """
 
     __slots__ = ("kinds", "minutes")
 
@@ -193,8 +197,11 @@ class Activity:
 
     def series(self, now: float, step_s: int, window_s: int = HOUR_S
                ) -> list[tuple[float, float, float, float, float]]:
-        """(start of the step, accepted, delivered, deferred, bounced per second),
-        oldest first, for the whole seconds of the last ``window_s`` before ``now``."""
+        """Per step: (start of the step, accepted, delivered, deferred, bounced per second).
+
+        Oldest first, for the whole seconds of the last ``window_s`` before
+        ``now``.
+        """
         if step_s < 1 or window_s < step_s or window_s > HOUR_S:
             raise ValueError("step_s must be >= 1 and window_s from step_s to one hour")
         end = int(now)  # the current second is still filling: not shown

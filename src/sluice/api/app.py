@@ -73,8 +73,11 @@ _NOT_JSON = {"json_invalid", "json_type"}
 
 
 def _not_json(error: Any) -> bool:
-    """Whether a validation error says the body is not JSON: it did not parse, it
-    was not sent as JSON (FastAPI hands over the raw bytes), or it is empty."""
+    """Whether a validation error says the body is not JSON.
+
+    That is, it did not parse, it was not sent as JSON (FastAPI hands over
+    the raw bytes), or it is empty.
+    """
     if tuple(error.get("loc", ()))[:1] != ("body",):
         return False
     if error.get("type") in _NOT_JSON:

@@ -78,6 +78,7 @@ MAX_QIDS = 1000
 
 
 class AuditAction(StrEnum):
+    """The kinds of change the audit history records, as its ``action`` names them."""
     SUSPENSION_ADD = "suspension.add"
     SUSPENSION_REMOVE = "suspension.remove"
     CONDITION_ADD = "condition.add"
@@ -119,6 +120,7 @@ def audit_path(config: Config) -> str:
 
 @dataclass(frozen=True, slots=True)
 class AuditRecord:
+    """One change in the audit history: when, who, what, why, and the state before and after."""
     id: int
     at: float
     who: str
@@ -133,6 +135,7 @@ class AuditRecord:
     ends: tuple[int, ...] = field(default=())
 
     def to_data(self) -> dict[str, Any]:
+        """The record as plain data, as the history file keeps it."""
         data = asdict(self)
         data["ends"] = list(self.ends)
         return data
@@ -262,11 +265,13 @@ class AuditLog:
             return iter(list(self._records))
 
     def get(self, record_id: int) -> AuditRecord | None:
+        """The record with id ``record_id``, the file read again first; None if there is none."""
         with self._lock:
             self._refresh()
             return self._by_id.get(record_id)
 
     def rolled_back_by(self, record_id: int) -> int | None:
+        """The id of the record that rolled ``record_id`` back, if one did."""
         with self._lock:
             return self._undone.get(record_id)
 
@@ -276,16 +281,21 @@ class AuditLog:
             return self._ended.get(record_id)
 
     def reversible_now(self, record: AuditRecord, now: float) -> bool:
-        """Whether a rollback could still apply: the kind of change allows it,
-        nothing ended it and it has not expired by itself."""
+        """Whether a rollback could still apply.
+
+        The kind of change allows it, nothing ended it and it has not expired
+        by itself.
+        """
         if not record.reversible or self.ended_by(record.id) is not None:
             return False
         expires = record.expires_at
         return expires is None or expires > now
 
     def page(self, limit: int, before: int | None = None) -> tuple[list[AuditRecord], int | None]:
-        """Up to ``limit`` records older than id ``before`` (None: the newest),
-        newest first, and the cursor for the next page (None: no more)."""
+        """Up to ``limit`` records older than id ``before`` (None: the newest), newest first.
+
+        Also the cursor for the next page (None: no more).
+        """
         with self._lock:
             self._refresh()
             records = self._records
@@ -325,7 +335,8 @@ class AuditLog:
         """Write one record durably; returns it with its id.  Blocks (lock, fsync).
 
         A policy reload ends the run-time condition changes made since the
-        policy was last loaded, unless ``ends`` says otherwise."""
+        policy was last loaded, unless ``ends`` says otherwise.
+        """
         with self._lock:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
             try:
@@ -363,8 +374,10 @@ class AuditLog:
                            None, after, reversible=False, now=now)
 
     def restarted(self, now: float, who: str = "sluice serve") -> AuditRecord | None:
-        """At start: record that the run-time condition changes of the last run
-        are gone (None when there were none)."""
+        """At start: record that the run-time condition changes of the last run are gone.
+
+        None when there were none.
+        """
         with self._lock:
             self._refresh()
             open_changes = self._open_condition_changes()

@@ -52,6 +52,7 @@ class ApiRequestError(Exception):
         super().__init__(self.describe())
 
     def describe(self) -> str:
+        """The error as one line: the error, its status and its details."""
         if isinstance(self.detail, list):
             parts = [f"{p.get('path', '')}: {p.get('message', '')}" if isinstance(p, dict)
                      else str(p) for p in self.detail]
@@ -76,6 +77,7 @@ def base_url(config: Config) -> str:
 
 
 def default_token(config: Config) -> str | None:
+    """The token a command uses: $SLUICE_API_TOKEN, else the first of api.tokens."""
     env = os.environ.get(ENV_TOKEN)
     if env:
         return env
@@ -94,6 +96,7 @@ class ApiClient:
     @classmethod
     def from_config(cls, config: Config, *, url: str | None = None, token: str | None = None,
                     timeout: float = 15.0) -> ApiClient:
+        """A client for the API a configuration describes; ``url`` and ``token`` override it."""
         return cls(url or base_url(config), token or default_token(config), timeout)
 
     def request(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,

@@ -96,6 +96,7 @@ class ConsoleOps:
     # -- a message ---------------------------------------------------------------------
 
     def may_read_bodies(self, who: str) -> bool:
+        """Whether the token named ``who`` may read message bodies (api.body_tokens)."""
         return who in self.c.config.api.body_tokens
 
     async def _read(self, spid: str, limit: int, *, headers_only: bool) -> tuple[bytes, bool]:
@@ -119,8 +120,10 @@ class ConsoleOps:
         return await self.c.io(work)
 
     async def _known(self, text: str) -> str:
-        """The SPID of a message still in the queue (404 otherwise: content goes
-        with the last recipient)."""
+        """The SPID of a message still in the queue.
+
+        404 otherwise: content goes with the last recipient.
+        """
         spid, _ = self.c.qid(text, bare_ok=True)
         store = self.c.queue.store
         found = await self.c.io(lambda: next(iter(store.entries(Selector(qids=(spid,)),
@@ -131,6 +134,7 @@ class ConsoleOps:
         return spid
 
     async def headers(self, text: str, who: str) -> MessageHeaders:
+        """The header of a queued message, fields unfolded, at most MAX_HEADER_BYTES read."""
         spid = await self._known(text)
         raw, truncated = await self._read(spid, MAX_HEADER_BYTES, headers_only=True)
         parsed = BytesHeaderParser(policy=compat32).parsebytes(raw)
@@ -140,6 +144,7 @@ class ConsoleOps:
                               body_allowed=self.may_read_bodies(who))
 
     async def body(self, text: str, who: str) -> MessageBody:
+        """The text of a queued message, for tokens in api.body_tokens only (403 otherwise)."""
         if not self.may_read_bodies(who):
             raise ApiError(403, "forbidden", f"token {who!r} may not read message bodies "
                                              "(api.body_tokens)")
@@ -152,6 +157,7 @@ class ConsoleOps:
 
     def destinations(self, q: str | None, state: DestinationState | None, sort: str,
                      desc: bool, limit: int) -> DestinationTable:
+        """The destinations table of the web page, filtered, sorted and cut to ``limit``."""
         c = self.c
         now = c.now()
         sched = {v.destination: v for v in c.scheduler.destinations(now)}
@@ -227,6 +233,7 @@ class ConsoleOps:
     # -- charts ------------------------------------------------------------------------
 
     def charts(self, window_s: int, step_s: int, top: int) -> Charts:
+        """The web page's charts: rates per second, the queue's size, the top deferral reasons."""
         activity = self.c.metrics.activity
         now = self.c.clock()
         names = ("accepted", "delivered", "deferred", "bounced")

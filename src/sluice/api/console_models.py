@@ -38,6 +38,7 @@ DestinationState = Literal["normal", "slow start", "dead", "suspended", "back-of
 
 
 class HeaderField(BaseModel):
+    """One header field of a message."""
     name: str
     value: str = Field(description="as in the message, unfolded; encoded words left as they are")
 
@@ -85,12 +86,14 @@ class DestinationRow(BaseModel):
 
 
 class DestinationTable(BaseModel):
+    """The destinations table: the rows shown, and how many passed the filter."""
     at: float
     total: int = Field(description="destinations that pass the filter, before the limit")
     items: list[DestinationRow]
 
 
 class ChartPoint(BaseModel):
+    """Recipients per second over one step."""
     at: float = Field(description="start of the step")
     accepted: float
     delivered: float
@@ -99,12 +102,14 @@ class ChartPoint(BaseModel):
 
 
 class QueuePoint(BaseModel):
+    """The queue's size at one moment."""
     at: float
     recipients: int
     by_state: dict[str, int]
 
 
 class ReasonCount(BaseModel):
+    """A deferral reason and how often it was given."""
     reason: str = Field(description="the reply with queue ids, numbers and addresses masked")
     count: int
 

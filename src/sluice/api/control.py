@@ -85,10 +85,12 @@ class Control:
         self.console = ConsoleOps(self)
 
     def close(self) -> None:
+        """Wait for the API's worker threads to finish, and stop them."""
         self.pool.shutdown(wait=True)
 
     @property
     def scheduler(self) -> SchedulerViews:
+        """The running scheduler's read-only views."""
         return self.manager.scheduler
 
     async def io(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
@@ -100,6 +102,7 @@ class Control:
             raise ApiError(503, "storage unavailable", str(exc)) from None
 
     def now(self) -> float:
+        """The time now, never before the scheduler's own clock."""
         return max(self.clock(), self.scheduler.now)
 
     # -- request parts -------------------------------------------------------------------
@@ -107,6 +110,7 @@ class Control:
     @staticmethod
     def selector(qids: Iterable[str] = (), states: Iterable[QueueState] = (),
                  **fields: str | None) -> Selector:
+        """A Selector from query values, queue ids upper-cased; a bad value is a 422."""
         try:
             return Selector(qids=tuple(q.strip().upper() for q in qids),
                             states=tuple(states), **fields)
@@ -116,6 +120,7 @@ class Control:
 
     @staticmethod
     def qid(text: str, *, bare_ok: bool) -> tuple[str, int | None]:
+        """A queue id or SPID parsed, a bad one a 422; a bare SPID only where ``bare_ok``."""
         try:
             spid, idx = parse_qid(text)
         except ValueError as exc:
@@ -135,8 +140,10 @@ class Control:
             reversible=reversible, now=self.clock(), rollback_of=rollback_of))
 
     async def audited(self, append: Callable[[], AuditRecord]) -> AuditRecord:
-        """Run an audit append in the API's threads; a failure is a 503 that says
-        the change itself was applied."""
+        """Run an audit append in the API's threads.
+
+        A failure is a 503 that says the change itself was applied.
+        """
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, append)
         except OSError as exc:

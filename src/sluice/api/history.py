@@ -49,6 +49,7 @@ _NAME_RE = re.compile(r"^sluice-acct-(\d{8})(?:T(\d{2}))?\.jsonl$")
 
 @dataclass(slots=True)
 class History:
+    """The accounting lines of one message, and how much of the log was read for them."""
     events: list[dict[str, Any]] = field(default_factory=list)
     files: int = 0
     bytes_scanned: int = 0

@@ -84,8 +84,11 @@ _A_BODY: JsonDict = {"anyOf": [{"required": [name], "properties": {name: {"minLe
 
 
 class TemplateContent(_Request):
-    """A message built from templates (Jinja2, sandboxed; a missing
-    substitution refuses the recipient rather than leave a gap)."""
+    """A message built from templates.
+
+    Jinja2, sandboxed; a missing substitution refuses the recipient rather
+    than leave a gap.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True,
                               json_schema_extra=_A_BODY)
@@ -107,6 +110,7 @@ class TemplateContent(_Request):
 
 
 class InjectRecipient(_Request):
+    """One recipient of an injected message, with its own substitutions."""
     email: _Address
     name: Annotated[str, Field(max_length=200)] = ""
     substitutions: _Substitutions = Field(default_factory=dict)
@@ -117,6 +121,7 @@ class InjectRecipient(_Request):
 
 
 class InjectMessage(_Request):
+    """One message to inject: its sender, its content or template, and its recipients."""
     envelope_sender: _Address
     content: Annotated[str, Field(min_length=1, max_length=1_000_000)] | TemplateContent = Field(
         description="a complete RFC 5322 message, or a template")
@@ -129,10 +134,12 @@ class InjectMessage(_Request):
 
 
 class InjectRequest(_Request):
+    """A batch of messages to queue."""
     messages: Annotated[list[InjectMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class RecipientResult(BaseModel):
+    """What became of one recipient: queued with its queue id, or refused with why."""
     email: str
     status: Literal["queued", "refused"]
     queue_id: str | None = Field(default=None, description="SPID-N, when queued")
@@ -144,10 +151,12 @@ class RecipientResult(BaseModel):
 
 
 class MessageResult(BaseModel):
+    """What became of each recipient of one message, in request order."""
     recipients: list[RecipientResult]
 
 
 class InjectResult(BaseModel):
+    """What became of a batch: the counts, and the result per message."""
     queued: int
     refused: int
     duplicates: int
@@ -175,8 +184,10 @@ def inject_router(control: Control, principal: Callable[..., Coroutine[Any, Any,
                      idempotency_key: Annotated[str | None, Header(
                          alias="Idempotency-Key", pattern=REQUEST_KEY_PATTERN,
                          description=REQUEST_KEY_HELP)] = None) -> dict[str, Any]:
-        """Queue a batch of messages; the answer is per recipient, and 200 means every
-        recipient answered 'queued' is on stable storage."""
+        """Queue a batch of messages; the answer is per recipient.
+
+        200 means every recipient answered 'queued' is on stable storage.
+        """
         client = request.client.host if request.client is not None else "unknown"
         return await injector.inject(body, who, client, request_key=idempotency_key)
 

@@ -123,9 +123,12 @@ def _reply_data(email: str, reply: Reply) -> dict[str, Any]:
 
 def recipient_key(msg: InjectMessage, mi: int, ri: int, request_key: str | None
                   ) -> str | None:
-    """A recipient's idempotency key: its own, else one derived from the
-    request's Idempotency-Key header and its place in the request (a space
-    cannot occur in a key of its own, so the two never collide)."""
+    """A recipient's idempotency key: its own, else one derived from the request's.
+
+    Derived from the request's Idempotency-Key header and its place in the
+    request (a space cannot occur in a key of its own, so the two never
+    collide).
+    """
     own = msg.recipients[ri].idempotency_key
     if own:
         return own
@@ -170,8 +173,10 @@ def _normal_lines(text: str) -> bytes:
 
 def render(template: TemplateContent, values: dict[str, Any], recipient: str,
            name: str, hostname: str, now: float) -> bytes:
-    """One recipient's message from ``template``; raises jinja2.TemplateError or
-    ValueError (a header that is not one)."""
+    """One recipient's message from ``template``.
+
+    Raises jinja2.TemplateError, or ValueError for a header that is not one.
+    """
     def text(source: str) -> str:
         return _compiled(source, False).render(values)
 

@@ -78,6 +78,7 @@ class ErrorBody(BaseModel):
 
 
 class Health(BaseModel):
+    """Whether the server runs, and which node answers."""
     status: str = Field(description="'ok' while the server runs")
     node: str
 
@@ -115,6 +116,7 @@ class EntryModel(BaseModel):
 
 
 class EntryPage(BaseModel):
+    """One page of queue entries, and the cursor for the next."""
     entries: list[EntryModel]
     next: str | None = Field(description="pass as 'after' for the next page; null at the end")
 
@@ -129,6 +131,7 @@ class StateCounts(BaseModel):
 
 
 class Counts(BaseModel):
+    """The queue's totals: messages, recipients, and recipients by state."""
     messages: int
     recipients: int
     by_state: StateCounts
@@ -151,6 +154,7 @@ class ShapeModel(BaseModel):
 
 
 class ActionResult(BaseModel):
+    """What a queue action changed (or, in a dry run, would change)."""
     action: Action
     dry_run: bool
     count: int = Field(description="entries changed (or, in a dry run, that would change)")
@@ -187,6 +191,7 @@ class HistoryEvent(BaseModel):
 
 
 class MessageModel(BaseModel):
+    """One message: the recipients still queued, and its history from the accounting log."""
     spid: str
     arrival_at: float | None
     recipients: list[EntryModel] = Field(description="entries still in the queue")
@@ -210,6 +215,7 @@ class ReasonModel(BaseModel):
 
 
 class ExplanationModel(BaseModel):
+    """Why a recipient waits, and when it is expected to go."""
     qid: str
     state: str
     reasons: list[ReasonModel]
@@ -220,6 +226,7 @@ class ExplanationModel(BaseModel):
 
 
 class WhyResponse(BaseModel):
+    """An explanation for each recipient asked about."""
     explanations: list[ExplanationModel]
 
 
@@ -240,6 +247,7 @@ class RouteModel(BaseModel):
 
 
 class SubQueueModel(BaseModel):
+    """One sub-queue of the scheduler: its route, what it holds, and what holds it."""
     route: RouteModel
     priority: int
     jobs: int
@@ -249,11 +257,13 @@ class SubQueueModel(BaseModel):
 
 
 class SubQueuePage(BaseModel):
+    """The largest sub-queues, and how many there are."""
     total: int
     items: list[SubQueueModel]
 
 
 class CounterModel(BaseModel):
+    """One counter entry of the pickup policy against its thresholds."""
     counter: str
     key: dict[str, str]
     inflight: int
@@ -268,11 +278,13 @@ class CounterModel(BaseModel):
 
 
 class CounterPage(BaseModel):
+    """The busiest counter entries, and how many there are."""
     total: int
     items: list[CounterModel]
 
 
 class DestinationModel(BaseModel):
+    """One destination's slow start and status cache."""
     destination: str
     window: float
     limit: int
@@ -284,6 +296,7 @@ class DestinationModel(BaseModel):
 
 
 class DestinationPage(BaseModel):
+    """The destinations with the most work (dead ones first), and how many there are."""
     total: int
     items: list[DestinationModel]
 
@@ -325,6 +338,7 @@ class ActiveQueueStats(BaseModel):
 
 
 class SchedulerStats(BaseModel):
+    """The node's scheduler, queue manager and connections in numbers."""
     node: str
     now: float
     uptime_s: float
@@ -349,8 +363,10 @@ class ThroughputPoint(BaseModel):
 
 
 class Throughput(BaseModel):
-    """Recipients accepted, delivered, deferred and bounced by this node
-    (from the accounting log), since the API started."""
+    """Recipients accepted, delivered, deferred and bounced by this node since the API started.
+
+    Counted from the accounting log.
+    """
 
     at: float
     totals: ThroughputPoint
@@ -364,6 +380,7 @@ class Throughput(BaseModel):
 
 
 class SuspensionModel(BaseModel):
+    """One suspension in force."""
     id: str
     fields: dict[str, str]
     automatic: bool = Field(description="false: added by hand; true: a counter over threshold")
@@ -374,17 +391,20 @@ class SuspensionModel(BaseModel):
 
 
 class SuspensionList(BaseModel):
+    """Suspensions in force: by hand, and counter entries over a threshold."""
     manual: list[SuspensionModel]
     automatic: list[SuspensionModel]
     automatic_total: int
 
 
 class SuspensionResult(BaseModel):
+    """The suspension as added, and the audit record of the change."""
     suspension: SuspensionModel | None
     audit_id: int
 
 
 class ConditionResult(BaseModel):
+    """The condition as added, where it went, and the audit record of the change."""
     counter: str
     condition: dict[str, Any]
     position: int
@@ -392,6 +412,7 @@ class ConditionResult(BaseModel):
 
 
 class ReloadResult(BaseModel):
+    """The policy as reloaded, in numbers, and the audit record of the change."""
     source: str
     counters: int
     suspensions: int
@@ -399,6 +420,7 @@ class ReloadResult(BaseModel):
 
 
 class PolicyModel(BaseModel):
+    """The running pickup policy and the files it comes from."""
     source: str = Field(description="where the running policy came from")
     path: str | None = Field(description="scheduler.policy: the file a reload reads")
     suspensions_file: str | None = Field(description="scheduler.suspensions: where "
@@ -408,6 +430,7 @@ class PolicyModel(BaseModel):
 
 
 class AuditRecordModel(BaseModel):
+    """One change in the audit history."""
     id: int
     at: float
     who: str
@@ -427,22 +450,27 @@ class AuditRecordModel(BaseModel):
 
 
 class AuditPage(BaseModel):
+    """One page of the audit history, and the cursor for older records."""
     records: list[AuditRecordModel] = Field(description="newest first")
     next: int | None = Field(description="pass as 'before' for older records")
 
 
 class AuditRef(BaseModel):
+    """The audit record of a change."""
     audit_id: int = Field(description="the audit record of the change")
 
 
 class RollbackResult(BaseModel):
+    """The record rolled back, and the audit record of the rollback."""
     rolled_back: int
     audit_id: int
 
 
 class ClusterReport(BaseModel):
-    """GET /api/v1/cluster (sluice.cluster.report): plain data, as `sluice cluster
-    status --json` prints it."""
+    """GET /api/v1/cluster (sluice.cluster.report): plain data.
+
+    As `sluice cluster status --json` prints it.
+    """
 
     node: str
     redis: dict[str, Any] | None

@@ -88,6 +88,7 @@ MAX_TTL_S = 366 * 86400.0
 
 
 def canonical(data: Any) -> str:
+    """``data`` as canonical JSON, so equal policies compare equal as text."""
     return json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
 
 
@@ -182,9 +183,15 @@ class PolicyOps:
     # -- suspensions -----------------------------------------------------------------
 
     def manual(self) -> dict[str, SuspensionView]:
+        """The suspensions added by hand, by id."""
         return {v.id: v for v in self.c.scheduler.suspensions(self.c.now()) if not v.automatic}
 
     async def persist_suspensions(self) -> None:
+        """Write the suspensions added at run time to scheduler.suspensions, if set.
+
+        A failure to write is a 503 that says the change is in force but would
+        not survive a restart.
+        """
         path = self.c.config.scheduler.suspensions
         if not path:
             return
@@ -204,6 +211,11 @@ class PolicyOps:
                            ) from None
 
     async def post_suspension(self, susp: Suspension) -> SuspensionView:
+        """Hand a suspension to the scheduler and wait until it is in force.
+
+        One with the same fields is updated; the same id with other fields is a
+        409.
+        """
         manual = self.manual()
         same = next((v for v in manual.values() if v.fields == susp.fields), None)
         if same is None and susp.id in manual:
@@ -221,12 +233,14 @@ class PolicyOps:
         return self.manual()[target]
 
     async def drop_suspension(self, sid: str) -> None:
+        """Have the scheduler lift a suspension, and wait until it has."""
         self.change(SuspensionRemoved(sid))
         await self.settle(lambda: sid not in self.manual(), f"the removal of {sid}")
 
     async def add_suspension(self, who: str, fields: Mapping[str, str], *, ttl: str | None,
                              expires_at: float | None, sid: str | None, tag: str,
                              reason: str) -> SuspensionResult:
+        """POST /suspensions: check, apply, audit and save a suspension by hand."""
         if not fields:
             raise ApiError(422, "invalid request",
                            [{"path": "fields", "message": "a suspension needs at least one "
@@ -251,6 +265,10 @@ class PolicyOps:
         return SuspensionResult(suspension=suspension_model(view), audit_id=record.id)
 
     async def remove_suspension(self, who: str, sid: str, reason: str) -> int:
+        """DELETE /suspensions/{id}: lift a suspension by hand, audit and save; the audit id.
+
+        A counter over its threshold is not one to lift (409).
+        """
         async with self.c.change_lock:
             views = self.c.scheduler.suspensions(self.c.now())
             view = next((v for v in views if v.id == sid), None)
@@ -268,6 +286,7 @@ class PolicyOps:
     # -- conditions ------------------------------------------------------------------
 
     def counter(self, counter_id: str, *, status: int = 404) -> Counter:
+        """The running policy's counter ``counter_id``; an ApiError with ``status`` if none."""
         try:
             counter: Counter = self.c.scheduler.policy.counter(counter_id)
         except KeyError:
@@ -278,8 +297,11 @@ class PolicyOps:
 
     @staticmethod
     def parse_condition(counter: Counter, data: Mapping[str, Any]) -> Condition:
-        """A condition checked as the policy file's would be, against its counter
-        of the running policy (so a refusal is a conflict with that policy: 409)."""
+        """A condition checked as the policy file's would be, against its counter.
+
+        The counter of the running policy, so a refusal is a conflict with that
+        policy: 409.
+        """
         counter_data = counter.to_data()
         counter_data["conditions"] = [dict(data)]
         stem = "policies[0].conditions[0]"
@@ -293,12 +315,18 @@ class PolicyOps:
 
     @staticmethod
     def condition_at(counter: Counter, cond_id: str) -> tuple[int, Condition] | None:
+        """The position and condition with id ``cond_id`` in ``counter``; None if none."""
         for i, cond in enumerate(counter.conditions):
             if cond.id == cond_id:
                 return i, cond
         return None
 
     async def post_condition(self, counter: Counter, cond: Condition, position: int) -> int:
+        """Hand a condition to the scheduler, wait until it is in force; where it went.
+
+        The scheduler replaces a condition with the same id, then inserts at
+        ``position`` (clamped to the conditions that remain).
+        """
         # The scheduler replaces a condition with the same id, then inserts.
         remaining = [c for c in counter.conditions if c.id != cond.id]
         position = max(0, min(position, len(remaining)))
@@ -316,6 +344,7 @@ class PolicyOps:
         return position
 
     async def drop_condition(self, counter: Counter, cond_id: str) -> None:
+        """Have the scheduler remove a condition, and wait until it has."""
         def applied() -> bool:
             try:
                 return self.condition_at(self.c.scheduler.policy.counter(counter.id),
@@ -339,6 +368,7 @@ class PolicyOps:
                             thresholds: Mapping[str, Any], *, position: int,
                             ttl: str | None, expires_at: float | None, cid: str | None,
                             tag: str, reason: str) -> ConditionResult:
+        """POST /policy/conditions: check, apply and audit a condition added at run time."""
         expiry = self.expiry(ttl, expires_at)
         async with self.c.change_lock:
             counter = self.counter(counter_id)
@@ -361,6 +391,7 @@ class PolicyOps:
 
     async def remove_condition(self, who: str, counter_id: str, cond_id: str,
                                reason: str) -> int:
+        """DELETE a condition from a counter of the running policy, and audit it; the audit id."""
         async with self.c.change_lock:
             counter = self.counter(counter_id)
             found = self.condition_at(counter, cond_id)
@@ -379,9 +410,15 @@ class PolicyOps:
 
     @staticmethod
     def policy_data(policy: Policy) -> dict[str, Any]:
+        """A policy as the audit history keeps it: its source and content."""
         return {"source": policy.source, "policy": policy.to_data()}
 
     async def install(self, policy: Policy) -> None:
+        """Hand the scheduler a whole policy and wait until it runs.
+
+        The same content counts as installed: the policy file watcher may have
+        read the same file meanwhile.
+        """
         # The same content counts as installed: the policy file watcher may
         # have read the same file meanwhile.
         want = canonical(policy.to_data())
@@ -394,6 +431,10 @@ class PolicyOps:
         await self.settle(applied, "the policy")
 
     async def reload(self, who: str, reason: str) -> ReloadResult:
+        """POST /policy/reload: read scheduler.policy again, install and audit it.
+
+        A broken file is a 409, and the running policy stays.
+        """
         path = self.c.manager.policy_path
         async with self.c.change_lock:
             try:

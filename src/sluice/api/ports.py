@@ -49,109 +49,173 @@ class SchedulerViews(Protocol):
     """The scheduler, read only."""
 
     @property
-    def policy(self) -> Policy: ...
+    def policy(self) -> Policy:
+        """The running pickup policy."""
+        ...
 
     @property
-    def now(self) -> float: ...
+    def now(self) -> float:
+        """The scheduler's clock: the time of its last step."""
+        ...
 
-    def stats(self) -> QueueStats: ...
+    def stats(self) -> QueueStats:
+        """The active queue's memory and work in numbers."""
+        ...
 
-    def subqueues(self) -> list[SubQueueView]: ...
+    def subqueues(self) -> list[SubQueueView]:
+        """Every sub-queue with jobs."""
+        ...
 
-    def counters(self, now: float | None = None) -> list[CounterView]: ...
+    def counters(self, now: float | None = None) -> list[CounterView]:
+        """Counter entries with a threshold, against it."""
+        ...
 
-    def suspensions(self, now: float | None = None) -> list[SuspensionView]: ...
+    def suspensions(self, now: float | None = None) -> list[SuspensionView]:
+        """Suspensions in force, by hand and automatic."""
+        ...
 
-    def destinations(self, now: float | None = None) -> list[DestinationView]: ...
+    def destinations(self, now: float | None = None) -> list[DestinationView]:
+        """Every destination's slow start and status cache."""
+        ...
 
-    def explain(self, qid: str, now: float | None = None) -> Explanation: ...
+    def explain(self, qid: str, now: float | None = None) -> Explanation:
+        """Why recipient ``qid`` waits, as far as the scheduler knows."""
+        ...
 
-    def tenants(self) -> list[TenantView]: ...
+    def tenants(self) -> list[TenantView]:
+        """Every tenant's share and what it has in the active queue."""
+        ...
 
 
 class ManagerCounters(Protocol):
     """Recipients the queue manager handled since it started."""
 
     @property
-    def claimed(self) -> int: ...
+    def claimed(self) -> int:
+        """Entries claimed from the store."""
+        ...
 
     @property
-    def deliveries(self) -> int: ...
+    def deliveries(self) -> int:
+        """Deliveries started."""
+        ...
 
     @property
-    def delivered(self) -> int: ...
+    def delivered(self) -> int:
+        """Recipients delivered."""
+        ...
 
     @property
-    def deferred(self) -> int: ...
+    def deferred(self) -> int:
+        """Recipients deferred."""
+        ...
 
     @property
-    def bounced(self) -> int: ...
+    def bounced(self) -> int:
+        """Recipients bounced."""
+        ...
 
     @property
-    def unrouted(self) -> int: ...
+    def unrouted(self) -> int:
+        """Entries settled without a delivery attempt (no route, or the pre-delivery hook)."""
+        ...
 
     @property
-    def started_at(self) -> float: ...
+    def started_at(self) -> float:
+        """When the queue manager started (POSIX time)."""
+        ...
 
 
 class ConnectionCounters(Protocol):
     """The delivery agent's connections."""
 
     @property
-    def open(self) -> int: ...
+    def open(self) -> int:
+        """Connections open now, idle or not."""
+        ...
 
     @property
-    def idle(self) -> int: ...
+    def idle(self) -> int:
+        """Connections open and waiting in the pool for reuse."""
+        ...
 
     @property
-    def connections_opened(self) -> int: ...
+    def connections_opened(self) -> int:
+        """Connections opened since start."""
+        ...
 
     @property
-    def connections_reused(self) -> int: ...
+    def connections_reused(self) -> int:
+        """Deliveries that reused an open connection."""
+        ...
 
     @property
-    def connect_failures(self) -> int: ...
+    def connect_failures(self) -> int:
+        """Connection attempts that failed."""
+        ...
 
     @property
-    def transactions(self) -> int: ...
+    def transactions(self) -> int:
+        """Mail transactions made."""
+        ...
 
 
 class PartStatus(Protocol):
     """One part of the process (a refill, a watcher, the recorder...) and its failures."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The part's name, as logs and /metrics give it."""
+        ...
 
     @property
-    def failing(self) -> bool: ...
+    def failing(self) -> bool:
+        """Whether the part's last run failed."""
+        ...
 
     @property
-    def failing_since_at(self) -> float | None: ...
+    def failing_since_at(self) -> float | None:
+        """When the current run of failures began; None while the part works."""
+        ...
 
     @property
-    def errors_total(self) -> int: ...
+    def errors_total(self) -> int:
+        """Failures since start."""
+        ...
 
     @property
-    def storage(self) -> bool: ...
+    def storage(self) -> bool:
+        """Whether the last failure was the storage's (a full disk) rather than a bug."""
+        ...
 
     @property
-    def last_error(self) -> str: ...
+    def last_error(self) -> str:
+        """The last failure, described in one line."""
+        ...
 
 
 class Manager(Protocol):
     """The running queue manager, as much as the API uses of it."""
 
     @property
-    def scheduler(self) -> SchedulerViews: ...
+    def scheduler(self) -> SchedulerViews:
+        """The scheduler's read-only views."""
+        ...
 
     @property
-    def policy_path(self) -> str | None: ...
+    def policy_path(self) -> str | None:
+        """The policy file a reload reads (scheduler.policy); None without one."""
+        ...
 
     @property
-    def stats(self) -> ManagerCounters: ...
+    def stats(self) -> ManagerCounters:
+        """What the queue manager handled since it started."""
+        ...
 
     @property
-    def connections(self) -> ConnectionCounters: ...
+    def connections(self) -> ConnectionCounters:
+        """The delivery agent's connections."""
+        ...
 
     @property
     def shaper(self) -> Shaper:
@@ -164,8 +228,11 @@ class Manager(Protocol):
         ...
 
     def change(self, event: Event) -> None:
-        """Hand the scheduler an operator change (a policy reload, a condition or
-        suspension added or removed), checked first: ValueError says why not."""
+        """Hand the scheduler an operator change, checked first: ValueError says why not.
+
+        An operator change is a policy reload, or a condition or suspension
+        added or removed.
+        """
         ...
 
     def apply_changes(self, qids: set[str]) -> None:

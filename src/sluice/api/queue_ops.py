@@ -82,6 +82,7 @@ class QueueOps:
     # -- reads -----------------------------------------------------------------------
 
     async def entries(self, selector: Selector, after: str | None, limit: int) -> EntryPage:
+        """GET /queue/entries: one page of the entries ``selector`` matches, after ``after``."""
         store = self.c.queue.store
         if after is not None:
             self.c.qid(after, bare_ok=True)
@@ -98,11 +99,13 @@ class QueueOps:
                          next=items[-1].qid if more and items else None)
 
     async def counts(self, selector: Selector) -> Counts:
+        """GET /queue/counts: the totals of the entries ``selector`` matches."""
         counts = await self.c.io(self.c.queue.store.count,
                                  None if selector.is_empty else selector)
         return Counts.model_validate(counts_json(counts))
 
     async def shape(self, selector: Selector, top: int) -> ShapeModel:
+        """GET /queue/shape: recipients per domain by age (qshape), the ``top`` domains."""
         edges_s = [m * 60.0 for m in QSHAPE_EDGES_MIN]
         shape = await self.c.io(self.c.queue.store.shape, selector, self.c.clock(), edges_s)
         rows = shape_table(shape, top)
@@ -116,6 +119,7 @@ class QueueOps:
                           domains=len(shape))
 
     async def entry(self, qid: str) -> EntryModel:
+        """GET /queue/entries/{qid}: one entry; 404 when it is not in the queue."""
         self.c.qid(qid, bare_ok=False)
         entry = await self.c.io(self.c.queue.store.get, qid.strip().upper())
         if entry is None:
@@ -129,6 +133,10 @@ class QueueOps:
                                                           limit=MAX_RECIPIENTS)))
 
     async def message(self, text: str) -> MessageModel:
+        """GET /messages/{spid}: the recipients still queued and the message's accounting lines.
+
+        404 when neither the queue nor the log knows it.
+        """
         spid, _ = self.c.qid(text, bare_ok=True)
         entries = await self._recipients(spid)
         arrival = spid_arrival_at(spid)
@@ -156,6 +164,11 @@ class QueueOps:
                             history_truncated=history.truncated)
 
     async def why(self, text: str) -> WhyResponse:
+        """Why each recipient of ``text`` (a queue id or SPID) waits.
+
+        From the scheduler's memory when it knows the entry and the entry is not
+        held, else from the stored entry.
+        """
         spid, idx = self.c.qid(text, bare_ok=True)
         if idx is None:
             entries = await self._recipients(spid)
@@ -181,6 +194,7 @@ class QueueOps:
 
     async def act(self, who: str, action: Action, selector: Selector, *, all_: bool,
                   dry_run: bool, priority: int | None, reason: str) -> ActionResult:
+        """POST /queue/actions: an action on the selected entries, audited; or a dry-run count."""
         if selector.is_empty and not all_:
             raise ApiError(400, "empty selector", "give queue ids or a selector (domain, "
                            "sender, tenantid, ...), or all=true for the whole queue")

@@ -166,6 +166,11 @@ _NON_EMPTY_SELECTOR: JsonDict = {"anyOf": [
 
 
 class ActionRequest(_Request):
+    """An action on the entries a selector matches.
+
+    ``priority`` goes with action 'priority', and only with it; a selector
+    that names no entries needs "all": true.
+    """
     # 'priority' goes with action 'priority', and only with it; a selector
     # that names no entries needs "all": true.
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
@@ -188,14 +193,17 @@ class ActionRequest(_Request):
 
 
 class EntryAction(_Request):
+    """An action on one entry: a dry run, or the reason kept in the audit history."""
     dry_run: bool = False
     reason: str = Field(default="", max_length=500)
 
 
 
 class _Values(_Request):
-    """Field values; a field left out is none, a null is refused (the document shows
-    no null, so the server takes none)."""
+    """Field values; a field left out is none, a null is refused.
+
+    The document shows no null, so the server takes none.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"minProperties": 1})
 
@@ -253,6 +261,7 @@ class _Expiry(_Request):
 
 
 class SuspensionRequest(_Expiry):
+    """A suspension to add: its fields, expiry, id, tag and reason."""
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_ONE_EXPIRY)
 
     fields: SuspensionFields
@@ -263,6 +272,7 @@ class SuspensionRequest(_Expiry):
 
 
 class ConditionRequest(_Expiry):
+    """A condition to add to a counter of the running policy."""
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True,
                               json_schema_extra=_ONE_EXPIRY)
 
@@ -281,11 +291,13 @@ class ConditionRequest(_Expiry):
 
 
 class ChangeRequest(_Request):
+    """Why a change is made, for the audit history."""
     reason: _Reason
 
 
 
 class RollbackRequest(_Request):
+    """Why a change is rolled back, and whether to roll a reload back anyway."""
     reason: _Reason
     force: bool = Field(default=False, description="roll a policy reload back even if the "
                                                    "policy changed since")

@@ -44,6 +44,11 @@ class Rollbacks:
         self.c = control
 
     async def rollback(self, who: str, record_id: int, reason: str, force: bool) -> int:
+        """Undo the change of audit record ``record_id``, and audit that; the new record's id.
+
+        Refused (409) when the record was rolled back already, is not
+        reversible, or a reload ended it.
+        """
         c = self.c
         async with c.change_lock:
             rec = c.audit.get(record_id)

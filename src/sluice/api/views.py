@@ -52,12 +52,14 @@ __all__ = ["Views", "route_model", "suspension_model"]
 
 
 def suspension_model(view: SuspensionView) -> SuspensionModel:
+    """A scheduler SuspensionView as the API's SuspensionModel."""
     return SuspensionModel(id=view.id, fields=dict(view.fields), automatic=view.automatic,
                            expires_at=view.expires_at, tag=view.tag, reason=view.reason,
                            waiting_subqueues=view.waiting_subqueues)
 
 
 def route_model(route: Route) -> RouteModel:
+    """A scheduler Route as the API's RouteModel; no destination means the recipient domain."""
     return RouteModel(recipientdomain=route.recipientdomain, tenantid=route.tenantid,
                       jobid=route.jobid, transportid=route.transportid,
                       localip=list(route.localip), grouping=route.grouping,
@@ -73,6 +75,7 @@ class Views:
         self.c = control
 
     def stats(self) -> SchedulerStats:
+        """GET /scheduler/stats: the scheduler, queue manager and connections in numbers."""
         c = self.c
         now = c.clock()
         manager = c.manager
@@ -85,6 +88,7 @@ class Views:
                                                        from_attributes=True))
 
     def subqueues(self, limit: int) -> SubQueuePage:
+        """GET /scheduler/subqueues: the ``limit`` largest sub-queues by entries."""
         views = self.c.scheduler.subqueues()
         top = sorted(views, key=lambda v: (-v.entries, -v.jobs))[:limit]
         return SubQueuePage(total=len(views), items=[
@@ -93,6 +97,7 @@ class Views:
             for v in top])
 
     def counters(self, limit: int, exceeded: bool) -> CounterPage:
+        """GET /scheduler/counters: the ``limit`` busiest counter entries, exceeded first."""
         views = self.c.scheduler.counters(self.c.now())
         if exceeded:
             views = [v for v in views if v.exceeded]
@@ -106,12 +111,14 @@ class Views:
             CounterModel.model_validate({**asdict(v), "key": dict(v.key)}) for v in top])
 
     def destinations(self, limit: int) -> DestinationPage:
+        """GET /scheduler/destinations: dead ones first, then by queued jobs and deliveries."""
         views = self.c.scheduler.destinations(self.c.now())
         top = sorted(views, key=lambda v: (not v.dead, -v.queued_jobs, -v.inflight))[:limit]
         return DestinationPage(total=len(views),
                                items=[DestinationModel.model_validate(asdict(v)) for v in top])
 
     def suspensions(self, limit: int = 100) -> SuspensionList:
+        """GET /suspensions: every one by hand, and the ``limit`` automatic ones most waited on."""
         views = self.c.scheduler.suspensions(self.c.now())
         automatic = sorted((v for v in views if v.automatic), key=lambda v: -v.waiting_subqueues)
         return SuspensionList(
@@ -120,12 +127,14 @@ class Views:
             automatic_total=len(automatic))
 
     def policy(self) -> PolicyModel:
+        """GET /policy: the running policy, and the files it comes from."""
         policy: Policy = self.c.scheduler.policy
         return PolicyModel(source=policy.source, path=self.c.manager.policy_path,
                            suspensions_file=self.c.config.scheduler.suspensions,
                            policy=policy.to_data())
 
     def throughput(self) -> Throughput:
+        """GET /throughput: totals since start, rates over 10 s and 60 s, and every fifth sample."""
         m = self.c.metrics
         samples = list(m.samples)
         names = ("accepted", "delivered", "deferred", "bounced")

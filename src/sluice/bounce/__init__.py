@@ -123,10 +123,13 @@ def _rfc5322_date(at: float) -> str:
 
 
 def _diagnostic(reply: Reply | None, remote_mta: str | None, utf8: bool = False) -> str:
-    """Diagnostic-Code (RFC 3464 2.3.6): ``smtp;`` and the reply as the
-    remote server sent it, or ``X-Sluice;`` and the text of a diagnostic
-    Sluice made itself (a private diagnostic-type, as Postfix writes
-    X-Postfix), whose SMTP code no server ever sent."""
+    """The Diagnostic-Code field's value (RFC 3464 2.3.6).
+
+    ``smtp;`` and the reply as the remote server sent it, or ``X-Sluice;``
+    and the text of a diagnostic Sluice made itself (a private
+    diagnostic-type, as Postfix writes X-Postfix), whose SMTP code no server
+    ever sent.
+    """
     if reply is None:
         return "X-Sluice; delivery time expired before any attempt"
     if remote_mta:
@@ -144,9 +147,11 @@ def _diagnostic(reply: Reply | None, remote_mta: str | None, utf8: bool = False)
 
 
 def _field(name: str, value: str) -> str:
-    """``Name: value`` and a newline, folded at spaces after 78 characters
-    where it can be (RFC 5322 2.2.3).  Never encoded words: the fields of a
-    global delivery-status part hold UTF-8 as it is."""
+    """``Name: value`` and a newline, folded at spaces after 78 characters where it can be.
+
+    Folding as RFC 5322 2.2.3 allows.  Never encoded words: the fields of a
+    global delivery-status part hold UTF-8 as it is.
+    """
     lines = [f"{name}:"]
     bare = True  # no word on the first line yet: never fold right after the name
     for word in value.split(" "):

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `sluice` command line; returns the exit status.
+
+    Called as ``sendmail`` (installed or linked under that name), it takes
+    Postfix's sendmail command line instead, with no sub-command.
+    """
     if argv is None and os.path.basename(sys.argv[0]) == "sendmail":
         # Installed or linked as sendmail(1): Postfix's command line, no sub-command.
         from sluice.cli.sendmail import main as sendmail_main

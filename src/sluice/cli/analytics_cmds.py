@@ -58,6 +58,7 @@ INSTALL_HINT = "pip install 'sluice-mta[analytics]'"
 
 
 def register(subparsers: Any) -> None:
+    """Add `sluice analytics` and its jobs to the command line."""
     parser = subparsers.add_parser(
         "analytics",
         help="reports, bounce classes, suppression list, shaping advice (Spark)",
@@ -203,8 +204,10 @@ def submit_argv(args: argparse.Namespace, argv: Sequence[str], master: str) -> l
 
 
 def spark_error_line(exc: BaseException) -> str:
-    """One line for an error Spark raised: the JVM's exception, or the Python
-    error of a task, without the stack traces."""
+    """One line for an error Spark raised, without the stack traces.
+
+    The JVM's exception, or the Python error of a task.
+    """
     text = str(exc).strip()
     java = getattr(exc, "java_exception", None)
     if java is not None:  # a Py4JJavaError: the Java exception's own line
@@ -258,9 +261,11 @@ def _when(text: str | None, option: str) -> datetime | None:
 def run_in_spark(args: argparse.Namespace, app_name: str,
                  work: Callable[[Any, Any], Any], precheck: Callable[[], None] | None = None
                  ) -> Any:
-    """Start (or reuse) a session with the options' settings, run ``work(spark,
-    step)`` under a progress bar, and turn every expected failure into one
-    line: input errors, bad values and errors in the JVM exit 2."""
+    """Run ``work(spark, step)`` in a session with the options' settings, under a progress bar.
+
+    The session is started or reused.  Every expected failure becomes one
+    line: input errors, bad values and errors in the JVM exit 2.
+    """
     _require_spark()
     cfg = load(args)
     master = args.master or cfg.analytics.master
@@ -307,6 +312,7 @@ def run_in_spark(args: argparse.Namespace, app_name: str,
 
 
 def print_results(result: Any) -> None:
+    """Print what each job did: its time, its counts and the files it wrote."""
     for one in result if isinstance(result, list) else [result]:
         print(f"sluice {'' if one.job == 'sendout' else 'analytics '}{one.job}: "
               f"done in {one.elapsed_s:.1f} s")

@@ -47,6 +47,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: Any) -> None:
+    """Add `sluice suspend`, `sluice condition` and `sluice policy-audit` to the command line."""
     p = sub.add_parser("suspend", help="suspend pickup of matching mail in the running server")
     ssub = p.add_subparsers(dest="suspend_command", metavar="ACTION")
     ssub.required = True
@@ -155,6 +156,7 @@ def _when(at: float | None) -> str:
 
 
 def cmd_suspend_add(args: argparse.Namespace) -> int:
+    """`sluice suspend add`: suspend pickup of matching mail in the running server."""
     body: dict[str, Any] = {"fields": _pairs(args.fields, "suspension fields"),
                             "reason": args.reason, "tag": args.tag}
     if args.ttl:
@@ -169,6 +171,7 @@ def cmd_suspend_add(args: argparse.Namespace) -> int:
 
 
 def cmd_suspend_remove(args: argparse.Namespace) -> int:
+    """`sluice suspend remove`: lift a suspension by its id."""
     from urllib.parse import quote
 
     answer = _call(args, "DELETE", f"/suspensions/{quote(args.sid, safe='')}",
@@ -178,6 +181,7 @@ def cmd_suspend_remove(args: argparse.Namespace) -> int:
 
 
 def cmd_suspend_list(args: argparse.Namespace) -> int:
+    """`sluice suspend list`: the suspensions in force, as text or JSON."""
     answer = _call(args, "GET", "/suspensions")
     if args.json:
         json.dump(answer, sys.stdout, indent=1)
@@ -197,6 +201,7 @@ def cmd_suspend_list(args: argparse.Namespace) -> int:
 
 
 def cmd_condition_add(args: argparse.Namespace) -> int:
+    """`sluice condition add`: add a condition to a counter of the running policy."""
     body: dict[str, Any] = {"counter": args.counter, "if": _pairs(args.match, "conditions"),
                             "position": args.position, "tag": args.tag, "reason": args.reason}
     for key in ("concurrency", "rate", "connectinterval", "ttl"):
@@ -212,6 +217,7 @@ def cmd_condition_add(args: argparse.Namespace) -> int:
 
 
 def cmd_condition_remove(args: argparse.Namespace) -> int:
+    """`sluice condition remove`: remove a condition from a counter by its id."""
     from urllib.parse import quote
 
     answer = _call(args, "DELETE", f"/policy/counters/{quote(args.counter, safe='')}"
@@ -234,6 +240,7 @@ def _record_line(r: dict[str, Any]) -> str:
 
 
 def cmd_audit_list(args: argparse.Namespace) -> int:
+    """`sluice policy-audit list`: the running server's changes, newest first."""
     if not 1 <= args.limit <= 1000:
         raise CommandError("--limit is 1 to 1000", status=2)
     answer = _call(args, "GET", "/audit", query={"limit": args.limit})
@@ -249,6 +256,7 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
 
 
 def cmd_audit_show(args: argparse.Namespace) -> int:
+    """`sluice policy-audit show`: one change, with its before and after."""
     r = _call(args, "GET", f"/audit/{args.record}")
     print(_record_line(r))
     print("before: " + json.dumps(r["before"], indent=1))
@@ -257,6 +265,7 @@ def cmd_audit_show(args: argparse.Namespace) -> int:
 
 
 def cmd_audit_rollback(args: argparse.Namespace) -> int:
+    """`sluice policy-audit rollback`: undo one change."""
     answer = _call(args, "POST", f"/audit/{args.record}/rollback",
                    body={"reason": args.reason, "force": bool(args.force)})
     print(f"rolled back #{answer['rolled_back']} (audit #{answer['audit_id']})")

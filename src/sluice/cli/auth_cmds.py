@@ -25,6 +25,7 @@ from sluice.smtpd.credentials import HASH_SCHEMES, hash_password
 
 
 def register(sub: Any) -> None:
+    """Add `sluice auth` to the command line."""
     p = sub.add_parser("auth", help="SMTP AUTH users: make password hashes")
     psub = p.add_subparsers(dest="auth_command", metavar="ACTION")
     psub.required = True
@@ -48,6 +49,7 @@ def _read_password() -> str:
 
 
 def cmd_hash(args: argparse.Namespace) -> int:
+    """`sluice auth hash`: print a password's ``{SCHEME}hash`` for smtpd.auth.users."""
     password = _read_password()
     if not password:
         raise CommandError("empty password", status=2)

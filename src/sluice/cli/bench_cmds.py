@@ -247,8 +247,10 @@ def _message(i: int, recipients: int) -> Submission:
 
 
 def _body(size: int) -> bytes:
-    """A message of about ``size`` bytes whose body compresses like real mail
-    (base64 lines, as attachments are sent): not a run of one letter."""
+    """A message of about ``size`` bytes whose body compresses like real mail.
+
+    Base64 lines, as attachments are sent: not a run of one letter.
+    """
     head = b"From: bench@example.org\r\nSubject: sluice bench\r\nMIME-Version: 1.0\r\n\r\n"
     raw = base64.encodebytes(os.urandom(max(0, size - len(head)) * 3 // 4 + 3))
     return head + raw.replace(b"\n", b"\r\n")[:max(0, size - len(head))]
@@ -389,6 +391,7 @@ def run_flavour(flavour: str, target: _Target, *, messages: int, submitters: int
 
 
 def register(sub: Any) -> None:
+    """Add `sluice bench` to the command line."""
     p = sub.add_parser("bench", help="run the balanced queue workload on each store flavour")
     p.add_argument("--store", default="all", choices=("all", *FLAVOURS),
                    help="which flavour (default: all)")

@@ -18,6 +18,7 @@ from sluice.cluster.shared_limits import SharedLimits
 
 
 def register(sub: Any) -> None:
+    """Add `sluice cluster` to the command line."""
     p = sub.add_parser("cluster", help="the nodes sharing this queue and these limits")
     csub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
     csub.required = True
@@ -28,6 +29,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """`sluice cluster status`: nodes, their claims, shared counters, Redis and PostgreSQL."""
     config = load(args)
     if config.queue.store != "postgres" and SharedLimits.from_config(config) is None:
         raise CommandError(f"{config.source}: not a cluster: neither cluster.redis nor a "

@@ -15,6 +15,7 @@ from sluice.config import config_schema
 
 
 def register(sub: Any) -> None:
+    """Add `sluice config` to the command line."""
     p = sub.add_parser("config", help="check or show the configuration")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
@@ -29,6 +30,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """`sluice config check`: every check `sluice serve` makes before it listens."""
     from sluice.runtime.preflight import preflight
 
     cfg = load(args)
@@ -59,6 +61,7 @@ def _hide(m: re.Match[str]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """`sluice config show`: the effective configuration with defaults, secrets masked."""
     cfg = load(args)
     data = _masked(cfg.to_dict(readable=not args.json))
     if args.json:
@@ -71,6 +74,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    """`sluice config schema`: print the JSON Schema of the configuration file."""
     json.dump(config_schema(), sys.stdout, indent=2)
     print()
     return 0

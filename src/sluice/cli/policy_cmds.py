@@ -68,6 +68,7 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
+    """Add `sluice policy`, `sluice simulate` and `sluice why` to the command line."""
     p = sub.add_parser("policy", help="validate or show the pickup policy")
     psub = p.add_subparsers(dest="policy_command", metavar="ACTION")
     psub.required = True

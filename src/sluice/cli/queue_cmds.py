@@ -59,6 +59,7 @@ def _add_selector_args(p: argparse.ArgumentParser, with_ids: bool) -> None:
 
 
 def selector_from_args(args: argparse.Namespace) -> Selector:
+    """The Selector the command's selector options describe; a bad value ends the command."""
     try:
         return Selector(
             qids=tuple(getattr(args, "ids", None) or ()),
@@ -83,8 +84,10 @@ def _open(args: argparse.Namespace) -> Queue:
 
 def _audit(args: argparse.Namespace, action: Action, selector: Selector, qids: list[str],
            priority: int | None) -> None:
-    """Record a queue action made from the command line in the audit history
-    (the same record the API writes, who being ``cli:<user>``)."""
+    """Record a queue action made from the command line in the audit history.
+
+    The same record the API writes, who being ``cli:<user>``.
+    """
     from sluice.api.audit import AuditLog, audit_path
 
     path = audit_path(load(args))
@@ -99,6 +102,7 @@ def _audit(args: argparse.Namespace, action: Action, selector: Selector, qids: l
 
 
 def register(sub: Any) -> None:
+    """Add the queue commands (qlist, qcount, qshape and the actions) to the command line."""
     p = sub.add_parser("qlist", help="list the queue (semicolon-separated, Mailismus style)")
     _add_selector_args(p, with_ids=False)
     p.add_argument("--json", action="store_true", help="JSON instead of semicolon CSV")
@@ -158,6 +162,7 @@ def _row(e: QueueEntry) -> list[str]:
 
 
 def cmd_qlist(args: argparse.Namespace) -> int:
+    """`sluice qlist`: the selected entries, semicolon-separated or as JSON with totals."""
     selector = selector_from_args(args)
     out = sys.stdout
     with _open(args) as queue:
@@ -179,6 +184,7 @@ def cmd_qlist(args: argparse.Namespace) -> int:
 
 
 def cmd_qcount(args: argparse.Namespace) -> int:
+    """`sluice qcount`: the selected entries' totals, and their counts by state."""
     selector = selector_from_args(args)
     with _open(args) as queue:
         counts = queue.store.count(selector)
@@ -191,6 +197,7 @@ def cmd_qcount(args: argparse.Namespace) -> int:
 
 
 def cmd_qshape(args: argparse.Namespace) -> int:
+    """`sluice qshape`: entries per recipient domain by age (Postfix's qshape)."""
     selector = selector_from_args(args)
     edges_s = [m * 60.0 for m in QSHAPE_EDGES_MIN]
     with _open(args) as queue:
@@ -208,8 +215,10 @@ def cmd_qshape(args: argparse.Namespace) -> int:
 # -- actions ---------------------------------------------------------------------------------
 
 def working(text: str) -> contextlib.AbstractContextManager[object]:
-    """A spinner on stderr while a long call runs (a bulk action); nothing
-    when stderr is not a terminal (scripts, pipes, logs)."""
+    """A spinner on stderr while a long call runs (a bulk action).
+
+    Nothing when stderr is not a terminal (scripts, pipes, logs).
+    """
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -222,12 +231,12 @@ _HEX_ID_RE = re.compile(r"^([0-9A-F]{4,32})(-\d{1,6})?$")
 
 
 def resolve_ids(store: Store, what: str, ids: list[str]) -> list[str]:
-    """Queue ids and SPIDs as given, each checked against the queue; a
-    prefix of at least 4 hex digits stands for the one SPID it starts.
+    """Queue ids and SPIDs as given, each checked against the queue.
 
-    An id that names nothing, or a prefix that fits several messages,
-    ends the command (exit 2) with one line naming it: an operator who
-    typed a wrong id must not read "bounced 0" and wonder.
+    A prefix of at least 4 hex digits stands for the one SPID it starts.
+    An id that names nothing, or a prefix that fits several messages, ends
+    the command (exit 2) with one line naming it: an operator who typed a
+    wrong id must not read "bounced 0" and wonder.
     """
     out = []
     for given in ids:
@@ -255,6 +264,10 @@ def resolve_ids(store: Store, what: str, ids: list[str]) -> list[str]:
 
 
 def cmd_action(args: argparse.Namespace) -> int:
+    """A queue action (hold, release, retry, delete, bounce, priority) on ids or a selector.
+
+    Exit 1 when ids were given and none changed; ``--dry-run`` only counts.
+    """
     action: Action = args.action
     if not args.ids:
         selector = selector_from_args(args)

@@ -86,6 +86,7 @@ SINGLE_PROCESS_STORES = frozenset({"kv"})
 
 @dataclass(slots=True)
 class Envelope:
+    """The envelope of the message to queue, and the options it came with."""
     sender: str
     recipients: list[str]
     smtputf8: bool = False
@@ -119,6 +120,7 @@ class Outcome:
 
 
 def register(sub: Any) -> None:
+    """Add `sluice sendmail` to the command line; it parses its own options."""
     p = sub.add_parser("sendmail", help="queue a message read from standard input "
                        "(Postfix's sendmail options)", add_help=False, prefix_chars="\0",
                        usage="sluice sendmail [options] [recipient ...]")
@@ -137,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 # -- reading ------------------------------------------------------------------------------
 
 def read_message(stream: IO[bytes], dot_ends: bool, into: IO[bytes]) -> None:
-    """Copy the message from ``stream`` to ``into``: to its end, or (dot_ends)
-    to a line holding a single dot, which is not part of it."""
+    """Copy the message from ``stream`` to ``into``.
+
+    To its end, or (``dot_ends``) to a line holding a single dot, which is
+    not part of it.
+    """
     at_line_start = True
     while True:
         line = stream.readline(65536)
@@ -178,8 +183,10 @@ def header_lines(header: bytes) -> Iterator[bytes]:
 
 def complete_header(cfg: Config, args: SendmailArgs, sender: str,
                     header: bytes) -> tuple[bytes, list[str]]:
-    """The header with Date, Message-ID and From added where missing, Bcc
-    removed under -t; and the recipients -t found in it."""
+    """The header with Date, Message-ID and From added where missing.
+
+    Bcc is removed under -t; returns the recipients -t found in it too.
+    """
     parsed = BytesHeaderParser(policy=compat32).parsebytes(header)
     found: list[str] = []
     if args.from_headers:
@@ -205,9 +212,12 @@ def complete_header(cfg: Config, args: SendmailArgs, sender: str,
 
 def is_utf8_message(args: SendmailArgs, sender: str, recipients: list[str], header: bytes,
                     body: IO[bytes]) -> bool:
-    """As Postfix's sendmail (smtputf8_autodetect_classes = sendmail): a
-    message whose envelope or any header block (attachments' too) is UTF-8
-    is flagged, so delivery treats it as received with SMTPUTF8."""
+    """Whether to flag the message SMTPUTF8, as Postfix's sendmail does.
+
+    That is, smtputf8_autodetect_classes = sendmail: a message whose
+    envelope or any header block (attachments' too) is UTF-8 is flagged,
+    so delivery treats it as received with SMTPUTF8.
+    """
     if args.smtputf8 or not ascii_envelope(sender, recipients):
         return True
     scan = HeaderScan()
@@ -225,8 +235,11 @@ def is_utf8_message(args: SendmailArgs, sender: str, recipients: list[str], head
 # -- queueing -----------------------------------------------------------------------------
 
 def load_suppression(cfg: Config) -> SuppressionList:
-    """The list the server uses; a file that cannot be used is a config error,
-    as it is for ``sluice serve`` (suppression must not quietly turn off)."""
+    """The suppression list the server uses.
+
+    A file that cannot be used is a config error, as it is for ``sluice
+    serve`` (suppression must not quietly turn off).
+    """
     try:
         return SuppressionList.load(cfg.suppression.path)
     except SuppressionFileError as exc:
@@ -245,8 +258,11 @@ def _log_suppressed(queue: Queue, sender: str, items: list[tuple[str, Suppressio
 
 
 def _open_queue(cfg: Config) -> Queue | StorageError:
-    """The queue; or, for a single-process store that will not open (a
-    running server holds it), the error, so the message goes to that server."""
+    """The queue, or why a single-process store will not open.
+
+    A running server holds such a store; the message then goes to that
+    server.
+    """
     try:
         return Queue.open(cfg)
     except StorageError as exc:
@@ -256,8 +272,10 @@ def _open_queue(cfg: Config) -> Queue | StorageError:
 
 
 def queue_message(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
-    """Queue ``message`` (header first, at position 0) for ``env``: here, or
-    by the running server when it holds the queue."""
+    """Queue ``message`` (header first, at position 0) for ``env``.
+
+    Here, or by the running server when it holds the queue.
+    """
     queue = _open_queue(cfg)
     if isinstance(queue, StorageError):
         return hand_over(cfg, env, message, queue)
@@ -295,8 +313,10 @@ def queue_message(cfg: Config, env: Envelope, message: IO[bytes]) -> Outcome:
 
 
 def server_address(cfg: Config) -> tuple[str, int] | None:
-    """Where the running server's SMTP listener is reached from this host:
-    the first ``smtpd.listen`` address, a wildcard one on loopback."""
+    """Where the running server's SMTP listener is reached from this host.
+
+    The first ``smtpd.listen`` address; a wildcard one on loopback.
+    """
     for listen in cfg.smtpd.listen:
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
@@ -373,6 +393,7 @@ def default_sender(cfg: Config) -> str:
 
 
 def cmd_sendmail(args: argparse.Namespace) -> int:
+    """`sluice sendmail`: queue a message read from standard input, as Postfix's sendmail."""
     opts = parse_args(list(args.argv))
     if opts.help:
         sys.stdout.write(USAGE)

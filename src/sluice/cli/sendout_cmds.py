@@ -41,6 +41,7 @@ __all__ = ["register"]
 
 
 def register(subparsers: Any) -> None:
+    """Add `sluice sendout` to the command line."""
     p = subparsers.add_parser(
         "sendout", help="send a campaign list through Spark and the injection API",
         description="Clean, personalise and inject a recipient list with Spark.")

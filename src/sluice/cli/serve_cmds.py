@@ -14,6 +14,7 @@ from sluice.sink import Behaviour, Sink, parse_behaviour
 
 
 def register(sub: Any) -> None:
+    """Add `sluice serve`, `sluice demo` and `sluice sink` to the command line."""
     p = sub.add_parser("serve", help="receive, queue and deliver mail (the MTA)")
     p.add_argument("--log-level", default=None,
                    choices=["debug", "info", "warning", "error"],
@@ -48,6 +49,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """`sluice serve`: run the MTA until stopped; a failure to start exits 2."""
     from sluice.runtime.serve import PartFailed, ServeError, serve
     from sluice.scheduler import PolicyError
     from sluice.smtpd import ReceiverError
@@ -66,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`sluice demo`: the whole flow on this machine, or a cluster with ``--nodes``."""
     from sluice.runtime.demo import run_demo
 
     if args.messages < 1 or args.domains < 5:
@@ -96,6 +99,7 @@ def _behaviours(args: argparse.Namespace) -> dict[str, Behaviour]:
 
 
 def cmd_sink(args: argparse.Namespace) -> int:
+    """`sluice sink`: run an SMTP sink with per-domain behaviours until interrupted."""
     host, _, port = args.listen.rpartition(":")
     try:
         sink = Sink(_behaviours(args), default=parse_behaviour(args.default),

@@ -1,5 +1,6 @@
 """`sluice shaping ...`: the automatic actions in force, and checking a rules file.
 
+SUMMARY
     sluice shaping status [--json]   rules loaded, firings, actions in force (asks the server)
     sluice shaping check [FILE]      validate a rules file and run each rule's test reply
     sluice shaping reload            read delivery.shaping again (asks the server)
@@ -22,6 +23,7 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
+    """Add `sluice shaping` to the command line."""
     p = sub.add_parser("shaping", help="adaptive traffic shaping (docs/shaping.md)")
     cmds = p.add_subparsers(dest="shaping_cmd", required=True)
     st = cmds.add_parser("status", help="rules loaded and automatic actions in force")

@@ -89,11 +89,22 @@ class NodeStore(Protocol):
     node_id: str
 
     def heartbeat(self, host: str, started_at: float, now: float, limits: str = ...
-                  ) -> None: ...
+                  ) -> None:
+        """Say this node is alive at ``now``, with its host, start time and limits mode."""
+        ...
 
-    def nodes(self) -> list[Any]: ...
+    def nodes(self) -> list[Any]:
+        """The nodes the store knows, with their last heartbeat and claimed entries."""
+        ...
 
-    def take_over(self, dead: str, now: float, older_than: float) -> list[QueueEntry]: ...
+    def take_over(self, dead: str, now: float, older_than: float) -> list[QueueEntry]:
+        """Return a dead node's claims to the queue if its heartbeat is still old.
+
+        Old: before ``older_than``.  Returns the entries given back (as they
+        are now); none when another node is taking them or ``dead`` has sent
+        a heartbeat since.
+        """
+        ...
 
 
 @dataclass
@@ -154,6 +165,7 @@ class ClusterAgent:
             self._commands.put_nowait(cmd)
 
     def status(self) -> ClusterStatus:
+        """What this node knows of the cluster now (the ``sluice cluster status`` data)."""
         return self.state
 
     def publish(self, event: Event) -> None:
@@ -298,9 +310,11 @@ class ClusterAgent:
             await wait_stop(stop, c.heartbeat_interval)
 
     def _tell_others_mode(self, live: list[Any]) -> None:
-        """Fallen back: tell the scheduler whether other live nodes may still
-        take from Redis (a node that has not said "fallback" since this one
-        fell back may), and the live nodes as they are now."""
+        """Fallen back: tell the scheduler whether other live nodes may still take from Redis.
+
+        A node that has not said "fallback" since this one fell back may; the
+        live nodes go with it, as they are now.
+        """
         others = any(r.id != self.node_id and not (
             r.limits == "fallback" and r.heartbeat_at >= self._fell_at) for r in live)
         nodes = self.state.live_nodes or [self.node_id]

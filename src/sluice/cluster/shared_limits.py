@@ -240,8 +240,10 @@ class SharedLimits:
         return [str(n) for n in live]
 
     async def acquire(self, cmd: AcquireGrants, clock: Callable[[], float]) -> GrantsChanged:
-        """Ask for every request of ``cmd``; the answer in this node's time
-        (``clock``'s, through the measured offset of the two clocks)."""
+        """Ask for every request of ``cmd``; the answer in this node's time.
+
+        Times are ``clock``'s, through the measured offset of the two clocks.
+        """
         args = list(self._args)
         for r in cmd.requests:
             spacing = 0.0
@@ -268,9 +270,11 @@ class SharedLimits:
         return GrantsChanged(tuple(grants))
 
     def _offset(self, redis_now: float, sent: float, received: float) -> float:
-        """Redis's clock minus this node's, from the round trips with the
-        least delay among the last few: a stalled event loop (a late
-        ``received``) must not move the dates."""
+        """Redis's clock minus this node's, from the round trips with the least delay.
+
+        Only the last few count: a stalled event loop (a late ``received``) must
+        not move the dates.
+        """
         self._samples.append((received - sent, redis_now - (sent + received) / 2))
         return min(self._samples)[1]
 
@@ -307,4 +311,5 @@ class SharedLimits:
             return False
 
     async def close(self) -> None:
+        """Close the connection to Redis."""
         await self.client.aclose()

@@ -74,7 +74,9 @@ CHANNEL = "sluice_cluster"
 
 def encode(event: Event, policy: Policy) -> tuple[str, dict[str, Any] | None]:
     """The row key of an operator change and its body (None: a removal).
-    ``policy`` is the running one (a condition's counter's fields)."""
+
+    ``policy`` is the running one (a condition's counter's fields).
+    """
     match event:
         case SuspensionAdded(suspension=s):
             return f"suspension:{s.id}", {"suspension": s.to_data()}
@@ -148,8 +150,10 @@ class SharedState:
                          "AND at < now() - interval '7 days'")
 
     async def follow(self, apply: Callable[[Event], None], stop: asyncio.Event) -> None:
-        """Apply the other nodes' changes until ``stop``; reconnects (with a
-        full resync) whenever the connection is lost."""
+        """Apply the other nodes' changes until ``stop``.
+
+        Reconnects (with a full resync) whenever the connection is lost.
+        """
         first = True
         while not stop.is_set():
             try:

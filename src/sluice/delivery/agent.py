@@ -161,9 +161,11 @@ class DeliveryRequest:
 
     @property
     def spid(self) -> str:
+        """The SPID of the message, shared by every entry."""
         return self.entries[0].spid
 
     def envelope(self) -> Envelope:
+        """The SMTP envelope: the message's sender and every entry's recipient."""
         first = self.entries[0]
         return Envelope(first.sender, tuple(e.recipient for e in self.entries),
                         first.size, self.smtputf8)
@@ -216,8 +218,10 @@ class AgentStats:
 
 
 def outcome_of(reply: Reply) -> Outcome:
-    """2xx delivered, 4xx temporary, 5xx permanent; anything else is a
-    protocol error, retried later."""
+    """The outcome a reply means: 2xx delivered, 4xx temporary, 5xx permanent.
+
+    Anything else is a protocol error, retried later.
+    """
     if 200 <= reply.code < 300:
         return Delivered(reply)
     if 500 <= reply.code < 600:
@@ -254,14 +258,20 @@ def smtputf8_refusal(env: Envelope, utf8_headers: Callable[[], bool], offered: b
 
 
 def _peer_outcome(reply: ServerReply, host: Host) -> Outcome:
-    """What the server said, marked as its own (the NDR's Remote-MTA and
-    "smtp;" Diagnostic-Code); Reply.describe() adds "host X said:"."""
+    """What the server said, marked as its own.
+
+    That is, the NDR's Remote-MTA and "smtp;" Diagnostic-Code;
+    Reply.describe() adds "host X said:".
+    """
     return outcome_of(dataclasses.replace(reply.to_reply(), remote_mta=host.name))
 
 
 def _peer_outcomes(replies: Sequence[ServerReply], host: Host) -> list[Outcome]:
-    """_peer_outcome of each reply, made once per reply: after DATA every
-    accepted recipient of a transaction shares the one final reply."""
+    """Give _peer_outcome of each reply, made once per distinct reply.
+
+    After DATA every accepted recipient of a transaction shares the one
+    final reply.
+    """
     made: dict[int, Outcome] = {}
     out = []
     for r in replies:
@@ -281,9 +291,11 @@ def _wire_safe(address: str) -> bool:
 
 def _utf8_headers(request: DeliveryRequest, head: bytes) -> bool:
     """Whether the message has a UTF-8 header block, MIME parts included.
+
     The head (first READ_SIZE bytes) often settles it; otherwise the
     content is read through once more, in a second handle, so the one
-    that will be sent keeps its place."""
+    that will be sent keeps its place.
+    """
     scan = HeaderScan()
     scan.feed(head)
     if scan.settled or len(head) < READ_SIZE:  # the head is all there is
@@ -297,8 +309,10 @@ def _unreadable(request: DeliveryRequest, exc: Exception) -> Reply:
 
 
 def _open(request: DeliveryRequest) -> tuple[IO[bytes], bytes] | Reply:
-    """The queued content and its first READ_SIZE bytes (the head, which
-    session.send() sends first), or why they cannot be read."""
+    """The queued content and its first READ_SIZE bytes, or why they cannot be read.
+
+    The head is what session.send() sends first.
+    """
     try:
         content = request.content()
     except Exception as exc:  # StorageError, OSError: the spool's fault, not the peer's
@@ -311,8 +325,11 @@ def _open(request: DeliveryRequest) -> tuple[IO[bytes], bytes] | Reply:
 
 
 class _Pool:
-    """Idle sessions by (transport, destination, localip); LIFO within a key
-    so that few connections stay warm and the rest time out."""
+    """Idle sessions by (transport, destination, localip).
+
+    LIFO within a key so that few connections stay warm and the rest time
+    out.
+    """
 
     def __init__(self, max_messages: int, idle_s: float, max_open: int) -> None:
         self.max_messages = max_messages
@@ -406,24 +423,29 @@ class DeliveryAgent:
     @classmethod
     def from_config(cls, config: Config, *, ssl_context: ssl.SSLContext | None = None
                     ) -> DeliveryAgent:
+        """The agent the delivery section of a configuration describes."""
         return cls(config.delivery, hostname=config.node.hostname or "localhost",
                    ssl_context=ssl_context)
 
     @property
     def stats(self) -> AgentStats:
+        """Connections open and idle, and the counts since start."""
         return AgentStats(open=len(self._pool.sessions), idle=self._pool.idle_count,
                           connections_opened=self._opened, connections_reused=self._reused,
                           connect_failures=self._connect_failures,
                           transactions=self._transactions)
 
     def helo_name(self, localip: str) -> str:
+        """The name to say in EHLO from ``localip``: its own, the ``*`` one, or the host name."""
         helo = self.config.helo
         return helo.get(localip) or helo.get("*") or self.hostname
 
     async def close(self) -> None:
-        """Say QUIT on every idle connection; later deliveries still work but
-        their connections are not kept.  Call it before the event loop
-        closes: uvloop waits for connections left open."""
+        """Say QUIT on every idle connection.
+
+        Later deliveries still work but their connections are not kept.  Call
+        it before the event loop closes: uvloop waits for connections left open.
+        """
         self._pool.close()
         await asyncio.sleep(0)  # let the transports flush QUIT
 
@@ -500,9 +522,10 @@ class DeliveryAgent:
             content.close()
 
     async def _deliver_safe_part(self, request: DeliveryRequest) -> DeliveryResult:
-        """Addresses with CR, LF, NUL or angle brackets never reach the wire,
-        where they could smuggle in commands; they fail for good, the rest
-        is delivered as usual."""
+        """Fail for good the addresses that could smuggle in commands; deliver the rest.
+
+        Addresses with CR, LF, NUL or angle brackets never reach the wire.
+        """
         started = time.monotonic()
         host = request.route.hosts[0]
         if not _wire_safe(request.entries[0].sender):
@@ -521,8 +544,10 @@ class DeliveryAgent:
 
     def _refuse_before_mail(self, session: Session, request: DeliveryRequest, env: Envelope,
                             utf8: Callable[[], bool]) -> Outcome | None:
-        """Outcomes known from the EHLO reply and the headers of the content
-        (RFC 6531, RFC 1870)."""
+        """Outcomes known from the EHLO reply and the headers of the content.
+
+        RFC 6531 (SMTPUTF8) and RFC 1870 (SIZE).
+        """
         try:
             refusal = smtputf8_refusal(env, utf8, "SMTPUTF8" in session.extensions,
                                        session.host)
@@ -537,8 +562,10 @@ class DeliveryAgent:
         return None
 
     async def _connect(self, request: DeliveryRequest) -> tuple[Session | Reply, Host]:
-        """A new session with the first host that will talk, or the reply
-        that explains why none would (with the last host tried)."""
+        """A new session with the first host that will talk, or why none would.
+
+        The reply that explains it comes with the last host tried.
+        """
         route = request.route
         localip = request.localip
         family = ipaddress.ip_address(localip).version if localip else 0

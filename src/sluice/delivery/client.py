@@ -111,11 +111,15 @@ class ServerReply:
 
     @property
     def is_positive(self) -> bool:
+        """Whether the reply is a success (2xx) or asks for more (3xx)."""
         return 200 <= self.code < 400
 
     def to_reply(self, prefix: str = "", suffix: str = "") -> Reply:
-        """As a sluice Reply: the enhanced code (RFC 3463) taken from the
-        text when the server gave one, else the class default (X.0.0)."""
+        """As a sluice Reply, with an enhanced code (RFC 3463).
+
+        The one taken from the text when the server gave one, else the class
+        default (X.0.0).
+        """
         enhanced = ""
         texts = []
         for line in self.lines:
@@ -135,12 +139,15 @@ class ServerReply:
 
 
 class SessionError(Exception):
-    """The session is unusable: connect failed, timed out, connection lost,
-    or the server refused to talk.  ``reply`` is the TempFail reply to
-    record for recipients without an answer; ``connected`` says whether a
-    TCP connection was made; ``tls_failed`` that the TLS handshake failed;
-    ``stale`` that a transaction broke before the server answered anything
-    (a cached connection that died while idle)."""
+    """The session is unusable.
+
+    Connect failed, timed out, connection lost, or the server refused to
+    talk.  ``reply`` is the TempFail reply to record for recipients without
+    an answer; ``connected`` says whether a TCP connection was made;
+    ``tls_failed`` that the TLS handshake failed; ``stale`` that a
+    transaction broke before the server answered anything (a cached
+    connection that died while idle).
+    """
 
     def __init__(self, reply: Reply, *, connected: bool = True, tls_failed: bool = False
                  ) -> None:
@@ -175,6 +182,7 @@ class Envelope:
 
     @property
     def needs_smtputf8(self) -> bool:
+        """Whether the message needs SMTPUTF8: received with it, or an address is not ASCII."""
         return self.smtputf8 or not ascii_envelope(self.sender, self.recipients)
 
 
@@ -312,9 +320,11 @@ def default_ssl_context() -> ssl.SSLContext:
 
 
 def _soft(reply: Reply, host: Host, what: str) -> Reply:
-    """A refusal to talk, recorded as temporary whatever its code: another
-    MX, or the same one later, may well accept (Postfix's
-    smtp_skip_5xx_greeting)."""
+    """A refusal to talk, recorded as temporary whatever its code.
+
+    Another MX, or the same one later, may well accept (Postfix's
+    smtp_skip_5xx_greeting).
+    """
     enhanced = reply.enhanced if reply.enhanced.startswith("4") else "4.4.2"
     code = reply.code if reply.is_transient else 451
     return Reply(code, enhanced, f"host {host} {what}: {reply.code} {reply.text}")
@@ -446,6 +456,10 @@ class Session:
     # -- I/O ---------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
+        """Write ``data`` to the server; nothing if the connection is gone.
+
+        The read that follows reports the loss.
+        """
         transport = self._reader.transport
         if transport is None or self._reader.lost is not None:
             return  # the read that follows reports the loss
@@ -482,8 +496,11 @@ class Session:
 
     @property
     def alive(self) -> bool:
-        """Usable for another transaction: open, and no unsolicited reply
-        (a server that timed us out sends 421 and hangs up)."""
+        """Whether the session can carry another transaction.
+
+        It must be open, with no unsolicited reply (a server that timed us out
+        sends 421 and hangs up).
+        """
         r = self._reader
         return self.usable and r.lost is None and not r.replies and not r.lines
 
@@ -498,6 +515,7 @@ class Session:
             transport.close()
 
     def abort(self) -> None:
+        """Drop the connection at once, without QUIT; the session is not used again."""
         self.usable = False
         self.stop_idle_timer()
         transport = self._reader.transport
@@ -505,6 +523,7 @@ class Session:
             transport.abort()
 
     def stop_idle_timer(self) -> None:
+        """Cancel the timer that closes the session while it waits in the pool."""
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
@@ -513,6 +532,7 @@ class Session:
 
     @property
     def max_size(self) -> int:
+        """The largest message the server takes (EHLO SIZE, RFC 1870); 0 when it set none."""
         value = self.extensions.get("SIZE", "")
         return int(value) if value.isdigit() else 0
 
@@ -642,8 +662,11 @@ class Session:
 
 def _ended(so_far: Sequence[ServerReply], reply: ServerReply, count: int
            ) -> tuple[ServerReply, ...]:
-    """Replies when ``reply`` ended the transaction early: recipients already
-    refused keep their refusal; every other one gets ``reply``."""
+    """Replies when ``reply`` ended the transaction early.
+
+    Recipients already refused keep their refusal; every other one gets
+    ``reply``.
+    """
     out = [r if not r.is_positive else reply for r in so_far]
     out.extend([reply] * (count - len(out)))
     return tuple(out)

@@ -1,4 +1,4 @@
-"""SMTP DATA encoding of spooled content, one chunk at a time (ZoneMTA's encoder).
+r"""SMTP DATA encoding of spooled content, one chunk at a time (ZoneMTA's encoder).
 
 SUMMARY
     DataEncoder(line_length_limit=0).feed(chunk) -> bytes; .finish() -> bytes;
@@ -37,7 +37,7 @@ STRATEGIES
     with "." is returned as it is, found by counting (no copy).
 
     Work in C otherwise.  A chunk that needs changes is normalised with
-    bytes.replace (CRLF and CR to LF, stuff "\\n.", LF to CRLF), not a
+    bytes.replace (CRLF and CR to LF, stuff "\n.", LF to CRLF), not a
     Python loop per byte.
 
     Two bits of state carry across chunk boundaries: whether the last byte
@@ -106,16 +106,16 @@ class DataEncoder:
                 return b""
         last = data[-1]
         lead_dot = self._at_line_start and data[0] == 0x2E
-        if last != 0x0D and not lead_dot and _DOT_LINE.search(data) is None:
-            # Content received over SMTP is CRLF already: when every CR and
-            # every LF belongs to a CRLF, the chunk goes out as it is.  With
-            # no CR that is not followed by an LF, each CR has its own LF;
-            # as many CRs as LFs then leaves no LF alone.
-            if (data.count(b"\n") == data.count(b"\r") and _BARE_CR.search(data) is None
-                    and not (self._limit and self._needs_fold(data))):
-                self._pending_cr = False
-                self._at_line_start = last == 0x0A
-                return data
+        # Content received over SMTP is CRLF already: when every CR and
+        # every LF belongs to a CRLF, the chunk goes out as it is.  With no
+        # CR that is not followed by an LF, each CR has its own LF; as many
+        # CRs as LFs then leaves no LF alone.
+        if (last != 0x0D and not lead_dot and _DOT_LINE.search(data) is None
+                and data.count(b"\n") == data.count(b"\r") and _BARE_CR.search(data) is None
+                and not (self._limit and self._needs_fold(data))):
+            self._pending_cr = False
+            self._at_line_start = last == 0x0A
+            return data
         # A trailing CR is a line break either way (bare CR or the start of
         # CRLF); remember it so a leading LF in the next chunk is swallowed.
         self._pending_cr = last == 0x0D
@@ -189,14 +189,16 @@ class DataEncoder:
         return b"\n".join(lines)
 
     def finish(self) -> bytes:
-        """The end of the data: a line break if one is missing, then ".\\r\\n"."""
+        r"""The end of the data: a line break if one is missing, then ".\r\n"."""
         return b".\r\n" if self._at_line_start else b"\r\n.\r\n"
 
 
 def encode_stream(fp: IO[bytes], bufsize: int = 65536, line_length_limit: int = 0
                   ) -> Iterator[bytes]:
-    """The encoded DATA of the binary stream ``fp``, including the final dot,
-    read ``bufsize`` bytes at a time."""
+    """The encoded DATA of the binary stream ``fp``, including the final dot.
+
+    ``fp`` is read ``bufsize`` bytes at a time.
+    """
     enc = DataEncoder(line_length_limit)
     while True:
         chunk = fp.read(bufsize)

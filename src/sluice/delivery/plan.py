@@ -70,13 +70,16 @@ class Job:
 
     @property
     def spid(self) -> str:
+        """The SPID of the message, shared by every entry."""
         return self.entries[0].spid
 
     @property
     def priority(self) -> int:
+        """The job's priority: the highest of its entries'."""
         return max(e.priority for e in self.entries)
 
     def scheduler_route(self) -> Route:
+        """The scheduler's Route for the job: the fields pickup policies count by."""
         first = self.entries[0]
         return Route(
             recipientdomain=first.domain, tenantid=first.tenantid, jobid=first.jobid,
@@ -87,8 +90,11 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """An entry that is not delivered now.  ``decision``: Hold or Drop (from
-    the pre-delivery hook), or the outcome to record without an attempt."""
+    """An entry that is not delivered now.
+
+    ``decision``: Hold or Drop (from the pre-delivery hook), or the outcome
+    to record without an attempt.
+    """
 
     entry: QueueEntry
     decision: Hold | Drop | Outcome
@@ -102,6 +108,7 @@ class Settled:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """What to do with claimed entries: the jobs to deliver and the entries settled without."""
     jobs: tuple[Job, ...]
     settled: tuple[Settled, ...]
 

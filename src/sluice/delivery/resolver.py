@@ -81,6 +81,7 @@ class MxRecords:
 
 @dataclass(frozen=True, slots=True)
 class Addresses:
+    """A host's IP addresses and when the answer expires."""
     ips: tuple[str, ...]
     expires_at: float
 
@@ -107,6 +108,7 @@ class Resolver:
 
     @property
     def cache(self) -> dns.resolver.LRUCache | None:
+        """The resolver's answer cache; None when ``cache_size`` is 0."""
         cache = self._res.cache
         return cache if isinstance(cache, dns.resolver.LRUCache) else None
 

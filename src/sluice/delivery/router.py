@@ -78,8 +78,11 @@ NULL_MX_REPLY_CODE = (556, "5.1.10")
 
 @dataclass(frozen=True, slots=True)
 class Host:
-    """One address to connect to.  ``name`` is the MX (or gateway) host name,
-    or the IP itself for an address literal."""
+    """One address to connect to.
+
+    ``name`` is the MX (or gateway) host name, or the IP itself for an
+    address literal.
+    """
 
     name: str
     ip: str
@@ -110,6 +113,7 @@ class NextHop:
 
     @property
     def remoteip(self) -> str:
+        """The address tried first."""
         return self.hosts[0].ip
 
 
@@ -232,8 +236,10 @@ class Router:
         return NextHop(transport, tuple(self._hosts(levels, port)), destination)
 
     async def _resolve_mx(self, domain: str) -> tuple[_Levels, float] | TempFail | PermFail:
-        """The domain's MX hosts with their addresses, grouped by preference,
-        and when that answer expires; or why there is none."""
+        """The domain's MX hosts with their addresses, grouped by preference; or why none.
+
+        With the hosts, when that answer expires.
+        """
         mx = await self.resolver.mx(domain)
         if isinstance(mx, DnsFailure):
             if mx.permanent:
@@ -280,8 +286,10 @@ class Router:
         return _lookup_failed(failures, f"MX hosts of {domain}")
 
     def _hosts(self, levels: _Levels, port: int) -> list[Host]:
-        """Hosts by preference; equal preferences in random order (RFC 5321 5.1);
-        at most mx_address_limit addresses."""
+        """Hosts by preference, at most mx_address_limit addresses.
+
+        Equal preferences come in random order (RFC 5321 5.1).
+        """
         out: list[Host] = []
         limit = max(self.address_limit, 1)
         for pref, names in levels:
@@ -301,8 +309,10 @@ _Levels = tuple[tuple[int, tuple[tuple[str, tuple[str, ...]], ...]], ...]
 
 
 class _HostCache:
-    """Resolved MX hosts per domain until the shortest TTL among the records
-    used; least recently used first out beyond ``size`` domains."""
+    """Resolved MX hosts per domain until the shortest TTL among the records used.
+
+    Least recently used first out beyond ``size`` domains.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size

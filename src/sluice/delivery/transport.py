@@ -87,6 +87,7 @@ class Gateway:
 
     @property
     def is_ip(self) -> bool:
+        """Whether the gateway's host is an IP address rather than a name."""
         try:
             ipaddress.ip_address(self.host)
         except ValueError:

@@ -76,7 +76,7 @@ def _is_failure() -> Column:
 
 
 def with_masked_reply(events: DataFrame) -> DataFrame:
-    """events plus MASKED_COLUMN: rules.mask(response) for failures, null otherwise.
+    """Add MASKED_COLUMN to ``events``: rules.mask(response) for failures, null otherwise.
 
     Other events skip the regular expressions: only failures are classified.
     """

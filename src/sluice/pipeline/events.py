@@ -94,6 +94,11 @@ def between(
 
 
 def utc_instant(at: datetime) -> datetime:
+    """``at`` as an aware datetime, UTC when it had no zone.
+
+    PySpark turns a naive datetime into an instant through the Python
+    process's local zone, an aware one exactly; so hand it an aware one.
+    """
     # PySpark turns a naive datetime into an instant through the Python
     # process's local zone, an aware one exactly; so hand it an aware one.
     if at.tzinfo is None:

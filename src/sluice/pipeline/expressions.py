@@ -29,7 +29,7 @@ __all__ = ["category", "hard", "mx_group", "reason", "throttle", "with_masked"]
 
 
 def with_masked(df: DataFrame, source: str, target: str) -> DataFrame:
-    """df with ``target`` = rules.mask(``source``).
+    """Add column ``target`` = rules.mask(``source``) to ``df``.
 
     One column step per rule, each guarded by its cheap substring test (a
     rule without one by a test for the empty text, which no rule changes);
@@ -85,6 +85,7 @@ def category(event: Column, enhanced: Column, text: Column) -> Column:
 
 
 def hard(event: Column, category_col: Column) -> Column:
+    """Whether an event is a bounce of a hard category (never null)."""
     hard_names = sorted(str(c) for c in rules.HARD_CATEGORIES)
     return F.coalesce((event == "bounced") & category_col.isin(hard_names), F.lit(False))
 

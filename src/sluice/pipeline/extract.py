@@ -68,6 +68,11 @@ def expand_inputs(patterns: Iterable[str]) -> list[str]:
 
 
 def is_parquet(path: str) -> bool:
+    """Whether ``path`` is Parquet: a ``.parquet`` name, or a local directory of Parquet files.
+
+    A table partitioned by day, as ingest writes it, has its files one level
+    down.
+    """
     if path.rstrip("/").endswith(".parquet"):
         return True
     if _is_uri(path):

@@ -43,13 +43,17 @@ __all__ = ["exists", "is_local", "local_path", "read_text", "replace_with_part",
 
 
 def is_local(path: str) -> bool:
-    """A plain path (no scheme): Python writes it.  Every URI -- ``file://``
-    included -- goes through Hadoop, as Spark's own writers do."""
+    """Whether Python writes ``path``: a plain path, with no scheme.
+
+    Every URI -- ``file://`` included -- goes through Hadoop, as Spark's own
+    writers do.
+    """
     _, sep, _ = path.partition("://")
     return not sep
 
 
 def local_path(path: str) -> Path:
+    """The Path of a plain (local) path."""
     return Path(path)
 
 
@@ -125,8 +129,10 @@ def _move_over(spark: SparkSession, jvm: Any, fs: Any, source: Any, target: Any,
 
 
 def replace_with_part(spark: SparkSession, parts_dir: str, path: str) -> None:
-    """Move the one part file of the Spark output ``parts_dir`` over ``path`` (fsynced
-    first where local), and remove ``parts_dir``."""
+    """Move the one part file of the Spark output ``parts_dir`` over ``path``.
+
+    It is fsynced first where local; ``parts_dir`` is then removed.
+    """
     if is_local(parts_dir) and is_local(path):
         parts = sorted(local_path(parts_dir).glob("part-*"))
         if len(parts) != 1:
@@ -175,6 +181,7 @@ def read_text(spark: SparkSession | None, path: str) -> str | None:
 
 
 def exists(spark: SparkSession | None, path: str) -> bool:
+    """Whether ``path`` exists; a URI is asked through the session's Hadoop FileSystem."""
     if is_local(path):
         return local_path(path).exists()
     if spark is None:

@@ -44,6 +44,7 @@ _MAX_BARS = 15
 
 @dataclass(frozen=True, slots=True)
 class ReportData:
+    """What the HTML delivery report shows: totals, hours, domains, reasons."""
     generated_at: str
     totals: Mapping[str, Any]
     by_hour: Sequence[Mapping[str, Any]] = ()

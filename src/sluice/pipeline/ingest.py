@@ -61,6 +61,10 @@ def run_ingest(
     until: datetime | None = None,
     step: Callable[[str], None] = _no_step,
 ) -> JobResult:
+    """Append the events of ``inputs`` not in ``table`` yet, partitioned by day.
+
+    Returns the events read and added.
+    """
     started = time.monotonic()
     step("ingest: reading")
     events = read_events(spark, expand_inputs(inputs)).transform(between, since=since,

@@ -79,6 +79,7 @@ def idempotency_key(job: str, address: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class InjectTarget:
+    """Where and how a partition injects: the API, its token, the message template and limits."""
     url: str  # http://127.0.0.1:8025
     token: str
     sender: str

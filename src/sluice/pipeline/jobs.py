@@ -125,6 +125,7 @@ def _no_step(_: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
+    """What one job wrote (name -> path), its counts, and how long it took."""
     job: str
     outputs: dict[str, str] = field(default_factory=dict)
     counts: dict[str, Any] = field(default_factory=dict)
@@ -148,6 +149,7 @@ def open_source(
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> Source:
+    """The events of ``inputs`` between ``since`` and ``until``, read once for the jobs."""
     paths = expand_inputs(inputs)
     events = read_events(spark, paths).transform(between, since=since, until=until)
     return Source(paths, events, until)
@@ -357,6 +359,11 @@ def run_maillog(
     until: datetime | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """Parse Postfix mail log lines into an events table under ``output``.
+
+    ``year`` and ``tz`` complete the syslog timestamps, which have neither;
+    returns the counts by event.
+    """
     started = time.monotonic()
     step("maillog: parsing")
     lines = read_lines(spark, expand_inputs(inputs))
@@ -469,6 +476,7 @@ def run_report(
     html: bool = True,
     step: Step = _no_step,
 ) -> JobResult:
+    """Run the report job alone (see run_jobs)."""
     return run_jobs(spark, inputs, output, ["report"], since=since, until=until, step=step,
                     options={"report": {"top": top, "html": html}})[0]
 
@@ -482,6 +490,7 @@ def run_bounces(
     until: datetime | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """Run the bounces job alone (see run_jobs)."""
     return run_jobs(spark, inputs, output, ["bounces"], since=since, until=until,
                     step=step)[0]
 
@@ -500,6 +509,7 @@ def run_suppress(
     now: float | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """Run the suppress job alone (see run_jobs), with its thresholds as options."""
     options = {"list_path": list_path, "soft_count": soft_count, "soft_days": soft_days,
                "soft_ttl_days": soft_ttl_days, "now": now}
     return run_jobs(spark, inputs, output, ["suppress"], since=since, until=until, step=step,
@@ -516,5 +526,6 @@ def run_shape(
     until: datetime | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """Run the shape job alone (see run_jobs)."""
     return run_jobs(spark, inputs, output, ["shape"], since=since, until=until, step=step,
                     options={"shape": {"policy_path": policy_path}})[0]

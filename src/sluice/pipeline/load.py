@@ -47,17 +47,22 @@ TIME_FORMAT = "yyyy-MM-dd'T'HH:mm:ss.SSSXXX"
 
 
 def is_local_dir(path: str) -> bool:
+    """Whether ``out_dir`` is a plain local path (see hfs.is_local)."""
     return hfs.is_local(path)
 
 
 def join(out_dir: str, name: str) -> str:
+    """``name`` under the directory or URI ``out_dir``."""
     return out_dir.rstrip("/") + "/" + name
 
 
 def write_table(df: DataFrame, out_dir: str, name: str, csv: bool = True,
                 single: bool = False, by_day: str | None = None) -> dict[str, str]:
-    """``out_dir/name.parquet`` (partitioned by the day of ``by_day``, when given)
-    and ``out_dir/name.csv`` (one part file when ``single``); returns their paths."""
+    """Write ``out_dir/name.parquet`` and ``out_dir/name.csv``; returns their paths.
+
+    The Parquet is partitioned by the day of ``by_day`` when given; the CSV
+    is one part file when ``single``.
+    """
     out = {"parquet": join(out_dir, name + ".parquet")}
     if by_day is not None:
         (df.withColumn("day", F.to_date(F.col(by_day)))

@@ -57,6 +57,7 @@ __all__ = ["DestinationLimit", "build_policy", "limits_from_findings", "policy_y
 
 @dataclass(frozen=True, slots=True)
 class DestinationLimit:
+    """The limits found for one destination group, with what evidence there was."""
     destination: str  # group id, e.g. "gsuite"
     patterns: tuple[str, ...]  # Halon wild-cards of the group
     rate_per_min: int | None = None

@@ -154,6 +154,10 @@ class CountProgress:
             self._progress.stop()
 
     def follow(self, counters: Mapping[str, Any], total: int) -> None:
+        """Show the bar for ``total`` rows until stop(), read from ``counters`` on a thread.
+
+        Does nothing when the bar is off or already following.
+        """
         if not self.enabled or self._thread is not None:
             return
         task = self._progress.add_task("injecting", total=max(total, 1), detail="")

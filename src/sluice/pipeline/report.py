@@ -92,6 +92,7 @@ PERCENTILE_ACCURACY = 1000
 
 
 class Level(StrEnum):
+    """How far the report's outcome table is rolled up."""
     HOURLY = "hourly"  # every dimension and the hour
     HOUR = "hour"  # per hour, all destinations
     DOMAIN = "domain"  # per recipient domain, all hours
@@ -183,9 +184,11 @@ def level(outcome_rows: DataFrame, which: Level) -> DataFrame:
 
 
 def largest_domains(by_domain: DataFrame, n: int) -> DataFrame:
-    """The ``n`` largest domains of the domain level by attempts, and the ``n``
-    largest by deliveries: all the HTML report's charts draw (at most 2n rows,
-    however many domains there are)."""
+    """The ``n`` largest domains by attempts, and the ``n`` largest by deliveries.
+
+    From the domain level; all the HTML report's charts draw (at most 2n
+    rows, however many domains there are).
+    """
     attempts = F.col("delivered") + F.col("deferred") + F.col("bounced") + F.col("expired")
     by_attempts = by_domain.orderBy(attempts.desc(), "domain").limit(n)
     by_delivered = by_domain.orderBy(F.col("delivered").desc(), "domain").limit(n)

@@ -1,4 +1,4 @@
-"""Rules: bounce categories, reason masking, throttle wording, MX groups -- as data.
+r"""Rules: bounce categories, reason masking, throttle wording, MX groups -- as data.
 
 SUMMARY
     BounceCategory                      PowerMTA's bounce categories
@@ -16,7 +16,7 @@ DESCRIPTION
     here, and a test holds the two to the same answers.  Patterns are
     therefore written in the regular-expression dialect that Python's
     ``re`` and Java's ``java.util.regex`` share: classes, alternation,
-    ``\\b``, lookahead, ``(?i)``.
+    ``\b``, lookahead, ``(?i)``.
 
 STRATEGIES
     Masked text.  Categories are decided on the reply text after masking,
@@ -79,6 +79,7 @@ __all__ = [
 
 
 class BounceCategory(StrEnum):
+    """Why a recipient failed: the categories the bounce classification assigns."""
     BAD_MAILBOX = "bad-mailbox"
     BAD_DOMAIN = "bad-domain"
     INACTIVE_MAILBOX = "inactive-mailbox"
@@ -343,6 +344,7 @@ def mask(text: str | None) -> str:
 # Throttling: replies that ask us to slow down rather than refuse the mail.
 
 class ThrottleKind(StrEnum):
+    """What a throttling reply complains of."""
     RATE = "rate"  # too many messages per time unit
     CONNECTIONS = "connections"  # too many connections at once
     CONNECT_RATE = "connect-rate"  # new connections too often
@@ -436,7 +438,8 @@ def mx_group(host: str | None) -> tuple[str, tuple[str, ...]]:
     """The destination group of an MX host and its wild-card patterns.
 
     An address is a group of its own (``ip-192-0-2-1``, pattern the
-    address itself): it has no registered domain to roll up to."""
+    address itself): it has no registered domain to roll up to.
+    """
     name = (host or "").lower().rstrip(".")
     ip = ip_of_literal(name)
     if ip is not None:

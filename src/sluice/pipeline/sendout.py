@@ -105,7 +105,7 @@ def recipients(df: DataFrame, column: str = "email") -> DataFrame:
 
 
 def _a_labels(spark: SparkSession, names: DataFrame) -> DataFrame:
-    """name -> a_label for the distinct non-ASCII domain names (a vectorised UDF)."""
+    """Map the distinct non-ASCII domain names to A-labels (a vectorised UDF)."""
     import pandas as pd
     from pyspark.sql.pandas import functions as pandas_functions
 
@@ -156,7 +156,7 @@ def valid_addresses(work: DataFrame) -> DataFrame:
 
 
 def dedupe(work: DataFrame) -> DataFrame:
-    """duplicate for every row of an address (case aside) but the first in input order."""
+    """Mark every row of an address (case aside) but the first in input order duplicate."""
     key = F.lower(F.col("address"))
     first = Window.partitionBy(key).orderBy("row")
     ranked = work.withColumn("_rank", F.when(F.col("status").isNull(),
@@ -166,8 +166,11 @@ def dedupe(work: DataFrame) -> DataFrame:
 
 
 def read_suppression(spark: SparkSession, path: str, now: datetime) -> DataFrame:
-    """address, reason of the list at ``path`` (the JSON-lines list or the
-    suppression.parquet table), without expired entries."""
+    """The address and reason of every live entry of the list at ``path``.
+
+    The JSON-lines list or the suppression.parquet table; expired entries
+    are left out.
+    """
     if path.rstrip("/").endswith(".parquet"):
         raw = spark.read.parquet(path).select(
             "address", "reason", F.col("expires_at").cast("timestamp").alias("expires_at"))
@@ -184,8 +187,10 @@ def read_suppression(spark: SparkSession, path: str, now: datetime) -> DataFrame
 
 
 def drop_suppressed(work: DataFrame, listed: DataFrame) -> DataFrame:
-    """suppressed for addresses on the list, and for every address of a listed
-    ``@domain``; the reason names the list's reason (hard, soft, manual)."""
+    """Mark suppressed the addresses on the list and every address of a listed ``@domain``.
+
+    The reason names the list's reason (hard, soft, manual).
+    """
     entries = listed.select(F.col("address").alias("_key"),
                             F.col("reason").alias("_why")).dropDuplicates(["_key"])
     by_address = F.broadcast(entries.where(~F.col("_key").startswith("@")))
@@ -202,8 +207,11 @@ def drop_suppressed(work: DataFrame, listed: DataFrame) -> DataFrame:
 
 
 def check_domains(work: DataFrame, verdicts: DataFrame) -> DataFrame:
-    """invalid for domains whose ``verdicts`` row (domain, ok, reason) says they take
-    no mail; a domain without a verdict, or one that failed only for now, passes."""
+    """Mark invalid the rows whose domain takes no mail, as its ``verdicts`` row says.
+
+    ``verdicts`` has (domain, ok, reason); a domain without a verdict, or
+    one that failed only for now, passes.
+    """
     bad = F.broadcast(verdicts.where(~F.col("ok")).select(
         F.col("domain").alias("_vd"), F.col("reason").alias("_vr")))
     joined = work.join(bad, work["domain"] == bad["_vd"], "left")
@@ -211,9 +219,11 @@ def check_domains(work: DataFrame, verdicts: DataFrame) -> DataFrame:
 
 
 def personalise(work: DataFrame, required: Iterable[str] = ()) -> DataFrame:
-    """``substitutions`` (map of the row's fields as text) for the template; invalid
-    when a field the template needs is empty.  Raises ValueError when the input
-    has no such column at all."""
+    """Add ``substitutions`` (the row's fields as text) for the template.
+
+    A row is invalid when a field the template needs is empty.  Raises
+    ValueError when the input has no such column at all.
+    """
     field_names = [f.name for f in work.schema["fields"].dataType.fields  # type: ignore[attr-defined]
                    if f.name != "_none"]
     needed = [n for n in dict.fromkeys(required) if n not in ("email", "name")
@@ -236,9 +246,12 @@ def personalise(work: DataFrame, required: Iterable[str] = ()) -> DataFrame:
 
 def partition_by_domain(work: DataFrame, rows_per_task: int = 5000,
                         total: int | None = None) -> DataFrame:
-    """Partitions of about ``rows_per_task`` rows, one domain's rows together
-    (a big domain over several), sorted by domain within each.  ``total`` is the
-    number of rows when the caller knows it (else it is counted)."""
+    """Partitions of about ``rows_per_task`` rows, one domain's rows together.
+
+    A big domain spreads over several; rows are sorted by domain within
+    each.  ``total`` is the number of rows when the caller knows it (else it
+    is counted).
+    """
     if rows_per_task < 1:
         raise ValueError("rows_per_task must be at least 1")
     per_domain = work.groupBy("domain").agg(F.count(F.lit(1)).alias("_n"))

@@ -39,6 +39,7 @@ def render_sendout(*, job: str, tenant: str, inputs: Sequence[str],
                    summary: Mapping[str, Any], statuses: Sequence[str],
                    domains: Sequence[Mapping[str, Any]], reasons: Sequence[Mapping[str, Any]],
                    generated_at: str, dry_run: bool = False) -> str:
+    """The sendout's summary page (see the module header), every text escaped."""
     total = int(summary.get("rows_read") or 0)
     bar = []
     for status in statuses:

@@ -74,8 +74,10 @@ _TEMPLATE_KEYS = {"from": "from", "subject": "subject", "text": "text_body",
 
 
 def load_template(spark: SparkSession, path: str) -> tuple[dict[str, Any], set[str]]:
-    """The template file (YAML: from, subject, text, html, headers) as the API's
-    template content, and the substitutions it uses.  Raises ValueError."""
+    """The template file as the API's template content, and the substitutions it uses.
+
+    The file is YAML: from, subject, text, html, headers.  Raises ValueError.
+    """
     text = hfs.read_text(spark, path)
     if text is None:
         raise InputError(f"{path}: no such template file")
@@ -112,8 +114,10 @@ def load_template(spark: SparkSession, path: str) -> tuple[dict[str, Any], set[s
 
 
 def read_list(spark: SparkSession, paths: Sequence[str], fmt: str | None = None) -> DataFrame:
-    """The recipient list: CSV with a header, JSON lines, or Parquet (by --format or
-    the first path's extension; CSV otherwise)."""
+    """The recipient list: CSV with a header, JSON lines, or Parquet.
+
+    By --format or the first path's extension; CSV otherwise.
+    """
     kind = fmt or ""
     if not kind:
         first = paths[0].rstrip("/").lower()
@@ -157,6 +161,12 @@ def run_sendout(
     step: Callable[[str], None] = lambda _: None,
     progress: Callable[[Mapping[str, Any], int], None] | None = None,
 ) -> JobResult:
+    """Clean a recipient list, inject what is left through the API, and write the outcomes.
+
+    Invalid, duplicate, suppressed and (with ``dns``) undeliverable rows are
+    set aside first; ``dry_run`` stops before injecting.  Writes
+    outcomes.parquet and sendout.html under ``output``.
+    """
     started = time.monotonic()
     now = datetime.now(UTC)
     content, needed = load_template(spark, template)

@@ -62,6 +62,7 @@ logger.hadoop.level = error
 
 
 def is_local(master: str) -> bool:
+    """Whether the Spark master runs in this process (``local``, ``local[N]``, ...)."""
     return master == "local" or master.startswith("local[") or master.startswith("local-")
 
 

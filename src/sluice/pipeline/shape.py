@@ -104,8 +104,10 @@ BUCKET_US = 60_000_000
 
 
 def inflight_marks(tried: DataFrame) -> DataFrame:
-    """Each attempt's start (+1) and end (-1) with the count in flight after it:
-    localip, destination, t (µs), delta, thr, inflight."""
+    """Each attempt's start (+1) and end (-1) with the count in flight after it.
+
+    Columns: localip, destination, t (µs), delta, thr, inflight.
+    """
     timed = tried.where(F.col("duration_s").isNotNull())
     end_us = F.unix_micros(F.col("time"))
     start_us = end_us - (F.col("duration_s") * 1_000_000).cast("long")
@@ -232,8 +234,10 @@ def throttle_findings(events: DataFrame) -> DataFrame:
 
 
 def per_destination(findings: DataFrame) -> DataFrame:
-    """One row per destination, as sluice.pipeline.policy.limits_from_findings
-    combines them: the lowest rate and concurrency, the longest interval."""
+    """One row per destination, as policy.limits_from_findings combines them.
+
+    The lowest rate and concurrency, the longest interval.
+    """
     return findings.groupBy("destination").agg(
         F.min("sample_mx").alias("sample_mx"),
         F.min("rate_per_min").alias("rate_per_min"),

@@ -61,7 +61,10 @@ _TIME = "yyyy-MM-dd'T'HH:mm:ss.SSS'Z'"
 
 def read_list(spark: SparkSession, path: str) -> DataFrame | None:
     """The entries of the list at ``path``; None when there is no file yet.
-    A line that is neither JSON, a comment nor blank raises SuppressionFileError."""
+
+    A line that is neither JSON, a comment nor blank raises
+    SuppressionFileError.
+    """
     if not hfs.exists(spark, path):
         return None
     raw = (spark.read.schema(_RAW).option("mode", "PERMISSIVE")
@@ -94,8 +97,11 @@ def _live(prefix: str, now: datetime) -> Column:
 
 def merge_lists(old: DataFrame | None, found: DataFrame, delivered: DataFrame,
                 now: datetime) -> DataFrame:
-    """The list after a run (LIST_SCHEMA): ``found`` has SUPPRESSION_SCHEMA,
-    ``delivered`` (address, delivered_at) the last delivery per address."""
+    """The list after a run (LIST_SCHEMA).
+
+    ``found`` has SUPPRESSION_SCHEMA, ``delivered`` (address, delivered_at)
+    the last delivery per address.
+    """
     at = now if now.tzinfo else now.replace(tzinfo=UTC)
     cols = [c.split()[0] for c in LIST_SCHEMA.split(", ")]
     new = found.select(*[F.col(c).cast(t) for c, t in

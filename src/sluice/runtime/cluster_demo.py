@@ -122,6 +122,10 @@ def _table(sink: Sink, homes: list[Path], names: list[str], sent: int, total: in
 
 def run_cluster_demo(nodes: int = 3, messages: int = 600, seed: int = 1, keep: bool = False,
                      timeout: float = 120.0) -> int:
+    """Run the cluster demo the module header describes; returns the exit status.
+
+    ``keep`` leaves the demo's directories in place for a look afterwards.
+    """
     console = Console()
     base = Path(tempfile.mkdtemp(prefix="sluice-cluster-demo-"))
     pg: PgServer | None = None

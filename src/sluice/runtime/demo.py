@@ -58,6 +58,7 @@ class DemoPlan:
     behaviours: dict[str, Behaviour]
 
     def of(self, kind: str) -> list[str]:
+        """The demo domains given behaviour ``kind``, sorted."""
         return sorted(d for d, b in self.behaviours.items() if b.kind == kind)
 
 
@@ -236,6 +237,11 @@ async def _demo(messages: int, domains: int, seed: int, console: Console,
 
 def run_demo(messages: int = 1000, domains: int = 50, seed: int = 1, keep: bool = False,
              timeout_s: float = 120.0, report: bool = True) -> int:
+    """Run the demo the module header describes; returns the exit status.
+
+    ``report`` adds the Spark report when Spark is installed; ``keep``
+    leaves the demo's directories in place for a look afterwards.
+    """
     console = Console()
     base = Path(tempfile.mkdtemp(prefix="sluice-demo-"))
     try:

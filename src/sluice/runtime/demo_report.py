@@ -44,6 +44,10 @@ def _missing() -> str | None:
 
 
 def spark_report(log_dir: Path, out_dir: Path, console: Console) -> bool:
+    """Run the Spark jobs over ``log_dir`` into ``out_dir`` and print their tables.
+
+    Returns False, having said why, when Spark or Java is missing.
+    """
     missing = _missing()
     if missing is not None:
         console.print(f"No Spark report: {missing}.")

@@ -83,6 +83,7 @@ class Backoff:
     factor: float = 2.0
 
     def delay_s(self, failures: int) -> float:
+        """The wait after ``failures`` failures in a row: none before one, at most ``max_s``."""
         if failures <= 0:
             return 0.0
         return min(self.max_s, self.first_s * self.factor ** min(failures - 1, 64))
@@ -127,6 +128,7 @@ class Trouble:
 
     @property
     def failing(self) -> bool:
+        """Whether the part's last run failed (its run of failures is not over)."""
         return self.failures > 0
 
     def failed(self, exc: BaseException) -> float:
@@ -192,6 +194,7 @@ class Health:
         return trouble
 
     def parts(self) -> list[Trouble]:
+        """Every part's Trouble, failing or not."""
         return list(self._parts.values())
 
 

@@ -81,9 +81,11 @@ class PolicyFile:
 
     def reload(self, *, raise_errors: bool = False, who: str = "",
                reason: str = "") -> Policy | None:
-        """Read the file again; on error keep the running policy (and return
-        None, or raise the PolicyError when ``raise_errors``).  ``who`` and
-        ``reason`` go to on_reload."""
+        """Read the file again; on error keep the running policy.
+
+        On error, returns None, or raises the PolicyError when ``raise_errors``.
+        ``who`` and ``reason`` go to on_reload.
+        """
         try:
             policy = self.load()
         except PolicyError as exc:

@@ -92,9 +92,12 @@ class Recorder:
         return self._task
 
     def record(self, results: Iterable[AttemptResult]) -> asyncio.Future[None]:
-        """Queue outcomes for the store.  The future resolves when the batch
-        that holds them has been tried once: applied, or failed (they are
-        then retried in the background); await it through asyncio.shield."""
+        """Queue outcomes for the store.
+
+        The future resolves when the batch that holds them has been tried once:
+        applied, or failed (they are then retried in the background); await it
+        through asyncio.shield.
+        """
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.extend(results)
         self._waiters.append(done)

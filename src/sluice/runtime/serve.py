@@ -236,7 +236,8 @@ class Server:
         """Start, serve until ``stop`` is set, then stop in order.
 
         Raises ServeError (it cannot start) or PartFailed (a part that cannot
-        restart failed; everything else was stopped first)."""
+        restart failed; everything else was stopped first).
+        """
         stop = stop or self._stop
         try:
             await self._open()
@@ -347,8 +348,11 @@ def _find(group: BaseExceptionGroup[Any], kind: type[PartFailed]) -> PartFailed 
 
 def serve(config: Config, *, log_level: str | None = None,
           on_ready: Callable[[Server], None] | None = None) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit status.  Raises ServeError when
-    it cannot start, PartFailed when a part that cannot restart failed."""
+    """Run until SIGTERM/SIGINT; returns the exit status.
+
+    Raises ServeError when it cannot start, PartFailed when a part that
+    cannot restart failed.
+    """
     setup_logging(config.logging, log_level, hostname=config.hostname)
     try:
         import uvloop

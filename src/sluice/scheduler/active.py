@@ -52,9 +52,11 @@ class ActiveQueue:
 
     @property
     def memory_used(self) -> int:
+        """Recipients held at every stage: asked for, routing, queued and in flight."""
         return self.claim_pending + self.routing + self.queued + self.inflight
 
     def check_claim(self, count: int) -> None:
+        """Refuse a claim answer of more entries than were asked for (a broken invariant)."""
         if count < 0 or count > self.claim_pending:
             raise ValueError(f"claimed {count} entries, {self.claim_pending} asked for")
 

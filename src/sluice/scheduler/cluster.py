@@ -159,10 +159,12 @@ class _Fallback:
     others_shared: bool = False  # other live nodes still take from the store
 
     def paused_until(self, th: Thresholds) -> float:
-        """Until when a rate or an interval starts nothing after the switch:
-        one window, so that no window holds pickups granted by the store and
-        pickups of the shares (which do not know each other's); for ever
-        while others still take from the store (an event ends it)."""
+        """Until when a rate or an interval starts nothing after the switch.
+
+        One window, so that no window holds pickups granted by the store and
+        pickups of the shares (which do not know each other's); for ever while
+        others still take from the store (an event ends it).
+        """
         if self.others_shared and (th.rate is not None or th.connectinterval_s):
             return _NEVER
         wait = 0.0
@@ -201,6 +203,7 @@ class ClusterLimits(GroupedLimits):
         self.returning: list[tuple[str, int]] = []  # leases to give back at the next step
 
     def load(self, policy: Policy, now: float) -> None:
+        """Limits.load, noting the cluster-scoped counters; every grant asks again."""
         super().load(policy, now)
         self.cluster = frozenset(c.id for c in policy.counters if c.scope == "cluster")
         for grant in self.grants.values():
@@ -231,9 +234,11 @@ class ClusterLimits(GroupedLimits):
 
     def _fallen_back(self, fallback: _Fallback, th: Thresholds, grant: _Grant,
                      now: float) -> Thresholds:
-        """The thresholds this node keeps alone: its share, and during the
-        transition no more concurrency than the leases it held; after it,
-        while others still take from the store, nothing new at all."""
+        """The thresholds this node keeps alone: its share, with two restrictions.
+
+        During the transition, no more concurrency than the leases it held;
+        after it, while others still take from the store, nothing new at all.
+        """
         mine = fallback.thresholds(th)
         if mine.concurrency is not None:
             if now < fallback.until:
@@ -274,8 +279,10 @@ class ClusterLimits(GroupedLimits):
 
     @staticmethod
     def _batch_cap(th: Thresholds) -> int:
-        """The most dates to ask for at once: a quarter of a rate's count
-        (the other nodes get theirs too), at most MAX_BATCH."""
+        """The most dates to ask for at once: a quarter of a rate's count, at most MAX_BATCH.
+
+        The other nodes get theirs too.
+        """
         if th.rate is None:
             return 1
         return max(1, min(MAX_BATCH, th.rate.count // 4))
@@ -291,6 +298,7 @@ class ClusterLimits(GroupedLimits):
             grant.batch = max(1, grant.batch // 2)
 
     def holder(self, binding: _Binding, now: float) -> Entry | None:
+        """Limits.holder; a cluster entry also holds the pickup while it lacks a grant."""
         entry = super().holder(binding, now)
         if entry is not None or not self.cluster:
             return entry
@@ -300,6 +308,7 @@ class ClusterLimits(GroupedLimits):
         return None
 
     def record(self, binding: _Binding, now: float) -> None:
+        """Limits.record, also counting the lease used and the pickup date spent."""
         super().record(binding, now)
         if not self.cluster:
             return
@@ -314,6 +323,7 @@ class ClusterLimits(GroupedLimits):
                 grant.slot_ats.popleft()
 
     def release(self, binding: _Binding, now: float) -> list[Entry]:
+        """Limits.release, also freeing the lease and giving back what is above the share."""
         waited = super().release(binding, now)
         if not self.cluster:
             return waited
@@ -329,11 +339,14 @@ class ClusterLimits(GroupedLimits):
         return waited
 
     def _trim_after_comeback(self, key: str, grant: _Grant, cb: _Fallback) -> None:
-        """Leases asked for while this node was back alone may hold more than
-        its part now that the others are back too (the store counts their
-        deliveries in flight as leases, even beyond the limit): keep no
-        more than what is in use or the share it kept meanwhile, give the
-        rest back, and ask again for the store's share."""
+        """Give back the leases above this node's part once every node is back.
+
+        Leases asked for while this node was back alone may hold more than its
+        part now that the others are back too (the store counts their
+        deliveries in flight as leases, even beyond the limit): keep no more
+        than what is in use or the share it kept meanwhile, give the rest back,
+        and ask again for the store's share.
+        """
         limit = None
         if grant.entry is not None:
             parts = self._cluster_parts(grant.entry)
@@ -366,6 +379,7 @@ class ClusterLimits(GroupedLimits):
         return row, th, self._grant(row, entry.slot)
 
     def free(self, entry: Entry, now: float) -> int:
+        """Limits.free, no more than the grant (or, fallen back, the node's share) allows."""
         room = super().free(entry, now)
         parts = self._cluster_parts(entry)
         if room <= 0 or parts is None:
@@ -390,6 +404,10 @@ class ClusterLimits(GroupedLimits):
         return max(room, 0)
 
     def next_slot_at(self, entry: Entry, now: float) -> float | None:
+        """Limits.next_slot_at, also waiting for a granted date, a retry or a pause.
+
+        None when only an answer or a freed slot can say.
+        """
         at = super().next_slot_at(entry, now)
         parts = self._cluster_parts(entry)
         if parts is None:
@@ -421,6 +439,11 @@ class ClusterLimits(GroupedLimits):
     # ------------------------------------------------------------ events
 
     def handle(self, event: Event, now: float) -> list[Entry]:
+        """Take grants from the store, and switch between shared limits and shares.
+
+        Handles GrantsChanged, ClusterModeChanged and the ClockTicked that ends
+        a transition or a come-back; returns the entries that may have room now.
+        """
         match event:
             case GrantsChanged(grants=grants):
                 freed: list[Entry] = []
@@ -491,6 +514,7 @@ class ClusterLimits(GroupedLimits):
         return []
 
     def outbox(self, now: float) -> list[Command]:
+        """The grant requests and lease returns to send after a step; none while fallen back."""
         if self.fallback is not None or not (self.grants or self.returning):
             return []
         requests = []
@@ -543,6 +567,7 @@ class ClusterLimits(GroupedLimits):
         return out
 
     def wakeup(self) -> float | None:
+        """When a transition or come-back ends, idle leases go back, or a grant may be asked for."""
         times = []
         if self.fallback is not None and self.fallback.until > 0:
             times.append(self.fallback.until)  # the transition's end frees room

@@ -86,9 +86,11 @@ class Destination(Blocker):
         self.failed = 0
 
     def free(self, now: float) -> int:
+        """How many more deliveries may start to the destination now."""
         return self.limit - self.inflight
 
     def is_dead(self, now: float) -> bool:
+        """Whether the status cache holds the destination dead at ``now``."""
         return self.dead_until > now
 
     @property
@@ -97,7 +99,8 @@ class Destination(Blocker):
 
         The last failure alone would read as a fresh attempt's answer; the
         mail was deferred without a connection, because the destination is
-        marked dead (issue 17)."""
+        marked dead (issue 17).
+        """
         last = self.last_reply
         if last is None:
             return DEAD_REPLY
@@ -106,10 +109,12 @@ class Destination(Blocker):
                      f"{last.describe()}")
 
     def set_window(self, window: float) -> None:
+        """Set slow start's window; the limit is the smaller of it and the cap."""
         self.window = window
         self.limit = min(int(window), self.cap)
 
     def set_cap(self, cap: int) -> None:
+        """Set the policy's limit; the limit is the smaller of it and the window."""
         self.cap = cap
         self.limit = min(int(self.window), cap)
 
@@ -127,6 +132,7 @@ class Destinations:
         self.by_name: dict[str, Destination] = {}
 
     def get(self, name: str) -> Destination:
+        """The destination called ``name``, made with the initial window if new."""
         dest = self.by_name.get(name)
         if dest is None:
             s = self.settings
@@ -143,9 +149,11 @@ class Destinations:
             del self.by_name[dest.name]
 
     def limit_from(self, dest: Destination, ip: str, limit: int) -> None:
-        """A sub-queue sends to ``dest`` from ``ip``, where destination
-        counters allow ``limit`` (0: none sets one); the most any of them
-        allows counts."""
+        """Note that a sub-queue sends to ``dest`` from ``ip`` under ``limit``.
+
+        ``limit`` is what destination counters allow (0: none sets one); the
+        most any of them allows counts.
+        """
         known = dest.ip_limits.get(ip)
         if known is not None and limit <= known:
             return
@@ -165,6 +173,7 @@ class Destinations:
 
     @staticmethod
     def started(dest: Destination, tenant: str) -> None:
+        """A delivery to ``dest`` for ``tenant`` started: count it in flight."""
         dest.inflight += 1
         dest.by_tenant[tenant] = dest.by_tenant.get(tenant, 0) + 1
 

@@ -61,6 +61,7 @@ __all__ = [
 
 
 class Transport(StrEnum):
+    """The protocol a route delivers with."""
     SMTP = "smtp"
     LMTP = "lmtp"
 
@@ -196,24 +197,30 @@ class DeliveryFinished:
 
 @dataclass(frozen=True, slots=True)
 class EntriesModified:
-    """An operator changed these entries in the store (hold, release,
-    retry now, priority, delete): forget them; the store re-offers them."""
+    """An operator changed these entries in the store: forget them.
+
+    Hold, release, retry now, priority, delete; the store re-offers them.
+    """
 
     qids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyReloaded:
-    """The policy file was read again; it replaces the counters and the
-    file's suspensions (suspensions added at run time stay)."""
+    """The policy file was read again; it replaces the counters and the file's suspensions.
+
+    Suspensions added at run time stay.
+    """
 
     policy: Policy
 
 
 @dataclass(frozen=True, slots=True)
 class ConditionAdded:
-    """A condition for counter ``counter_id``, inserted at ``position``
-    (0 = evaluated first, so a run-time override wins)."""
+    """A condition for counter ``counter_id``, inserted at ``position``.
+
+    0 is evaluated first, so a run-time override wins.
+    """
 
     counter_id: str
     condition: Condition
@@ -222,20 +229,25 @@ class ConditionAdded:
 
 @dataclass(frozen=True, slots=True)
 class ConditionRemoved:
+    """An operator removed condition ``condition_id`` from counter ``counter_id``."""
     counter_id: str
     condition_id: str
 
 
 @dataclass(frozen=True, slots=True)
 class SuspensionAdded:
-    """A suspension by hand; one with the same fields only gets the new
-    expiry, tag and reason (as Halon does)."""
+    """A suspension by hand.
+
+    One with the same fields only gets the new expiry, tag and reason (as
+    Halon does).
+    """
 
     suspension: Suspension
 
 
 @dataclass(frozen=True, slots=True)
 class SuspensionRemoved:
+    """An operator lifted the suspension ``suspension_id``."""
     suspension_id: str
 
 
@@ -274,11 +286,13 @@ class GrantsChanged:
 
 @dataclass(frozen=True, slots=True)
 class ClusterModeChanged:
-    """The shared limits are reachable (``shared``) or not; when not, each
-    node keeps its part of every cluster limit by itself: ``nodes`` live
-    nodes, this one ``rank`` among them (0-based).  For ``transition_s``
-    after falling back (the leases' time to live) a node also keeps no more
-    than the leases it held, which the others may still count.
+    """The shared limits are reachable (``shared``) or not.
+
+    When not, each node keeps its part of every cluster limit by itself:
+    ``nodes`` live nodes, this one ``rank`` among them (0-based).  For
+    ``transition_s`` after falling back (the leases' time to live) a node
+    also keeps no more than the leases it held, which the others may still
+    count.
 
     ``others_shared``: fallen back while other live nodes still say they
     share through Redis (a partition, or a reply that came too late here).
@@ -287,7 +301,8 @@ class ClusterModeChanged:
     under a cluster concurrency, and no rate-limited pickup at all, until
     the others fall back too or Redis answers again.  Sent again while
     fallen back, the event only updates ``nodes``, ``rank`` and
-    ``others_shared``."""
+    ``others_shared``.
+    """
 
     shared: bool
     nodes: int = 1
@@ -319,8 +334,10 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class Refill:
-    """Claim up to ``limit`` entries (Store.claim(limit, now, quota_deferred)),
-    route them, and answer with EntriesClaimed, then JobsQueued."""
+    """Claim up to ``limit`` entries, route them, and answer with EntriesClaimed, then JobsQueued.
+
+    The claim is Store.claim(limit, now, quota_deferred).
+    """
 
     limit: int
     quota_deferred: int
@@ -328,9 +345,11 @@ class Refill:
 
 @dataclass(frozen=True, slots=True)
 class StartDelivery:
-    """Deliver ``qids`` of ``job`` now, from source IP ``localip``; answer
-    with DeliveryFinished.  ``qids`` may be fewer than the job's when an
-    operator took some away meanwhile."""
+    """Deliver ``qids`` of ``job`` now, from source IP ``localip``; answer with DeliveryFinished.
+
+    ``qids`` may be fewer than the job's when an operator took some away
+    meanwhile.
+    """
 
     job: DeliveryJob
     localip: str
@@ -339,9 +358,11 @@ class StartDelivery:
 
 @dataclass(frozen=True, slots=True)
 class DeferJob:
-    """Defer ``qids`` of ``job`` without a connection attempt, as a
-    temporary failure with ``reply`` (the destination is marked dead until
-    ``dead_until_at``); the runtime applies the retry rules."""
+    """Defer ``qids`` of ``job`` without a connection attempt.
+
+    A temporary failure with ``reply`` (the destination is marked dead until
+    ``dead_until_at``); the runtime applies the retry rules.
+    """
 
     job: DeliveryJob
     qids: tuple[str, ...]
@@ -351,11 +372,13 @@ class DeferJob:
 
 @dataclass(frozen=True, slots=True)
 class GrantRequest:
-    """Ask the cluster for capacity of one counter entry: concurrency leases
-    up to ``slots`` in all, and ``pickups`` more pickups under its rate and
-    interval (the thresholds come along: every node may not know them yet).
-    ``in_use``: leases its deliveries in flight use, which the store keeps
-    whatever else it decides."""
+    """Ask the cluster for capacity of one counter entry.
+
+    Concurrency leases up to ``slots`` in all, and ``pickups`` more pickups
+    under its rate and interval (the thresholds come along: every node may
+    not know them yet).  ``in_use``: leases its deliveries in flight use,
+    which the store keeps whatever else it decides.
+    """
 
     key: str
     concurrency: int | None
@@ -375,8 +398,7 @@ class AcquireGrants:
 
 @dataclass(frozen=True, slots=True)
 class ReturnGrants:
-    """Give back concurrency leases this node holds but does not use:
-    (key, how many)."""
+    """Give back concurrency leases this node holds but does not use: (key, how many)."""
 
     returns: tuple[tuple[str, int], ...]
 

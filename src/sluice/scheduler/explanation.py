@@ -83,6 +83,7 @@ class Explanation:
     ahead: int = 0
 
     def lines(self, now: float) -> list[str]:
+        """The explanation as text lines: the state, each reason, and when it is expected to go."""
         out = [f"{self.qid}: {self.state}"]
         for reason in self.reasons:
             where = f" [from {reason.localip or 'the default address'}]" \

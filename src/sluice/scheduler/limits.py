@@ -131,13 +131,16 @@ class Entry(Blocker):
         self.key = key
 
     def free(self, now: float) -> int:
+        """How many more pickups the entry lets through now."""
         return self.owner.free(self, now)
 
     def free_at(self, now: float) -> float | None:
+        """When the entry, held by a rate or an interval, frees a slot."""
         return self.owner.next_slot_at(self, now)
 
     @property
     def fields(self) -> tuple[tuple[str, str], ...]:
+        """The entry's key as (field, value) pairs of its counter."""
         return tuple(zip(self.counter.field_names, self.key, strict=True))
 
     def __repr__(self) -> str:
@@ -233,8 +236,11 @@ def used(th: Thresholds, times: Sequence[float], now: float) -> int:
 
 
 def keeps(counter: Counter) -> tuple[float, float]:
-    """How long a counter's entries must remember pickups: its longest rate
-    window, and its longest connect interval (0: not at all)."""
+    """How long a counter's entries must remember pickups.
+
+    Its longest rate window, and its longest connect interval (0: not at
+    all).
+    """
     every = (counter.default, *(c.thresholds for c in counter.conditions))
     rate = max((t.rate.per_s for t in every if t.rate is not None), default=0.0)
     interval = max((t.connectinterval_s or 0.0 for t in every), default=0.0)
@@ -242,9 +248,11 @@ def keeps(counter: Counter) -> tuple[float, float]:
 
 
 def destination_limit(concurrencies: Iterable[int]) -> int:
-    """The policy's limit for a destination from one source IP: the
-    tightest concurrency among the counters over a destination field that
-    apply (0: none does; a concurrency of 0 stops the pickups anyway)."""
+    """The policy's limit for a destination from one source IP.
+
+    The tightest concurrency among the counters over a destination field
+    that apply (0: none does; a concurrency of 0 stops the pickups anyway).
+    """
     return min((c for c in concurrencies if c > 0), default=0)
 
 
@@ -281,8 +289,7 @@ class Binding(Protocol):
 
     @property
     def destination_limit(self) -> int:
-        """The tightest concurrency that counters over a destination field
-        set for it (0: none does)."""
+        """The tightest concurrency that counters over a destination field set (0: none does)."""
 
 
 B = TypeVar("B", bound=Binding)
@@ -339,8 +346,10 @@ class Limits(Protocol[B]):
         """Forget what nothing uses and no window holds (called once per step)."""
 
     def handle(self, event: Event, now: float) -> list[Entry]:
-        """An event for limits held elsewhere (GrantsChanged, ClusterModeChanged);
-        returns the entries that may have room now."""
+        """An event for limits held elsewhere (GrantsChanged, ClusterModeChanged).
+
+        Returns the entries that may have room now.
+        """
 
     def outbox(self, now: float) -> list[Command]:
         """What the runtime should ask of limits held elsewhere, after a step."""
@@ -350,14 +359,20 @@ class Limits(Protocol[B]):
 
 
 class LocalOnly:
-    """The three Limits methods for limits held wholly in this process:
-    no event concerns them, nothing is asked of anyone, no step of their own."""
+    """The three Limits methods for limits held wholly in this process.
+
+    No event concerns them, nothing is asked of anyone, no step of their
+    own.
+    """
 
     def handle(self, event: Event, now: float) -> list[Entry]:
+        """No event concerns local limits: nothing has room because of one."""
         return []
 
     def outbox(self, now: float) -> list[Command]:
+        """Local limits ask nothing of anyone."""
         return []
 
     def wakeup(self) -> float | None:
+        """Local limits need no step of their own."""
         return None

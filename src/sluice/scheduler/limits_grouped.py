@@ -132,8 +132,11 @@ class _Entry(Entry):
 
 
 class _Profile:
-    """The thresholds one key gets under each counter of a table; shared by
-    every key for which the same conditions (or fall-backs) are chosen."""
+    """The thresholds one key gets under each counter of a table.
+
+    Shared by every key for which the same conditions (or fall-backs) are
+    chosen.
+    """
 
     __slots__ = ("conc", "conds", "dest_concs", "ths")
 
@@ -283,6 +286,7 @@ class GroupedLimits(LocalOnly):
     # ------------------------------------------------------------ policy
 
     def load(self, policy: Policy, now: float) -> None:
+        """Limits.load: tables of unchanged counters stay, the rest are compiled anew."""
         placed: dict[tuple[str, str], tuple[_Table, tuple[float, float]]] = {}
         for table in self.tables:
             for m in table.members:
@@ -326,8 +330,10 @@ class GroupedLimits(LocalOnly):
 
     def _seed(self, old: _Table, keeps: tuple[float, float], member: _Member,
               now: float) -> _Table:
-        """A table for a surviving counter whose memory changed: its rows
-        start with what the old windows hold now."""
+        """A table for a surviving counter whose memory changed.
+
+        Its rows start with what the old windows hold now.
+        """
         table = _Table(self, [member])
         rate_keep, interval_keep = keeps
         for key, old_row in old.rows.items():
@@ -358,6 +364,7 @@ class GroupedLimits(LocalOnly):
         return tuple(parts)
 
     def bind(self, route: Route, ip: str) -> _Binding:
+        """Limits.bind: the route's row in every table, made if new."""
         rows = []
         concs: list[int] = []
         for table in self.tables:
@@ -373,6 +380,7 @@ class GroupedLimits(LocalOnly):
                         self.generation)
 
     def unbind(self, binding: _Binding) -> None:
+        """Limits.unbind: a row nothing uses any more is forgotten later."""
         if binding.generation != self.generation:
             return  # a load() voided it
         for row in binding.rows:
@@ -383,6 +391,7 @@ class GroupedLimits(LocalOnly):
     # ---------------------------------------------------------- pickups
 
     def holder(self, binding: _Binding, now: float) -> Entry | None:
+        """Limits.holder: the first entry in the policy's order of the rows that hold."""
         for row in binding.rows:
             if row.inflight >= row.conc or now < row.busy:
                 break
@@ -397,6 +406,7 @@ class GroupedLimits(LocalOnly):
         raise RuntimeError(f"broken invariant: a row of {binding} is full, but no entry")
 
     def record(self, binding: _Binding, now: float) -> None:
+        """Limits.record, per row: in flight, last pickup, and the rate window's times."""
         for row in binding.rows:
             row.inflight += 1
             row.last_at = now
@@ -411,10 +421,12 @@ class GroupedLimits(LocalOnly):
             row.stamp()
 
     def recount(self, binding: _Binding) -> None:
+        """Limits.recount: the rows count the delivery in flight again."""
         for row in binding.rows:
             row.inflight += 1
 
     def release(self, binding: _Binding, now: float) -> list[Entry]:
+        """Limits.release, per row; releasing more than was recorded is a broken invariant."""
         if binding.generation != self.generation:
             raise RuntimeError("broken invariant: a delivery released a binding of an old policy")
         waited: list[_Entry] = []
@@ -438,14 +450,17 @@ class GroupedLimits(LocalOnly):
         return entry.row, entry.row.prof.ths[entry.slot]
 
     def free(self, entry: Entry, now: float) -> int:
+        """Limits.free, from the entry's row and thresholds."""
         row, th = self._parts(entry)
         return limits.free(th, row.inflight, row.times, row.last_at, now)
 
     def next_slot_at(self, entry: Entry, now: float) -> float | None:
+        """Limits.next_slot_at, from the entry's row and thresholds."""
         row, th = self._parts(entry)
         return limits.slot_at(th, row.inflight, row.times, row.last_at, now)
 
     def state(self, entry: Entry, now: float) -> EntryState:
+        """Limits.state, from the entry's row and thresholds."""
         row, th = self._parts(entry)
         assert isinstance(entry, _Entry)
         return EntryState(entry, th, row.prof.conds[entry.slot], row.inflight,
@@ -454,12 +469,14 @@ class GroupedLimits(LocalOnly):
                           limits.slot_at(th, row.inflight, row.times, row.last_at, now))
 
     def states(self, now: float) -> Iterator[EntryState]:
+        """Limits.states: every entry of every row, table by table in the policy's order."""
         for table in sorted(self.tables, key=lambda t: t.members[0].index):
             for row in list(table.rows.values()):
                 for slot in range(len(table.members)):
                     yield self.state(row.peek(slot), now)
 
     def count(self) -> int:
+        """Limits.count: rows times counters, over every table."""
         return sum(len(t.rows) * len(t.members) for t in self.tables)
 
     # ----------------------------------------------------------- memory
@@ -469,6 +486,7 @@ class GroupedLimits(LocalOnly):
         heapq.heappush(self.gc, (row.keep_until(), self.seq, row))
 
     def collect(self, now: float) -> None:
+        """Limits.collect: drop the rows due for forgetting that nothing uses or holds."""
         gc = self.gc
         while gc and gc[0][0] <= now:
             _, _, row = heapq.heappop(gc)

@@ -56,6 +56,7 @@ class ReferenceLimits(LocalOnly):
         self.entries: dict[_Ident, Entry] = {}
 
     def load(self, policy: Policy, now: float) -> None:
+        """Limits.load: tallies of unchanged counters stay, with what their windows hold."""
         old = {(c.id, c.signature): limits.keeps(c) for c in self.policy.counters}
         new = {(c.id, c.signature) for c in policy.counters}
         kept: dict[_Ident, Tally] = {}
@@ -71,6 +72,7 @@ class ReferenceLimits(LocalOnly):
         self.policy = policy
 
     def bind(self, route: Route, ip: str) -> _Binding:
+        """Limits.bind: the entry of every counter for the route, made if new."""
         entries = []
         concs = []
         for index, counter in enumerate(self.policy.counters):
@@ -87,6 +89,7 @@ class ReferenceLimits(LocalOnly):
         return _Binding(tuple(entries), limits.destination_limit(concs))
 
     def unbind(self, binding: _Binding) -> None:
+        """Limits.unbind: nothing to reclaim here."""
         pass
 
     def _look(self, entry: Entry) -> tuple[Thresholds, Tally]:
@@ -94,6 +97,7 @@ class ReferenceLimits(LocalOnly):
         return thresholds, self.tallies[_ident(entry)]
 
     def holder(self, binding: _Binding, now: float) -> Entry | None:
+        """Limits.holder: the first entry whose thresholds hold the pickup."""
         for entry in binding.entries:
             th, t = self._look(entry)
             if limits.held(th, t.inflight, t.times, t.last_at, now) is not None:
@@ -101,6 +105,7 @@ class ReferenceLimits(LocalOnly):
         return None
 
     def record(self, binding: _Binding, now: float) -> None:
+        """Limits.record, per entry's tally."""
         for entry in binding.entries:
             t = self.tallies[_ident(entry)]
             rate_keep, _ = limits.keeps(entry.counter)
@@ -111,10 +116,12 @@ class ReferenceLimits(LocalOnly):
                 t.times.popleft()
 
     def recount(self, binding: _Binding) -> None:
+        """Limits.recount: the tallies count the delivery in flight again."""
         for entry in binding.entries:
             self.tallies[_ident(entry)].inflight += 1
 
     def release(self, binding: _Binding, now: float) -> list[Entry]:
+        """Limits.release, per tally; releasing more than was recorded is a broken invariant."""
         for entry in binding.entries:
             t = self.tallies[_ident(entry)]
             if t.inflight <= 0:
@@ -123,14 +130,17 @@ class ReferenceLimits(LocalOnly):
         return [e for e in binding.entries if e.waiters is not None]
 
     def free(self, entry: Entry, now: float) -> int:
+        """Limits.free, from the entry's thresholds and tally."""
         th, t = self._look(entry)
         return limits.free(th, t.inflight, t.times, t.last_at, now)
 
     def next_slot_at(self, entry: Entry, now: float) -> float | None:
+        """Limits.next_slot_at, from the entry's thresholds and tally."""
         th, t = self._look(entry)
         return limits.slot_at(th, t.inflight, t.times, t.last_at, now)
 
     def state(self, entry: Entry, now: float) -> EntryState:
+        """Limits.state, the thresholds chosen for the entry's key as written."""
         th, cond = entry.counter.thresholds_for(entry.key)
         t = self.tallies[_ident(entry)]
         return EntryState(entry, th, cond, t.inflight, limits.used(th, t.times, now), t.last_at,
@@ -138,12 +148,15 @@ class ReferenceLimits(LocalOnly):
                           limits.slot_at(th, t.inflight, t.times, t.last_at, now))
 
     def states(self, now: float) -> Iterator[EntryState]:
+        """Limits.states, in the policy's order."""
         for entry in sorted(self.entries.values(), key=lambda e: (e.index, e.key)):
             yield self.state(entry, now)
 
     def count(self) -> int:
+        """Limits.count: every entry made so far."""
         return len(self.entries)
 
     def collect(self, now: float) -> None:
+        """Limits.collect: the reference forgets nothing."""
         pass
 

@@ -83,6 +83,7 @@ class Blocker:
         return None
 
     def waiting(self) -> int:
+        """How many sub-queues wait on the blocker, both priorities."""
         waiters = self.waiters
         return 0 if waiters is None else len(waiters[0]) + len(waiters[1])
 
@@ -110,6 +111,7 @@ class Lines:
         self.dirty: dict[Blocker, None] = {}
 
     def line(self, blocker: Blocker, priority: int) -> FairQueue:
+        """The blocker's line for ``priority``, made on first use."""
         waiters = blocker.waiters
         if waiters is None:
             waiters = blocker.waiters = (FairQueue(self.shares), FairQueue(self.shares))
@@ -122,8 +124,11 @@ class Lines:
             sq.in_ring = True
 
     def next(self, prefer: Callable[[str], bool] | None = None) -> SubQueue | None:
-        """The next sub-queue to visit: woken first, then the ring; priority 1
-        first; in the ring, a tenant ``prefer`` names before the others."""
+        """The next sub-queue to visit: woken first, then the ring.
+
+        Priority 1 first; in the ring, a tenant ``prefer`` names before the
+        others.
+        """
         for p in (1, 0):
             woken = self.woken[p]
             sq = woken.popleft() if woken else self.ring[p].pop(prefer)
@@ -134,8 +139,11 @@ class Lines:
 
     def park(self, sq: SubQueue, blockers: list[Blocker], woken: Blocker | None,
              now: float) -> None:
-        """``sq`` waits on ``blockers``; first in ``woken``'s line (it was
-        woken there and keeps its place), at the back of the others."""
+        """``sq`` waits on ``blockers``.
+
+        First in ``woken``'s line (it was woken there and keeps its place), at
+        the back of the others.
+        """
         p = sq.priority
         for blocker in blockers:
             line = self.line(blocker, p)
@@ -149,14 +157,17 @@ class Lines:
         sq.parked_on = tuple(blockers)
 
     def unpark(self, sq: SubQueue) -> None:
+        """Take ``sq`` out of every line it waits in."""
         p = sq.priority
         for blocker in sq.parked_on:
             self.line(blocker, p).discard(sq)
         sq.parked_on = ()
 
     def release(self, blocker: Blocker, now: float) -> None:
-        """Wake as many waiters as ``blocker`` has free slots not yet promised:
-        tenants below their minimum share of it first, then in turn."""
+        """Wake as many waiters as ``blocker`` has free slots not yet promised.
+
+        Tenants below their minimum share of it first, then in turn.
+        """
         if not blocker.waiting():
             return
         free = blocker.free(now)
@@ -190,9 +201,10 @@ class Lines:
                 self.set_timer(blocker, at)
 
     def release_dirty(self, now: float) -> None:
-        """The releases of finished deliveries, one per blocker, in the order
-        they were freed: a batch of results wakes the same waiters as one
-        release each would."""
+        """The releases of finished deliveries, one per blocker, in the order they were freed.
+
+        A batch of results wakes the same waiters as one release each would.
+        """
         dirty = self.dirty
         while dirty:
             blocker = next(iter(dirty))
@@ -200,9 +212,11 @@ class Lines:
             self.release(blocker, now)
 
     def requeue(self, sq: SubQueue, woken: Blocker, now: float) -> bool:
-        """After ``sq`` took the slot ``woken`` promised: if that blocker has
-        no other room, ``sq`` goes to the back of its line (looking at it
-        again now would only find it full) and True; else False."""
+        """After ``sq`` took the slot ``woken`` promised: back of the line if the blocker is full.
+
+        If that blocker has no other room, ``sq`` goes to the back of its line
+        (looking at it again now would only find it full) and True; else False.
+        """
         free = woken.free(now)
         if free - woken.pending > 0:
             return False

@@ -43,6 +43,7 @@ __all__ = ["counters", "destination", "explain", "stats", "subqueues", "suspensi
 
 
 def stats(sched: Scheduler) -> QueueStats:
+    """The scheduler's memory and work in numbers."""
     active = sched._active
     queues = list(sched._queues)
     return QueueStats(
@@ -64,6 +65,7 @@ def stats(sched: Scheduler) -> QueueStats:
 
 
 def subqueues(sched: Scheduler) -> list[SubQueueView]:
+    """Every sub-queue with jobs, and what holds it if it is parked."""
     return [SubQueueView(route=sq.route, priority=sq.priority, jobs=sq.live,
                          entries=sq.entries(), parked=bool(sq.parked_on),
                          held_by=tuple(_blocker_text(sched, b) for b in sq.parked_on))
@@ -71,6 +73,7 @@ def subqueues(sched: Scheduler) -> list[SubQueueView]:
 
 
 def tenants(sched: Scheduler) -> list[TenantView]:
+    """Every tenant's share, and its jobs, entries, deliveries and pickups now."""
     shares = sched._shares
     queued: dict[str, list[int]] = {}  # jobs, entries, parked sub-queues
     for sq in sched._queues:
@@ -90,8 +93,11 @@ def tenants(sched: Scheduler) -> list[TenantView]:
 
 
 def counters(sched: Scheduler, now: float) -> list[CounterView]:
-    """Counter entries with a threshold against it; the sub-queues parked
-    on an entry count as waiting on it while it is exceeded."""
+    """Counter entries with a threshold, against it.
+
+    The sub-queues parked on an entry count as waiting on it while it is
+    exceeded.
+    """
     out = []
     for st in sched._limits.states(now):
         entry, th = st.entry, st.thresholds
@@ -112,6 +118,7 @@ def counters(sched: Scheduler, now: float) -> list[CounterView]:
 
 
 def suspensions(sched: Scheduler, now: float) -> list[SuspensionView]:
+    """Suspensions in force: those by hand, and counter entries over a threshold."""
     out = []
     for blocker in sched._susps:
         s = blocker.suspension
@@ -130,6 +137,7 @@ def suspensions(sched: Scheduler, now: float) -> list[SuspensionView]:
 
 
 def destination(d: Destination, now: float) -> DestinationView:
+    """One destination's slow start and status cache."""
     return DestinationView(
         destination=d.name, window=min(d.window, float(d.cap)), limit=d.cap,
         inflight=d.inflight, dead=d.dead_until > now,
@@ -165,8 +173,11 @@ def _blocker_text(sched: Scheduler, blocker: Blocker) -> str:
 
 
 def _shares(sched: Scheduler, sq: SubQueue) -> list[Reason]:
-    """Where ``sq`` waits in line with other tenants: they take turns by
-    weight, and those below their minimum share of a destination go first."""
+    """Where ``sq`` waits in line with other tenants.
+
+    They take turns by weight, and those below their minimum share of a
+    destination go first.
+    """
     shares = sched._shares
     out = []
     for blocker in sq.parked_on:
@@ -200,9 +211,11 @@ def _blocker_name(blocker: Blocker) -> str:
 
 
 def explain(sched: Scheduler, qid: str, now: float) -> Explanation:
-    """Why ``qid`` waits: every reason (not only the one its sub-queue is
-    parked on), per source IP when the route has a pool, and when it is
-    expected to go."""
+    """Why ``qid`` waits, and when it is expected to go.
+
+    Every reason (not only the one its sub-queue is parked on), per source
+    IP when the route has a pool.
+    """
     rec = sched._qids.get(qid)
     if rec is None:
         return Explanation(qid, "unknown", (Reason(

@@ -1,4 +1,4 @@
-"""Pickup policies: counters over fields, conditions, groups and thresholds.
+r"""Pickup policies: counters over fields, conditions, groups and thresholds.
 
 SUMMARY
     Policy, Counter, FieldSpec, Group, Pattern, Condition, Thresholds,
@@ -25,7 +25,7 @@ DESCRIPTION
     limit.
 
     A field may carry *groups* that roll values up into one entry:
-    ``remotemx: {gsuite: ['*.google.com', '/\\.goog$/']}`` makes every MX
+    ``remotemx: {gsuite: ['*.google.com', '/\.goog$/']}`` makes every MX
     that matches one of the patterns count as the single value
     ``#gsuite``, which conditions then name.  Patterns are wildcards
     (``*`` = any characters) or ``/regex/`` (``/regex/i`` ignores case),
@@ -148,9 +148,11 @@ class Thresholds:
 
     @property
     def is_empty(self) -> bool:
+        """Whether no threshold is set."""
         return self.concurrency is None and self.rate is None and self.connectinterval_s is None
 
     def to_data(self) -> dict[str, Any]:
+        """The thresholds as the policy file writes them."""
         out: dict[str, Any] = {}
         if self.concurrency is not None:
             out["concurrency"] = self.concurrency
@@ -189,10 +191,12 @@ class Pattern:
 
     @staticmethod
     def is_pattern(text: str) -> bool:
+        """Whether ``text`` is a pattern (a wild-card or a /regex/) rather than a literal."""
         return "*" in text or (len(text) >= 2 and text.startswith("/")
                                and (text.endswith("/") or text.endswith("/i")))
 
     def matches(self, value: str) -> bool:
+        """Whether ``value`` fits the pattern."""
         return self.regex.search(value) is not None
 
 
@@ -204,6 +208,7 @@ class Group:
     patterns: tuple[Pattern, ...]
 
     def matches(self, value: str) -> bool:
+        """Whether ``value`` fits any pattern of the group."""
         return any(p.matches(value) for p in self.patterns)
 
 
@@ -222,12 +227,14 @@ class FieldSpec:
         return value
 
     def to_data(self) -> str | dict[str, Any]:
+        """The field as the policy file writes it: its name, or its name and groups."""
         if not self.groups:
             return self.name
         return {self.name: {g.id: [p.text for p in g.patterns] for g in self.groups}}
 
     @property
     def signature(self) -> str:
+        """The field and its groups as one string, equal for equal specs."""
         if not self.groups:
             return self.name
         inner = ";".join(f"{g.id}=" + ",".join(p.text for p in g.patterns) for g in self.groups)
@@ -264,6 +271,7 @@ class Condition:
         return tuple(out)
 
     def to_data(self) -> dict[str, Any]:
+        """The condition as the policy file writes it."""
         out: dict[str, Any] = {"if": dict(self.match), "then": self.thresholds.to_data()}
         if self.id:
             out["id"] = self.id
@@ -292,6 +300,7 @@ class Counter:
 
     @property
     def field_names(self) -> tuple[str, ...]:
+        """The names of the fields the counter counts by."""
         return tuple(f.name for f in self.fields)
 
     @property
@@ -305,6 +314,7 @@ class Counter:
 
     @property
     def limits_destination(self) -> bool:
+        """Whether the counter counts by a destination field (so limits a destination)."""
         return any(f.name in DESTINATION_FIELDS for f in self.fields)
 
     def thresholds_for(self, key: Sequence[str]) -> tuple[Thresholds, Condition | None]:
@@ -316,6 +326,7 @@ class Counter:
         return self.default, None
 
     def to_data(self) -> dict[str, Any]:
+        """The counter as the policy file writes it."""
         out: dict[str, Any] = {"id": self.id, "fields": [f.to_data() for f in self.fields]}
         if self.scope != "cluster":
             out["scope"] = self.scope
@@ -369,13 +380,16 @@ class Suspension:
 
     @property
     def field_names(self) -> tuple[str, ...]:
+        """The names of the fields the suspension matches."""
         return tuple(k for k, _ in self.fields)
 
     @property
     def values(self) -> tuple[str, ...]:
+        """The values the suspension matches, in field order."""
         return tuple(v for _, v in self.fields)
 
     def to_data(self) -> dict[str, Any]:
+        """The suspension as the suspension list file writes it."""
         out: dict[str, Any] = dict(self.fields)
         out["id"] = self.id
         if self.expires_at is not None:
@@ -396,6 +410,7 @@ class Policy:
     source: str = "<empty policy>"
 
     def counter(self, counter_id: str) -> Counter:
+        """The counter with id ``counter_id``; KeyError if there is none."""
         for c in self.counters:
             if c.id == counter_id:
                 return c
@@ -403,10 +418,12 @@ class Policy:
 
     def with_condition(self, counter_id: str, cond: Condition, position: int = 0
                        ) -> tuple[Policy, Condition]:
-        """This policy with ``cond`` inserted in a counter at ``position`` (0:
-        evaluated first); a condition with the same id is replaced.  A
-        condition without an id gets the first free ``cN``.  Returns the
-        new policy and the condition as inserted."""
+        """This policy with ``cond`` inserted in a counter at ``position``.
+
+        0 is evaluated first; a condition with the same id is replaced.  A
+        condition without an id gets the first free ``cN``.  Returns the new
+        policy and the condition as inserted.
+        """
         counter = self.counter(counter_id)
         conditions = list(counter.conditions)
         if not cond.id:
@@ -431,6 +448,7 @@ class Policy:
         return Policy(counters, self.suspensions, self.source)
 
     def to_data(self) -> dict[str, Any]:
+        """The policy as the policy file writes it."""
         return {
             "policies": [c.to_data() for c in self.counters],
             "suspends": [s.to_data() for s in self.suspensions],

@@ -80,8 +80,11 @@ class DestinationSpec:
 
 @dataclass(frozen=True, slots=True)
 class FlowSpec:
-    """Traffic of one tenant and job: ``messages`` at ``rate_per_s`` from
-    ``start_s``, to ``destinations`` (names; empty = all) picked by weight."""
+    """Traffic of one tenant and job.
+
+    ``messages`` at ``rate_per_s`` from ``start_s``, to ``destinations``
+    (names; empty = all) picked by weight.
+    """
 
     tenant: str
     messages: int
@@ -96,8 +99,10 @@ class FlowSpec:
 
 @dataclass(frozen=True, slots=True)
 class OperatorAction:
-    """At ``at_s``: add ``suspend`` (for ``ttl_s``, or until lifted), or lift
-    the suspension with id ``lift``."""
+    """At ``at_s``: add ``suspend`` or lift the suspension with id ``lift``.
+
+    An added suspension lasts ``ttl_s``, or until lifted.
+    """
 
     at_s: float
     suspend: Suspension | None = None
@@ -107,6 +112,7 @@ class OperatorAction:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
+    """One simulation: destinations, traffic, the policy and settings, and operators' actions."""
     name: str
     destinations: tuple[DestinationSpec, ...]
     flows: tuple[FlowSpec, ...]
@@ -122,6 +128,7 @@ class Scenario:
 
     @property
     def messages(self) -> int:
+        """How many messages the flows send in all."""
         return sum(f.messages for f in self.flows)
 
 
@@ -192,8 +199,11 @@ def _dest_spec(data: Mapping[str, Any], path: str, problems: list[tuple[str, str
 
 def parse_scenario(data: object, source: str = "<scenario>", policy: Policy | None = None
                    ) -> Scenario:
-    """A Scenario from plain data.  ``policy`` (already loaded by the caller
-    from a file the scenario names) overrides an inline ``policy``."""
+    """A Scenario from plain data.
+
+    ``policy`` (already loaded by the caller from a file the scenario names)
+    overrides an inline ``policy``.
+    """
     problems: list[tuple[str, str]] = []
     if not isinstance(data, Mapping):
         raise ScenarioError(source, [("", "a scenario is a mapping")])

@@ -113,11 +113,13 @@ class GroupReport:
     drain_s: float | None
 
     def to_data(self) -> dict[str, Any]:
+        """The group's figures as plain data."""
         return {name: getattr(self, name) for name in GroupReport.__dataclass_fields__}
 
 
 @dataclass(frozen=True, slots=True)
 class SimulationReport:
+    """What a simulation measured: outcomes, deferrals, and figures per destination and tenant."""
     name: str
     messages: int
     delivered: int
@@ -137,6 +139,7 @@ class SimulationReport:
     tenants: tuple[GroupReport, ...]
 
     def to_data(self) -> dict[str, Any]:
+        """The report as plain data, its destinations and tenants included."""
         out: dict[str, Any] = {name: getattr(self, name)
                                for name in SimulationReport.__dataclass_fields__}
         out["destinations"] = [d.to_data() for d in self.destinations]
@@ -296,8 +299,10 @@ class Simulation:
     # -- the store ------------------------------------------------------------
 
     def _claim(self, limit: int, now: float, quota: int) -> list[_Msg]:
-        """Mailismus/Postfix refill: at least quota% from due deferred when both
-        have work; new mail for the rest; more deferred if new mail runs out."""
+        """Mailismus/Postfix refill: at least quota% from due deferred when both have work.
+
+        New mail for the rest; more deferred if new mail runs out.
+        """
         out: list[_Msg] = []
         deferred = self.deferred
         share = math.ceil(limit * quota / 100) if quota else 0
@@ -460,6 +465,7 @@ class Simulation:
             refill = self._carry_out(commands, tick)
 
     def run(self) -> SimulationReport:
+        """Run the scenario to its end and report, the cyclic garbage collector paused."""
         # The engine makes no garbage cycles worth collecting, and with a
         # million live messages each pass of the cyclic collector is costly:
         # pause it for the run (a quarter of the time on the 1M scenario).

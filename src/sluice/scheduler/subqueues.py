@@ -72,6 +72,7 @@ class SubQueue:
 
     @property
     def pool(self) -> bool:
+        """Whether the route delivers from a pool of source IPs."""
         return len(self.ips) > 1
 
     def head(self) -> Job | None:
@@ -102,6 +103,7 @@ class SubQueue:
         return n
 
     def entries(self) -> int:
+        """How many recipients the sub-queue's live jobs hold."""
         return sum(len(j.qids) for j in self.jobs if not j.dropped)
 
     def __repr__(self) -> str:
@@ -149,12 +151,14 @@ class SubQueues:
         self.forget = forget  # the scheduler lets go of what it held for one
 
     def get(self, route: Route, priority: int) -> SubQueue | None:
+        """The sub-queue of ``route`` and ``priority``, if any; an emptied one is in use again."""
         sq = self.by_key.get((route, priority))
         if sq is not None and not sq.live:
             self.empty.pop(sq, None)
         return sq
 
     def add(self, sq: SubQueue) -> None:
+        """Keep a new sub-queue, and list it under its destination."""
         self.by_key[(sq.route, sq.priority)] = sq
         sq.dest.subqueues[sq] = None
 

@@ -54,6 +54,7 @@ class Suspended(Blocker):
         self.lifted = False
 
     def free(self, now: float) -> int:
+        """Room for everything once lifted; none while in force."""
         return _MANY if self.lifted else 0
 
     def __repr__(self) -> str:

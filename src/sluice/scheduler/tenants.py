@@ -74,6 +74,7 @@ class Shares:
         object.__setattr__(self, "_smallest", min(every))
 
     def weight(self, tenant: str) -> float:
+        """The tenant's weight: its own, or the default."""
         return self.weights.get(tenant, self.default_weight)
 
     def quantum(self, tenant: str) -> float:
@@ -87,6 +88,7 @@ class Shares:
 
     @property
     def any_min_share(self) -> bool:
+        """Whether tenants share fairly and some tenant has a minimum share."""
         return self.fair and bool(self.min_shares)
 
     def key(self, tenant: str) -> str:
@@ -121,8 +123,11 @@ class FairQueue:
         self.n += 1
 
     def push_front(self, sq: SubQueue) -> None:
-        """Back where it was woken from: first of its tenant, its tenant's
-        turn next, and the pickup it was charged for given back."""
+        """Put ``sq`` back where it was woken from.
+
+        First of its tenant, its tenant's turn next, and the pickup it was
+        charged for given back.
+        """
         tenant = self.shares.key(sq.tenant)
         line = self._line(tenant)
         line[sq] = None
@@ -132,14 +137,17 @@ class FairQueue:
         self.n += 1
 
     def discard(self, sq: SubQueue) -> None:
+        """Take ``sq`` out of the queue, if it is there."""
         line = self.by_tenant.get(self.shares.key(sq.tenant))
         if line is not None and sq in line:
             del line[sq]
             self.n -= 1
 
     def pop(self, prefer: Callable[[str], bool] | None = None) -> SubQueue | None:
-        """The next sub-queue: of a tenant ``prefer`` names, if one waits;
-        else by deficit round robin."""
+        """The next sub-queue, by deficit round robin.
+
+        A waiting sub-queue of a tenant ``prefer`` names goes first.
+        """
         if not self.n:
             return None
         by_tenant = self.by_tenant

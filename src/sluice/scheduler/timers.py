@@ -63,6 +63,7 @@ class Timers:
         self.seq = 0
 
     def set(self, at: float, kind: Timer, obj: Any) -> None:
+        """Set a timer of ``kind`` for ``obj`` at ``at``."""
         self.seq += 1
         heapq.heappush(self.heap, Due(at, self.seq, kind, obj))
 
@@ -75,8 +76,7 @@ class Timers:
                 yield timer
 
     def cancel(self, kind: Timer, undo: Callable[[Due], None]) -> None:
-        """Every timer of ``kind`` is void: ``undo`` each (so that ``live``
-        refuses it), and drop them."""
+        """Void every timer of ``kind``: ``undo`` each (so ``live`` refuses it), and drop them."""
         kept = []
         for timer in self.heap:
             if timer.kind is kind:

@@ -42,6 +42,7 @@ class QueueStats:
 
 @dataclass(frozen=True, slots=True)
 class SubQueueView:
+    """One sub-queue: its route and priority, what it holds, and what holds it."""
     route: Route
     priority: int
     jobs: int

@@ -106,8 +106,10 @@ class Change:
 
 
 def counter_for(policy: Policy, names: Iterable[str]) -> Counter | None:
-    """The counter a condition over fields ``names`` goes on: one over exactly
-    those fields, else the first that has them all."""
+    """The counter a condition over fields ``names`` goes on.
+
+    One over exactly those fields, else the first that has them all.
+    """
     want = set(names)
     best: Counter | None = None
     for counter in policy.counters:
@@ -155,8 +157,10 @@ def _behaviour(planned: Planned) -> tuple[int | None, int | None]:
 
 def scenarios(queued: Iterable[Queued], plan: Sequence[Planned], policy: Policy,
               settings: Settings, limit: int) -> tuple[Scenario, Scenario, dict[str, int]]:
-    """The queue's advised domains under ``policy`` without and with ``plan``;
-    and how many recipients of each domain are simulated."""
+    """The queue's advised domains under ``policy`` without and with ``plan``.
+
+    Also how many recipients of each domain are simulated.
+    """
     dests: list[DestinationSpec] = []
     flows: list[FlowSpec] = []
     simulated: dict[str, int] = {}

@@ -24,6 +24,7 @@ __all__ = ["shaping_router", "status_data"]
 
 
 def status_data(shaper: Shaper) -> dict[str, Any]:
+    """What `sluice shaping status` shows: rules, file, firings, actions in force."""
     return {
         "rules": [r.name for r in shaper.engine.rules],
         "file": shaper.path, "defaults": shaper.defaults, "loads": shaper.loads,

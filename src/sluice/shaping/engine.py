@@ -66,6 +66,7 @@ _SUSPENDS = (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB)
 
 
 def group_text(fields: Iterable[tuple[str, str]]) -> str:
+    """A group's fields as ``name=value`` pairs joined by commas."""
     return ",".join(f"{k}={v}" for k, v in fields)
 
 
@@ -134,8 +135,10 @@ def _no_ceiling(_: tuple[tuple[str, str], ...]) -> tuple[int | None, Rate | None
 
 
 def _rate(per_second: float) -> Rate:
-    """A Rate near ``per_second`` over the shortest whole window: "5/1", not "300/60",
-    since a rate is a sliding window and "300/60" lets 300 go in the first second."""
+    """A Rate near ``per_second`` over the shortest whole window: "5/1", not "300/60".
+
+    A rate is a sliding window, and "300/60" lets 300 go in the first second.
+    """
     if per_second >= 1:
         return Rate(round(per_second), 1.0)
     return Rate(1, float(round(1.0 / per_second)))
@@ -272,6 +275,7 @@ class Engine:
         return [Apply(changed, new=False)]
 
     def next_wakeup(self) -> float | None:
+        """When tick() next has something to do (an action ends, a back-off steps); None: never."""
         times: list[float] = []
         for key, fired in self._active.items():
             times.append(fired.until_at)
@@ -285,9 +289,11 @@ class Engine:
     # -- views ---------------------------------------------------------------------------
 
     def active(self) -> list[Fired]:
+        """The actions in force, oldest first."""
         return sorted(self._active.values(), key=lambda f: (f.since_at, f.key))
 
     def backing_off(self) -> int:
+        """How many groups a back-off action holds."""
         return sum(1 for f in self._active.values() if f.action is Action.BACKOFF)
 
     def _rule(self, name: str) -> Rule | None:

@@ -19,10 +19,12 @@ __all__ = ["ShapingCollector"]
 
 
 class ShapingCollector(Collector):
+    """Reads the running Shaper's figures at scrape time (see the module header)."""
     def __init__(self, shaper: Shaper) -> None:
         self.shaper = shaper
 
     def collect(self) -> Iterator[Metric]:
+        """The shaping metrics as they are now."""
         c = CounterMetricFamily("sluice_shaping_firings", "Shaping rule firings since start",
                                 labels=["rule"])
         for rule, count in sorted(self.shaper.engine.firings.items()):

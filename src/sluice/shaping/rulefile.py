@@ -54,12 +54,14 @@ class ShapingError(PolicyError):
 
 
 def shaping_schema() -> dict[str, Any]:
+    """The JSON Schema of the shaping rules file, as shipped in the package."""
     text = resources.files("sluice").joinpath("schemas/shaping.schema.json").read_text("utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
 
 
 def default_rules_path() -> str:
+    """The path of the rules file shipped in the package."""
     return str(resources.files("sluice").joinpath("shaping/default_rules.yaml"))
 
 

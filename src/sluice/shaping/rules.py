@@ -74,6 +74,7 @@ PHASES = ("connect", "mail", "rcpt", "data", "end-of-data")
 
 
 class Action(StrEnum):
+    """What a rule does when it fires."""
     IGNORE = "ignore"  # the reply is this rule's, and nothing happens (greylisting)
     SUSPEND = "suspend"
     SUSPEND_TENANT = "suspend-tenant"
@@ -108,6 +109,7 @@ class Observation:
         return cls(at, int(m.group(1)), m.group(2) or "", m.group(3).strip(), **where)
 
     def value(self, policy_field: str) -> str:
+        """The value of a policy field (``recipientdomain``, ``remotemx``, ...)."""
         value: str = getattr(self, policy_field)
         return value
 
@@ -138,6 +140,10 @@ class Where:
         object.__setattr__(self, "_matchers", tuple(matchers))
 
     def matches(self, obs: Observation) -> bool:
+        """Whether every field of ``obs`` the rule names has the value or fits the pattern.
+
+        Domain names compare without case or a trailing dot.
+        """
         for name, want in self._matchers:
             have = obs.value(name)
             if isinstance(want, Pattern):
@@ -189,6 +195,7 @@ class ReplyMatch:
         return True
 
     def matches(self, obs: Observation) -> bool:
+        """Whether the reply of ``obs`` has the code, enhanced code, phase and text asked for."""
         if not self._code_matches(self.code, str(obs.code)):
             return False
         if self.enhanced and not self._code_matches(self.enhanced, obs.enhanced):
@@ -246,6 +253,7 @@ class Backoff:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
+    """One shaping rule: which replies from where, when it fires, and what it does."""
     name: str
     action: Action
     where: Where = Where()
@@ -259,11 +267,15 @@ class Rule:
     test: str = ""
 
     def matches(self, obs: Observation) -> bool:
+        """Whether ``obs`` comes from where the rule looks and has a reply it matches."""
         return self.where.matches(obs) and self.reply.matches(obs)
 
     def group(self, obs: Observation) -> tuple[tuple[str, str], ...]:
-        """The group ``obs`` counts under: the *where* fields as written
-        (a pattern stays a pattern), or the recipient domain."""
+        """The group ``obs`` counts under.
+
+        The *where* fields as written (a pattern stays a pattern), or the
+        recipient domain.
+        """
         if not self.where.fields:
             return (("recipientdomain", obs.recipientdomain.lower().rstrip(".")),)
         return tuple(sorted(self.where.fields))

@@ -113,8 +113,10 @@ def fired_data(fired: Fired) -> dict[str, Any]:
 
 
 def hook_rule(shape: Shape, ctx: PostDelivery) -> Rule:
-    """The rule a post-delivery hook's Shape stands for: its group is the
-    attempt's own values of the fields it names."""
+    """The rule a post-delivery hook's Shape stands for.
+
+    Its group is the attempt's own values of the fields it names.
+    """
     entry = ctx.entry
     values = {"domain": entry.domain, "mx": ctx.remotemx, "remoteip": ctx.remoteip,
               "localip": ctx.localip, "tenant": entry.tenantid, "job": entry.jobid}
@@ -221,6 +223,7 @@ class Shaper:
     # -- input ----------------------------------------------------------------------------
 
     def observe(self, route: Route, results: Iterable[AttemptResult]) -> None:
+        """Feed the engine the failed attempts of one route, each distinct reply once."""
         seen: set[tuple[int, str, str, str]] = set()
         now = self.clock()
         for res in results:
@@ -255,14 +258,17 @@ class Shaper:
             self._run(self.engine.fire(rule, obs), who="hook")
 
     def tick(self, now: float) -> None:
+        """End the actions due to end at ``now`` and step back-offs, if any is due."""
         wake = self.engine.next_wakeup()
         if wake is not None and wake <= now:
             self._run(self.engine.tick(now))
 
     def next_wakeup(self) -> float | None:
+        """When tick() next has something to do; None if never."""
         return self.engine.next_wakeup()
 
     def lift(self, key: str, who: str = "sluice") -> bool:
+        """End the action ``key`` now; whether there was one."""
         commands = self.engine.lift(key, self.clock())
         self._run(commands, who=who)
         return bool(commands)
@@ -341,7 +347,9 @@ class Shaper:
     # -- views ----------------------------------------------------------------------------
 
     def active(self) -> list[Fired]:
+        """The actions in force, oldest first."""
         return self.engine.active()
 
     def id_of(self, fired: Fired) -> str:
+        """The id the audit history and `why` give the action (``shaping:RULE:N``)."""
         return self._ids.get(fired.key, fired.key)

@@ -64,15 +64,19 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        """Hand what the client sent to the inbox."""
         self._inbox.feed(data)
 
     def eof_received(self) -> bool | None:
-        # The client will send nothing more: the reader ends when it has read
-        # what is buffered, and the transport closes.
+        """The client will send nothing more: end the input, and let the transport close.
+
+        The reader ends when it has read what is buffered.
+        """
         self._inbox.feed_eof()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """End the input, stop the idle timer and wake a writer waiting to drain."""
         self._inbox.feed_eof()
         if self._timeout_handle is not None:
             self._timeout_handle.cancel()
@@ -81,9 +85,11 @@ class Connection(asyncio.Protocol):
         self._wake_writer()
 
     def pause_writing(self) -> None:
+        """The transport's write buffer is full: writers wait in _drain()."""
         self._write_paused = True
 
     def resume_writing(self) -> None:
+        """The transport's write buffer has room again: wake a waiting writer."""
         self._write_paused = False
         self._wake_writer()
 
@@ -108,9 +114,11 @@ class Connection(asyncio.Protocol):
                 await self._drained
 
     def _hang_up(self) -> None:
-        """Write what is held and close; read nothing more.  A TLS transport is
-        lost only once the client answers close_notify (or after a timeout):
-        the reader must not wait for that."""
+        """Write what is held and close; read nothing more.
+
+        A TLS transport is lost only once the client answers close_notify (or
+        after a timeout): the reader must not wait for that.
+        """
         self._flush()
         if self._transport is not None:
             self._transport.close()

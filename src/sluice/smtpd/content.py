@@ -129,6 +129,7 @@ class MessageBuffer:
 
     @property
     def spilled(self) -> bool:
+        """Whether the message outgrew memory and is being written to a file."""
         return self._file is not None
 
     def write(self, text: bytes) -> None:
@@ -243,6 +244,7 @@ class MessageBuffer:
             yield piece
 
     def close(self) -> None:
+        """Drop the text held, closing the spill file if there is one."""
         self._pieces = []
         if self._file is not None:
             self._file.close()

@@ -232,12 +232,16 @@ Verdict = Claimed | Duplicate | InFlight
 
 
 def index_path(config: Config) -> Path:
+    """Where the receiving side's idempotency index lives: beside the queue."""
     return Path(config.queue.path) / "smtpd-dedupe.db"
 
 
 def settle(config: Config, store: Store) -> tuple[int, int]:
-    """Claims left pending by the last run, settled against the queue.  Once
-    per node start, before any receiver serves and before anything is delivered."""
+    """Settle the claims left pending by the last run against the queue.
+
+    Once per node start, before any receiver serves and before anything is
+    delivered.
+    """
     path = index_path(config)
     if not path.exists():
         return 0, 0
@@ -264,18 +268,22 @@ class Resends:
 
     @classmethod
     def open(cls, config: Config, accounting: AccountingLog | None = None) -> Resends:
+        """The resend detector for a configuration, its index opened."""
         index = IdempotencyIndex(index_path(config), config.smtpd.dedupe_window)
         return cls(index, accounting, node=config.node.id, spill_dir=config.queue.path)
 
     def close(self) -> None:
+        """Close the index."""
         self.index.close()
 
     # -- the rule ---------------------------------------------------------------------
 
     def mark(self, submission: Submission, text: Iterable[bytes], origin: Origin,
              size: int) -> Mark | None:
-        """The mark of a message whose client's ``text`` (without our trace
-        header) is given; None when it has no Message-ID."""
+        """The mark of a message, from its client's ``text`` (without our trace header).
+
+        None when the message has no Message-ID.
+        """
         message_id, digest = body_digest(text)
         if not message_id:
             return None
@@ -288,7 +296,9 @@ class Resends:
 
     def claim_all(self, marks: Sequence[Mark], now: float | None = None) -> list[Verdict]:
         """claim() for several messages in one write transaction of the index.
-        The same key twice: the first is claimed, the others are InFlight."""
+
+        The same key twice: the first is claimed, the others are InFlight.
+        """
         at = self.clock() if now is None else now
         claims: dict[str, dict[str, Claim]] = {}
         mine: list[bool] = []  # whether marks[i] is the one that claims its key

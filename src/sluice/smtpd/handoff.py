@@ -236,8 +236,11 @@ class Handoff:
     # -- resends (smtpd.dedupe) -----------------------------------------------------
 
     def _claim_batch(self, jobs: list[_ClaimJob]) -> None:
-        """Mark, claim (one write of the index for all), then submit each or
-        answer it from the index.  On the handoff thread or a worker."""
+        """Mark, claim (one write of the index for all), then submit each or answer it.
+
+        The answer of a claimed key comes from the index.  Runs on the handoff
+        thread or a worker.
+        """
         resends = self.resends
         assert resends is not None
         marked: list[tuple[_ClaimJob, Mark | None]] = []
@@ -278,8 +281,10 @@ class Handoff:
     def _marked_big(self, loop: asyncio.AbstractEventLoop, submission: Submission,
                     content: Content, size: int | None, origin: Origin,
                     out: asyncio.Future[Accepted]) -> None:
-        """Content in a file: digested into a temporary copy, which is then
-        submitted; otherwise as _claim_batch (on a worker thread)."""
+        """Submit content held in a file, digested into a temporary copy.
+
+        Otherwise as _claim_batch (on a worker thread).
+        """
         resends = self.resends
         assert resends is not None
         if isinstance(content, bytes | bytearray | memoryview):

@@ -72,6 +72,7 @@ class Inbox:
     # -- the protocol's side ---------------------------------------------------------
 
     def feed(self, data: bytes) -> None:
+        """Add what arrived and wake the reader; pause reading above HIGH_WATER bytes."""
         self._buf += data
         self._wake()
         if not self._paused and len(self._buf) > HIGH_WATER:
@@ -79,11 +80,13 @@ class Inbox:
             self._pause()
 
     def feed_eof(self) -> None:
+        """The client will send nothing more: wake the reader to see it."""
         self._eof = True
         self._wake()
 
     @property
     def at_eof(self) -> bool:
+        """Whether the input has ended and everything buffered was read."""
         return self._eof and not self._buf
 
     def discard(self) -> None:

@@ -149,6 +149,7 @@ class Client:
 
     @property
     def may_relay(self) -> bool:
+        """Whether the client may send to any domain: trusted by network, or authenticated."""
         return self.trusted or self.auth_user is not None
 
 
@@ -185,6 +186,7 @@ class Networks:
         return len(self._nets)
 
     def contains(self, ip: str) -> bool:
+        """Whether ``ip`` is in one of the blocks; a string that is no address is not."""
         hit = self._cache.get(ip)
         if hit is not None:
             return hit
@@ -305,6 +307,7 @@ class ReceivePolicy:
     # -- connect -------------------------------------------------------------------
 
     def client(self, ip: str, auth_user: str | None = None) -> Client:
+        """The policy's view of a peer at ``ip``: trusted if in mynetworks."""
         return Client(ip=ip, trusted=self.mynetworks.contains(ip), auth_user=auth_user)
 
     def admit(self, open_from_client: int, open_total: int) -> Reply | None:

@@ -69,6 +69,7 @@ class Phase(enum.Enum):
 
     @property
     def in_transaction(self) -> bool:
+        """Whether a mail transaction is open (MAIL FROM said, DATA not yet ended)."""
         return self in _TRANSACTION
 
 

@@ -140,8 +140,11 @@ def _load_suppression(config: Config) -> SuppressionList | None:
 
 @dataclass(frozen=True, slots=True)
 class ReceiverParts:
-    """What a Receiver is built from, each made from (and so checked against)
-    the configuration: sluice.runtime.preflight builds them too."""
+    """What a Receiver is built from, each made from the configuration.
+
+    Being made from it checks them against it: sluice.runtime.preflight
+    builds them too.
+    """
 
     listen: tuple[tuple[str, int], ...]
     policy: ReceivePolicy
@@ -169,7 +172,8 @@ def receiver_parts(config: Config, *, listen: Sequence[str] | None = None, share
     """The parts of a receiver for ``config``; ConfigError names the bad key.
 
     ``hooks`` and ``suppression`` default to what the configuration names
-    (``smtpd.hook``, ``suppression.path``)."""
+    (``smtpd.hook``, ``suppression.path``).
+    """
     s = config.smtpd
     addresses = listen_addresses(config, listen)
     if hooks is None:
@@ -370,10 +374,12 @@ class Receiver:
                 await asyncio.wait_for(server.wait_closed(), 5.0)
 
     def stats(self) -> ReceiverStats:
+        """The receiver's counters and open connections now."""
         return self._registry.snapshot()
 
     @property
     def sessions(self) -> int:
+        """How many sessions are open."""
         return len(self._registry.sessions)
 
     async def __aenter__(self) -> Receiver:

@@ -137,6 +137,10 @@ class SmtpSession(Connection):
     # -- connection life (asyncio.Protocol) -------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Admit the client and greet it, or refuse it with a reply and close.
+
+        Refused while shutting down or over the connection limits of the policy.
+        """
         wire = cast(asyncio.Transport, transport)
         peer = wire.get_extra_info("peername")
         ip = normalise_ip(str(peer[0])) if peer else "unknown"
@@ -161,6 +165,7 @@ class SmtpSession(Connection):
         registry.own(self._loop.create_task(self._run()))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """End the input (see Connection) and leave the registry if the session was admitted."""
         super().connection_lost(exc)
         if self._admitted:
             self._registry.leave(self, self._ip)
@@ -204,6 +209,7 @@ class SmtpSession(Connection):
         await self._drain()
 
     async def reply(self, reply: Reply) -> None:
+        """Send ``reply``, rendered for the session (ESMTP or not)."""
         await self._send(render(reply, self._esmtp))
 
     # -- the command loop -----------------------------------------------------------------

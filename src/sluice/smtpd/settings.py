@@ -119,19 +119,23 @@ class Registry:
         self.idle_changed = asyncio.Event()
 
     def bump(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name``."""
         self.counts[name] += n
 
     def snapshot(self) -> ReceiverStats:
+        """The counters now, with the connections open."""
         counts = dict(self.counts)
         counts["connections"] = len(self.sessions)
         return ReceiverStats(**counts)
 
     def enter(self, session: SmtpSession, ip: str) -> None:
+        """Count an admitted session, per client IP and in all."""
         self.sessions.add(session)
         self.per_ip[ip] = self.per_ip.get(ip, 0) + 1
         self.counts["connections_total"] += 1
 
     def leave(self, session: SmtpSession, ip: str) -> None:
+        """Forget a session that ended, and tell a graceful stop waiting for sessions to go."""
         if session not in self.sessions:
             return
         self.sessions.discard(session)

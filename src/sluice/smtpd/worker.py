@@ -121,8 +121,10 @@ def _tell(ready: Any, message: tuple[Any, ...]) -> None:
 
 
 def _fail(ready: Any, message: str) -> None:
-    """Tell the parent, which prints it (once, not once per process); print it
-    here only when no parent listens."""
+    """Tell the parent, which prints it once, not once per process.
+
+    Print it here only when no parent listens.
+    """
     _tell(ready, ("error", os.getpid(), message))
     if not hasattr(ready, "send"):
         print(f"sluice receiver: {message}", file=sys.stderr)
@@ -210,13 +212,16 @@ class ReceiverPool:
 
     @property
     def pids(self) -> list[int]:
+        """The process ids of the receiving processes started."""
         return [p.pid for p in self._procs if p.pid is not None]
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
+        """The addresses the pool listens on."""
         return list(self._addresses)
 
     def alive(self) -> list[bool]:
+        """Whether each receiving process is alive, in start order."""
         return [p.is_alive() for p in self._procs]
 
     def start(self) -> list[tuple[str, int]]:

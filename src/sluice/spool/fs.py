@@ -122,6 +122,7 @@ class FsSpool:
         return self.root.joinpath(*parts) if parts else self.root
 
     def path(self, spid: str) -> Path:
+        """The file that holds (or would hold) the content of ``spid``."""
         return Path(self._file(spid))
 
     def _file(self, spid: str) -> str:
@@ -136,6 +137,7 @@ class FsSpool:
     # -- writing -------------------------------------------------------------
 
     def write(self, content: Content, spid: str = "") -> SpoolFile:
+        """Spool.write: a new file, created exclusively, so a taken SPID is never overwritten."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         for candidate in spid_candidates(spid):
             path = self._file(candidate)
@@ -167,6 +169,7 @@ class FsSpool:
         return SpoolFile(spid=candidate, path=str(path), size=size, fd=fd)
 
     def sync(self, files: Sequence[SpoolFile]) -> None:
+        """Spool.sync: one syncfs(2) for the batch, or fsync of the files and their directories."""
         if self.sync_method == "syncfs" and files:
             try:
                 _call_syncfs(files[0].fd if files[0].fd >= 0 else None, str(self.root))
@@ -188,6 +191,7 @@ class FsSpool:
                     f.fd = -1
 
     def discard(self, file: SpoolFile) -> None:
+        """Spool.discard: close the file and unlink it."""
         if file.fd >= 0:
             os.close(file.fd)
             file.fd = -1
@@ -196,21 +200,25 @@ class FsSpool:
     # -- reading and removal ----------------------------------------------------
 
     def open(self, spid: str) -> IO[bytes]:
+        """Spool.open: the file, buffered for streaming reads."""
         return open(self._file(spid), "rb", buffering=self.bufsize)
 
     def delete(self, spid: str) -> None:
+        """Spool.delete: unlink the file now."""
         _unlink(self._file(spid))
 
     def delete_soon(self, spids: Sequence[str],
                     barrier: Callable[[], None] | None = None) -> None:
-        """Delete content on a background thread, so a committer is not held
-        up by unlinks.  Safe to defer: a crash before the unlink leaves an
-        orphan that the store's start-up sweep removes.
+        """Delete content on a background thread, so a committer is not held up by unlinks.
+
+        Safe to defer: a crash before the unlink leaves an orphan that the
+        store's start-up sweep removes.
 
         ``barrier``: called (once for everything queued so far) before these
         files go -- a store that committed their removal without flushing
         passes its flush, so no file disappears while a row may still
-        need it after a power cut."""
+        need it after a power cut.
+        """
         if not spids:
             return
         with self._janitor_lock:
@@ -258,12 +266,15 @@ class FsSpool:
             janitor.join()
 
     def exists(self, spid: str) -> bool:
+        """Spool.exists: whether the file is there."""
         return os.path.exists(self._file(spid))
 
     def size(self, spid: str) -> int:
+        """The content's size in bytes, from the file."""
         return os.stat(self._file(spid)).st_size
 
     def spids(self) -> Iterator[tuple[str, float]]:
+        """Spool.spids: every file under the root, a tree walk that ignores files vanishing."""
         stack = [str(self.root)]
         while stack:
             top = stack.pop()
@@ -296,8 +307,10 @@ _syncfs = _load_syncfs()
 
 
 def _call_syncfs(fd: int | None, path: str) -> None:
-    """syncfs(2): write back and wait for every dirty page and inode of the
-    file system holding ``fd`` (or ``path``) -- one call for a whole batch."""
+    """syncfs(2): write back every dirty page and inode of the file system holding ``fd``.
+
+    Or of ``path`` when there is no descriptor; one call for a whole batch.
+    """
     handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY) if fd is None else fd
     try:
         if _syncfs(handle) != 0:

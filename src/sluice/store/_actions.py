@@ -119,8 +119,11 @@ class Edit:
 
 
 def narrow(selector: Selector, action: Action) -> Selector | None:
-    """The entries ``action`` would touch: ``selector`` limited to the states
-    the action applies to; None when it can touch none (for dry runs)."""
+    """The entries ``action`` would touch, for dry runs.
+
+    ``selector`` limited to the states the action applies to; None when it
+    can touch none.
+    """
     states = tuple(s for s in ACTION_STATES[action]
                    if not selector.states or s in selector.states)
     if not states:

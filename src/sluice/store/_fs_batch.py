@@ -242,8 +242,11 @@ class Batch:
         self._touched.add(ctrl.path)
 
     def write(self, ctrl: Control, *, prepared: bool = False) -> None:
-        """Place a new or changed control file.  ``prepared``: its temporary
-        file was written (with its generation) by the submitter."""
+        """Place a new or changed control file.
+
+        ``prepared``: its temporary file was written (with its generation) by
+        the submitter.
+        """
         if not prepared:
             ctrl.prepared = ""
             ctrl.gen = new_gen()

@@ -211,7 +211,7 @@ class Database:
                     snap.close()
 
     def _sync_logs(self) -> None:
-        """fsync every LevelDB log file: the content written since the last sync."""
+        """Sync every LevelDB log file: the content written since the last sync."""
         logs = [str(p) for p in self.dir.glob("*.log")]
         try:
             fsync_paths(logs)
@@ -348,8 +348,7 @@ class Database:
             self._write("writing the content", lambda db: db.put(key, value))
 
     def _write_content(self, content: Content, wanted: str = "") -> Submit:
-        """Stream content into 64 KB chunk keys under ``wanted`` if it is
-        free, else under a fresh SPID."""
+        """Stream content into 64 KB chunk keys under ``wanted`` if free, else a fresh SPID."""
         self._ensure_open()
         for spid in spid_candidates(wanted):
             with self._inflight_lock:

@@ -92,8 +92,11 @@ def nodes(conn: Any) -> list[NodeRow]:
 
 
 def take_over(conn: Any, dead: str, now: float, older_than: float) -> list[QueueEntry]:
-    """Return ``dead``'s claims to the queue if its heartbeat is still older
-    than ``older_than``; the entries returned (as they are now)."""
+    """Return ``dead``'s claims to the queue if its heartbeat is still old.
+
+    Old: before ``older_than``.  Returns the entries given back (as they
+    are now).
+    """
     row = conn.execute("SELECT heartbeat_at FROM sluice_nodes WHERE id = %s "
                        "FOR UPDATE SKIP LOCKED", (dead,)).fetchone()
     if row is None or float(row[0]) >= older_than:

@@ -80,7 +80,10 @@ class PgServer:
     @classmethod
     def start(cls, base: str | os.PathLike[str] | None = None, *, port: int | None = None,
               options: Sequence[str] = ()) -> PgServer:
-        """initdb + pg_ctl start; ``options`` are extra ``-c name=value`` settings."""
+        """Make and start a server (initdb, pg_ctl start).
+
+        ``options`` are extra ``-c name=value`` settings.
+        """
         bindir = find_bindir()
         if bindir is None:
             raise PgServerError(

@@ -218,6 +218,7 @@ class FsStore(Committing, Reading):
 
     @classmethod
     def from_config(cls, config: Config) -> FsStore:
+        """The store the queue section of a configuration describes, with its FsSpool."""
         q = config.queue
         spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
                         q.spool.sync_method)
@@ -228,6 +229,7 @@ class FsStore(Committing, Reading):
     # -- layout ---------------------------------------------------------------------------
 
     def dir_for(self, state: QueueState, next_at: float) -> str:
+        """The state directory of an entry: ``deferred/<T>`` by due time, else the state's own."""
         if state is QueueState.DEFERRED:
             return f"deferred/{self.due_dir(next_at)}"
         return STATE_DIRS[state]
@@ -280,6 +282,7 @@ class FsStore(Committing, Reading):
 
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
+        """Store.submit_future: content to the spool now, control files by the committer."""
         try:
             sf = self.spool.write(content, submission.spid)
         except SpoolIOError as exc:
@@ -328,6 +331,7 @@ class FsStore(Committing, Reading):
             raise
 
     def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
+        """Store.submit: submit_future(), waited for."""
         result: Accepted = self.submit_future(submission, content, now).result()
         return result
 
@@ -361,6 +365,10 @@ class FsStore(Committing, Reading):
         return out
 
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
+        """Store.claim over the incoming and due deferred directories.
+
+        A queue manager polls often: "nothing" is answered without the lock.
+        """
         if limit <= 0:
             return []
         # A queue manager polls often; answer "nothing" without the lock.
@@ -413,6 +421,7 @@ class FsStore(Committing, Reading):
 
     def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
               durable: bool = True) -> set[str]:
+        """Store.apply in one batch, looking for control files in in-flight directories first."""
         if not transitions:
             return set()
         by_spid: dict[str, list[tuple[int, Transition]]] = defaultdict(list)
@@ -466,6 +475,7 @@ class FsStore(Committing, Reading):
         return result
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
+        """Store.claim_bounces: bounces/ entries due, leased by moving their due time."""
         if limit <= 0:
             return []
         until = now + lease_s
@@ -498,6 +508,10 @@ class FsStore(Committing, Reading):
         return result
 
     def recover(self, now: float) -> int:
+        """Store.recover: active and delivering control files back to deferred, due now.
+
+        Then prunes the change feed, cleans tmp/ and removes orphaned content.
+        """
         def work(view: Batch) -> int:
             moved = 0
             for state in (QueueState.ACTIVE, QueueState.DELIVERING):
@@ -542,6 +556,7 @@ class FsStore(Committing, Reading):
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
+        """Store.modify over the state directories, skipping files whose names cannot match."""
         change = OperatorChange(action, now, priority, reply)
         states = tuple(s for s in change.states if not selector.states or s in selector.states)
         may_match = NameFilter(selector)
@@ -582,6 +597,7 @@ class FsStore(Committing, Reading):
     # -- life -----------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop the committer, close the spool and release the queue's lock."""
         if self._closed:
             return
         self._committer.close()

@@ -211,11 +211,13 @@ class KvStore(Reading):
 
     @classmethod
     def from_config(cls, config: Config) -> KvStore:
+        """The store the queue section of a configuration describes."""
         q = config.queue
         return cls(q.path, node_id=config.node.id, max_batch=q.commit_max_batch)
 
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
+        """Store.submit_future: content chunks written now, the keys by the committer."""
         if self._closed:
             raise StorageError("the store is closed")
         sub = self._write_content(content, submission.spid)
@@ -257,6 +259,7 @@ class KvStore(Reading):
             raise
 
     def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
+        """Store.submit: submit_future(), waited for."""
         result: Accepted = self.submit_future(submission, content, now).result()
         return result
 
@@ -272,6 +275,10 @@ class KvStore(Reading):
         return False
 
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
+        """Store.claim over the incoming and due deferred keys.
+
+        A queue manager polls often: "nothing" is answered from a snapshot.
+        """
         if limit <= 0:
             return []
         # A queue manager polls often; answer "nothing" from a snapshot.
@@ -346,6 +353,7 @@ class KvStore(Reading):
 
     def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
               durable: bool = True) -> set[str]:
+        """Store.apply: the state keys and stats of each entry changed in one batch."""
         if not transitions:
             return set()
         items = []
@@ -388,6 +396,7 @@ class KvStore(Reading):
         return result
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
+        """Store.claim_bounces: bounce keys due, leased by moving their due time."""
         if limit <= 0:
             return []
         until = now + lease_s
@@ -413,6 +422,11 @@ class KvStore(Reading):
         return result
 
     def recover(self, now: float) -> int:
+        """Store.recover: in-flight entries back to deferred, due now.
+
+        Also removes content whose submission never committed and old operator
+        changes, and counts the stats again.
+        """
         def work(view: Batch) -> int:
             loader = Loader(view)
             moved = 0
@@ -469,6 +483,7 @@ class KvStore(Reading):
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
+        """Store.modify over the candidate keys of the selector, the stats kept in step."""
         change = OperatorChange(action, now, priority, reply)
         states = tuple(s for s in change.states if not selector.states or s in selector.states)
 
@@ -503,6 +518,7 @@ class KvStore(Reading):
     # -- life ---------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop the committer and close the database."""
         if self._closed:
             return
         self._committer.close()

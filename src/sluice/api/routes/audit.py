@@ -21,6 +21,7 @@ __all__ = ["router"]
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The audit history's routes."""
     history = control.audit
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["audit"])
@@ -35,8 +36,7 @@ def router(control: Control, auth: Auth) -> APIRouter:
     @api.get("/audit", response_model=AuditPage)
     async def audit_list(limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                          before: Annotated[int | None, Query(ge=1)] = None) -> AuditPage:
-        """Changes to the queue and the policy (API, command line, reloads), newest
-        first."""
+        """Changes to the queue and the policy (API, command line, reloads), newest first."""
         records, nxt = history.page(limit, before)
         return AuditPage(records=[model(r) for r in records], next=nxt)
 
@@ -52,8 +52,11 @@ def router(control: Control, auth: Auth) -> APIRouter:
               responses={**E400, **E404, **E409, **E503})
     async def rollback(record_id: Annotated[int, PathParam(ge=1)], body: RollbackRequest,
                        who: Who) -> RollbackResult:
-        """Undo one change: a suspension or condition added is removed (or the one it
-        replaced restored), one removed comes back, a reload restores the policy before."""
+        """Undo one change.
+
+        A suspension or condition added is removed (or the one it replaced
+        restored), one removed comes back, a reload restores the policy before.
+        """
         audit_id = await control.rollbacks.rollback(who, record_id, body.reason, body.force)
         return RollbackResult(rolled_back=record_id, audit_id=audit_id)
 

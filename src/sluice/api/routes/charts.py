@@ -17,6 +17,7 @@ __all__ = ["router"]
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The web page's charts route."""
     ops = control.console
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["scheduler"])
@@ -28,8 +29,12 @@ def router(control: Control, auth: Auth) -> APIRouter:
                                      "first point starts at a multiple of it")] = 10,
         top: Annotated[int, Query(ge=0, le=100)] = 10,
     ) -> Charts:
-        """Recipients accepted, delivered, deferred and bounced per second, the queue's
-        size (a sample per 10 s) and the commonest deferral reasons, over the window."""
+        """Recipients per second, the queue's size and the commonest deferral reasons.
+
+        Recipients accepted, delivered, deferred and bounced per second, the
+        queue's size (a sample per 10 s) and the commonest deferral reasons,
+        over the window.
+        """
         return ops.charts(window_s, step_s, top)
 
     return api

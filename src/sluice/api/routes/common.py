@@ -56,6 +56,7 @@ class Auth:
     async def __call__(self, request: Request,
                        _: Annotated[HTTPAuthorizationCredentials | None,
                                     Security(_bearer)]) -> str:
+        """The name of the token in the Authorization header; a 401 with a challenge if none."""
         header = request.headers.get("authorization")
         who = self.tokens.who(header)
         if who is None:

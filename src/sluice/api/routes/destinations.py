@@ -18,6 +18,7 @@ __all__ = ["router"]
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The web page's destinations route."""
     ops = control.console
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["scheduler"])
@@ -32,8 +33,11 @@ def router(control: Control, auth: Auth) -> APIRouter:
                                                 "first")] = False,
         limit: Limit = 200,
     ) -> DestinationTable:
-        """Every destination the scheduler or the last hour knows: queued, in flight,
-        delivered/deferred/bounced in 5 minutes and an hour, the last reply, its state."""
+        """Every destination the scheduler or the last hour knows.
+
+        Queued, in flight, delivered/deferred/bounced in 5 minutes and an hour,
+        the last reply, its state.
+        """
         return ops.destinations(q, state, sort, desc, limit)
 
     return api

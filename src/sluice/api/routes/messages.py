@@ -26,6 +26,7 @@ E403: dict[int | str, dict[str, Any]] = {
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The routes that read a queued message's headers and body."""
     ops = control.console
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["queue"])

@@ -17,6 +17,7 @@ __all__ = ["health_router", "router"]
 
 
 def health_router(control: Control) -> APIRouter:
+    """GET /api/v1/health, which needs no token."""
     public = APIRouter(prefix="/api/v1", tags=["health"])
 
     @public.get("/health", response_model=Health)
@@ -28,6 +29,7 @@ def health_router(control: Control) -> APIRouter:
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """GET /metrics: the Prometheus text format, with a token."""
     metrics = APIRouter(dependencies=[Depends(auth)], responses=COMMON)
 
     @metrics.get("/metrics", tags=["metrics"], response_class=Response,

@@ -18,6 +18,7 @@ STATIC = Path(str(resources.files("sluice.api").joinpath("static")))
 
 
 def add_page(app: FastAPI) -> None:
+    """Serve the web page at / and its files under /static."""
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")

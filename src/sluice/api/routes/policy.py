@@ -20,6 +20,7 @@ __all__ = ["router"]
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The pickup policy's routes: show, reload, add and remove conditions."""
     ops = control.policy_ops
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["policy"])
@@ -33,8 +34,10 @@ def router(control: Control, auth: Auth) -> APIRouter:
     @api.post("/policy/reload", response_model=ReloadResult,
               responses={**E400, **E409, **E503})
     async def reload(body: ChangeRequest, who: Who) -> ReloadResult:
-        """Read scheduler.policy again; a broken file is refused (409) and the running
-        policy kept."""
+        """Read scheduler.policy again.
+
+        A broken file is refused (409) and the running policy kept.
+        """
         return await ops.reload(who, body.reason)
 
     @api.post("/policy/conditions", response_model=ConditionResult, status_code=201,

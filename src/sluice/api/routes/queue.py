@@ -41,6 +41,7 @@ EntryActionName = Literal["hold", "release", "retry", "delete", "bounce"]
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The queue's routes: entries, counts, shape, actions, messages and why."""
     ops = control.queue_ops
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["queue"])
@@ -73,8 +74,10 @@ def router(control: Control, auth: Auth) -> APIRouter:
 
     @api.post("/queue/actions", response_model=ActionResult, responses={**E400, **E503})
     async def queue_action(body: ActionRequest, who: Who) -> ActionResult:
-        """Hold, release, retry, bounce, delete or set the priority of selected entries
-        (or count them: dry_run)."""
+        """Hold, release, retry, bounce, delete or set the priority of selected entries.
+
+        Or count them: dry_run.
+        """
         sel = body.selector
         selector = Control.selector(sel.qids, sel.states, domain=sel.domain,
                                     sender=sel.sender, recipient=sel.recipient,

@@ -1,5 +1,6 @@
-"""The scheduler's routes: the active queue in numbers, sub-queues, counters,
-destinations, throughput.
+"""The scheduler's routes: the active queue in numbers, sub-queues, counters, and more.
+
+Also destinations, throughput and the cluster.
 
 SEE ALSO
     sluice.api.views (what they show), docs/api.md
@@ -25,6 +26,7 @@ __all__ = ["router"]
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The scheduler's routes (see the module header)."""
     views = control.views
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["scheduler"])
@@ -56,9 +58,12 @@ def router(control: Control, auth: Auth) -> APIRouter:
 
     @api.get("/cluster", response_model=ClusterReport)
     async def cluster() -> dict[str, Any]:
-        """The cluster as this node sees it (docs/cluster.md): every node's heartbeat
-        age, limits (shared or fallen back) and claims in flight, the shared counters
-        in use, and whether Redis and PostgreSQL answer."""
+        """The cluster as this node sees it (docs/cluster.md).
+
+        Every node's heartbeat age, limits (shared or fallen back) and claims in
+        flight, the shared counters in use, and whether Redis and PostgreSQL
+        answer.
+        """
         from sluice.cluster.report import cluster_report
 
         return await cluster_report(control.config, control.manager.cluster)

@@ -19,6 +19,7 @@ __all__ = ["router"]
 
 
 def router(control: Control, auth: Auth) -> APIRouter:
+    """The suspensions' routes: list, add and remove."""
     ops = control.policy_ops
     api = APIRouter(prefix="/api/v1", dependencies=[Depends(auth)], responses=COMMON,
                     tags=["policy"])
@@ -32,8 +33,11 @@ def router(control: Control, auth: Auth) -> APIRouter:
     @api.post("/suspensions", response_model=SuspensionResult, status_code=201,
               responses={**E400, **E409, **E503})
     async def add_suspension(body: SuspensionRequest, who: Who) -> SuspensionResult:
-        """Suspend pickup of mail that matches every given field (Halon: a suspension
-        with the same fields only gets the new expiry, tag and reason)."""
+        """Suspend pickup of mail that matches every given field.
+
+        Halon: a suspension with the same fields only gets the new expiry, tag
+        and reason.
+        """
         return await ops.add_suspension(
             who, body.fields.model_dump(exclude_none=True), ttl=body.ttl,
             expires_at=body.expires_at, sid=body.id, tag=body.tag, reason=body.reason)
