@@ -52,7 +52,8 @@ for the base configuration.
 run (not counted in the medians) under `py-spy record --subprocesses --gil`
 (the py-spy of the dev extra) of the serve process and its receivers,
 writing DIR/sluice-CONFIG.txt: py-spy's raw collapsed stacks, the input of a
-flame graph (flamegraph.pl, speedscope).  bench/profile_share.py then
+flame graph (flamegraph.pl, speedscope), then a second one writing the flame
+graph itself, DIR/sluice-CONFIG.svg.  bench/profile_share.py then
 prints the share of the samples spent in sluice/scheduler/ frames -- the
 scheduler's share of Sluice's CPU -- and the busiest parts.
 """
@@ -165,7 +166,8 @@ def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
         if profile is not None:
             # the driver's idle wait (5 s at least) lets py-spy attach before the clock starts
             spy = subprocess.Popen([PY_SPY, "record", "--subprocesses", "--pid", str(proc.pid),
-                                    "--format", "raw", "--rate", str(PY_SPY_RATE), "--gil",
+                                    "--format", "flamegraph" if profile.suffix == ".svg" else "raw",
+                                    "--rate", str(PY_SPY_RATE), "--gil",
                                     "--output", str(profile)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         cmd = driver_cmd("sluice", port, sink_port, n, sessions, cfg, quiet_wait, work / "run")
@@ -336,6 +338,10 @@ def main() -> None:
             shares[name] = profile_share.report(str(path), rate=PY_SPY_RATE)
             print(f"  the run's MTA CPU in the measured window: {res['mta_cpu_s']} cpu-s",
                   flush=True)
+            # py-spy writes one format a run: a second run for the picture
+            svg = path.with_suffix(".svg")
+            run_sluice(args.n, args.sessions, cfg, args.quiet_wait, profile=svg)
+            print(f"  flame graph (a second run, not in the medians): {svg}", flush=True)
     summary(results, shares)
 
 

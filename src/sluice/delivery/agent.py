@@ -91,6 +91,7 @@ import asyncio
 import dataclasses
 import functools
 import ipaddress
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -285,8 +286,12 @@ def _peer_outcomes(replies: Sequence[ServerReply], host: Host) -> list[Outcome]:
 _Key = tuple[Transport, str, str]
 
 
+_UNSAFE_ON_WIRE = re.compile(r"[\r\n\0<>]")
+
+
 def _wire_safe(address: str) -> bool:
-    return not any(c in address for c in "\r\n\0<>")
+    """Whether ``address`` can go in MAIL FROM or RCPT TO as it is."""
+    return _UNSAFE_ON_WIRE.search(address) is None
 
 
 def _utf8_headers(request: DeliveryRequest, head: bytes) -> bool:
