@@ -26,12 +26,13 @@ DESCRIPTION
         timers.py         rate windows, intervals, expiries, revivals
         observe.py        the views and explanations, on request
 
-    One step (handle_all): fire the timers that are due, apply the events
-    in order (results first release what they held), then pick: visit
-    sub-queues in turn -- woken ones first, priority 1 before 0 -- until
-    max_deliveries are in flight or none is ready; each visit starts the
-    head job from a source IP that nothing holds, or parks the sub-queue
-    on what holds it.  Last, ask for a refill if there is room.
+    One step (handle_all): refuse misuse before anything changes, fire
+    the timers that are due, apply the events in order (results first
+    release what they held), then pick: visit sub-queues in turn -- woken
+    ones first, priority 1 before 0 -- until max_deliveries are in flight
+    or none is ready; each visit starts the head job from a source IP that
+    nothing holds, or parks the sub-queue on what holds it.  Last, ask for
+    a refill if there is room.
 
 STRATEGIES
     Round robin over sub-queues, FIFO inside one, parking instead of
