@@ -29,9 +29,11 @@ import pytest
 
 from sluice.api.server import ApiServer
 from sluice.config import Config
+from sluice.runtime.duties import ChangeWatcher, ExpirySweep
 from sluice.runtime.manager import QueueManager
 from sluice.runtime.parts import Backoff, Health, PartFailed
 from sluice.runtime.policy_file import PolicyFile
+from sluice.runtime.refill import Refiller
 from sluice.runtime.serve import Server
 from tests.conftest import ROOT, make_config, subprocess_env, write_config
 from tests.integration.serving import free_port
@@ -81,8 +83,8 @@ class Crash:
 
 RESTARTABLE = [
     # (part name in the logs, class, attribute, store, api)
-    ("change feed watcher", QueueManager, "_watch_changes", "kv", False),
-    ("expiry sweep", QueueManager, "_sweep_expired", "kv", False),
+    ("change feed watcher", ChangeWatcher, "run", "kv", False),
+    ("expiry sweep", ExpirySweep, "run", "kv", False),
     ("policy file watcher", PolicyFile, "watch", "kv", False),
     ("new-mail poller", Server, "_poll", "sqlite", False),
     ("API server", ApiServer, "serve", "kv", True),
@@ -143,25 +145,25 @@ def _send(host: str, port: int) -> None:
 
 
 VITAL = [
-    ("the scheduler loop", "_step"),
-    ("a refill (work the loop started)", "_refill"),
+    ("the scheduler loop", QueueManager, "_step"),
+    ("a refill (work the loop started)", Refiller, "refill"),
 ]
 
 
-@pytest.mark.parametrize(("what", "attr"), VITAL, ids=["loop", "refill"])
+@pytest.mark.parametrize(("what", "cls", "attr"), VITAL, ids=["loop", "refill"])
 def test_a_crash_of_the_queue_manager_stops_the_whole_server(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        what: str, attr: str) -> None:
+        what: str, cls: type, attr: str) -> None:
     caplog.set_level(logging.INFO)
-    real = getattr(QueueManager, attr)
+    real = getattr(cls, attr)
     calls = 0
     boom = RuntimeError(f"injected into {what}")
 
-    def crashing(self: QueueManager, *args: Any) -> Any:
+    def crashing(self: Any, *args: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 3:
-            if attr == "_refill":
+            if attr == "refill":
                 async def fail() -> None:
                     raise boom
                 for arg in args:
@@ -170,7 +172,7 @@ def test_a_crash_of_the_queue_manager_stops_the_whole_server(
             raise boom
         return real(self, *args)
 
-    monkeypatch.setattr(QueueManager, attr, crashing)
+    monkeypatch.setattr(cls, attr, crashing)
     cfg = config(tmp_path, "kv", api=True)
     srv = server(cfg)
 

@@ -37,6 +37,7 @@ from sluice.scheduler import (
     Thresholds,
     Waiting,
     parse_policy,
+    pickup,
 )
 from sluice.scheduler.scheduler import Scheduler as CoreScheduler
 from sluice.scheduler.tenants import Shares
@@ -651,14 +652,14 @@ def test_a_pickup_does_not_visit_parked_sub_queues(monkeypatch: pytest.MonkeyPat
     (s,) = starts(sched.handle(JobsQueued((job(Route("live.example")),
                                            job(Route("live.example")))), 1))
     visits = 0
-    original = CoreScheduler._visit
+    original = pickup.visit
 
     def counting(self: CoreScheduler, *args: object) -> None:
         nonlocal visits
         visits += 1
         original(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(CoreScheduler, "_visit", counting)
+    monkeypatch.setattr(pickup, "visit", counting)
     assert len(starts(finish(sched, s, 2))) == 1
     assert visits == 1  # 4000 parked sub-queues, one visit
     sched.handle(ClockTicked(), 3)

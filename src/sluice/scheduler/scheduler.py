@@ -8,9 +8,14 @@ SUMMARY
 DESCRIPTION
     A sans-IO core: it never reads the clock, touches a socket or a file.
     The runtime feeds it events with the current time and carries out the
-    commands it returns (events.py lists both).  This class only routes
-    them to the parts, each in a file of its own:
+    commands it returns (events.py lists both).  This class holds the
+    state and routes events, timers and commands to the parts, each in a
+    file of its own:
 
+        checks.py         refusals: misuse raises before anything changes
+        queueing.py       jobs in (JobsQueued), changed, deferred, finished
+        pickup.py         select, visit, start, requeue; minimum shares
+        bindings.py       the policy bound to sub-queues and flights
         active.py         the active queue: memory in recipients, refills
         subqueues.py      sub-queues of jobs (FIFO), the emptied ones kept
         lines.py          the ring of ready sub-queues, blockers and waiters
@@ -21,20 +26,24 @@ DESCRIPTION
         timers.py         rate windows, intervals, expiries, revivals
         observe.py        the views and explanations, on request
 
-    One step (handle_all): fire the timers that are due, apply the events
-    in order (results first release what they held), then pick: visit
-    sub-queues in turn -- woken ones first, priority 1 before 0 -- until
-    max_deliveries are in flight or none is ready; each visit starts the
-    head job from a source IP that nothing holds, or parks the sub-queue
-    on what holds it.  Last, ask for a refill if there is room.
+    One step (handle_all): refuse misuse before anything changes, fire
+    the timers that are due, apply the events in order (results first
+    release what they held), then pick: visit sub-queues in turn -- woken
+    ones first, priority 1 before 0 -- until max_deliveries are in flight
+    or none is ready; each visit starts the head job from a source IP that
+    nothing holds, or parks the sub-queue on what holds it.  Last, ask for
+    a refill if there is room.
 
 STRATEGIES
     Round robin over sub-queues, FIFO inside one, parking instead of
-    scanning (lines.py); the limits seam (limits.py); slow start and the
-    destination status cache (destinations.py); a bounded active queue
-    (active.py).  Source IP pools (Halon): a job may use any of its
-    route's source IPs; they are tried in turn from where the sub-queue's
-    last pickup left off, and a suspended or held IP is skipped.
+    scanning (lines.py, pickup.py); the limits seam (limits.py); slow
+    start and the destination status cache (destinations.py); a bounded
+    active queue (active.py).  Source IP pools (Halon): a job may use any
+    of its route's source IPs; they are tried in turn from where the
+    sub-queue's last pickup left off, and a suspended or held IP is
+    skipped (pickup.py).  The parts in functions (checks, queueing,
+    pickup, bindings, observe) read this class's state directly: one
+    owner of the state, no copies to keep in step.
 
 INVARIANTS
     In flight per counter entry <= its concurrency; pickups of an entry in
@@ -43,29 +52,27 @@ INVARIANTS
     woken; FIFO in a sub-queue; time never goes backwards (handle()
     raises ValueError and the state is unchanged, as for any misuse).
 
-SEE ALSO
+See Also:
     docs/scheduler.md (the event loop and which file does what),
     sluice.scheduler.events, seeds/001, seeds/003, seeds/004
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import functools
+from collections.abc import Iterable
 from typing import Any
 
-from sluice.model import Reply, TempFail
-from sluice.scheduler import observe
+from sluice.scheduler import bindings, checks, observe, pickup, queueing
 from sluice.scheduler.active import ActiveQueue
-from sluice.scheduler.destinations import Destination, Destinations
+from sluice.scheduler.destinations import Destinations
 from sluice.scheduler.events import (
     ClockTicked,
     ClusterModeChanged,
     Command,
     ConditionAdded,
     ConditionRemoved,
-    DeferJob,
     DeliveryFinished,
-    DeliveryJob,
     EntriesClaimed,
     EntriesModified,
     Event,
@@ -73,7 +80,6 @@ from sluice.scheduler.events import (
     JobsQueued,
     MailArrived,
     PolicyReloaded,
-    StartDelivery,
     SuspensionAdded,
     SuspensionRemoved,
 )
@@ -110,10 +116,12 @@ class Scheduler:
         self._timers = Timers()
         self._shares = s.shares
         self._lines = Lines(self._set_slot_timer, s.shares,
-                            self._needs if s.shares.any_min_share else None)
+                            functools.partial(pickup.needs, self)
+                            if s.shares.any_min_share else None)
         self._susps = Suspensions()
         self._dests = Destinations(s)
-        self._queues = SubQueues(s.destination_cache_size + s.maxmemoryqueue, self._forget)
+        self._queues = SubQueues(s.destination_cache_size + s.maxmemoryqueue,
+                                 functools.partial(bindings.forget, self))
         self._active = ActiveQueue(s)
         self._qids: dict[str, Job | Flight] = {}
         self._flights: dict[str, Flight] = {}
@@ -123,7 +131,7 @@ class Scheduler:
         # Per tenant: deliveries in flight and started (for shares and /metrics).
         self._tenant_inflight: dict[str, int] = {}
         self._tenant_pickups: dict[str, int] = {}
-        self._set_policy(policy or Policy(), now)
+        bindings.set_policy(self, policy or Policy(), now)
         for susp in suspensions:
             self._add_suspension(susp, now, from_file=False)
 
@@ -131,6 +139,7 @@ class Scheduler:
 
     @property
     def policy(self) -> Policy:
+        """The policy in force (the file's, with run-time conditions)."""
         return self._policy
 
     @property
@@ -140,6 +149,7 @@ class Scheduler:
 
     @property
     def now(self) -> float:
+        """The time of the last step (it never goes backwards)."""
         return self._now
 
     @property
@@ -153,7 +163,7 @@ class Scheduler:
         For callers that accept operator changes (an API) and want to answer
         a bad request at once, before posting the event to the loop.
         """
-        self._check(event)
+        checks.check(self, event)
 
     def handle(self, event: Event, now: float) -> list[Command]:
         """Take one event at ``now``; return what to do."""
@@ -168,18 +178,7 @@ class Scheduler:
         if now < self._now:
             raise ValueError(f"time went backwards: {now} < {self._now}")
         events = tuple(events)
-        finished: set[str] = set()
-        for event in events:  # refuse misuse before anything changes
-            if type(event) is DeliveryFinished:
-                flight = self._flights.get(event.ref)
-                if flight is None or event.ref in finished:
-                    raise ValueError(f"no delivery {event.ref} in flight")
-                if event.localip and event.localip != flight.ip:
-                    raise ValueError(f"delivery {event.ref} was started from {flight.ip!r}, "
-                                     f"not {event.localip!r}")
-                finished.add(event.ref)
-            else:
-                self._check(event)
+        checks.misuse(self, events)  # refuse misuse before anything changes
         self._now = now
         out: list[Command] = []
         for timer in self._timers.due(now, self._timer_live):
@@ -187,12 +186,12 @@ class Scheduler:
         lines = self._lines
         for event in events:
             if type(event) is DeliveryFinished:
-                self._finish(event, now, out)
+                queueing.finish(self, event, now, out)
             else:
                 lines.release_dirty(now)  # in the order things happened
                 self._dispatch(event, now, out)
         lines.release_dirty(now)
-        self._select(now, out)
+        pickup.select(self, now, out)
         refill = self._active.refill(now)
         if refill is not None:
             out.append(refill)
@@ -208,61 +207,28 @@ class Scheduler:
 
     # ------------------------------------------------------------ events
 
-    def _check(self, event: Event) -> None:
-        match event:
-            case JobsQueued(jobs=jobs):
-                seen: set[str] = set()
-                refs: set[str] = set()
-                for job in jobs:
-                    if job.ref in self._flights or job.ref in refs:
-                        raise ValueError(f"job {job.ref} is already known")
-                    refs.add(job.ref)
-                    for qid in job.qids:
-                        if qid in self._qids or qid in seen:
-                            raise ValueError(f"recipient {qid} is queued twice")
-                        seen.add(qid)
-            case EntriesClaimed(count=count):
-                self._active.check_claim(count)
-            case ConditionAdded(counter_id=cid, condition=cond):
-                try:
-                    counter = self._policy.counter(cid)
-                except KeyError:
-                    raise ValueError(f"no counter {cid!r} in the policy") from None
-                for name, _ in cond.match:
-                    if name not in counter.field_names:
-                        raise ValueError(f"counter {cid} does not count {name!r}")
-            case ConditionRemoved(counter_id=cid, condition_id=cond_id):
-                if cid not in {c.id for c in self._policy.counters}:
-                    raise ValueError(f"no counter {cid!r} in the policy")
-                if not cond_id:  # "" would match every condition without an id
-                    raise ValueError("name the condition to remove by its id")
-            case SuspensionAdded(suspension=susp):
-                self._susps.check(susp)
-            case _:
-                pass
-
     def _dispatch(self, event: Event, now: float, out: list[Command]) -> None:
         match event:
             case JobsQueued(jobs=jobs, unrouted=unrouted):
                 self._active.routed(sum(len(job.qids) for job in jobs), unrouted)
                 for job in jobs:
-                    self._enqueue(job, now, out)
+                    queueing.enqueue(self, job, now, out)
             case EntriesClaimed(count=count, exhausted=exhausted, next_due_at=due):
                 self._active.claimed(count, exhausted, due, now)
             case MailArrived():
                 self._active.arrived(now)
             case EntriesModified(qids=qids):
-                self._modified(qids)
+                queueing.modified(self, qids)
                 self._active.arrived(now)
             case PolicyReloaded(policy=policy):
-                self._set_policy(policy, now)
+                bindings.set_policy(self, policy, now)
             case ConditionAdded(counter_id=cid, condition=cond, position=pos):
                 policy, cond = self._policy.with_condition(cid, cond, pos)
                 if cond.expires_at is not None:
                     self._timers.set(cond.expires_at, Timer.CONDITION, (cid, cond.id))
-                self._load(policy, now)
+                bindings.load(self, policy, now)
             case ConditionRemoved(counter_id=cid, condition_id=cond_id):
-                self._load(self._policy.without_condition(cid, cond_id), now)
+                bindings.load(self, self._policy.without_condition(cid, cond_id), now)
             case SuspensionAdded(suspension=susp):
                 self._add_suspension(susp, now, from_file=False)
             case SuspensionRemoved(suspension_id=sid):
@@ -309,73 +275,7 @@ class Scheduler:
                     return
                 if any(c.id == cond_id and c.expires_at is not None and c.expires_at <= now
                        for c in counter.conditions):
-                    self._load(self._policy.without_condition(counter_id, cond_id), now)
-
-    # ------------------------------------------------------------ policy
-
-    def _set_policy(self, policy: Policy, now: float) -> None:
-        """A policy file: its counters, and its suspensions replace the file's
-        old ones (run-time suspensions stay)."""
-        file_ids = {s.id for s in policy.suspensions}
-        for sid, blocker in list(self._susps.by_id.items()):
-            if blocker.from_file and sid not in file_ids:
-                self._remove_suspension(sid, now)
-        for susp in policy.suspensions:
-            self._add_suspension(susp, now, from_file=True)
-        for counter in policy.counters:
-            for cond in counter.conditions:
-                if cond.expires_at is not None:
-                    self._timers.set(cond.expires_at, Timer.CONDITION, (counter.id, cond.id))
-        self._load(policy, now)
-
-    def _load(self, policy: Policy, now: float) -> None:
-        """Counters changed: bind everything again and look at every sub-queue.
-
-        O(sub-queues + deliveries): an operator action, not a pickup.
-        """
-        self._policy = policy
-        limits = self._limits
-        self._timers.cancel(Timer.SLOT, self._cancel_slot)  # old entries' windows
-        limits.load(policy, now)
-        self._version += 1
-        self._dests.policy_changed()
-        for blocker in (*self._dests, *self._susps):
-            blocker.waiters = None
-            blocker.pending = 0
-        for flight in self._flights.values():
-            binding = limits.bind(flight.job.route, flight.ip)
-            limits.recount(binding)
-            limits.unbind(binding)  # the flight counts in it; the sub-queue uses it
-            flight.binding = binding
-        lines = self._lines
-        for queue in (*lines.woken, *lines.ring):
-            for sq in queue:
-                sq.woken_by = None
-        lines.dirty.clear()
-        for sq in self._queues:
-            sq.parked_on = ()
-            sq.woken_by = None
-            self._bind(sq)
-            if sq.live:
-                lines.ready(sq)
-
-    def _bind(self, sq: SubQueue) -> None:
-        """Bind a sub-queue's source IPs to their counter entries."""
-        limits = self._limits
-        for binding in sq.bindings:
-            limits.unbind(binding)
-        sq.bindings = [limits.bind(sq.route, ip) for ip in sq.ips]
-        sq.version = self._version
-        for ip, binding in zip(sq.ips, sq.bindings, strict=True):
-            self._dests.limit_from(sq.dest, ip, binding.destination_limit)
-
-    def _forget(self, sq: SubQueue) -> None:
-        """An emptied sub-queue is dropped: it no longer uses its bindings."""
-        for binding in sq.bindings:
-            self._limits.unbind(binding)
-        sq.bindings = []
-        sq.version = -1
-        self._dests.forget(sq.dest, self._now)
+                    bindings.load(self, self._policy.without_condition(counter_id, cond_id), now)
 
     # ------------------------------------------------------- suspensions
 
@@ -395,201 +295,6 @@ class Scheduler:
             sq.susp = self._susps.lookup(sq.route, sq.ips)
             sq.susp_version = self._susps.version
         return sq.susp
-
-    # ----------------------------------------------------------- queueing
-
-    def _enqueue(self, job: DeliveryJob, now: float, out: list[Command]) -> None:
-        route = job.route
-        sq = self._queues.get(route, job.priority)
-        dest = sq.dest if sq is not None else self._dests.get(route.destination)
-        if dest.is_dead(now):
-            out.append(DeferJob(job, job.qids, dest.dead_reply, dest.dead_until))
-            if sq is None:
-                self._dests.forget(dest, now)
-            return
-        if sq is None:
-            sq = SubQueue(route, job.priority, dest)
-            self._bind(sq)
-            self._queues.add(sq)
-        elif sq.version != self._version:
-            self._bind(sq)
-        rec = Job(job, sq, now)
-        sq.jobs.append(rec)
-        sq.live += 1
-        for qid in job.qids:
-            self._qids[qid] = rec
-        self._active.queued += len(job.qids)
-        self._lines.ready(sq)
-
-    def _retire(self, sq: SubQueue) -> None:
-        if sq.parked_on:
-            self._lines.unpark(sq)
-        self._queues.retire(sq)
-
-    def _modified(self, qids: Sequence[str]) -> None:
-        for qid in qids:
-            rec = self._qids.get(qid)
-            if not isinstance(rec, Job):
-                continue  # unknown, or in flight: the store lets the operator win
-            del self._qids[qid]
-            self._active.queued -= 1
-            rec.qids = tuple(q for q in rec.qids if q != qid)
-            if not rec.qids:
-                rec.sq.drop(rec)
-                if not rec.sq.live:
-                    self._retire(rec.sq)
-
-    def _defer_all(self, sq: SubQueue, dest: Destination, out: list[Command]) -> None:
-        """``dest`` is dead: every job of ``sq`` is deferred without a connection."""
-        for rec in sq.jobs:
-            if rec.dropped:
-                continue
-            out.append(DeferJob(rec.job, rec.qids, dest.dead_reply, dest.dead_until))
-            for qid in rec.qids:
-                del self._qids[qid]
-            self._active.queued -= len(rec.qids)
-        sq.live = 0
-        self._retire(sq)
-
-    # ------------------------------------------------------------ pickup
-
-    def _select(self, now: float, out: list[Command]) -> None:
-        limit = self.settings.max_deliveries
-        lines = self._lines
-        short = self._short_of_capacity if self._shares.any_min_share else None
-        while len(self._flights) < limit:
-            sq = lines.next(short)
-            if sq is None:
-                return
-            woken = sq.woken_by
-            if woken is None:
-                self._visit(sq, now, out, None)
-                continue
-            sq.woken_by = None
-            woken.pending -= 1
-            if not self._visit(sq, now, out, woken):
-                # The slot it was woken for may be free still: the next in line
-                # (unless it went back into that line: releasing would find no room).
-                lines.release(woken, now)
-
-    def _visit(self, sq: SubQueue, now: float, out: list[Command],
-               woken: Blocker | None) -> bool:
-        """Start the head of ``sq`` from a source IP nothing holds, or park it.
-
-        True: it took the slot ``woken`` promised and went back into that
-        blocker's line.
-        """
-        sq.head()
-        if not sq.live or sq.parked_on:
-            return False  # a stale ring entry: retired, or parked meanwhile
-        if sq.version != self._version:
-            self._bind(sq)
-        dest = sq.dest
-        if dest.is_dead(now):
-            self._defer_all(sq, dest, out)
-            return False
-        if dest.inflight >= dest.limit:
-            self._lines.park(sq, [dest], woken, now)
-            return False
-        susps = self._suspended(sq)
-        n = len(sq.ips)
-        blockers: list[Blocker] = []
-        for k in range(n):
-            i = (sq.rr + k) % n
-            held: Blocker | None = susps[i]
-            if held is None:
-                held = self._limits.holder(sq.bindings[i], now)
-            if held is None:
-                sq.rr = (i + 1) % n
-                self._start(sq, i, now, out)
-                return self._requeue(sq, woken, now)
-            if held not in blockers:
-                blockers.append(held)
-        self._lines.park(sq, blockers, woken, now)
-        return False
-
-    def _requeue(self, sq: SubQueue, woken: Blocker | None, now: float) -> bool:
-        """After a pickup: the sub-queue goes to the back of the ring -- or of
-        the line of the blocker that woke it, if that one has no other room
-        (not for a pool of source IPs, whose next delivery may leave from
-        another IP, unless the blocker is the destination they share)."""
-        if not sq.live:
-            self._retire(sq)
-            return False
-        if (woken is not None and (not sq.pool or woken is sq.dest)
-                and self._lines.requeue(sq, woken, now)):
-            return True
-        self._lines.ready(sq)
-        return False
-
-    def _start(self, sq: SubQueue, i: int, now: float, out: list[Command]) -> None:
-        rec = sq.jobs.popleft()
-        sq.live -= 1
-        ip, binding = sq.ips[i], sq.bindings[i]
-        self._limits.record(binding, now)
-        tenant = sq.tenant
-        Destinations.started(sq.dest, tenant)
-        self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
-        self._tenant_pickups[tenant] = self._tenant_pickups.get(tenant, 0) + 1
-        job, qids = rec.job, rec.qids
-        flight = Flight(job, qids, ip, binding, sq.dest, tenant, now)
-        self._flights[job.ref] = flight
-        for qid in qids:
-            self._qids[qid] = flight
-        self._active.queued -= len(qids)
-        self._active.inflight += len(qids)
-        self._pickups += 1
-        out.append(StartDelivery(job, ip, qids))
-
-    # ------------------------------------------------------------ results
-
-    def _finish(self, event: DeliveryFinished, now: float, out: list[Command]) -> None:
-        flight = self._flights.pop(event.ref)
-        for qid in flight.qids:
-            if self._qids.get(qid) is flight:
-                del self._qids[qid]
-        self._active.inflight -= len(flight.qids)
-        dirty = self._lines.dirty
-        for entry in self._limits.release(flight.binding, now):
-            dirty[entry] = None  # released once the batch of results is in
-        dest = flight.dest
-        reply: Reply | None = None
-        if event.connection_failed:
-            reply = next((o.reply for _, o in event.outcomes if isinstance(o, TempFail)), None)
-        tenant = flight.tenant
-        n = self._tenant_inflight[tenant] - 1
-        if n:
-            self._tenant_inflight[tenant] = n
-        else:
-            del self._tenant_inflight[tenant]
-        if self._dests.finished(dest, tenant, event.connection_failed, reply, now):
-            self._timers.set(dest.dead_until, Timer.DEAD, dest)
-            for sq in list(dest.subqueues):
-                if sq.live:
-                    self._defer_all(sq, dest, out)
-        if dest.waiters is not None:
-            dirty[dest] = None
-        if not dest.inflight and not dest.subqueues:
-            self._dests.forget(dest, now)
-
-    # ------------------------------------------------------------ shares
-
-    def _short_of_capacity(self, tenant: str) -> bool:
-        """Whether ``tenant`` holds less than its minimum share of max_deliveries."""
-        reserved = self._shares.reserved(tenant, self.settings.max_deliveries)
-        return reserved > self._tenant_inflight.get(tenant, 0)
-
-    def _needs(self, blocker: Blocker) -> Callable[[str], int] | None:
-        """For a destination, the slots each tenant lacks of its minimum share."""
-        if not isinstance(blocker, Destination):
-            return None
-        shares = self._shares
-
-        def needs(tenant: str) -> int:
-            held = blocker.by_tenant.get(tenant, 0)
-            return shares.reserved(tenant, blocker.limit) - held
-
-        return needs
 
     # -------------------------------------------------------------- views
 

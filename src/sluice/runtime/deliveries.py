@@ -1,0 +1,212 @@
+"""The queue manager's deliveries: carry out StartDelivery and DeferJob.
+
+SUMMARY
+    deliveries = Deliveries(queue, planner, recorder, agent, shaper, hooks, jobs,
+                            stats, io=..., post=..., spawn=..., spawn_delivery=...,
+                            stopping=...)
+    deliveries.start(job, localip, qids)      (StartDelivery)
+    deliveries.mark_started()                 (at the end of each loop step)
+    deliveries.defer_dead(job, qids, reply)   (DeferJob)
+
+DESCRIPTION
+    start() hands a job's entries to the delivery agent as one task; when
+    the agent is done, the post-delivery hook settles each outcome (the
+    Planner), the shaper sees the replies, the outcomes go to the recorder
+    and the scheduler hears DeliveryFinished.  defer_dead() settles the
+    entries of a dead destination as temporary failures without a
+    connection.
+
+STRATEGIES
+    At least once, with short windows (docs/queue.md, "What is
+    promised").  The "delivering" marks of every attempt started in one
+    loop step are one store operation (mark_started), and a delivery
+    waits for it after the server's 354, before the message goes out: a
+    crash after that point is logged at the next start as "in flight at
+    crash, may be a duplicate".  Once the replies are in, the agent calls
+    back (DeliveryRequest.settle): the outcomes go to the recorder's next
+    group commit and the connection waits for it, so a success is durable
+    one commit after its reply.  Outcomes of deliveries without a
+    transaction are recorded after, as before.
+
+    Exactly one answer.  Every StartDelivery is answered by exactly one
+    DeliveryFinished: at once when stopping or when the job is gone,
+    with no outcomes when the task is cancelled (the entries stay
+    "delivering" and return at the next start), and with temporary
+    failures when the delivery crashed.
+
+See Also:
+    sluice.runtime.manager, sluice.runtime.jobs, sluice.delivery.agent,
+    sluice.runtime.recorder
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+from sluice import faults
+from sluice.delivery.agent import DeliveryAgent, DeliveryRequest, DeliveryResult
+from sluice.delivery.plan import Planner
+from sluice.delivery.router import NextHop
+from sluice.hooks import Hooks
+from sluice.model import QueueEntry, Reply, TempFail
+from sluice.queue import AttemptResult, Queue
+from sluice.runtime.jobs import Job, Jobs
+from sluice.runtime.recorder import Recorder
+from sluice.scheduler import DeliveryFinished, DeliveryJob, Event
+from sluice.shaping.runtime import Shaper
+
+__all__ = ["Deliveries"]
+
+log = logging.getLogger("sluice.manager")
+
+Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None] | None"]
+
+
+class DeliveryCounters(Protocol):
+    """The manager's counter of deliveries started (ManagerStats)."""
+
+    deliveries: int
+
+
+class Deliveries:
+    """Starts deliveries, records their outcomes and answers the scheduler."""
+
+    def __init__(self, queue: Queue, planner: Planner, recorder: Recorder,
+                 agent: DeliveryAgent, shaper: Shaper, hooks: Hooks, jobs: Jobs,
+                 stats: DeliveryCounters, *, io: Callable[..., Awaitable[Any]],
+                 post: Callable[[Event], None], spawn: Spawn, spawn_delivery: Spawn,
+                 stopping: Callable[[], bool]) -> None:
+        self.queue = queue
+        self.planner = planner
+        self.recorder = recorder
+        self.agent = agent
+        self.shaper = shaper
+        self.hooks = hooks
+        self.jobs = jobs
+        self.stats = stats
+        self._io = io
+        self._post = post
+        self._spawn = spawn
+        self._spawn_delivery = spawn_delivery
+        self._stopping = stopping
+        self._delivering: list[QueueEntry] = []
+        self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
+
+    def start(self, job: DeliveryJob, localip: str, qids: tuple[str, ...]) -> None:
+        """Start delivering ``qids`` of ``job`` from ``localip`` (StartDelivery)."""
+        info = self.jobs.get(job.ref)
+        if info is None or self._stopping():
+            # Stopping (or the job vanished): answer at once, give the claims back.
+            entries = [info.entries[q] for q in qids if q in info.entries] if info else []
+            self.jobs.pop(job.ref)
+            self._post(DeliveryFinished(job.ref, (), connection_failed=False,
+                                        new_connection=False, localip=localip))
+            if entries:
+                self._spawn(self.recorder.release(entries))
+            return
+        info.started = True
+        entries = [info.entries[q] for q in qids]
+        self._delivering.extend(entries)
+        if self._marked is None:
+            self._marked = asyncio.get_running_loop().create_future()
+        self.stats.deliveries += 1
+        if self._spawn_delivery(self._deliver(info, tuple(entries), localip,
+                                              self._marked)) is None:
+            self._post(DeliveryFinished(job.ref, (), connection_failed=False,
+                                        new_connection=False, localip=localip))
+
+    def mark_started(self) -> None:
+        """Mark the attempts started in this step "delivering", as one store operation.
+
+        Each of them waits for it after the server's 354.
+        """
+        if self._delivering:
+            entries, marked = self._delivering, self._marked
+            self._delivering, self._marked = [], None
+            if marked is not None and self._spawn(self._mark(entries, marked)) is None:
+                marked.set_result(None)
+
+    async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
+        try:
+            await self._io(self.queue.mark_delivering, entries)
+        except Exception as exc:
+            self.recorder.failed(exc)  # only the note at a restart is missed
+        finally:
+            if not marked.done():
+                marked.set_result(None)
+
+    async def _deliver(self, info: Job, entries: tuple[QueueEntry, ...], localip: str,
+                       marked: asyncio.Future[None]) -> None:
+        ref = info.job.ref
+        # Outcomes made durable while the agent still held the connection.
+        settled: list[AttemptResult] = []
+
+        async def started() -> None:
+            await asyncio.shield(marked)
+
+        async def settle(result: DeliveryResult) -> None:
+            results = await self.planner.finish(result)
+            settled.extend(results)
+            await asyncio.shield(self.recorder.record(results))
+            faults.point("after_commit")
+
+        rest: list[AttemptResult] = []
+        try:
+            request = DeliveryRequest(
+                route=info.hop, entries=entries,
+                content=functools.partial(self.queue.store.open_content, entries[0].spid),
+                localip=localip, smtputf8=entries[0].smtputf8, started=started, settle=settle)
+            result = await self.agent.deliver(request)
+            done = {r.entry.qid for r in settled}
+            if len(done) < len(result.outcomes):
+                # No transaction (a refusal, no connection), or only part of
+                # the entries had one (sluice.delivery.agent._deliver_safe_part).
+                rest = await self.planner.finish(dataclasses.replace(result, outcomes=tuple(
+                    (e, o) for e, o in result.outcomes if e.qid not in done)))
+            results = settled + rest
+            self.shaper.observe(info.job.route, results)  # shaping
+            self.shaper.take(self.hooks)  # shaping: Shape decisions of the post hook
+            self._post(DeliveryFinished(
+                ref, tuple((r.entry.qid, r.outcome) for r in results),
+                connection_failed=result.connection_failed,
+                new_connection=result.new_connection, localip=localip))
+        except asyncio.CancelledError:
+            # Stopped hard: the entries stay "delivering" and return at the next start.
+            self._post(DeliveryFinished(ref, (), connection_failed=False,
+                                        new_connection=False, localip=localip))
+            raise
+        except Exception:
+            log.exception("delivery of %s failed unexpectedly", ref)
+            reply = Reply(451, "4.3.0", "local error during delivery, will retry")
+            done = {r.entry.qid for r in settled}
+            rest = [AttemptResult(e, TempFail(reply), attempted=False) for e in entries
+                    if e.qid not in done]
+            self._post(DeliveryFinished(ref, tuple((r.entry.qid, r.outcome)
+                                                   for r in settled + rest),
+                                        connection_failed=False, new_connection=False,
+                                        localip=localip))
+        finally:
+            self.jobs.pop(ref)
+        if rest:
+            self.recorder.record(rest)
+
+    def defer_dead(self, job: DeliveryJob, qids: tuple[str, ...], reply: Reply) -> None:
+        """Settle ``qids`` of a dead destination's job without a connection (DeferJob)."""
+        info = self.jobs.pop(job.ref)
+        if info is None:
+            return
+        entries = [info.entries[q] for q in qids if q in info.entries]
+        self._spawn(self._settle_dead(entries, info.hop, reply))
+
+    async def _settle_dead(self, entries: list[QueueEntry], hop: NextHop, reply: Reply) -> None:
+        results = []
+        for entry in entries:
+            outcome = await self.planner.settle(entry, TempFail(reply))
+            results.append(AttemptResult(entry, outcome, attempted=False,
+                                         remotemx=hop.remotemx, remoteip=hop.remoteip))
+        self.recorder.record(results)
