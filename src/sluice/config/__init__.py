@@ -19,7 +19,7 @@ DESCRIPTION
         durations.py   "1h30m", "30m | 2h | 4h", "20%" as numbers
         yaml_keys.py   the YAML loader that refuses a key written twice
 
-See Also:
+SEE ALSO
     docs/configuration.md, sluice.retry
 """
 

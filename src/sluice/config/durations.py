@@ -13,7 +13,7 @@ STRATEGY
     format_duration is the inverse, for ``sluice config show``: the
     shortest exact spelling, or plain seconds when that reads better.
 
-See Also:
+SEE ALSO
     sluice.config.loader (which calls these), docs/configuration.md
 """
 

@@ -28,7 +28,7 @@ STRATEGY
     or raises ConfigError naming the key whose path is unusable; the queue
     and ``sluice serve`` call it before they open anything.
 
-See Also:
+SEE ALSO
     sluice.config.sections, sluice.config.durations,
     sluice.config.yaml_keys, docs/configuration.md
 """

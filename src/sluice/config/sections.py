@@ -14,7 +14,7 @@ STRATEGY
     directory.  Nothing here reads a file or checks one value against
     another (sluice.config.loader does).
 
-See Also:
+SEE ALSO
     sluice.config.loader, sluice.config.durations, docs/configuration.md
 """
 

@@ -11,7 +11,7 @@ STRATEGY
     key path and both line numbers.  Aliases are checked where their
     anchor is; "<<" merges, YAML's own way of overriding, are allowed.
 
-See Also:
+SEE ALSO
     sluice.config.loader (turns the error into a ConfigError)
 """
 

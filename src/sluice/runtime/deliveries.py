@@ -34,7 +34,7 @@ STRATEGIES
     "delivering" and return at the next start), and with temporary
     failures when the delivery crashed.
 
-See Also:
+SEE ALSO
     sluice.runtime.manager, sluice.runtime.jobs, sluice.delivery.agent,
     sluice.runtime.recorder
 """

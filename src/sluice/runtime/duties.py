@@ -23,7 +23,7 @@ STRATEGY
     queue.bounces_interval (at least 1 s), and has the recorder run NDRs
     for those and for bounces left by a crash or a failed NDR run.
 
-See Also:
+SEE ALSO
     sluice.runtime.manager, sluice.runtime.parts, sluice.queue
 """
 

@@ -20,7 +20,7 @@ STRATEGY
     Equal routes are interned to one object, since the scheduler keys its
     sub-queues on them; the cache is cleared when it passes ROUTE_CACHE.
 
-See Also:
+SEE ALSO
     sluice.runtime.manager, sluice.runtime.refill, sluice.runtime.deliveries
 """
 
@@ -75,6 +75,10 @@ class Jobs:
     def __delitem__(self, ref: str) -> None:
         """Stop holding the job ``ref``; KeyError if it is no longer held."""
         del self._jobs[ref]
+
+    def discard(self, ref: str) -> None:
+        """Stop holding the job ``ref`` if it is still held."""
+        self._jobs.pop(ref, None)
 
     def get(self, ref: str) -> Job | None:
         """The job ``ref``, if it is still held."""

@@ -81,7 +81,7 @@ INVARIANTS
     Every claimed entry ends recorded, released, held or dropped; one
     that is not (a crash) is returned by the next start's recovery.
 
-See Also:
+SEE ALSO
     sluice.scheduler (docs/scheduler.md), sluice.delivery, sluice.queue,
     sluice.runtime.parts
 """

@@ -28,7 +28,7 @@ STRATEGIES
     Cluster mode.  A claim cut short by the per-domain cap is tried again
     after CAPPED_RETRY_S, as this node's deliveries make room.
 
-See Also:
+SEE ALSO
     sluice.runtime.manager, sluice.runtime.jobs, sluice.delivery.plan
 """
 
@@ -118,7 +118,9 @@ class Refiller:
             keep_jobs = []
             for job in jobs:
                 gone = [q for q in job.qids if q in modified]
-                info = self.jobs[job.ref]
+                info = self.jobs.get(job.ref)
+                if info is None:  # let go while an earlier job's claims were given back
+                    continue
                 if gone:
                     await self.recorder.release([info.entries.pop(q) for q in gone])
                     unrouted += len(gone)
@@ -129,7 +131,7 @@ class Refiller:
                         info.job = job
                     keep_jobs.append(job)
                 else:
-                    del self.jobs[job.ref]
+                    self.jobs.discard(job.ref)
             modified.difference_update(e.qid for e in entries)
             jobs = keep_jobs
         self._post(JobsQueued(tuple(jobs), unrouted=unrouted))

@@ -17,7 +17,7 @@ STRATEGY
     is bound again and made ready, to park anew on what holds it now.
     Like observe.py this module reads the Scheduler's parts directly.
 
-See Also:
+SEE ALSO
     sluice.scheduler.limits, sluice.scheduler.scheduler, docs/scheduler.md
 """
 

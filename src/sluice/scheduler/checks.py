@@ -15,7 +15,7 @@ STRATEGY
     in flight or were started from another source IP.  Like observe.py it
     reads the Scheduler's parts directly, so the coordinator stays short.
 
-See Also:
+SEE ALSO
     sluice.scheduler.scheduler, sluice.scheduler.events
 """
 

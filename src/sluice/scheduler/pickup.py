@@ -20,7 +20,7 @@ STRATEGY
     destination, needs() says how many slots each tenant lacks.  Like
     observe.py this module reads the Scheduler's parts directly.
 
-See Also:
+SEE ALSO
     sluice.scheduler.lines, sluice.scheduler.limits,
     sluice.scheduler.tenants, docs/scheduler.md
 """

@@ -18,7 +18,7 @@ STRATEGY
     failure that kills it defers every job of its sub-queues.  Like
     observe.py this module reads the Scheduler's parts directly.
 
-See Also:
+SEE ALSO
     sluice.scheduler.subqueues, sluice.scheduler.destinations,
     sluice.scheduler.scheduler
 """

@@ -52,7 +52,7 @@ INVARIANTS
     woken; FIFO in a sub-queue; time never goes backwards (handle()
     raises ValueError and the state is unchanged, as for any misuse).
 
-See Also:
+SEE ALSO
     docs/scheduler.md (the event loop and which file does what),
     sluice.scheduler.events, seeds/001, seeds/003, seeds/004
 """

@@ -22,7 +22,7 @@ STRATEGIES
     Bounded reads.  ContentReader fetches READ_CHUNKS rows per query, so
     reading a big message holds at most that many chunks in memory.
 
-See Also:
+SEE ALSO
     sluice.store.postgres (the store and its commit order).
 """
 

@@ -20,7 +20,7 @@ STRATEGIES
     key, so nodes changing the same rows take their locks in the same
     order; a refill skips rows another node has locked.
 
-See Also:
+SEE ALSO
     sluice.store.postgres (the store), sluice.store._sql (shared statements).
 """
 

@@ -21,7 +21,7 @@ STRATEGIES
     point at them are committed, and deleted only after the commit that
     removed their last row is durable.
 
-See Also:
+SEE ALSO
     sluice.store.sqlite (the store), sluice.store._commit (GroupCommitter).
 """
 

@@ -20,7 +20,7 @@ STRATEGIES
     transaction under the write lock, so a refused or failed open leaves
     the queue as it was.
 
-See Also:
+SEE ALSO
     sluice.store.sqlite (the store), sluice.store._sql (shared statements).
 """
 
