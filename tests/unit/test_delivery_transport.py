@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.delivery.client import ServerReply, _extensions, _ReplyReader
+from sluice.delivery.client import ServerReply, _extensions
+from sluice.delivery.replies import ReplyReader
 from sluice.delivery.transport import (
     Gateway,
     Service,
@@ -113,8 +114,8 @@ class _Transport:
         self.aborted = True
 
 
-def reader() -> _ReplyReader:
-    r = _ReplyReader(loop=None)  # type: ignore[arg-type]  # parsing needs no loop
+def reader() -> ReplyReader:
+    r = ReplyReader(loop=None)  # type: ignore[arg-type]  # parsing needs no loop
     r.transport = _Transport()  # type: ignore[assignment]
     return r
 

@@ -13,7 +13,10 @@ SUMMARY
 DESCRIPTION
     sluice.delivery.router     NextHop by transport map or DNS (MX, A/AAAA)
     sluice.delivery.agent      one message to one next hop, sessions reused
+    sluice.delivery.request    what the agent takes and gives back
+    sluice.delivery.pool       idle sessions kept for the next message
     sluice.delivery.client     the SMTP/LMTP protocol on asyncio (pipelined)
+    sluice.delivery.replies    the server's replies, parsed as they arrive
     sluice.delivery.encoder    CRLF, dot-stuffing and the final dot, streamed
     sluice.delivery.plan       the hooks and grouping around routing/delivery
     sluice.delivery.transport  transport(5) map syntax

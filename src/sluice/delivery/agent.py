@@ -36,12 +36,12 @@ DESCRIPTION
 
 STRATEGIES
     Connection cache.  A session that ends a transaction cleanly goes back
-    to an idle pool keyed by (transport, destination, source IP) and is
-    reused by the next message for that destination, up to
-    ``max_messages_per_connection`` transactions; it is closed after
-    ``timeouts.idle`` unused.  A reused session that turns out to be dead
-    before the server answered anything is replaced by a new connection
-    once, with the content read again from the start.
+    to an idle pool (sluice.delivery.pool) keyed by (transport,
+    destination, source IP) and is reused by the next message for that
+    destination, up to ``max_messages_per_connection`` transactions; it is
+    closed after ``timeouts.idle`` unused.  A reused session that turns
+    out to be dead before the server answered anything is replaced by a
+    new connection once, with the content read again from the start.
 
     Durable before reuse.  Once the replies to a message are in, the
     request's ``settle`` runs (the queue manager records the outcomes and
@@ -81,8 +81,10 @@ LIMITATIONS
     from the page cache; a slow disk slows the loop).
 
 SEE ALSO
-    sluice.delivery.client (the protocol), sluice.delivery.router,
-    sluice.hooks (the post-delivery hook is the runtime's to call)
+    sluice.delivery.client (the protocol), sluice.delivery.pool (the
+    connection cache), sluice.delivery.request (what it takes and gives
+    back), sluice.delivery.router, sluice.hooks (the post-delivery hook
+    is the runtime's to call)
 """
 
 from __future__ import annotations
@@ -94,8 +96,7 @@ import ipaddress
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from sluice import faults
@@ -103,119 +104,30 @@ from sluice.config import Config, DeliveryConfig
 from sluice.delivery.client import (
     READ_SIZE,
     Envelope,
-    ServerReply,
     Session,
     SessionError,
     StartTls,
     default_ssl_context,
 )
-from sluice.delivery.router import Host, NextHop
+from sluice.delivery.pool import PoolKey, SessionPool
+from sluice.delivery.replies import ServerReply
+from sluice.delivery.request import AgentStats, DeliveryRequest, DeliveryResult
+from sluice.delivery.router import Host
 from sluice.mime import HeaderScan, utf8_headers
 from sluice.model import (
     Delivered,
     Outcome,
     PermFail,
-    QueueEntry,
     Reply,
     TempFail,
     ascii_envelope,
 )
-from sluice.queue import AttemptResult
 from sluice.scheduler.events import Transport
 
+# AgentStats, DeliveryRequest and DeliveryResult live in sluice.delivery.request; they are
+# named here too, as callers import them with the agent.
 __all__ = ["AgentStats", "DeliveryAgent", "DeliveryRequest", "DeliveryResult", "outcome_of",
            "smtputf8_refusal"]
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveryRequest:
-    """One message for one next hop: ``entries`` are its recipients there.
-
-    ``content`` opens the spooled message (e.g. functools.partial(
-    store.open_content, spid)); it is called once per attempt and the
-    stream is closed after.  ``localip``: the source IP ("" = the
-    system's choice).  ``smtputf8``: the message was received with
-    SMTPUTF8 and needs it onwards.  ``started`` and ``settle``: see
-    STRATEGIES, "Durable before reuse".
-    """
-
-    route: NextHop
-    entries: tuple[QueueEntry, ...]
-    content: Callable[[], IO[bytes]]
-    localip: str = ""
-    smtputf8: bool = False
-    #: Awaited once the server said 354, before the message goes out: the
-    #: attempt is known to be in flight (the store's "delivering" mark).
-    started: Callable[[], Awaitable[None]] | None = None
-    #: Awaited with the result once the peer's replies are in, before the
-    #: session takes another message: it makes the outcomes durable.
-    settle: Callable[[DeliveryResult], Awaitable[None]] | None = None
-
-    def __post_init__(self) -> None:
-        if not self.entries:
-            raise ValueError("a delivery request needs at least one entry")
-        spid = self.entries[0].spid
-        if any(e.spid != spid for e in self.entries):
-            raise ValueError("all entries of a delivery request must be of one message")
-        if self.localip:
-            ipaddress.ip_address(self.localip)  # ValueError for a malformed source IP
-
-    @property
-    def spid(self) -> str:
-        """The SPID of the message, shared by every entry."""
-        return self.entries[0].spid
-
-    def envelope(self) -> Envelope:
-        """The SMTP envelope: the message's sender and every entry's recipient."""
-        first = self.entries[0]
-        return Envelope(first.sender, tuple(e.recipient for e in self.entries),
-                        first.size, self.smtputf8)
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveryResult:
-    """What one attempt did: an outcome per entry, and how it went.
-
-    ``connection_failed``: no usable session could be had with any host
-    (what slow start and the dead-destination cache count).
-    ``new_connection``: a connection was opened for this attempt.
-    ``remotemx``/``remoteip``/``port``: the host that answered, or the
-    last one tried.
-    """
-
-    outcomes: tuple[tuple[QueueEntry, Outcome], ...]
-    localip: str
-    remotemx: str
-    remoteip: str
-    port: int
-    duration_s: float
-    new_connection: bool
-    connection_failed: bool
-    tls: bool = False
-
-    @property
-    def by_qid(self) -> tuple[tuple[str, Outcome], ...]:
-        """(qid, outcome) pairs, as the scheduler's DeliveryFinished takes them."""
-        return tuple((e.qid, o) for e, o in self.outcomes)
-
-    def attempt_results(self) -> list[AttemptResult]:
-        """The outcomes as sluice.queue.Queue.record() takes them."""
-        return [AttemptResult(e, o, attempted=True, localip=self.localip,
-                              remotemx=self.remotemx, remoteip=self.remoteip,
-                              duration_s=self.duration_s)
-                for e, o in self.outcomes]
-
-
-@dataclass(frozen=True, slots=True)
-class AgentStats:
-    """Counters since the agent started; ``open`` and ``idle`` are current."""
-
-    open: int
-    idle: int
-    connections_opened: int
-    connections_reused: int
-    connect_failures: int
-    transactions: int
 
 
 def outcome_of(reply: Reply) -> Outcome:
@@ -283,9 +195,6 @@ def _peer_outcomes(replies: Sequence[ServerReply], host: Host) -> list[Outcome]:
     return out
 
 
-_Key = tuple[Transport, str, str]
-
-
 _UNSAFE_ON_WIRE = re.compile(r"[\r\n\0<>]")
 
 
@@ -329,84 +238,6 @@ def _open(request: DeliveryRequest) -> tuple[IO[bytes], bytes] | Reply:
         return _unreadable(request, exc)
 
 
-class _Pool:
-    """Idle sessions by (transport, destination, localip).
-
-    LIFO within a key so that few connections stay warm and the rest time
-    out.
-    """
-
-    def __init__(self, max_messages: int, idle_s: float, max_open: int) -> None:
-        self.max_messages = max_messages
-        self.idle_s = idle_s
-        self.max_open = max_open
-        self.idle: dict[_Key, list[Session]] = {}
-        self.sessions: set[Session] = set()
-        self.closing = False
-
-    @property
-    def idle_count(self) -> int:
-        return sum(len(v) for v in self.idle.values())
-
-    def take(self, key: _Key) -> Session | None:
-        stack = self.idle.get(key)
-        while stack:
-            session = stack.pop()
-            session.stop_idle_timer()
-            if session.alive:
-                return session
-            self.drop(session)
-        return None
-
-    def add(self, session: Session) -> None:
-        if len(self.sessions) >= self.max_open:
-            self._evict_one()
-        self.sessions.add(session)
-
-    def give(self, key: _Key, session: Session) -> None:
-        if self.closing or not session.alive or session.messages >= self.max_messages:
-            self.drop(session, polite=True)
-            return
-        self.idle.setdefault(key, []).append(session)
-        loop = asyncio.get_running_loop()
-        session.idle_since = loop.time()
-        session.idle_handle = loop.call_later(self.idle_s, self._expire, key, session)
-
-    def drop(self, session: Session, polite: bool = False) -> None:
-        if polite and session.usable:
-            session.quit()
-        else:
-            session.abort()
-        self.sessions.discard(session)
-
-    def _expire(self, key: _Key, session: Session) -> None:
-        session.idle_handle = None
-        stack = self.idle.get(key)
-        if stack and session in stack:
-            stack.remove(session)
-            if not stack:
-                del self.idle[key]
-        self.drop(session, polite=True)
-
-    def _evict_one(self) -> None:
-        oldest: tuple[float, _Key, Session] | None = None
-        for key, stack in self.idle.items():  # the bottom of each stack waited longest
-            if stack and (oldest is None or stack[0].idle_since < oldest[0]):
-                oldest = (stack[0].idle_since, key, stack[0])
-        if oldest is not None:
-            _, key, session = oldest
-            session.stop_idle_timer()
-            self._expire(key, session)
-
-    def close(self) -> None:
-        self.closing = True
-        for stack in list(self.idle.values()):
-            for session in stack:
-                session.stop_idle_timer()
-                self.drop(session, polite=True)
-        self.idle.clear()
-
-
 class DeliveryAgent:
     """Delivers DeliveryRequests; one per process, shared by all deliveries."""
 
@@ -418,8 +249,8 @@ class DeliveryAgent:
         self.starttls = StartTls(config.starttls)
         # One context for every session: building one per STARTTLS is costly.
         self.ssl_context = ssl_context or default_ssl_context()
-        self._pool = _Pool(config.max_messages_per_connection, config.timeouts.idle,
-                           config.max_connections)
+        self._pool = SessionPool(config.max_messages_per_connection, config.timeouts.idle,
+                                 config.max_connections)
         self._opened = 0
         self._reused = 0
         self._connect_failures = 0
@@ -463,7 +294,7 @@ class DeliveryAgent:
             return await self._deliver_safe_part(request)
         started = time.monotonic()
         route = request.route
-        key: _Key = (route.transport, route.destination, request.localip)
+        key: PoolKey = (route.transport, route.destination, request.localip)
         count = len(request.entries)
         opened = _open(request)
         if isinstance(opened, Reply):

@@ -36,9 +36,10 @@ STRATEGIES
     content goes out with the final dot in the same write, so a 1 KB
     message is two writes and two reads on a reused connection.
 
-    Reply parsing in data_received.  Complete replies are queued as they
-    arrive; reading a reply that is already there does not yield to the
-    loop.  Timeouts are plain loop timers, not tasks.
+    Replies parsed as they arrive.  The connection's protocol object is a
+    ReplyReader (sluice.delivery.replies): reading a reply that is
+    already there does not yield to the loop, and a phase timeout is a
+    plain loop timer (ReplyTimeout), not a task.
 
     EHLO, then HELO.  A 5xx to EHLO falls back to HELO (RFC 5321 3.2);
     LMTP has no fallback.  After STARTTLS the server is asked again
@@ -57,39 +58,33 @@ LIMITATIONS
 SEE ALSO
     RFC 5321, RFC 2033 (LMTP), RFC 2920 (pipelining), RFC 3207 (STARTTLS),
     RFC 6152 (8BITMIME), RFC 6531 (SMTPUTF8), RFC 1870 (SIZE),
-    sluice.delivery.encoder, sluice.delivery.agent
+    sluice.delivery.replies (the server's side), sluice.delivery.encoder,
+    sluice.delivery.agent
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import socket
 import ssl
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import IO, cast
+from typing import IO
 
 from sluice import faults
 from sluice.config import DeliveryTimeouts
 from sluice.delivery.encoder import DataEncoder
+from sluice.delivery.replies import ReplyReader, ReplyTimeout, ServerReply
 from sluice.delivery.router import Host
 from sluice.model import Reply, ascii_envelope, utf8_header
 
+# ServerReply lives in sluice.delivery.replies; it is named here too, as callers import it.
 __all__ = ["Envelope", "ServerReply", "Session", "SessionError", "StartTls"]
 
 #: Read size for content from the spool.
 READ_SIZE = 65536
-#: A server's reply line longer than this is a protocol error (RFC 5321
-#: allows 512 octets; be generous with real servers).
-MAX_REPLY_LINE = 8192
-#: Most reply lines in one reply (EHLO lists are the longest).
-MAX_REPLY_LINES = 256
-
-_ENHANCED_RE = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?: |$)")
 
 
 class StartTls(StrEnum):
@@ -98,44 +93,6 @@ class StartTls(StrEnum):
     OPPORTUNISTIC = "opportunistic"
     NONE = "none"
     REQUIRE = "require"
-
-
-class ServerReply:
-    """One reply as the server sent it: code and text lines."""
-
-    __slots__ = ("code", "lines")
-
-    def __init__(self, code: int, lines: list[str]) -> None:
-        self.code = code
-        self.lines = lines
-
-    @property
-    def is_positive(self) -> bool:
-        """Whether the reply is a success (2xx) or asks for more (3xx)."""
-        return 200 <= self.code < 400
-
-    def to_reply(self, prefix: str = "", suffix: str = "") -> Reply:
-        """As a sluice Reply, with an enhanced code (RFC 3463).
-
-        The one taken from the text when the server gave one, else the class
-        default (X.0.0).
-        """
-        enhanced = ""
-        texts = []
-        for line in self.lines:
-            m = _ENHANCED_RE.match(line)
-            if m and int(m.group(1)) == self.code // 100:
-                enhanced = enhanced or line[: m.end()].strip()
-                line = line[m.end():]
-            texts.append(line.strip())
-        cls = self.code // 100
-        if not enhanced and cls in (2, 4, 5):
-            enhanced = f"{cls}.0.0"
-        text = " ".join(t for t in texts if t)
-        return Reply(self.code, enhanced, f"{prefix}{text}{suffix}")
-
-    def __repr__(self) -> str:
-        return f"ServerReply({self.code}, {self.lines!r})"
 
 
 class SessionError(Exception):
@@ -156,10 +113,6 @@ class SessionError(Exception):
         self.connected = connected
         self.tls_failed = tls_failed
         self.stale = False
-
-
-class _Timeout(Exception):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,125 +137,6 @@ class Envelope:
     def needs_smtputf8(self) -> bool:
         """Whether the message needs SMTPUTF8: received with it, or an address is not ASCII."""
         return self.smtputf8 or not ascii_envelope(self.sender, self.recipients)
-
-
-class _ReplyReader(asyncio.Protocol):
-    """Parses the server's replies as bytes arrive; tracks flow control."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.buf = b""
-        self.lines: list[str] = []
-        self.replies: deque[ServerReply] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.drainer: asyncio.Future[None] | None = None
-        self.paused = False
-        self.lost: str | None = None  # why the connection is gone
-
-    # -- asyncio.Protocol ----------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports are not subclasses of asyncio.Transport.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf + data if self.buf else data
-        if b"\n" not in buf:
-            if len(buf) > MAX_REPLY_LINE:
-                self._protocol_error("reply line too long")
-            self.buf = buf
-            return
-        *complete, self.buf = buf.split(b"\n")
-        for raw in complete:
-            line = raw.rstrip(b"\r")
-            code = line[:3]
-            sep = line[3:4]
-            if len(line) > MAX_REPLY_LINE or not code.isdigit() or sep not in (b"", b" ", b"-"):
-                self._protocol_error(f"malformed reply line {line[:80]!r}")
-                return
-            self.lines.append(line[4:].decode("utf-8", "replace"))
-            if sep == b"-":
-                if len(self.lines) > MAX_REPLY_LINES:
-                    self._protocol_error("reply has too many lines")
-                    return
-                continue
-            self.replies.append(ServerReply(int(code), self.lines))
-            self.lines = []
-        self._wake()
-
-    def eof_received(self) -> bool | None:
-        self._gone("connection closed by the server")
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._gone(f"connection lost: {exc}" if exc else "connection closed by the server")
-        drainer = self.drainer
-        if drainer is not None and not drainer.done():
-            drainer.set_result(None)
-
-    def pause_writing(self) -> None:
-        self.paused = True
-
-    def resume_writing(self) -> None:
-        self.paused = False
-        drainer = self.drainer
-        if drainer is not None and not drainer.done():
-            drainer.set_result(None)
-
-    # -- helpers ------------------------------------------------------------------
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _gone(self, why: str) -> None:
-        if self.lost is None:
-            self.lost = why
-        self._wake()
-
-    def _protocol_error(self, why: str) -> None:
-        self._gone(f"protocol error: {why}")
-        if self.transport is not None:
-            self.transport.abort()
-
-    async def reply(self, wait_s: float) -> ServerReply:
-        """The next reply; _Timeout or ConnectionError if none comes."""
-        while True:
-            if self.replies:
-                return self.replies.popleft()
-            if self.lost is not None:
-                raise ConnectionError(self.lost)
-            waiter = self.loop.create_future()
-            self.waiter = waiter
-            timer = self.loop.call_later(wait_s, _expire, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                self.waiter = None
-
-    async def drain(self, wait_s: float) -> None:
-        """Wait until the transport takes more data (flow control)."""
-        while self.paused:
-            if self.lost is not None:
-                raise ConnectionError(self.lost)
-            drainer = self.loop.create_future()
-            self.drainer = drainer
-            timer = self.loop.call_later(wait_s, _expire, drainer)
-            try:
-                await drainer
-            finally:
-                timer.cancel()
-                self.drainer = None
-        if self.lost is not None:
-            raise ConnectionError(self.lost)
-
-
-def _expire(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_exception(_Timeout())
 
 
 def default_ssl_context() -> ssl.SSLContext:
@@ -333,7 +167,7 @@ def _soft(reply: Reply, host: Host, what: str) -> Reply:
 class Session:
     """A greeted, EHLO'd connection to one host; carries transactions in turn."""
 
-    def __init__(self, host: Host, localip: str, lmtp: bool, reader: _ReplyReader,
+    def __init__(self, host: Host, localip: str, lmtp: bool, reader: ReplyReader,
                  timeouts: DeliveryTimeouts, line_length_limit: int = 998) -> None:
         self.host = host
         #: Lines longer than this are folded on the wire (0: sent as they are).
@@ -362,7 +196,7 @@ class Session:
         Raises SessionError with a 4xx reply naming the host.
         """
         loop = asyncio.get_running_loop()
-        reader = _ReplyReader(loop)
+        reader = ReplyReader(loop)
         local_addr = (localip, 0) if localip else None
         try:
             transport, _ = await asyncio.wait_for(
@@ -468,7 +302,7 @@ class Session:
     async def _read(self, wait_s: float, what: str) -> ServerReply:
         try:
             reply = await self._reader.reply(wait_s)
-        except _Timeout:
+        except ReplyTimeout:
             self.abort()
             raise SessionError(Reply(451, "4.4.2", f"conversation with {self.host} timed out "
                                      f"while waiting for the reply to {what}")) from None
@@ -485,7 +319,7 @@ class Session:
     async def _drain(self, what: str) -> None:
         try:
             await self._reader.drain(self.timeouts.data_block)
-        except _Timeout:
+        except ReplyTimeout:
             self.abort()
             raise SessionError(Reply(451, "4.4.2", f"conversation with {self.host} timed out "
                                      f"while {what}")) from None
