@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from sluice.api.errors import ApiError
-from sluice.api.metrics import PartSample, Snapshot
+from sluice.api.metrics_snapshot import PartSample, Snapshot
 from sluice.api.models import (
     ActiveQueueStats,
     ConnectionStats,
