@@ -67,6 +67,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line: time (UTC, ISO 8601), level, logger, message."""
 
     def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
         out: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
@@ -133,6 +134,8 @@ def publish(events: Iterable[Mapping[str, Any]]) -> None:
     lines: list[str] = []
     for event in events:
         kind = str(event.get("event"))
+        if kind == "session":  # not mail: sluice.smtpd logged the connection's lines
+            continue
         if info or (warning and kind in _FAILURES):
             level = logging.WARNING if kind in _FAILURES else logging.INFO
             mail_log.log(level, "%s", describe(event), extra={"event": event})
@@ -185,8 +188,10 @@ def _stamp(event: Mapping[str, Any]) -> str:
 
 
 def maillog_line(event: Mapping[str, Any], host: str = "", pid: int | None = None) -> str | None:
-    """The Postfix-style line for one accounting event, or None if Postfix
-    would write none for it."""
+    """The Postfix-style line for one accounting event.
+
+    None if Postfix would write none for it.
+    """
     kind = str(event.get("event"))
     qid = event.get("spid") or event.get("qid")
     head = f"{_stamp(event)} {host or event.get('node') or 'localhost'}"
@@ -226,8 +231,10 @@ def _secs(value: float) -> str:
 
 
 class MailLog:
-    """Appends lines to one file, each batch one write(2) (O_APPEND), so
-    several processes share it; reopened when logrotate moves it away."""
+    """Appends lines to one file, each batch one write(2) (O_APPEND).
+
+    So several processes share it; it is reopened when logrotate moves it away.
+    """
 
     def __init__(self, path: str, hostname: str = "") -> None:
         self.path = path
@@ -255,6 +262,7 @@ class MailLog:
         return self._fd
 
     def write(self, lines: list[str]) -> None:
+        """Append ``lines`` in one write (reopening the file if it was moved)."""
         if self.hostname:
             lines = [_rehost(line, self.hostname) for line in lines]
         data = ("\n".join(lines) + "\n").encode("utf-8", errors="replace")
@@ -268,6 +276,7 @@ class MailLog:
                 logging.getLogger("sluice.logs").warning("mail log %s: %s", self.path, exc)
 
     def close(self) -> None:
+        """Close the file."""
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)

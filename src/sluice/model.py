@@ -19,7 +19,7 @@ INVARIANTS
     reused while their spool file exists.  ``priority`` is 0 (normal) or 1
     (high), as Halon defines it.
 
-SEE ALSO
+See Also:
     sluice.store (where entries live), sluice.scheduler (what picks them).
 """
 
@@ -33,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "Accepted",
+    "ClientSession",
     "Delivered",
     "Outcome",
     "PermFail",
@@ -94,8 +95,10 @@ def recipient_domain(address: str) -> str:
 
 
 def ascii_envelope(sender: str, recipients: Iterable[str]) -> bool:
-    """Whether every address of an envelope is ASCII (RFC 6531: otherwise
-    the message can only travel with SMTPUTF8)."""
+    """Whether every address of an envelope is ASCII.
+
+    RFC 6531: otherwise the message can only travel with SMTPUTF8.
+    """
     return sender.isascii() and all(r.isascii() for r in recipients)
 
 
@@ -162,8 +165,11 @@ class Reply:
         return " ".join(parts)
 
     def describe(self) -> str:
-        """The reply for a person: "host mx.example.com said: 550 5.1.1 ..."
-        when a server gave it, else what Sluice said."""
+        """The reply for a person.
+
+        "host mx.example.com said: 550 5.1.1 ..." when a server gave it,
+        else what Sluice said.
+        """
         return f"host {self.remote_mta} said: {self}" if self.remote_mta else str(self)
 
     def to_record(self) -> list[object]:
@@ -175,8 +181,11 @@ class Reply:
 
     @classmethod
     def from_record(cls, record: Sequence[Any]) -> Reply:
-        """The reply of to_record(); a three-item record (written before
-        Sluice kept who and when) reads as a reply Sluice made, at no time."""
+        """The reply of to_record().
+
+        A three-item record (written before Sluice kept who and when) reads
+        as a reply Sluice made, at no time.
+        """
         mta = record[3] if len(record) > 3 else ""
         at = record[4] if len(record) > 4 else None
         return cls(int(record[0]), record[1] or "", record[2] or "", mta or "",
@@ -184,10 +193,12 @@ class Reply:
 
     @property
     def is_permanent(self) -> bool:
+        """A 5xx reply."""
         return 500 <= self.code <= 599
 
     @property
     def is_transient(self) -> bool:
+        """A 4xx reply."""
         return 400 <= self.code <= 499
 
 
@@ -216,6 +227,22 @@ Outcome = Delivered | TempFail | PermFail
 
 
 @dataclass(frozen=True, slots=True)
+class ClientSession:
+    """The SMTP session a message came in on, as its accounting lines carry it.
+
+    ``tls_protocol`` and ``tls_cipher`` are None without TLS; ``auth_user``
+    None without AUTH; ``helo`` is what the client said last (EHLO again
+    after STARTTLS).
+    """
+
+    client_ip: str
+    helo: str = ""
+    tls_protocol: str | None = None
+    tls_cipher: str | None = None
+    auth_user: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Submission:
     """What a client hands us with a message: envelope and queue fields.
 
@@ -228,6 +255,8 @@ class Submission:
     another: Accepted.spid is the one that counts.
     ``smtputf8``: the client asked for SMTPUTF8 on MAIL FROM (RFC 6531);
     kept with the message so that delivery knows it may carry UTF-8.
+    ``client``: the SMTP session it came in on (None from HTTP, sendmail
+    and NDRs); written on its ``received`` lines, not stored.
     """
 
     sender: str
@@ -242,6 +271,7 @@ class Submission:
     is_report: bool = False
     spid: str = ""
     smtputf8: bool = False
+    client: ClientSession | None = None
 
     def __post_init__(self) -> None:
         if not self.recipients:
@@ -254,8 +284,10 @@ class Submission:
             raise ValueError("delay_s must not be negative")
 
     def initial_state(self, now: float) -> tuple[QueueState, float]:
-        """The state and next_attempt_at its entries start with when queued at
-        ``now`` (every store flavour, and the accounting of a submission)."""
+        """The state and next_attempt_at its entries start with when queued at ``now``.
+
+        The same for every store flavour, and for the accounting of a submission.
+        """
         if self.hold:
             return QueueState.HOLD, now
         if self.delay_s > 0:
@@ -310,6 +342,7 @@ class QueueEntry:
 
     @property
     def qid(self) -> str:
+        """The queue id: SPID-index."""
         return format_qid(self.spid, self.idx)
 
 
@@ -340,6 +373,7 @@ class Selector:
 
     @property
     def is_empty(self) -> bool:
+        """No criterion given: the selector matches every entry."""
         return not (
             self.qids
             or self.states

@@ -32,7 +32,7 @@ STRATEGIES
     At least once.  Between queueing an NDR and removing the bounce entries
     a crash may leave both: the NDR is then sent twice, never lost.
 
-SEE ALSO
+See Also:
     sluice.store, sluice.retry, sluice.bounce, sluice.accounting
 """
 
@@ -123,6 +123,7 @@ class Queue:
 
     @classmethod
     def open(cls, config: Config, clock: Callable[[], float] = time.time) -> Queue:
+        """The configured store flavour and accounting log, as a Queue."""
         make_directories(config)  # a bad path is a ConfigError naming its key
         store = open_store(config)
         acct = AccountingLog(config.accounting.path, config.accounting.rotate,
@@ -130,6 +131,7 @@ class Queue:
         return cls(config, store, acct, clock)
 
     def close(self) -> None:
+        """Close the store and the accounting log."""
         self.store.close()
         if self.accounting is not None:
             self.accounting.close()
@@ -184,7 +186,7 @@ class Queue:
                 return
             accepted = done.result()
             self._log(
-                (self._event(EventKind.RECEIVED, e, now)
+                (self._event(EventKind.RECEIVED, e, now, client=submission.client)
                  for e in self.entries_of(submission, accepted, now)),
                 now,
             )
@@ -195,6 +197,7 @@ class Queue:
     # -- the queue manager's side ------------------------------------------------------
 
     def claim(self, limit: int) -> list[QueueEntry]:
+        """Up to ``limit`` due entries for the active queue (store.claim)."""
         return self.store.claim(limit, self.clock(), self.config.queue.quota_deferred)
 
     def mark_delivering(self, entries: Sequence[QueueEntry]) -> None:
@@ -205,7 +208,8 @@ class Queue:
         (see recover()).  The queue manager waits for it in a thread,
         before the message's first byte goes out: after a crash of the
         process (not of the machine) the mark is always there for an
-        attempt that may have delivered."""
+        attempt that may have delivered.
+        """
         self.store.apply(
             [Transition(e.qid, QueueState.DELIVERING, expect=(QueueState.ACTIVE,))
              for e in entries],
@@ -244,8 +248,10 @@ class Queue:
     def record(
         self, results: Sequence[AttemptResult]
     ) -> list[tuple[AttemptResult, QueueState | None]]:
-        """Apply attempt outcomes; returns each result with the state it led to
-        (None: gone), for the results that applied."""
+        """Apply attempt outcomes.
+
+        Returns each result that applied with the state it led to (None: gone).
+        """
         now = self.clock()
         transitions: list[Transition] = []
         planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]] = []
@@ -419,7 +425,8 @@ class Queue:
         have the message) are logged as "recovered" with the reply
         IN_FLIGHT_REPLY, "in flight at crash, may be a duplicate".  Not
         for PostgreSQL, whose queue other nodes share: their attempts are
-        in flight too, and its entries do not say whose they are."""
+        in flight too, and its entries do not say whose they are.
+        """
         now = self.clock()
         in_flight: list[QueueEntry] = []
         if self.store.flavour != "postgres":

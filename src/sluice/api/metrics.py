@@ -10,7 +10,8 @@ DESCRIPTION
 
     the accounting log   every transition of every recipient, written by
                          every process of this node (the receiving
-                         processes too).  AccountingTail reads what was
+                         processes too), and the end of every SMTP
+                         connection (sluice.api.metrics_smtpd).  AccountingTail reads what was
                          appended since the last poll and counts
                          accepted (received), delivered, deferred and
                          bounced (bounced, expired) recipients by domain
@@ -78,6 +79,7 @@ from prometheus_client import (
 from sluice.api.accounting_tail import AccountingTail
 from sluice.api.activity import Activity
 from sluice.api.metric_labels import CANDIDATES, NONE, OTHER, DomainLabels, LabelLimiter
+from sluice.api.metrics_smtpd import ReceivingCounters
 from sluice.api.metrics_snapshot import PartSample, Snapshot, SnapshotCollector
 from sluice.api.timed_store import STORE_OPS, TimedStore
 from sluice.config import Config
@@ -155,6 +157,7 @@ class Metrics:
                                      "Bytes of the messages queued, from the accounting log",
                                      registry=self.registry)
         self._accepted = [0, 0]  # messages, bytes since the last flush
+        self.smtpd = ReceivingCounters(self.registry)
         self.lines = Counter("sluice_accounting_lines_read",
                              "Accounting log lines read by the metrics tail",
                              registry=self.registry)
@@ -193,8 +196,13 @@ class Metrics:
 
         The Prometheus counters see it at the next flush().
         """
-        name = EVENT_NAMES.get(str(event.get("event")))
-        if name is None or (event.get("node") or self.node) != self.node:
+        if (event.get("node") or self.node) != self.node:
+            return
+        kind = str(event.get("event"))
+        if kind in ("received", "session"):
+            self.smtpd.observe(event)
+        name = EVENT_NAMES.get(kind)
+        if name is None:
             return
         domain = self.domains.label(str(event.get("domain") or ""))
         tenant = self.tenants.label(str(event.get("tenantid") or ""))
@@ -221,6 +229,7 @@ class Metrics:
         One increment per label set and poll, not one per line.
         """
         pending, self._pending = self._pending, {}
+        self.smtpd.flush()
         for (name, domain, tenant), n in pending.items():
             self.recipients.labels(name, domain, tenant).inc(n)
         if self._accepted[0]:

@@ -24,7 +24,7 @@ DESCRIPTION
     is no ASGI lifespan.  The queue's store is wrapped in a TimedStore for
     the store latency histogram while the server runs.
 
-SEE ALSO
+See Also:
     sluice.api.app, sluice.api.control, sluice.runtime.serve, docs/api.md
 """
 
@@ -190,10 +190,12 @@ class ApiServer:
             await asyncio.sleep(TAIL_INTERVAL_S)
 
     async def _sample_queue(self, now: float) -> None:
-        """The queue's size for the web page's chart (every 10 s).  SQLite and
-        the KV store keep these counts; PostgreSQL and the file store count
-        (as a /metrics scrape does).  A store that fails is logged here and
-        reported by the parts that need it."""
+        """The queue's size for the web page's chart (every 10 s).
+
+        SQLite and the KV store keep these counts; PostgreSQL and the file
+        store count (as a /metrics scrape does).  A store that fails is
+        logged here and reported by the parts that need it.
+        """
         try:
             counts = await asyncio.get_running_loop().run_in_executor(
                 self.control.pool, self.queue.store.count)

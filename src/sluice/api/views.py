@@ -13,7 +13,7 @@ DESCRIPTION
     telling first (the largest sub-queues, counters over their thresholds,
     dead destinations), with the total beside them.
 
-SEE ALSO
+See Also:
     sluice.api.control, sluice.scheduler (the views), sluice.api.metrics
 """
 
@@ -52,12 +52,14 @@ __all__ = ["Views", "route_model", "suspension_model"]
 
 
 def suspension_model(view: SuspensionView) -> SuspensionModel:
+    """A scheduler suspension as the API shows it."""
     return SuspensionModel(id=view.id, fields=dict(view.fields), automatic=view.automatic,
                            expires_at=view.expires_at, tag=view.tag, reason=view.reason,
                            waiting_subqueues=view.waiting_subqueues)
 
 
 def route_model(route: Route) -> RouteModel:
+    """A scheduler route as the API shows it."""
     return RouteModel(recipientdomain=route.recipientdomain, tenantid=route.tenantid,
                       jobid=route.jobid, transportid=route.transportid,
                       localip=list(route.localip), grouping=route.grouping,
@@ -73,6 +75,7 @@ class Views:
         self.c = control
 
     def stats(self) -> SchedulerStats:
+        """The scheduler's and the queue manager's counts now."""
         c = self.c
         now = c.clock()
         manager = c.manager
@@ -85,6 +88,7 @@ class Views:
                                                        from_attributes=True))
 
     def subqueues(self, limit: int) -> SubQueuePage:
+        """The ``limit`` largest sub-queues and how many there are."""
         views = self.c.scheduler.subqueues()
         top = sorted(views, key=lambda v: (-v.entries, -v.jobs))[:limit]
         return SubQueuePage(total=len(views), items=[
@@ -93,6 +97,7 @@ class Views:
             for v in top])
 
     def counters(self, limit: int, exceeded: bool) -> CounterPage:
+        """Pickup policy counter entries (only those over threshold if ``exceeded``)."""
         views = self.c.scheduler.counters(self.c.now())
         if exceeded:
             views = [v for v in views if v.exceeded]
@@ -106,12 +111,14 @@ class Views:
             CounterModel.model_validate({**asdict(v), "key": dict(v.key)}) for v in top])
 
     def destinations(self, limit: int) -> DestinationPage:
+        """Destinations, dead and busiest first, at most ``limit``."""
         views = self.c.scheduler.destinations(self.c.now())
         top = sorted(views, key=lambda v: (not v.dead, -v.queued_jobs, -v.inflight))[:limit]
         return DestinationPage(total=len(views),
                                items=[DestinationModel.model_validate(asdict(v)) for v in top])
 
     def suspensions(self, limit: int = 100) -> SuspensionList:
+        """Manual suspensions, and the ``limit`` automatic ones holding most."""
         views = self.c.scheduler.suspensions(self.c.now())
         automatic = sorted((v for v in views if v.automatic), key=lambda v: -v.waiting_subqueues)
         return SuspensionList(
@@ -120,12 +127,14 @@ class Views:
             automatic_total=len(automatic))
 
     def policy(self) -> PolicyModel:
+        """The pickup policy in force and where it came from."""
         policy: Policy = self.c.scheduler.policy
         return PolicyModel(source=policy.source, path=self.c.manager.policy_path,
                            suspensions_file=self.c.config.scheduler.suspensions,
                            policy=policy.to_data())
 
     def throughput(self) -> Throughput:
+        """Rates over 10 s and 1 min, and the last 5 minutes' samples."""
         m = self.c.metrics
         samples = list(m.samples)
         names = ("accepted", "delivered", "deferred", "bounced")

@@ -43,7 +43,7 @@ STRATEGIES
     traceback, so a client cannot flood the log; an error of ours is
     logged with its traceback and answered 451 4.3.0.
 
-SEE ALSO
+See Also:
     sluice.smtpd.protocol, sluice.smtpd.inbox, sluice.smtpd.envelope,
     sluice.smtpd.policy, RFC 5321, RFC 1870, RFC 2920, RFC 3207, RFC 4954, RFC 6531
 """
@@ -81,6 +81,7 @@ from sluice.smtpd.protocol import (
 )
 from sluice.smtpd.settings import Registry, Settings
 from sluice.smtpd.submission import Peer, finish_message, log_suppressed
+from sluice.smtpd.tally import SessionTally
 
 __all__ = ["CLIENT_CAUSED", "MAX_AUTH_FAILURES", "MAX_UNKNOWN_COMMANDS", "SmtpSession"]
 
@@ -133,20 +134,25 @@ class SmtpSession(Connection):
         self._admitted = False
         self._idle = False
         self._closing = False
+        self._tally = SessionTally("", 0.0)  # what the connection did (sluice.smtpd.tally)
 
     # -- connection life (asyncio.Protocol) -------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Admit the client (greeting, command loop) or refuse it with one reply."""
         wire = cast(asyncio.Transport, transport)
         peer = wire.get_extra_info("peername")
         ip = normalise_ip(str(peer[0])) if peer else "unknown"
         self._ip, self._port = ip, int(peer[1]) if peer else 0
+        self._tally = SessionTally(ip, self._settings.queue.clock())
         registry = self._registry
         refusal = SHUTTING_DOWN if registry.closing else self._policy.admit(
             registry.per_ip.get(ip, 0), len(registry.sessions))
         if refusal is not None:
             registry.bump("connections_refused")
             log.info("refused connection from %s: %s", ip, refusal)
+            self._tally.replied(refusal)
+            self._tally.write(self._settings.queue, "", None, 0)
             wire.write(f"{refusal.code} {refusal.enhanced} {self._settings.hostname} "
                        f"{refusal.text}\r\n".encode("ascii"))
             wire.close()
@@ -161,6 +167,7 @@ class SmtpSession(Connection):
         registry.own(self._loop.create_task(self._run()))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """The connection is gone: wake the command loop, leave the registry."""
         super().connection_lost(exc)
         if self._admitted:
             self._registry.leave(self, self._ip)
@@ -185,6 +192,7 @@ class SmtpSession(Connection):
         transport = self._transport
         if transport is not None and not transport.is_closing():
             self._flush()
+            self._tally.replied(reply)
             transport.write(render(reply, self._esmtp))
         self._hang_up()
         # Done from our side.  A TLS transport is lost only after the client
@@ -204,6 +212,8 @@ class SmtpSession(Connection):
         await self._drain()
 
     async def reply(self, reply: Reply) -> None:
+        """Send the reply to the current command (counted if it refuses)."""
+        self._tally.replied(reply)
         await self._send(render(reply, self._esmtp))
 
     # -- the command loop -----------------------------------------------------------------
@@ -223,6 +233,8 @@ class SmtpSession(Connection):
             self._flush()
             if self._transport is not None:
                 self._transport.close()
+            self._tally.write(self._settings.queue, self._helo, self._auth_user,
+                              self._auth_failures)
 
     async def _serve(self) -> None:
         inbox = self._inbox
@@ -347,12 +359,14 @@ class SmtpSession(Connection):
             secure = await self._loop.start_tls(transport, self, context, server_side=True,
                                                 ssl_handshake_timeout=self._timeout_s)
         except (OSError, ssl.SSLError, TimeoutError, EOFError) as exc:
-            log.info("%s: TLS handshake failed: %s: %s", self._ip, type(exc).__name__, exc)
+            secure, failure = None, exc
+        else:  # None: the connection went away during the handshake
+            failure = ConnectionResetError()
+        if secure is None:
+            log.info("%s: TLS handshake failed: %s", self._ip, self._tally.tls_failed(failure))
             transport.close()
             return Outcome.REFUSED
-        if secure is None:  # the connection went away during the handshake
-            transport.close()
-            return Outcome.REFUSED
+        self._tally.tls_up(secure.get_extra_info("ssl_object"))
         self._transport = secure
         self._tls = True
         self._esmtp = False  # RFC 3207 4.2: forget what the client said before
@@ -534,7 +548,7 @@ class SmtpSession(Connection):
         try:
             self._flush()  # earlier replies need not wait for the hook and the disk
             peer = Peer(self._ip, self._port, self._helo, self._esmtp, self._tls,
-                        self._auth_user)
+                        self._auth_user, self._tally.client(self._helo, self._auth_user))
             answer = await finish_message(self._settings, self._registry, peer, txn, buf)
         finally:
             buf.close()
