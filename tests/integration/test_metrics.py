@@ -102,6 +102,10 @@ def test_metrics_count_what_happened_with_bounded_labels(tmp_path: Path) -> None
     assert total(m, "sluice_up") == 1
     assert total(m, "sluice_queue_recipients", state="hold") == 2
     assert total(m, "sluice_queue_messages") == 1
+    # The held message is the oldest (and only) entry; every state has a series.
+    oldest = {lab["state"]: v for lab, v in m["sluice_queue_oldest_age_seconds"]}
+    assert set(oldest) == {"incoming", "deferred", "active", "delivering", "bounce", "hold"}
+    assert 0 < oldest["hold"] < 120 and oldest["incoming"] == 0
     assert total(m, "sluice_suspensions", kind="manual") == 1
     assert total(m, "sluice_delivery_connections_opened_total") >= 1
     assert ("sluice_delivery_connections" in m

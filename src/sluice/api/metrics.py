@@ -83,6 +83,7 @@ from sluice.api.metrics_smtpd import ReceivingCounters
 from sluice.api.metrics_snapshot import PartSample, Snapshot, SnapshotCollector
 from sluice.api.timed_store import STORE_OPS, TimedStore
 from sluice.config import Config
+from sluice.model import QueueState
 from sluice.store import Counts
 
 __all__ = [
@@ -173,8 +174,10 @@ class Metrics:
         #: The last hour by second, destination and deferral reason (the web page's charts).
         self.activity = Activity()
         self._polled_at = time.time()
-        #: The store's counts of the last scrape: (when, counts), kept a second.
-        self.counts_cache: tuple[float, Counts | None] | None = None
+        #: The store's counts and oldest entry per state of the last scrape:
+        #: (when, counts, oldest), kept a second.
+        self.counts_cache: tuple[float, Counts | None, dict[QueueState, float] | None] | None \
+            = None
         self._pending: dict[tuple[str, str, str], int] = {}
         self._lines = 0
 

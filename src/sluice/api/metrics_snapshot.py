@@ -62,6 +62,7 @@ class Snapshot:
     parts: list[PartSample] = field(default_factory=list)
     cluster: Any = None  # sluice.cluster.agent.ClusterStatus, in a cluster
     tenants: Any = None  # list of sluice.scheduler.TenantView
+    oldest: dict[QueueState, float] | None = None  # arrival of the oldest entry per state
 
 
 class SnapshotCollector(Collector):
@@ -90,6 +91,14 @@ class SnapshotCollector(Collector):
             yield g
             g = GaugeMetricFamily("sluice_queue_messages", "Messages in the queue")
             g.add_metric([], float(snap.counts.messages))
+            yield g
+        if snap.oldest is not None:
+            g = GaugeMetricFamily("sluice_queue_oldest_age_seconds",
+                                  "Age of the oldest recipient entry in each state "
+                                  "(0: the state is empty)", labels=["state"])
+            for state in QueueState:
+                at = snap.oldest.get(state)
+                g.add_metric([state.value], 0.0 if at is None else max(0.0, snap.at - at))
             yield g
         s = snap.scheduler
         for name, text, value in (

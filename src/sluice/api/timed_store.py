@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from sluice.model import Accepted, QueueEntry, Reply, Selector, Submission
+from sluice.model import Accepted, QueueEntry, QueueState, Reply, Selector, Submission
 from sluice.spool import Content
 from sluice.store import Action, Change, Counts, Store, Transition
 
@@ -100,6 +100,10 @@ class TimedStore:
     def due_at(self) -> float | None:
         """When the next entry is due (not timed)."""
         return self.inner.due_at()
+
+    def oldest(self) -> dict[QueueState, float]:
+        """The arrival of the oldest entry per state (not timed)."""
+        return self.inner.oldest()
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:

@@ -101,6 +101,7 @@ from sluice.model import (
     IN_FLIGHT_STATES,
     Accepted,
     QueueEntry,
+    QueueState,
     Reply,
     Selector,
     Submission,
@@ -175,6 +176,8 @@ CREATE TABLE IF NOT EXISTS sluice_queue (
 CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
 CREATE INDEX IF NOT EXISTS sluice_queue_domain ON sluice_queue (domain);
 CREATE INDEX IF NOT EXISTS sluice_queue_tenant ON sluice_queue (tenantid, jobid);
+CREATE INDEX IF NOT EXISTS sluice_queue_tenant_key ON sluice_queue (tenantid, spid, idx);
+CREATE INDEX IF NOT EXISTS sluice_queue_state_key ON sluice_queue (state, spid, idx);
 CREATE INDEX IF NOT EXISTS sluice_queue_owner ON sluice_queue (owner) WHERE owner IS NOT NULL;
 CREATE TABLE IF NOT EXISTS sluice_content (
     spid       text COLLATE "C" NOT NULL,
@@ -751,6 +754,9 @@ class PgStore:
 
     def due_at(self) -> float | None:
         return self._sql.due_at()
+
+    def oldest(self) -> dict[QueueState, float]:
+        return self._sql.oldest()
 
     # -- operator side ------------------------------------------------------------------
 
