@@ -49,7 +49,7 @@ STRATEGIES
     failures are not cached again: classify_masked() is a broadcast join
     on the cached rows.
 
-SEE ALSO
+See Also:
     sluice.cli.analytics_cmds, docs/analytics.md
 """
 
@@ -127,6 +127,8 @@ def _no_step(_: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
+    """What a job wrote (table -> path), its headline counts and how long it took."""
+
     job: str
     outputs: dict[str, str] = field(default_factory=dict)
     counts: dict[str, Any] = field(default_factory=dict)
@@ -150,6 +152,7 @@ def open_source(
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> Source:
+    """The events of ``inputs`` between ``since`` and ``until``, read once."""
     paths = expand_inputs(inputs)
     events = read_events(spark, paths).transform(between, since=since, until=until)
     return Source(paths, events, until)
@@ -361,6 +364,7 @@ def run_maillog(
     until: datetime | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """`sluice analytics maillog`: a Postfix or Sluice mail log as accounting events."""
     started = time.monotonic()
     step("maillog: parsing")
     lines = read_lines(spark, expand_inputs(inputs))
@@ -476,6 +480,7 @@ def run_report(
     html: bool = True,
     step: Step = _no_step,
 ) -> JobResult:
+    """`sluice analytics report` on its own (run_jobs reads the input once for several)."""
     return run_jobs(spark, inputs, output, ["report"], since=since, until=until, step=step,
                     options={"report": {"top": top, "html": html}})[0]
 
@@ -489,6 +494,7 @@ def run_bounces(
     until: datetime | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """`sluice analytics bounces` on its own."""
     return run_jobs(spark, inputs, output, ["bounces"], since=since, until=until,
                     step=step)[0]
 
@@ -507,6 +513,7 @@ def run_suppress(
     now: float | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """`sluice analytics suppress` on its own."""
     options = {"list_path": list_path, "soft_count": soft_count, "soft_days": soft_days,
                "soft_ttl_days": soft_ttl_days, "now": now}
     return run_jobs(spark, inputs, output, ["suppress"], since=since, until=until, step=step,
@@ -523,5 +530,6 @@ def run_shape(
     until: datetime | None = None,
     step: Step = _no_step,
 ) -> JobResult:
+    """`sluice analytics shape` on its own."""
     return run_jobs(spark, inputs, output, ["shape"], since=since, until=until, step=step,
                     options={"shape": {"policy_path": policy_path}})[0]

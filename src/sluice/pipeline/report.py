@@ -41,7 +41,7 @@ STRATEGIES
 INVARIANTS
     Counts at every level add up to the total level, for every measure.
 
-SEE ALSO
+See Also:
     sluice.pipeline.rules (masking), sluice.pipeline.html (the HTML page)
 """
 
@@ -92,6 +92,8 @@ PERCENTILE_ACCURACY = 1000
 
 
 class Level(StrEnum):
+    """The levels of detail outcomes() gives at once."""
+
     HOURLY = "hourly"  # every dimension and the hour
     HOUR = "hour"  # per hour, all destinations
     DOMAIN = "domain"  # per recipient domain, all hours
@@ -184,9 +186,11 @@ def level(outcome_rows: DataFrame, which: Level) -> DataFrame:
 
 
 def largest_domains(by_domain: DataFrame, n: int) -> DataFrame:
-    """The ``n`` largest domains of the domain level by attempts, and the ``n``
-    largest by deliveries: all the HTML report's charts draw (at most 2n rows,
-    however many domains there are)."""
+    """The ``n`` largest domains by attempts and the ``n`` largest by deliveries.
+
+    All the HTML report's charts draw: at most 2n rows of the domain level,
+    however many domains there are.
+    """
     attempts = F.col("delivered") + F.col("deferred") + F.col("bounced") + F.col("expired")
     by_attempts = by_domain.orderBy(attempts.desc(), "domain").limit(n)
     by_delivered = by_domain.orderBy(F.col("delivered").desc(), "domain").limit(n)

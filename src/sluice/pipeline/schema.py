@@ -12,7 +12,7 @@ DESCRIPTION
     (sluice.accounting.EVENT_FIELDS) breaks a test rather than a report.
     The column order of EVENT_SCHEMA is the order of EVENT_FIELDS.
 
-SEE ALSO
+See Also:
     sluice.accounting, docs/accounting.md, docs/analytics.md
 """
 

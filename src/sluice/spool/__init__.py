@@ -35,8 +35,11 @@ __all__ = ["Content", "Spool", "SpoolFile", "SpoolIOError", "iter_chunks", "new_
 
 
 class SpoolIOError(OSError):
-    """Writing the spool failed (full disk, I/O error) -- as opposed to an
-    error raised by the content source, which passes through unchanged."""
+    """Writing the spool failed (full disk, I/O error).
+
+    As opposed to an error raised by the content source, which passes
+    through unchanged.
+    """
 
 #: What a submitter may hand over: the whole content, pieces of it, or a
 #: binary file to be read in ``bufsize`` pieces.
@@ -72,9 +75,11 @@ def spid_time(spid: str) -> float:
 
 
 def spid_candidates(wanted: str = "", tries: int = 100) -> Iterator[str]:
-    """SPIDs to try in turn for a new message, ``tries`` in all: ``wanted``
-    first when the caller drew one (Submission.spid), then fresh ones.  A
-    store takes the first that is free."""
+    """SPIDs to try in turn for a new message, ``tries`` in all.
+
+    ``wanted`` first when the caller drew one (Submission.spid), then fresh
+    ones.  A store takes the first that is free.
+    """
     for attempt in range(tries):
         yield wanted if wanted and attempt == 0 else new_spid()
 
@@ -121,8 +126,10 @@ class Spool(Protocol):
     """Where message content lives (filesystem, or a key-value store)."""
 
     def write(self, content: Content, spid: str = "") -> SpoolFile:
-        """Stream ``content`` under ``spid`` if given and free, else under a
-        new SPID; not durable until sync()."""
+        """Stream ``content`` under ``spid`` if given and free, else under a new SPID.
+
+        Not durable until sync().
+        """
         ...
 
     def sync(self, files: Sequence[SpoolFile]) -> None:
@@ -141,7 +148,9 @@ class Spool(Protocol):
         """Remove the content; a missing file is not an error."""
         ...
 
-    def exists(self, spid: str) -> bool: ...
+    def exists(self, spid: str) -> bool:
+        """Whether content is stored under ``spid``."""
+        ...
 
     def spids(self) -> Iterator[tuple[str, float]]:
         """Every SPID in the spool with its modification time."""

@@ -97,6 +97,7 @@ class Counts:
 
     @property
     def recipients(self) -> int:
+        """Recipient entries in every state."""
         return sum(self.by_state.values())
 
     def __getitem__(self, state: QueueState) -> int:
@@ -158,7 +159,8 @@ class Store(Protocol):
         otherwise redo -- never for operator actions or NDR bookkeeping.  A
         flavour may then return before the change is flushed, but must not
         delete content the change frees until it is.  Flavours that gain
-        nothing from it treat it as durable."""
+        nothing from it treat it as durable.
+        """
         ...
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
@@ -173,14 +175,19 @@ class Store(Protocol):
         ...
 
     def recover(self, now: float) -> int:
-        """After a restart: entries left active/delivering by this node become
-        due deferred; orphaned spool files are removed.  Returns the count."""
+        """After a restart: return this node's in-flight entries to the queue.
+
+        Entries left active/delivering by this node become due deferred;
+        orphaned spool files are removed.  Returns the count.
+        """
         ...
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float,
                 limit: int = 10000) -> list[QueueEntry]:
-        """Deferred entries that arrived before the cutoff (reports: before
-        ``reports_cutoff_at``)."""
+        """Deferred entries that arrived before the cutoff.
+
+        Reports (NDRs): before ``reports_cutoff_at``.
+        """
         ...
 
     def due_at(self) -> float | None:
@@ -209,14 +216,18 @@ class Store(Protocol):
 
     # -- reading -----------------------------------------------------------------
 
-    def get(self, qid: str) -> QueueEntry | None: ...
+    def get(self, qid: str) -> QueueEntry | None:
+        """One entry by its full queue id (SPID-index), or None."""
+        ...
 
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
         """Entries in queue-id order (i.e. arrival order), after cursor ``after``."""
         ...
 
-    def count(self, selector: Selector | None = None) -> Counts: ...
+    def count(self, selector: Selector | None = None) -> Counts:
+        """Entries by state and messages, of the selection or the whole queue."""
+        ...
 
     def shape(self, selector: Selector, now: float,
               edges_s: Sequence[float]) -> dict[str, list[int]]:
@@ -227,9 +238,13 @@ class Store(Protocol):
         """
         ...
 
-    def open_content(self, spid: str) -> IO[bytes]: ...
+    def open_content(self, spid: str) -> IO[bytes]:
+        """A message's content, to read."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release files, connections and threads."""
+        ...
 
 
 def open_store(config: Config) -> Store:

@@ -13,7 +13,7 @@ DESCRIPTION
     directory, the recipient count is in the name); selections by sender,
     tenant, job or transport, qshape and expiry read the files.
 
-SEE ALSO
+See Also:
     sluice.store.fs, sluice.store._fs_files
 """
 

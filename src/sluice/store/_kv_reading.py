@@ -12,7 +12,7 @@ DESCRIPTION
     recipients; one by transport iterates the zone; anything else scans
     the rcpt keys in queue-id order.
 
-SEE ALSO
+See Also:
     sluice.store.kv, sluice.store._kv_keys
 """
 

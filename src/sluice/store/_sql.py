@@ -1,6 +1,7 @@
-"""What the two SQL flavours (sqlite, postgres) share: the queue table's
-columns, row mapping, selectors as WHERE clauses, and the statements that
-read and change the queue the same way in both.
+"""What the two SQL flavours (sqlite, postgres) share.
+
+The queue table's columns, row mapping, selectors as WHERE clauses, and the
+statements that read and change the queue the same way in both.
 
 SUMMARY
     COLUMNS, entry(row), queue_rows(submission, ...), Dialect,
@@ -38,7 +39,7 @@ DESCRIPTION
     written before keep working), and refuses a newer one, rolling back
     the whole open: this code would misread tables it does not know.
 
-SEE ALSO
+See Also:
     sluice.store.sqlite, sluice.store.postgres, sluice.store (the interface).
 """
 
@@ -106,9 +107,11 @@ def entry(row: Sequence[Any]) -> QueueEntry:
 
 
 def reply_columns(reply: Reply) -> tuple[Any, ...]:
-    """The values of last_code, last_enhanced, last_text, last_mta and
-    last_attempt_at for ``reply``; last_mta is '' (not NULL) for a reply
-    Sluice made, so that a reply always replaces the one before."""
+    """The values of last_code, last_enhanced, last_text, last_mta and last_attempt_at.
+
+    last_mta is '' (not NULL) for a reply Sluice made, so that a reply
+    always replaces the one before.
+    """
     return (reply.code, reply.enhanced, reply.text, reply.remote_mta, reply.attempt_at)
 
 
@@ -135,13 +138,11 @@ class Dialect(ABC):
 
     @abstractmethod
     def one_of(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
-        """A condition that ``column`` is one of ``values`` (not empty), and its
-        parameters."""
+        """A condition that ``column`` is one of ``values`` (not empty), and its parameters."""
 
     @abstractmethod
     def keys_in(self, spids: list[str], idxs: list[int]) -> tuple[str, list[Any]]:
-        """A condition that (spid, idx) is one of the pairs (not empty), and its
-        parameters."""
+        """A condition that (spid, idx) is one of the pairs (not empty), and its parameters."""
 
     @abstractmethod
     def equal_nocase(self, column: str) -> str:
@@ -150,8 +151,11 @@ class Dialect(ABC):
     @abstractmethod
     def change_rows(self, conn: Conn, head: str, params: Sequence[Any],
                     rows: Sequence[Sequence[Any]]) -> None:
-        """Run the UPDATE or DELETE ``head`` (all but its WHERE), with ``params``,
-        on the rows whose spid and idx are ``row[0]`` and ``row[1]``."""
+        """Run the UPDATE or DELETE ``head`` (all but its WHERE) on some rows.
+
+        With ``params``, on the rows whose spid and idx are ``row[0]`` and
+        ``row[1]``.
+        """
 
     @abstractmethod
     def executemany(self, conn: Conn, sql: str, params: Sequence[Sequence[Any]]) -> None:
@@ -355,9 +359,11 @@ class SqlQueue:
 
     def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str,
               per_domain: int = 0) -> tuple[list[QueueEntry], bool]:
-        """Store.claim's selection and marking, on the write connection; and
-        whether ``per_domain`` (the most entries of one recipient domain
-        ``node`` may hold claimed; 0: no cap) left candidates behind."""
+        """Store.claim's selection and marking, on the write connection.
+
+        Also whether ``per_domain`` (the most entries of one recipient
+        domain ``node`` may hold claimed; 0: no cap) left candidates behind.
+        """
         incoming = self._pick(conn, QueueState.INCOMING, False, limit, now)
         deferred = self._pick(conn, QueueState.DEFERRED, True, limit, now)
         take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
@@ -398,10 +404,12 @@ class SqlQueue:
     def modifier(self, selector: Selector, action: Action, now: float,
                  priority: int | None = None, reply: Reply | None = None
                  ) -> Callable[[Conn, Callable[[set[str]], None]], list[QueueEntry]]:
-        """Store.modify as ``work(conn, deleted)`` for the write connection,
-        which calls ``deleted(spids)`` with the messages that lost rows.
+        """Store.modify as ``work(conn, deleted)`` for the write connection.
 
-        Checked and prepared here, in the caller's thread."""
+        ``work`` calls ``deleted(spids)`` with the messages that lost rows.
+
+        Checked and prepared here, in the caller's thread.
+        """
         change = OperatorChange(action, now, priority, reply)
         d = self.dialect
         p, q = d.p, d.queue
@@ -478,8 +486,10 @@ def queue_rows(submission: Submission, spid: str, size: int, now: float
 
 
 def operator_set(change: OperatorChange, p: str) -> tuple[str, tuple[Any, ...]]:
-    """The SET list of the UPDATE an operator action makes, and its parameters,
-    derived from the action's EFFECTS (sluice.store._actions)."""
+    """The SET list of the UPDATE an operator action makes, and its parameters.
+
+    Derived from the action's EFFECTS (sluice.store._actions).
+    """
     fields = EFFECTS[change.action]
     if fields is None:
         raise ValueError(f"{change.action} is not an UPDATE")
