@@ -11,8 +11,10 @@ t0..t6), then times one page of 50 as GET /api/v1/queue/entries reads it
 the first page and after a cursor 90 % of the way through the queue.  The
 deep page is what keyset paging is for: with OFFSET it would cost the rows
 skipped.  On SQLite the same page is also read with LIMIT/OFFSET, the peer,
-interleaved with the keyset read.  Medians of 7, in milliseconds; the
-machine's load is printed beside each line.
+interleaved with the keyset read.  The recipients of d3 (1 in 50) are put on
+hold first, so that a state other than incoming is spread over the queue.
+Medians of 7, in milliseconds; the machine's load is printed beside each
+line, and the oldest entry per state (Store.oldest) is timed at the end.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from store_bench import fill, open_fresh  # noqa: E402
 
 from sluice.model import QueueState, Selector  # noqa: E402
-from sluice.store import Store  # noqa: E402
+from sluice.store import Action, Store  # noqa: E402
 
 PAGE = 50
 RUNS = 7
@@ -82,6 +84,10 @@ def main() -> None:
     t0 = time.monotonic()
     fill(store, args.messages, args.rcpts)
     print(f"filled in {time.monotonic() - t0:.0f} s (load {load()})", flush=True)
+    # A state other than incoming, spread over the whole queue: d3's recipients held.
+    t0 = time.monotonic()
+    store.modify(Selector(domain="d3.example"), Action.HOLD, time.time())
+    print(f"held d3 in {time.monotonic() - t0:.1f} s", flush=True)
 
     cases = [
         ("everything", Selector(), ("1 = 1", [])),
@@ -91,6 +97,9 @@ def main() -> None:
          ("recipient = ?", ["user3@d3.example"])),
         ("state incoming", Selector(states=(QueueState.INCOMING,)),
          ("state = ?", ["incoming"])),
+        ("state hold (1 in 50)", Selector(states=(QueueState.HOLD,)), ("state = ?", ["hold"])),
+        ("tenant t3 + state hold", Selector(tenantid="t3", states=(QueueState.HOLD,)),
+         ("tenantid = ? AND state = ?", ["t3", "hold"])),
     ]
     db = next(iter((base / "q").rglob("queue.db")), base / "q" / "queue.db")
     for name, selector, sql in cases:
@@ -115,6 +124,14 @@ def main() -> None:
             o = statistics.median(off)
             line += f"  OFFSET peer {o:8.2f} ms (x{o / statistics.median(deep):.1f})"
         print(f"{line}  load {load()}", flush=True)
+    times = []
+    for _ in range(RUNS if hasattr(store, "oldest") else 0):  # older code has none
+        t0 = time.perf_counter()
+        oldest = store.oldest()
+        times.append((time.perf_counter() - t0) * 1000)
+    if times:
+        print(f"oldest per state ({len(oldest)} states) {statistics.median(times):8.2f} ms"
+              f"  load {load()}", flush=True)
     store.close()
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)

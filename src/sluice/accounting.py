@@ -7,7 +7,10 @@ SUMMARY
 DESCRIPTION
     Every transition of a recipient entry -- received, deferred, delivered,
     bounced, expired, held, released, retried, deleted, ndr, discarded,
-    duplicate (a resend not queued again) -- appends one line.  The lines
+    duplicate (a resend not queued again) -- appends one line, and so does
+    the end of every SMTP connection (``session``: who, TLS, AUTH, what was
+    refused), so that the API process counts the receiving processes' work
+    from the same lines (sluice.api.metrics).  The lines
     are the input of the Spark pipeline (sluice.pipeline), so their fields
     are a contract: see EVENT_FIELDS and docs/accounting.md.  Absent
     values are JSON null, never missing keys.
@@ -37,9 +40,17 @@ from pathlib import Path
 from typing import Any
 
 from sluice.logs import publish
-from sluice.model import QueueEntry, Reply
+from sluice.model import ClientSession, QueueEntry, Reply
 
-__all__ = ["EVENT_FIELDS", "AccountingLog", "EventKind", "iso_time", "make_event"]
+__all__ = [
+    "EVENT_FIELDS",
+    "SESSION_FIELDS",
+    "AccountingLog",
+    "EventKind",
+    "iso_time",
+    "make_event",
+    "session_event",
+]
 
 
 class EventKind(StrEnum):
@@ -59,6 +70,17 @@ class EventKind(StrEnum):
     SUPPRESSED = "suppressed"  # refused or dropped by the suppression list
     RECOVERED = "recovered"  # returned to the queue after a restart
     DUPLICATE = "duplicate"  # a resend answered with the first queue id, not queued again
+    SESSION = "session"  # an SMTP connection ended (not a recipient: qid and spid null)
+
+
+#: The SMTP session's context, on ``received`` and ``session`` lines (else null).
+SESSION_FIELDS: tuple[str, ...] = (
+    "client_ip",  # the client's address
+    "helo",  # what it said in EHLO/HELO (the last one: again after STARTTLS)
+    "tls_protocol",  # e.g. TLSv1.3, or null without TLS
+    "tls_cipher",  # e.g. TLS_AES_256_GCM_SHA384
+    "auth_user",  # the AUTH user, or null
+)
 
 
 #: The contract with the pipeline: every line carries exactly these keys.
@@ -85,6 +107,10 @@ EVENT_FIELDS: tuple[str, ...] = (
     "size",  # message size in bytes
     "duration_s",  # duration of the delivery attempt, or null
     "is_report",  # true for NDRs
+    *SESSION_FIELDS,
+    "refused",  # session: replies 4xx/5xx sent, {"550": 2, ...}; else null
+    "auth_failures",  # session: failed AUTH attempts; else null
+    "tls_failure",  # session: why the TLS handshake failed; else null
 )
 
 
@@ -120,8 +146,12 @@ def make_event(
     remotemx: str | None = None,
     remoteip: str | None = None,
     duration_s: float | None = None,
+    client: ClientSession | None = None,
 ) -> dict[str, Any]:
-    """One accounting line for ``entry``, with every key of EVENT_FIELDS."""
+    """One accounting line for ``entry``, with every key of EVENT_FIELDS.
+
+    ``client``: the SMTP session a received message came in on.
+    """
     return {
         "time": iso_time(now),
         "event": str(kind),
@@ -145,7 +175,49 @@ def make_event(
         "size": entry.size,
         "duration_s": None if duration_s is None else round(duration_s, 4),
         "is_report": entry.is_report,
+        **_client_fields(client),
+        "refused": None,
+        "auth_failures": None,
+        "tls_failure": None,
     }
+
+
+def _client_fields(client: ClientSession | None) -> dict[str, Any]:
+    if client is None:
+        return dict.fromkeys(SESSION_FIELDS)
+    return {"client_ip": client.client_ip, "helo": client.helo or None,
+            "tls_protocol": client.tls_protocol, "tls_cipher": client.tls_cipher,
+            "auth_user": client.auth_user}
+
+
+def session_event(
+    client: ClientSession,
+    now: float,
+    *,
+    node: str = "",
+    started_at: float | None = None,
+    refused: Mapping[str, int] | None = None,
+    auth_failures: int = 0,
+    tls_failure: str | None = None,
+) -> dict[str, Any]:
+    """The line of an SMTP connection that ended, with every key of EVENT_FIELDS.
+
+    Args:
+        client: who it was and what the session had agreed (TLS, AUTH).
+        now: when it ended.
+        node: the node id.
+        started_at: when it began (``duration_s``), if known.
+        refused: replies 4xx/5xx sent, by basic code.
+        auth_failures: failed AUTH attempts.
+        tls_failure: why a TLS handshake failed, if one did.
+    """
+    event: dict[str, Any] = dict.fromkeys(EVENT_FIELDS)
+    event.update(
+        time=iso_time(now), event=str(EventKind.SESSION), node=node,
+        duration_s=None if started_at is None else round(max(0.0, now - started_at), 4),
+        is_report=False, refused=dict(refused or {}), auth_failures=auth_failures,
+        tls_failure=tls_failure, **_client_fields(client))
+    return event
 
 
 class AccountingLog:

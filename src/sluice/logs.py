@@ -134,6 +134,8 @@ def publish(events: Iterable[Mapping[str, Any]]) -> None:
     lines: list[str] = []
     for event in events:
         kind = str(event.get("event"))
+        if kind == "session":  # not mail: sluice.smtpd logged the connection's lines
+            continue
         if info or (warning and kind in _FAILURES):
             level = logging.WARNING if kind in _FAILURES else logging.INFO
             mail_log.log(level, "%s", describe(event), extra={"event": event})

@@ -33,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "Accepted",
+    "ClientSession",
     "Delivered",
     "Outcome",
     "PermFail",
@@ -226,6 +227,22 @@ Outcome = Delivered | TempFail | PermFail
 
 
 @dataclass(frozen=True, slots=True)
+class ClientSession:
+    """The SMTP session a message came in on, as its accounting lines carry it.
+
+    ``tls_protocol`` and ``tls_cipher`` are None without TLS; ``auth_user``
+    None without AUTH; ``helo`` is what the client said last (EHLO again
+    after STARTTLS).
+    """
+
+    client_ip: str
+    helo: str = ""
+    tls_protocol: str | None = None
+    tls_cipher: str | None = None
+    auth_user: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Submission:
     """What a client hands us with a message: envelope and queue fields.
 
@@ -238,6 +255,8 @@ class Submission:
     another: Accepted.spid is the one that counts.
     ``smtputf8``: the client asked for SMTPUTF8 on MAIL FROM (RFC 6531);
     kept with the message so that delivery knows it may carry UTF-8.
+    ``client``: the SMTP session it came in on (None from HTTP, sendmail
+    and NDRs); written on its ``received`` lines, not stored.
     """
 
     sender: str
@@ -252,6 +271,7 @@ class Submission:
     is_report: bool = False
     spid: str = ""
     smtputf8: bool = False
+    client: ClientSession | None = None
 
     def __post_init__(self) -> None:
         if not self.recipients:

@@ -186,7 +186,7 @@ class Queue:
                 return
             accepted = done.result()
             self._log(
-                (self._event(EventKind.RECEIVED, e, now)
+                (self._event(EventKind.RECEIVED, e, now, client=submission.client)
                  for e in self.entries_of(submission, accepted, now)),
                 now,
             )

@@ -76,7 +76,7 @@ def test_alert_rules_pass_promtool() -> None:
     check = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 6 rules found" in check.stdout
+    assert "SUCCESS: 7 rules found" in check.stdout
     unit = subprocess.run(["promtool", "test", "rules", "sluice-alerts-test.yml"],
                           cwd=RULES.parent, capture_output=True, text=True, timeout=60)
     assert unit.returncode == 0, unit.stdout + unit.stderr

@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.api.metrics import CANDIDATES, AccountingTail, DomainLabels, LabelLimiter
+from sluice.accounting import session_event
+from sluice.api.metrics import CANDIDATES, AccountingTail, DomainLabels, LabelLimiter, Metrics
+from sluice.model import ClientSession
 from sluice.sink import Behaviour
+from tests.conftest import make_config
 from tests.integration.serving import wait_until
 from tests.integration.test_api_support import ApiServer, api_server
 
@@ -99,6 +102,10 @@ def test_metrics_count_what_happened_with_bounded_labels(tmp_path: Path) -> None
     assert total(m, "sluice_up") == 1
     assert total(m, "sluice_queue_recipients", state="hold") == 2
     assert total(m, "sluice_queue_messages") == 1
+    # The held message is the oldest (and only) entry; every state has a series.
+    oldest = {lab["state"]: v for lab, v in m["sluice_queue_oldest_age_seconds"]}
+    assert set(oldest) == {"incoming", "deferred", "active", "delivering", "bounce", "hold"}
+    assert 0 < oldest["hold"] < 120 and oldest["incoming"] == 0
     assert total(m, "sluice_suspensions", kind="manual") == 1
     assert total(m, "sluice_delivery_connections_opened_total") >= 1
     assert ("sluice_delivery_connections" in m
@@ -192,3 +199,33 @@ def test_accounting_tail_reads_only_new_complete_lines(tmp_path: Path) -> None:
     assert json.loads(seen[-1])["event"] == "deferred" and len(seen) == 3
     old.unlink()  # pruned by the accounting log: forgotten, no error
     assert tail.poll(seen.append) == 0
+
+
+def test_session_lines_count_once_each_with_bounded_codes(tmp_path: Path) -> None:
+    metrics = Metrics(make_config(tmp_path))
+    me = metrics.node
+    tls = ClientSession("192.0.2.7", "c.test", "TLSv1.3", "TLS_AES_256_GCM_SHA384", "bob")
+    plain = ClientSession("192.0.2.8")
+    for event in (
+        session_event(tls, 10.0, node=me, started_at=9.0, refused={"535": 2, "554": 1},
+                      auth_failures=2),
+        session_event(plain, 11.0, node=me, refused={"299": 1, "x": 3, "451": 1},
+                      tls_failure="SSLError: unsupported protocol"),
+        session_event(plain, 11.0, node="another-node", auth_failures=5),
+    ):
+        metrics.observe(event)
+    metrics.flush()
+    m: Samples = defaultdict(list)
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            m[sample.name].append((dict(sample.labels), sample.value))
+    assert total(m, "sluice_smtpd_connections_total") == 2  # not the other node's
+    assert total(m, "sluice_smtpd_auth_failures_total") == 2
+    assert total(m, "sluice_smtpd_tls_sessions_total") == 1
+    assert total(m, "sluice_smtpd_tls_failures_total") == 1
+    refused = "sluice_smtpd_commands_refused_total"
+    assert total(m, refused, code="535") == 2 and total(m, refused, code="451") == 1
+    assert total(m, refused, code="other") == 4  # not a 4xx/5xx code: no label of its own
+    assert total(m, refused, code="550") == 0 and any(
+        lab["code"] == "550" for lab, _ in m[refused])  # present at zero
+    assert total(m, "sluice_recipients_total") == 0  # a session is no recipient

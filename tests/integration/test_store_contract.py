@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.spool import new_spid
 from sluice.store import ACTION_STATES, Action, StorageError, Store, Transition
 from sluice.store._actions import OperatorChange
 from tests.integration.stores import open_flavour
@@ -192,6 +193,25 @@ def test_due_at_is_the_earliest_deferred_time(store: Store) -> None:
     store.submit(sub(delay_s=200), body(2), T0)
     assert store.due_at() == T0 + 200
     assert a.spid
+
+
+def test_oldest_is_the_first_arrival_of_each_state(store: Store) -> None:
+    assert store.oldest() == {}
+
+    def at(x: int, **kw: object) -> None:
+        spid = new_spid(int((T0 + x) * 1000))  # the SPID says when, as a real one does
+        store.submit(sub(spid=spid, **kw), body(x), T0 + x)
+
+    at(0, delay_s=900)  # deferred, due last: the oldest is by arrival, not by due time
+    at(10, hold=True)
+    at(20, delay_s=100)
+    at(30)
+    at(40)
+    assert store.oldest() == pytest.approx({S.DEFERRED: T0, S.HOLD: T0 + 10,
+                                            S.INCOMING: T0 + 30})
+    assert [e.spid for e in store.claim(1, T0 + 50, 0)]
+    assert store.oldest() == pytest.approx({S.DEFERRED: T0, S.HOLD: T0 + 10,
+                                            S.ACTIVE: T0 + 30, S.INCOMING: T0 + 40})
 
 
 # -- outcomes ------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_one_read_gives_what_separate_runs_give(spark, tmp_path):
     run_suppress(spark, inputs, str(apart), now=0.0)
     run_shape(spark, inputs, str(apart))
     assert _tables(together) == _tables(apart)
-    assert len(_tables(together)) == 10
+    assert len(_tables(together)) == 11  # clients is the eleventh
     for name in _tables(together):
         assert_df_equal(spark.read.parquet(str(together / name)),
                         spark.read.parquet(str(apart / name)))

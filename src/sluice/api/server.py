@@ -44,8 +44,9 @@ from sluice.api.app import build_app
 from sluice.api.audit import AuditLog
 from sluice.api.auth import Tokens
 from sluice.api.control import Control
-from sluice.api.metrics import Metrics, TimedStore
+from sluice.api.metrics import Metrics
 from sluice.api.ports import Manager
+from sluice.api.timed_store import TimedStore
 from sluice.config import Config
 from sluice.queue import Queue
 from sluice.shaping.metrics import ShapingCollector

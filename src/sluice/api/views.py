@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from sluice.api.errors import ApiError
-from sluice.api.metrics import PartSample, Snapshot
+from sluice.api.metrics_snapshot import PartSample, Snapshot
 from sluice.api.models import (
     ActiveQueueStats,
     ConnectionStats,
@@ -157,11 +157,12 @@ class Views:
         now = c.clock()
         cached = c.metrics.counts_cache
         if cached is None or now - cached[0] > 1.0:
+            store = c.queue.store
             try:
-                counts = await c.io(c.queue.store.count)
+                counts, oldest = await c.io(lambda: (store.count(), store.oldest()))
             except ApiError:
-                counts = None
-            cached = c.metrics.counts_cache = (now, counts)
+                counts, oldest = None, None
+            cached = c.metrics.counts_cache = (now, counts, oldest)
         views = c.scheduler.suspensions(c.now())
         manual = sum(1 for v in views if not v.automatic)
         dead = sum(1 for d in c.scheduler.destinations(c.now()) if d.dead)
@@ -169,7 +170,7 @@ class Views:
         c.metrics.observe_tenants(tenants)
         parts = [PartSample(p.name, p.failing, p.failing_since_at, p.errors_total, p.storage)
                  for p in c.manager.parts()]
-        snap = Snapshot(at=now, counts=cached[1], scheduler=c.scheduler.stats(),
+        snap = Snapshot(at=now, counts=cached[1], oldest=cached[2], scheduler=c.scheduler.stats(),
                         manual_suspensions=manual, automatic_suspensions=len(views) - manual,
                         dead_destinations=dead, manager=c.manager.stats,
                         agent=c.manager.connections, parts=parts,

@@ -18,7 +18,8 @@ DESCRIPTION
 
     Outputs under OUTPUT:
       report    outcomes_hourly, outcomes_by_hour, outcomes_by_domain,
-                outcomes_total, reasons_top, reasons_by_domain
+                outcomes_total, reasons_top, reasons_by_domain,
+                clients (received mail and connections by SMTP client)
                 (.parquet/ and .csv/), report.html
       bounces   bounces (every classified failure, Parquet),
                 bounce_summary (.parquet/ and .csv/)
@@ -74,6 +75,7 @@ from sluice.pipeline.bounces import (
     classify_masked,
     with_masked_reply,
 )
+from sluice.pipeline.clients import CLIENT_COLUMNS, CLIENT_EVENTS, clients
 from sluice.pipeline.events import between
 from sluice.pipeline.extract import expand_inputs, read_events, read_lines
 from sluice.pipeline.html import ReportData, render_report
@@ -197,6 +199,8 @@ def report_job(
                 load.write_table(top_all, output, "reasons_top", single=True))
         _tables(written, "reasons_by_domain",
                 load.write_table(by_domain, output, "reasons_by_domain"))
+        step("report: clients")
+        _tables(written, "clients", load.write_table(clients(events), output, "clients"))
         totals_rows = load.rows(tables["outcomes_total"])
         totals = totals_rows[0] if totals_rows else {}
         if html:
@@ -409,14 +413,17 @@ def cached_events(events: DataFrame, names: Sequence[str]) -> DataFrame:
     """What run_jobs caches for ``names``: only the rows and columns they read.
 
     Kinds in WHOLE_EVENTS of a job keep every column; when the report runs,
-    other kinds keep OUTCOME_COLUMNS (the rest null), else they are left
-    out.  When a job classifies failures, MASKED_COLUMN is added.
+    other kinds keep OUTCOME_COLUMNS (received and session lines
+    CLIENT_COLUMNS too; the rest null), else they are left out.  When a
+    job classifies failures, MASKED_COLUMN is added.
     """
     whole = sorted({kind for name in names for kind in WHOLE_EVENTS[name]})
     keep = F.col("event").isin(*whole)
     if "report" in names:
+        client = keep | F.col("event").isin(*CLIENT_EVENTS)  # the clients table
         compact = events.select(*[
-            F.col(c) if c in OUTCOME_COLUMNS else F.when(keep, F.col(c)).alias(c)
+            F.col(c) if c in OUTCOME_COLUMNS
+            else F.when(client if c in CLIENT_COLUMNS else keep, F.col(c)).alias(c)
             for c in events.columns
         ])
     else:

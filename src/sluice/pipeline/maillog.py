@@ -272,6 +272,8 @@ def maillog_events(records: DataFrame) -> DataFrame:
         "duration_s": F.col("duration_s"),
         "is_report": sender == "",
     }
+    # What a mail log does not say (the SMTP session's context) is null.
     return everything.select(
-        *[values[f.name].cast(f.dataType).alias(f.name) for f in EVENT_SCHEMA.fields]
+        *[values.get(f.name, F.lit(None)).cast(f.dataType).alias(f.name)
+          for f in EVENT_SCHEMA.fields]
     )

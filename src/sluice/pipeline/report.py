@@ -106,7 +106,8 @@ def _count(kind: str) -> Column:
 def outcomes(events: DataFrame) -> DataFrame:
     """EVENT_SCHEMA -> level, hour, DIMENSIONS..., MEASURES (all four levels)."""
     delivered = F.col("event") == "delivered"
-    with_hour = events.select(
+    # A session line is a connection, not a recipient: no cell of its own.
+    with_hour = events.where(F.col("event") != "session").select(
         *[F.col(c) for c in OUTCOME_COLUMNS if c != "time"],
         F.date_trunc("hour", F.col("time")).alias("hour"),
     )

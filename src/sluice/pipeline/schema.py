@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from pyspark.sql.types import (
     BooleanType,
+    DataType,
     DoubleType,
     IntegerType,
     LongType,
+    MapType,
     StringType,
     StructField,
     StructType,
@@ -42,13 +44,15 @@ __all__ = [
 #: Where Spark's JSON reader puts a line it could not parse.
 CORRUPT_COLUMN = "_corrupt_record"
 
-_TYPES = {
+_TYPES: dict[str, DataType] = {
     "attempt": IntegerType(),
     "code": IntegerType(),
     "queue_age_s": DoubleType(),
     "size": LongType(),
     "duration_s": DoubleType(),
     "is_report": BooleanType(),
+    "refused": MapType(StringType(), LongType()),  # session lines: reply code -> count
+    "auth_failures": IntegerType(),
 }
 
 

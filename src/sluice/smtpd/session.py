@@ -81,6 +81,7 @@ from sluice.smtpd.protocol import (
 )
 from sluice.smtpd.settings import Registry, Settings
 from sluice.smtpd.submission import Peer, finish_message, log_suppressed
+from sluice.smtpd.tally import SessionTally
 
 __all__ = ["CLIENT_CAUSED", "MAX_AUTH_FAILURES", "MAX_UNKNOWN_COMMANDS", "SmtpSession"]
 
@@ -133,6 +134,7 @@ class SmtpSession(Connection):
         self._admitted = False
         self._idle = False
         self._closing = False
+        self._tally = SessionTally("", 0.0)  # what the connection did (sluice.smtpd.tally)
 
     # -- connection life (asyncio.Protocol) -------------------------------------------
 
@@ -145,12 +147,15 @@ class SmtpSession(Connection):
         peer = wire.get_extra_info("peername")
         ip = normalise_ip(str(peer[0])) if peer else "unknown"
         self._ip, self._port = ip, int(peer[1]) if peer else 0
+        self._tally = SessionTally(ip, self._settings.queue.clock())
         registry = self._registry
         refusal = SHUTTING_DOWN if registry.closing else self._policy.admit(
             registry.per_ip.get(ip, 0), len(registry.sessions))
         if refusal is not None:
             registry.bump("connections_refused")
             log.info("refused connection from %s: %s", ip, refusal)
+            self._tally.replied(refusal)
+            self._tally.write(self._settings.queue, "", None, 0)
             wire.write(f"{refusal.code} {refusal.enhanced} {self._settings.hostname} "
                        f"{refusal.text}\r\n".encode("ascii"))
             wire.close()
@@ -190,6 +195,7 @@ class SmtpSession(Connection):
         transport = self._transport
         if transport is not None and not transport.is_closing():
             self._flush()
+            self._tally.replied(reply)
             transport.write(render(reply, self._esmtp))
         self._hang_up()
         # Done from our side.  A TLS transport is lost only after the client
@@ -209,7 +215,8 @@ class SmtpSession(Connection):
         await self._drain()
 
     async def reply(self, reply: Reply) -> None:
-        """Send ``reply``, rendered for the session (ESMTP or not)."""
+        """Send the reply to the current command (counted if it refuses)."""
+        self._tally.replied(reply)
         await self._send(render(reply, self._esmtp))
 
     # -- the command loop -----------------------------------------------------------------
@@ -229,6 +236,8 @@ class SmtpSession(Connection):
             self._flush()
             if self._transport is not None:
                 self._transport.close()
+            self._tally.write(self._settings.queue, self._helo, self._auth_user,
+                              self._auth_failures)
 
     async def _serve(self) -> None:
         inbox = self._inbox
@@ -353,12 +362,14 @@ class SmtpSession(Connection):
             secure = await self._loop.start_tls(transport, self, context, server_side=True,
                                                 ssl_handshake_timeout=self._timeout_s)
         except (OSError, ssl.SSLError, TimeoutError, EOFError) as exc:
-            log.info("%s: TLS handshake failed: %s: %s", self._ip, type(exc).__name__, exc)
+            secure, failure = None, exc
+        else:  # None: the connection went away during the handshake
+            failure = ConnectionResetError()
+        if secure is None:
+            log.info("%s: TLS handshake failed: %s", self._ip, self._tally.tls_failed(failure))
             transport.close()
             return Outcome.REFUSED
-        if secure is None:  # the connection went away during the handshake
-            transport.close()
-            return Outcome.REFUSED
+        self._tally.tls_up(secure.get_extra_info("ssl_object"))
         self._transport = secure
         self._tls = True
         self._esmtp = False  # RFC 3207 4.2: forget what the client said before
@@ -540,7 +551,7 @@ class SmtpSession(Connection):
         try:
             self._flush()  # earlier replies need not wait for the hook and the disk
             peer = Peer(self._ip, self._port, self._helo, self._esmtp, self._tls,
-                        self._auth_user)
+                        self._auth_user, self._tally.client(self._helo, self._auth_user))
             answer = await finish_message(self._settings, self._registry, peer, txn, buf)
         finally:
             buf.close()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from sluice.accounting import EventKind, make_event
 from sluice.hooks import Accept, EndOfData, Reject
-from sluice.model import QueueEntry, QueueState, Reply, Submission
+from sluice.model import ClientSession, QueueEntry, QueueState, Reply, Submission
 from sluice.queue import Queue
 from sluice.smtpd.content import MessageBuffer
 from sluice.smtpd.dedupe import Origin
@@ -63,6 +63,7 @@ class Peer:
     esmtp: bool
     tls: bool
     auth_user: str | None
+    session: ClientSession | None = None  # for the received lines (accounting)
 
 
 async def finish_message(settings: Settings, registry: Registry, peer: Peer,
@@ -82,7 +83,7 @@ async def finish_message(settings: Settings, registry: Registry, peer: Peer,
     # The SPID is drawn now so that the Received header can name it.
     # SMTPUTF8 goes with the message: delivery must know it may hold UTF-8.
     submission = Submission(sender=txn.sender, recipients=tuple(txn.recipients),
-                            spid=new_spid(), smtputf8=txn.smtputf8)
+                            spid=new_spid(), smtputf8=txn.smtputf8, client=peer.session)
     accept: Accept | None = None
     hooks = settings.hooks
     if hooks.end_of_data is not None:

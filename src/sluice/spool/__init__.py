@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import IO, Protocol
 
 __all__ = ["Content", "Spool", "SpoolFile", "SpoolIOError", "iter_chunks", "new_spid",
-           "spid_candidates"]
+           "spid_candidates", "spid_time"]
 
 
 class SpoolIOError(OSError):
@@ -67,6 +67,11 @@ def new_spid(now_ms: int | None = None) -> str:
             suffix = int.from_bytes(os.urandom(3), "big") & 0xFFFFF
         _spid_last[0], _spid_last[1] = ms, suffix
     return f"{ms & 0xFFFFFFFFFFF:011X}{suffix:05X}"
+
+
+def spid_time(spid: str) -> float:
+    """When a SPID was drawn (its 11 hex digits of milliseconds), in POSIX seconds."""
+    return int(spid[:11], 16) / 1000.0
 
 
 def spid_candidates(wanted: str = "", tries: int = 100) -> Iterator[str]:

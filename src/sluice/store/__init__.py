@@ -193,6 +193,14 @@ class Store(Protocol):
         """The earliest next_attempt_at among deferred entries (None: none)."""
         ...
 
+    def oldest(self) -> dict[QueueState, float]:
+        """The arrival time of the oldest entry of each state that has one.
+
+        Cheap enough for every scrape: an index step per state, or the
+        names a count reads anyway; never a read of every entry.
+        """
+        ...
+
     # -- operator side -------------------------------------------------------------
 
     def modify(self, selector: Selector, action: Action, now: float,

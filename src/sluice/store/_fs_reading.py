@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
+from sluice.spool import spid_time
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._commit import RWLock
@@ -189,6 +190,20 @@ class Reading:
                         return
                     remaining -= 1
                 yield e
+
+    def oldest(self) -> dict[QueueState, float]:
+        """The oldest entry of each state, by its SPID's time (see Store.oldest).
+
+        The state is the directory and the SPID is in the name: the names
+        a count lists, no file read.
+        """
+        out: dict[QueueState, float] = {}
+        with self._rw.reading():
+            for state in QueueState:
+                spids = [parsed.spid for parsed, _ in self._names((state,))]
+                if spids:
+                    out[state] = spid_time(min(spids))
+        return out
 
     def count(self, selector: Selector | None = None) -> Counts:
         by_state = {s: 0 for s in QueueState}

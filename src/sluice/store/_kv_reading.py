@@ -27,6 +27,7 @@ from typing import IO, Any
 import plyvel
 
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
+from sluice.spool import spid_time
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._kv_batch import Loader
 from sluice.store._kv_db import CHUNK_SIZE, ChunkReader, Database
@@ -70,6 +71,30 @@ class Reading(Database):
                         out.append(entry)
                         if len(out) >= limit:
                             return out
+        return out
+
+    def oldest(self) -> dict[QueueState, float]:
+        """The oldest entry of each state, by its SPID's time (see Store.oldest).
+
+        The state index lists a state in queue-id order (incoming: per
+        priority), so its first key is the oldest: one seek.  Deferred
+        keys are ordered by due time: those keys are read (keys only).
+        """
+        out: dict[QueueState, float] = {}
+        with self._snapshot() as loader:
+            for state in QueueState:
+                prefixes = [state_prefix(state, p) for p in (1, 0)] \
+                    if state in (QueueState.INCOMING, QueueState.DEFERRED) \
+                    else [state_prefix(state)]
+                first: str | None = None
+                for prefix in prefixes:
+                    for key, _ in loader.reader.items(prefix):
+                        spid = key.rsplit(b" ", 2)[1].decode()
+                        first = spid if first is None else min(first, spid)
+                        if state is not QueueState.DEFERRED:
+                            break
+                if first is not None:
+                    out[state] = spid_time(first)
         return out
 
     def due_at(self) -> float | None:

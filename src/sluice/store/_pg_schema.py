@@ -81,6 +81,8 @@ CREATE TABLE IF NOT EXISTS sluice_queue (
 CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
 CREATE INDEX IF NOT EXISTS sluice_queue_domain ON sluice_queue (domain);
 CREATE INDEX IF NOT EXISTS sluice_queue_tenant ON sluice_queue (tenantid, jobid);
+CREATE INDEX IF NOT EXISTS sluice_queue_tenant_key ON sluice_queue (tenantid, spid, idx);
+CREATE INDEX IF NOT EXISTS sluice_queue_state_key ON sluice_queue (state, spid, idx);
 CREATE INDEX IF NOT EXISTS sluice_queue_owner ON sluice_queue (owner) WHERE owner IS NOT NULL;
 CREATE TABLE IF NOT EXISTS sluice_content (
     spid       text COLLATE "C" NOT NULL,

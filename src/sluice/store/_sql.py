@@ -183,6 +183,9 @@ class SqlQueue:
             f"(({d.not_report} AND arrival_at <= {p}) OR ({d.is_report} AND arrival_at <= {p})) "
             f"LIMIT {p}")
         self._due_at = f"SELECT min(next_attempt_at) FROM {q} WHERE state = 'deferred'"
+        # The first row of a state in key order: one step down the state index.
+        self._oldest = (f"SELECT arrival_at FROM {q} WHERE state = {p} "
+                        "ORDER BY spid, idx LIMIT 1")
         self._changes = f"SELECT seq, qid, action FROM {d.changes} WHERE seq > {p} ORDER BY seq"
         self._top = f"SELECT max(seq) FROM {d.changes}"
         self._log = f"INSERT INTO {d.changes} (at, qid, action) VALUES ({p}, {p}, {p})"
@@ -228,7 +231,10 @@ class SqlQueue:
                 ors.append(clause)
                 params += more
             clauses.append("(" + " OR ".join(ors) + ")")
-        if selector.states:
+        if len(selector.states) == 1:  # plain equality: the state index gives key order
+            clauses.append(f"state = {d.p}")
+            params.append(str(selector.states[0]))
+        elif selector.states:
             clause, more = d.one_of("state", [str(s) for s in selector.states])
             clauses.append(clause)
             params += more
@@ -308,6 +314,19 @@ class SqlQueue:
         with self._reading() as conn:
             row = conn.execute(self._due_at).fetchone()
         return None if row is None or row[0] is None else float(row[0])
+
+    def oldest(self) -> dict[QueueState, float]:
+        """The arrival time of the first entry of each state in key order (= arrival order).
+
+        One index step per state (the state indexes end in spid, idx), no scan.
+        """
+        out: dict[QueueState, float] = {}
+        with self._reading() as conn:
+            for state in QueueState:
+                row = conn.execute(self._oldest, (str(state),)).fetchone()
+                if row is not None:
+                    out[state] = float(row[0])
+        return out
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:
         with self._reading() as conn:

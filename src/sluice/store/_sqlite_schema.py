@@ -80,6 +80,11 @@ CREATE INDEX IF NOT EXISTS queue_pick ON queue (state, priority, next_attempt_at
 CREATE INDEX IF NOT EXISTS queue_domain ON queue (domain);
 -- selectors by tenant and job
 CREATE INDEX IF NOT EXISTS queue_tenant ON queue (tenantid, jobid);
+-- pages by tenant or by state in key order, and the oldest entry per state
+-- (an index of a WITHOUT ROWID table ends in its key: these are
+-- (tenantid, spid, idx) and (state, spid, idx))
+CREATE INDEX IF NOT EXISTS queue_tenant_key ON queue (tenantid);
+CREATE INDEX IF NOT EXISTS queue_state_key ON queue (state);
 
 CREATE TABLE IF NOT EXISTS qstats (key TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
 INSERT OR IGNORE INTO qstats (key, n) VALUES

@@ -99,6 +99,7 @@ from sluice.model import (
     IN_FLIGHT_STATES,
     Accepted,
     QueueEntry,
+    QueueState,
     Reply,
     Selector,
     Submission,
@@ -190,6 +191,7 @@ class PgStore:
 
     @classmethod
     def from_config(cls, config: Config) -> PgStore:
+        """The store a configuration names (queue.postgres)."""
         from sluice.cluster import enabled as cluster_enabled
 
         q = config.queue
@@ -317,6 +319,7 @@ class PgStore:
     # -- submission ---------------------------------------------------------------------
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
+        """Store.submit_future: rows and content in the next group commit."""
         if self._closed:
             raise StorageError("the store is closed")
         spid, size = write_content(self._pool, content, submission.spid)
@@ -340,12 +343,14 @@ class PgStore:
         return fut
 
     def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
+        """Store.submit: queue a message and wait until it is durable."""
         result: Accepted = self.submit_future(submission, content, now).result()
         return result
 
     # -- the queue manager's side -------------------------------------------------------
 
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
+        """Store.claim: FOR UPDATE SKIP LOCKED, so nodes never take the same entry."""
         if limit <= 0:
             return []
         # A queue manager polls often; answer "nothing" from a reader.
@@ -370,6 +375,7 @@ class PgStore:
 
     def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
               durable: bool = True) -> set[str]:
+        """Store.apply: runs of deletes and of updates in order, one round trip each."""
         if not transitions:
             return set()
         items = []
@@ -449,6 +455,7 @@ class PgStore:
         return applied
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
+        """Store.claim_bounces: entries in the bounce state, leased for the NDR writer."""
         if limit <= 0:
             return []
 
@@ -459,6 +466,7 @@ class PgStore:
         return result
 
     def recover(self, now: float) -> int:
+        """Store.recover: this node's in-flight entries go back to the queue."""
         node = self.node_id
 
         def work(batch: _Batch) -> int:
@@ -479,6 +487,7 @@ class PgStore:
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
+        """Store.expired: entries past their lifetime (reports by their own cutoff)."""
         return self._sql.expired(cutoff_at, reports_cutoff_at, limit)
 
     # -- the cluster's nodes (sluice.store._pg_nodes) -------------------------------------
@@ -503,12 +512,18 @@ class PgStore:
         return result
 
     def due_at(self) -> float | None:
+        """Store.due_at: the earliest next attempt of a deferred entry."""
         return self._sql.due_at()
+
+    def oldest(self) -> dict[QueueState, float]:
+        """Store.oldest: the arrival of the oldest entry per state, from the state index."""
+        return self._sql.oldest()
 
     # -- operator side ------------------------------------------------------------------
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
+        """Store.modify: an operator action on the selected entries, audited as changes."""
         change = self._sql.modifier(selector, action, now, priority, reply)
 
         def work(batch: _Batch) -> list[QueueEntry]:
@@ -518,22 +533,27 @@ class PgStore:
         return result
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:
+        """Store.changes_since: the change log after ``seq``."""
         return self._sql.changes_since(seq)
 
     # -- reading ------------------------------------------------------------------------
 
     def get(self, qid: str) -> QueueEntry | None:
+        """Store.get: one entry by queue id."""
         return self._sql.get(qid)
 
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
+        """Store.entries: the selected entries in queue-id order, after the cursor."""
         return self._sql.entries(selector, after=after, limit=limit)
 
     def count(self, selector: Selector | None = None) -> Counts:
+        """Store.count: counted by the database (PostgreSQL keeps no totals)."""
         return self._sql.count(selector or Selector())
 
     def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
               ) -> dict[str, list[int]]:
+        """Store.shape: qshape buckets of the selected entries by age."""
         where, params = self._sql.where(selector)
         edges = [float(e) for e in edges_s]
         out: dict[str, list[int]] = {}
@@ -549,6 +569,7 @@ class PgStore:
         return out
 
     def open_content(self, spid: str) -> IO[bytes]:
+        """Store.open_content: the message's content from the database."""
         # One round trip for most messages: the chunk count and the first chunks.
         with self._reading() as conn:
             rows = conn.execute(
@@ -568,6 +589,7 @@ class PgStore:
     # -- life ---------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Close the committer and the connection pool."""
         if self._closed:
             return
         self._committer.close()

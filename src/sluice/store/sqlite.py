@@ -157,8 +157,10 @@ CHANGES_KEEP_S = 3600.0
 
 
 class SqliteStore(Database):
-    """Meta queue on SQLite (WAL), small content inline, the rest in a
-    filesystem spool; see the module doc."""
+    """Meta queue on SQLite (WAL), small content inline, the rest in files.
+
+    The files are a filesystem spool; see the module doc.
+    """
 
     flavour = "sqlite"
     shared_access = True
@@ -216,6 +218,7 @@ class SqliteStore(Database):
 
     @classmethod
     def from_config(cls, config: Config) -> SqliteStore:
+        """The store a configuration names (queue.path, queue.spool)."""
         q = config.queue
         spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
                         q.spool.sync_method)
@@ -226,6 +229,7 @@ class SqliteStore(Database):
 
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
+        """Store.submit_future: rows and small content in the next group commit."""
         blob = self._inline(content)
         if blob is not None:
             return self._submit_inline(submission, blob, now)
@@ -246,8 +250,10 @@ class SqliteStore(Database):
             raise
 
     def _inline(self, content: Content) -> bytes | None:
-        """The content as one piece if it is small enough to keep in the
-        database (in memory already, at most ``inline_max`` bytes)."""
+        """The content as one piece if it is small enough to keep in the database.
+
+        That is: in memory already, and at most ``inline_max`` bytes.
+        """
         limit = self.inline_max
         if not limit:
             return None
@@ -261,8 +267,10 @@ class SqliteStore(Database):
 
     def _submit_inline(self, submission: Submission, blob: bytes, now: float
                        ) -> concurrent.futures.Future[Accepted]:
-        """Content and rows in one operation: one WAL fsync makes both durable,
-        and no file is created, synced or later unlinked."""
+        """Content and rows in one operation: one WAL fsync makes both durable.
+
+        No file is created, synced or later unlinked.
+        """
 
         def work(after: Batch) -> Accepted:
             conn = after.conn
@@ -285,12 +293,14 @@ class SqliteStore(Database):
         return self._submit_op(work)
 
     def submit(self, submission: Submission, content: Content, now: float) -> Accepted:
+        """Store.submit: queue a message and wait until it is durable."""
         result: Accepted = self.submit_future(submission, content, now).result()
         return result
 
     # -- the queue manager's side ----------------------------------------------------
 
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
+        """Store.claim: incoming and due deferred entries become active, in one transaction."""
         if limit <= 0:
             return []
         # A queue manager polls often; when there is nothing to claim, answer
@@ -317,6 +327,7 @@ class SqliteStore(Database):
 
     def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
               durable: bool = True) -> set[str]:
+        """Store.apply: attempt outcomes and marks, one statement per message where they agree."""
         if not transitions:
             return set()
         items = list(transitions)
@@ -381,6 +392,7 @@ class SqliteStore(Database):
             conn.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
+        """Store.claim_bounces: entries in the bounce state, leased for the NDR writer."""
         if limit <= 0:
             return []
 
@@ -391,6 +403,7 @@ class SqliteStore(Database):
         return result
 
     def recover(self, now: float) -> int:
+        """Store.recover: every in-flight row is this node's; orphan spool files go."""
         def work(after: Batch) -> int:
             conn = after.conn
             # On the embedded store one queue manager owns the whole queue, so
@@ -436,15 +449,22 @@ class SqliteStore(Database):
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
+        """Store.expired: entries past their lifetime (reports by their own cutoff)."""
         return self._sql.expired(cutoff_at, reports_cutoff_at, limit)
 
     def due_at(self) -> float | None:
+        """Store.due_at: the earliest next attempt of a deferred entry."""
         return self._sql.due_at()
+
+    def oldest(self) -> dict[QueueState, float]:
+        """Store.oldest: the arrival of the oldest entry per state, from the state index."""
+        return self._sql.oldest()
 
     # -- operator side ------------------------------------------------------------------
 
     def modify(self, selector: Selector, action: Action, now: float,
                priority: int | None = None, reply: Reply | None = None) -> list[QueueEntry]:
+        """Store.modify: an operator action on the selected entries, audited as changes."""
         change = self._sql.modifier(selector, action, now, priority, reply)
 
         def work(after: Batch) -> list[QueueEntry]:
@@ -455,18 +475,22 @@ class SqliteStore(Database):
         return result
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:
+        """Store.changes_since: the change log after ``seq``."""
         return self._sql.changes_since(seq)
 
     # -- reading ----------------------------------------------------------------------
 
     def get(self, qid: str) -> QueueEntry | None:
+        """Store.get: one entry by queue id."""
         return self._sql.get(qid)
 
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
+        """Store.entries: the selected entries in queue-id order, after the cursor."""
         return self._sql.entries(selector, after=after, limit=limit)
 
     def count(self, selector: Selector | None = None) -> Counts:
+        """Store.count: totals from qstats, or counted for a selector."""
         if selector is not None and not selector.is_empty:
             return self._sql.count(selector)
         # The whole queue: the counters the triggers keep, not a scan.
@@ -477,6 +501,7 @@ class SqliteStore(Database):
 
     def shape(self, selector: Selector, now: float, edges_s: Sequence[float]
               ) -> dict[str, list[int]]:
+        """Store.shape: qshape buckets of the selected entries by age."""
         where, params = self._sql.where(selector)
         edges = list(edges_s)
         case = " ".join(
@@ -493,6 +518,7 @@ class SqliteStore(Database):
         return out
 
     def open_content(self, spid: str) -> IO[bytes]:
+        """Store.open_content: the inline content, else the spool file."""
         try:
             key = int(spid, 16)
         except ValueError:
@@ -509,6 +535,7 @@ class SqliteStore(Database):
     # -- life ------------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop the committer and close the spool and connections."""
         if self._closed:
             return
         self._closed = True
