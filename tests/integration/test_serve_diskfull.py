@@ -9,6 +9,7 @@ accepts, the ten are delivered, a new message is answered 250 and delivered
 too, the message refused with 451 is not, and the server stops cleanly
 without a traceback.  (While the disk is full the queue manager cannot
 record its deferrals; nothing here asserts how often it retries then.)
+The postgres flavour, whose disk is PostgreSQL's, is test_serve_diskfull_pg.py.
 """
 
 from __future__ import annotations

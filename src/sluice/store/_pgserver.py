@@ -69,9 +69,10 @@ class PgServer:
     """A running throwaway server; see the module doc."""
 
     def __init__(self, base: Path, data: Path, port: int, bindir: Path,
-                 user: str | None) -> None:
+                 user: str | None, log: Path | None = None) -> None:
         self.base = base
         self.data = data
+        self.log = log or data / "server.log"
         self.port = port
         self.bindir = bindir
         self.user = user
@@ -79,10 +80,11 @@ class PgServer:
 
     @classmethod
     def start(cls, base: str | os.PathLike[str] | None = None, *, port: int | None = None,
-              options: Sequence[str] = ()) -> PgServer:
+              options: Sequence[str] = (), log: Path | None = None) -> PgServer:
         """Make and start a server (initdb, pg_ctl start).
 
-        ``options`` are extra ``-c name=value`` settings.
+        ``options`` are extra ``-c name=value`` settings; ``log`` is the
+        server's log file (data/server.log unless given).
         """
         bindir = find_bindir()
         if bindir is None:
@@ -104,7 +106,7 @@ class PgServer:
         if user is not None:
             pw = pwd.getpwnam(user)
             os.chown(data, pw.pw_uid, pw.pw_gid)
-        server = cls(root, data, 0, bindir, user)
+        server = cls(root, data, 0, bindir, user, log)
         try:
             server._run(["initdb", "-D", str(data), "-A", "trust", "-U", SUPERUSER,
                          "-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions"])
@@ -117,7 +119,7 @@ class PgServer:
                             *options]
                 opts = " ".join(f"-c {s}" for s in settings)
                 try:
-                    server._run(["pg_ctl", "-D", str(data), "-l", str(data / "server.log"),
+                    server._run(["pg_ctl", "-D", str(data), "-l", str(server.log),
                                  "-w", "-t", "60", "-o", opts, "start"])
                 except PgServerError as exc:
                     last = str(exc)
@@ -145,7 +147,7 @@ class PgServer:
         if proc.returncode != 0:
             log = ""
             with contextlib.suppress(OSError):
-                log = (self.data / "server.log").read_text()[-2000:]
+                log = self.log.read_text()[-2000:]
             raise PgServerError(f"{argv[0]} failed ({proc.returncode}): "
                                 f"{proc.stderr.strip() or proc.stdout.strip()} {log}".strip())
 
