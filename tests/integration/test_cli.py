@@ -291,3 +291,48 @@ def test_config_show_masks_secrets(tmp_path: Path) -> None:
         assert secret not in shown
     assert "ops: '********'" in shown and "alice: '********'" in shown
     assert "postgresql://sluice:********@db/sluice" in shown
+
+
+def test_qlist_lines_are_what_csv_writes_with_times_to_the_second(cfg: Path) -> None:
+    # qlist writes most lines itself (csv.writer costs at a million); a
+    # field with a quote, a separator or a line break still goes through
+    # csv, and a cached time is the one datetime would have formatted.
+    from datetime import UTC, datetime
+
+    from sluice.config import load_config
+    from sluice.model import QueueState, Reply, Submission
+    from sluice.store import Transition, open_store
+
+    t0 = 1_800_000_000.0
+    store = open_store(load_config(cfg))
+    try:
+        plain = store.submit(Submission("a@example.org", ("p@example.net",)), b"x", t0 + 0.5)
+        edge = store.submit(Submission("b@example.org", ("e@example.net",)), b"x",
+                            t0 + 0.9999997)
+        odd = store.submit(Submission("c@example.org", ("o@example.net", "q@example.net")),
+                           b"x", t0 + 1.25)
+        for e in store.claim(10, t0 + 2, 0):
+            text = 'busy; try "later"\nplease' if e.spid == odd.spid else "busy"
+            store.apply([Transition(e.qid, QueueState.DEFERRED, next_attempt_at=t0 + 60.9,
+                                    reply=Reply(451, "4.3.0", text), attempted=True)])
+    finally:
+        store.close()
+    out = run(cfg, "qlist").stdout
+    rows, _ = qlist(cfg)
+    by_qid = {r["QueueID"]: r for r in rows}
+
+    def at(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+    assert by_qid[plain.qids[0]]["Arrival"] == at(t0 + 0.5)
+    assert by_qid[edge.qids[0]]["Arrival"] == at(t0 + 0.9999997) == at(t0 + 1)
+    assert by_qid[odd.qids[1]]["NextAttempt"] == at(t0 + 60.9)
+    assert by_qid[odd.qids[1]]["LastReply"] == '451 4.3.0 busy; try "later"\nplease'
+    assert by_qid[plain.qids[0]]["LastReply"] == "451 4.3.0 busy"
+    # The same bytes csv.writer would write for every row.
+    expected = io.StringIO()
+    writer = csv.writer(expected, delimiter=";", lineterminator="\n")
+    writer.writerow(rows[0].keys())
+    for r in rows:
+        writer.writerow(r.values())
+    assert out.startswith(expected.getvalue())

@@ -337,3 +337,39 @@ def test_a_submission_changed_in_its_own_batch_is_written_as_changed(tmp_path: P
         assert list((store.root / "tmp").iterdir()) == []
     finally:
         store.close()
+
+
+def test_recovery_commits_in_pieces_so_a_new_message_waits_for_one_piece_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a crash with a full active queue, rewriting every in-flight
+    # control file in one commit kept the receivers' commits (and so their
+    # 250s) waiting for all of it.
+    import sluice.store.fs as fs
+
+    monkeypatch.setattr(fs, "RECOVER_BATCH", 2)
+    store = open_fs(tmp_path)
+    try:
+        for i in range(6):
+            store.submit(Submission("a@example.org", (f"r{i}@d{i}.example",)), b"x", T0)
+        assert len(store.claim(6, T0, 0)) == 6
+        rewritten: list[int] = []
+        seen_at_commit: list[int] = []
+        real_copy = fs.copy_control
+
+        def copy_control(ctrl: fs.Control) -> fs.Control:
+            if not rewritten:  # recovery's first file: a message arrives now
+                fut = store.submit_future(Submission("b@example.org", ("n@new.example",)),
+                                          b"new", T0 + 1)
+                fut.add_done_callback(lambda _: seen_at_commit.append(len(rewritten)))
+            rewritten.append(1)
+            return real_copy(ctrl)
+
+        monkeypatch.setattr(fs, "copy_control", copy_control)
+        assert store.recover(T0 + 2) == 6
+        assert len(rewritten) >= 6
+        assert seen_at_commit and seen_at_commit[0] < len(rewritten)  # before the last piece
+        counts = store.count()
+        assert (counts[S.DEFERRED], counts[S.INCOMING], counts[S.ACTIVE]) == (6, 1, 0)
+        assert [e.state for e in store.claim(10, T0 + 2, 0)].count(S.ACTIVE) == 7
+    finally:
+        store.close()

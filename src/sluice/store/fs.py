@@ -169,6 +169,10 @@ CHANGES_KEEP_S = 3600.0
 # The store
 
 
+#: Control files recover() returns to the queue per commit.
+RECOVER_BATCH = 256
+
+
 class FsStore(Committing, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
 
@@ -498,10 +502,14 @@ class FsStore(Committing, Reading):
         return result
 
     def recover(self, now: float) -> int:
-        def work(view: Batch) -> int:
-            moved = 0
+        # In commits of RECOVER_BATCH files: a receiver's commit waits for
+        # one of them, not for the whole active queue to be rewritten.
+        def work(view: Batch) -> tuple[int, bool]:
+            moved = files = 0
             for state in (QueueState.ACTIVE, QueueState.DELIVERING):
                 for name, _ in view.names(STATE_DIRS[state]):
+                    if files >= RECOVER_BATCH:
+                        return moved, True
                     ctrl = view.load(f"{STATE_DIRS[state]}/{name}")
                     if ctrl is None:
                         continue
@@ -509,13 +517,17 @@ class FsStore(Committing, Reading):
                                   gen="", path="")
                     view.swap([ctrl], [new])
                     moved += len(ctrl.rcpts)
+                    files += 1
             view.after.append(lambda: self._prune_changes(now))
             view.after.append(lambda: self._clean_tmp(now))
             view.after.append(lambda: self._reconcile(now))
-            return moved
+            return moved, False
 
-        result: int = self._call(work)
-        return result
+        total, more = 0, True
+        while more:
+            moved, more = self._call(work)
+            total += moved
+        return total
 
     def _prune_changes(self, now: float) -> None:
         path = self.root / "changes.log"
