@@ -336,3 +336,20 @@ def test_qlist_lines_are_what_csv_writes_with_times_to_the_second(cfg: Path) -> 
     for r in rows:
         writer.writerow(r.values())
     assert out.startswith(expected.getvalue())
+
+
+def test_qcount_imports_only_the_command_modules_up_to_its_own(cfg: Path) -> None:
+    # Importing every command's module cost qcount more than its own work.
+    code = ("import sys\nfrom sluice.cli import main\n"
+            f"status = main(['-c', {str(cfg)!r}, 'qcount'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('sluice.cli.')))\n"
+            "sys.exit(status)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=60, check=True).stdout
+    loaded = out.strip().splitlines()[-1]
+    assert "sluice.cli.queue_cmds" in loaded
+    assert "sluice.cli.policy_cmds" not in loaded and "sluice.cli.serve_cmds" not in loaded
+    # Everything is still there for --help and for a command that is not.
+    assert "auth" in run(cfg, "--help").stdout
+    bad = run(cfg, "nosuch", check=False)
+    assert bad.returncode == 2 and "'auth'" in bad.stderr
