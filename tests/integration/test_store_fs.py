@@ -373,3 +373,33 @@ def test_recovery_commits_in_pieces_so_a_new_message_waits_for_one_piece_only(
         assert [e.state for e in store.claim(10, T0 + 2, 0)].count(S.ACTIVE) == 7
     finally:
         store.close()
+
+
+def test_a_submission_does_not_list_the_directory_it_writes_into(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each batch listed (and parsed) all of incoming/ to place its files:
+    # submissions slowed down in proportion to the queue, to 40 a second at
+    # 430,000 control files.
+    import sluice.store._fs_batch as fs_batch
+
+    store = open_fs(tmp_path)
+    try:
+        for i in range(3):
+            store.submit(Submission("a@example.org", (f"r{i}@d.example",)), b"x", T0)
+        listed: list[str] = []
+        real = fs_batch.listdir
+
+        def listdir(path: Path) -> list[str]:
+            listed.append(path.name)
+            return real(path)
+
+        monkeypatch.setattr(fs_batch, "listdir", listdir)
+        acc = store.submit(Submission("a@example.org", ("n@d.example", "m@e.example")), b"y",
+                           T0)
+        assert "incoming" not in listed
+        # A later batch that lists incoming/ sees everything.
+        claimed = store.claim(10, T0, 0)
+        assert "incoming" in listed
+        assert {e.qid for e in claimed} >= set(acc.qids) and len(claimed) == 5
+    finally:
+        store.close()

@@ -116,6 +116,11 @@ class Batch:
             self._cur[rel_dir] = cur
             if rel_dir.startswith("deferred/") and self._deferred is not None:
                 self._deferred.add(int(rel_dir.split("/")[1]))
+            # What the batch did to the directory before anyone listed it.
+            prefix = rel_dir + "/"
+            for path in [p for p in self.files if p.startswith(prefix) and "/" not in
+                         p[len(prefix):]]:
+                self._sync(path)
         return cur
 
     def _spid_index(self, rel_dir: str) -> dict[str, set[str]]:
@@ -129,9 +134,20 @@ class Batch:
         return by_spid
 
     def _sync(self, path: str) -> None:
-        """Bring the directory model in line with ``files`` for one path."""
+        """Bring the directory model in line with ``files`` for one path.
+
+        Only for a directory this batch has listed: a submission's batch
+        writes into incoming/ without listing it (a million names), and
+        _dir() folds the batch's files in if it is listed later.
+        """
         rel_dir, name = path.rsplit("/", 1)
-        cur = self._dir(rel_dir)
+        if rel_dir.startswith("deferred/") and self.files.get(path) is not None:
+            self.deferred_dirs()  # make sure the set exists
+            assert self._deferred is not None
+            self._deferred.add(int(rel_dir.split("/")[1]))
+        cur = self._cur.get(rel_dir)
+        if cur is None:
+            return
         if path in self.files:
             present = self.files[path] is not None
         else:
@@ -143,10 +159,6 @@ class Batch:
                 cur[name] = parsed
                 if by_spid is not None:
                     by_spid[parsed.spid].add(name)
-                if rel_dir.startswith("deferred/"):
-                    self.deferred_dirs()  # make sure the set exists
-                    assert self._deferred is not None
-                    self._deferred.add(int(rel_dir.split("/")[1]))
         elif not present and name in cur:
             parsed = cur.pop(name)
             if by_spid is not None:
