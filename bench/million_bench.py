@@ -17,8 +17,8 @@ d0..d49.example.  Then, at each size:
    Once the RSS of serve's processes has settled (its sum moved less than
    2 % over 5 s), it is reported with the main process's alone.
 2. `sluice qcount` and `sluice qlist` run against the queue while serve
-   runs: wall time of qcount; qlist's time to its first line and to its
-   end, and its line count.
+   runs: wall and CPU time of qcount; qlist's time to its first line and
+   to its end, its CPU time and its line count.
 3. serve's process group is killed with SIGKILL, and serve is started
    again on the same queue with d0.example and new.example routed to a
    loopback sink (sluice.sink).  From the moment it is started: the time
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import smtplib
@@ -210,8 +211,10 @@ def settle(proc: subprocess.Popen[bytes], cap_s: float = 180.0) -> tuple[int, in
     return main, total, time.monotonic() - t0
 
 
-def run_cli(config: Path, *args: str) -> tuple[float, float, int]:
-    """(seconds to the first line, seconds to the end, lines) of one sluice command."""
+def run_cli(config: Path, *args: str) -> tuple[float, float, int, float]:
+    """(seconds to the first line, seconds to the end, lines, CPU seconds) of one
+    sluice command."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.Popen([SLUICE, "-c", str(config), *args], stdout=subprocess.PIPE,
                             cwd=config.parent)
@@ -224,7 +227,9 @@ def run_cli(config: Path, *args: str) -> tuple[float, float, int]:
         lines += 1
     if proc.wait() != 0:
         raise SystemExit(f"sluice {' '.join(args)} failed: {proc.returncode}")
-    return first, time.monotonic() - t0, lines
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return first, time.monotonic() - t0, lines, cpu
 
 
 def send_new(port: int) -> bool:
@@ -279,16 +284,17 @@ def measure(base: Path, flavour: str, n: int, hole: Blackhole, sink: Sink, sink_
     proc = start_serve(config, base / "serve.log")
     try:
         main_kb, all_kb, settle_s = settle(proc)
-        _, qcount_s, _ = run_cli(config, "qcount")
-        qlist_first, qlist_s, lines = run_cli(config, "qlist")
+        _, qcount_s, _, qcount_cpu = run_cli(config, "qcount")
+        qlist_first, qlist_s, lines, qlist_cpu = run_cli(config, "qlist")
     finally:
         kill(proc)
         hole.drop()
     accept_s, queued_s, new_s = restart(base, flavour, port, hole, sink, sink_port, pg_dsn)
     return (f"{flavour} N={n}: rss main {main_kb / 1024:.0f} MB, all {all_kb / 1024:.0f} MB "
             f"(maxmemoryqueue {MAXMEMORYQUEUE}, settled in {settle_s:.0f} s); "
-            f"qcount {qcount_s:.2f} s; qlist first line {qlist_first:.2f} s, "
-            f"all {qlist_s:.1f} s ({lines} lines); after SIGKILL: 250 in {accept_s:.1f} s, "
+            f"qcount {qcount_s:.2f} s ({qcount_cpu:.2f} s CPU); qlist first line "
+            f"{qlist_first:.2f} s, all {qlist_s:.1f} s ({qlist_cpu:.1f} s CPU, {lines} lines); "
+            f"after SIGKILL: 250 in {accept_s:.1f} s, "
             f"first queued delivered in {queued_s:.1f} s, new delivered in {new_s:.1f} s; "
             f"load {load0} -> {loadavg()}")
 
