@@ -397,9 +397,46 @@ def test_a_submission_does_not_list_the_directory_it_writes_into(
         acc = store.submit(Submission("a@example.org", ("n@d.example", "m@e.example")), b"y",
                            T0)
         assert "incoming" not in listed
-        # A later batch that lists incoming/ sees everything.
+        # A refill (which reads incoming/ as a stream) sees everything.
         claimed = store.claim(10, T0, 0)
-        assert "incoming" in listed
+        assert "incoming" not in listed
         assert {e.qid for e in claimed} >= set(acc.qids) and len(claimed) == 5
+    finally:
+        store.close()
+
+
+def test_a_refill_reads_incoming_as_a_stream_with_the_batch_s_own_changes(
+        tmp_path: Path) -> None:
+    # A refill held every incoming control file's parsed name at once: 684 MB
+    # in `serve` with a million queued.  It keeps the ``limit`` first instead,
+    # and still sees what earlier operations of its own batch did.
+    store = open_fs(tmp_path)
+    try:
+        old = [store.submit(Submission("a@example.org", (f"r{i}@d{i}.example",)), b"x",
+                            T0).qids[0] for i in range(4)]
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold(view: object) -> None:
+            holding.set()
+            gate.wait(10)
+
+        store._committer.submit(hold)
+        assert holding.wait(10)
+        # Queued behind the gate, one batch: a submission, then a refill.
+        new = store.submit_future(Submission("b@example.org", ("n@new.example",)), b"y", T0)
+        claimed: list[str] = []
+        op = threading.Thread(target=lambda: claimed.extend(
+            e.qid for e in store.claim(10, T0, 0)))
+        op.start()
+        deadline = time.monotonic() + 10
+        while store._committer._ops.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store._committer._ops.qsize() == 2
+        gate.set()
+        acc = new.result(timeout=10)
+        op.join(10)
+        assert claimed == [*old, acc.qids[0]]  # the batch's own file is a candidate
+        store.apply([Transition(q, QueueState.INCOMING) for q in claimed[:2]])
+        assert [e.qid for e in store.claim(1, T0, 0)] == [old[0]]  # the smallest first
     finally:
         store.close()

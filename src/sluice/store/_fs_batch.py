@@ -26,10 +26,11 @@ SEE ALSO
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sluice.model import QueueState
 from sluice.store import Action
@@ -43,6 +44,7 @@ from sluice.store._fs_files import (
     new_gen,
     parse_name,
     read_control,
+    scandir,
 )
 
 if TYPE_CHECKING:
@@ -204,9 +206,45 @@ class Batch:
         """Control files of a directory (name, parsed name), with the batch's changes."""
         return list(self._dir(rel_dir).items())
 
-    def live_names(self, rel_dir: str) -> Iterable[tuple[str, Name]]:
-        """As names(), without a copy: the caller must not change the view meanwhile."""
-        return self._dir(rel_dir).items()
+    def smallest(self, rel_dir: str, k: int, key: Callable[[Name], tuple[Any, ...]]
+                 ) -> tuple[list[tuple[tuple[Any, ...], str]], int]:
+        """The ``k`` control files of a directory with the smallest ``key``, as
+        (key, path) in order, and the recipients the directory holds in all.
+
+        A directory this batch has not listed is read as a stream, so a
+        refill from a million files holds ``k`` of them, not all.
+        """
+        if rel_dir in self._cur:
+            found: Iterable[tuple[str, Name]] = self._dir(rel_dir).items()
+        else:
+            found = self._streamed(rel_dir)
+        total = 0
+
+        def keyed() -> Iterator[tuple[tuple[Any, ...], str]]:
+            nonlocal total
+            for name, parsed in found:
+                total += parsed.n
+                yield key(parsed), f"{rel_dir}/{name}"
+
+        best = heapq.nsmallest(k, keyed())
+        return best, total
+
+    def _streamed(self, rel_dir: str) -> Iterator[tuple[str, Name]]:
+        """A directory's control files as _dir() would have them, one at a time."""
+        prefix = rel_dir + "/"
+        for entry in scandir(self.root / rel_dir):
+            if prefix + entry in self.files:
+                continue  # the batch's own version follows
+            # Not the cached parse: a million names would only churn its cache.
+            parsed = parse_name.__wrapped__(entry)
+            if parsed is not None:
+                yield entry, parsed
+        for path, ctrl in list(self.files.items()):
+            if ctrl is not None and path.startswith(prefix) and "/" not in path[len(prefix):]:
+                name = path[len(prefix):]
+                parsed = parse_name(name)
+                if parsed is not None:
+                    yield name, parsed
 
     def deferred_dirs(self) -> list[int]:
         """Due times of deferred/<T> directories, ascending."""

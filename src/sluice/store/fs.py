@@ -393,15 +393,14 @@ class FsStore(Committing, Reading):
             return out
 
         def work(view: Batch) -> list[QueueEntry]:
-            inc = [((-parsed.priority, parsed.spid, parsed.idx0, parsed.n), f"incoming/{name}")
-                   for name, parsed in view.live_names("incoming")]
-            dfr = self._due_candidates(view, now)
-            n_inc = sum(key[-1] for key, _ in inc)
-            n_dfr = sum(key[-1] for key, _ in dfr)
-            take_d, take_i = split_quota(limit, n_inc, n_dfr, quota_deferred)
             # Every file holds at least one recipient: the first ``limit`` files
             # in order are all a refill can need, whatever the backlog.
-            return interleave(take(view, heapq.nsmallest(take_i, inc), take_i),
+            inc, n_inc = view.smallest(
+                "incoming", limit, lambda p: (-p.priority, p.spid, p.idx0, p.n))
+            dfr = self._due_candidates(view, now)
+            n_dfr = sum(key[-1] for key, _ in dfr)
+            take_d, take_i = split_quota(limit, n_inc, n_dfr, quota_deferred)
+            return interleave(take(view, inc[:take_i], take_i),
                               take(view, heapq.nsmallest(take_d, dfr), take_d))
 
         result: list[QueueEntry] = self._call(work)
