@@ -211,21 +211,27 @@ def settle(proc: subprocess.Popen[bytes], cap_s: float = 180.0) -> tuple[int, in
     return main, total, time.monotonic() - t0
 
 
-def run_cli(config: Path, *args: str) -> tuple[float, float, int, float]:
+def run_cli(config: Path, *args: str, limit_s: float = 0.0
+            ) -> tuple[float, float, int, float]:
     """(seconds to the first line, seconds to the end, lines, CPU seconds) of one
-    sluice command."""
+    sluice command; stopped after ``limit_s`` (0: never), its lines so far."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.Popen([SLUICE, "-c", str(config), *args], stdout=subprocess.PIPE,
                             cwd=config.parent)
     assert proc.stdout is not None
+    timer = threading.Timer(limit_s, proc.kill) if limit_s else None
+    if timer is not None:
+        timer.start()
     first = -1.0
     lines = 0
     for _ in proc.stdout:
         if first < 0:
             first = time.monotonic() - t0
         lines += 1
-    if proc.wait() != 0:
+    if timer is not None:
+        timer.cancel()
+    if proc.wait() != 0 and not (limit_s and proc.returncode == -signal.SIGKILL):
         raise SystemExit(f"sluice {' '.join(args)} failed: {proc.returncode}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -277,7 +283,7 @@ def restart(base: Path, flavour: str, port: int, hole: Blackhole, sink: Sink, si
 
 
 def measure(base: Path, flavour: str, n: int, hole: Blackhole, sink: Sink, sink_port: int,
-            pg_dsn: str | None) -> str:
+            pg_dsn: str | None, qlist_limit_s: float) -> str:
     load0 = loadavg()
     port = free_port()
     config = write_config(base, flavour, port, {"*": f"smtp:[127.0.0.1]:{hole.port}"}, pg_dsn)
@@ -285,7 +291,8 @@ def measure(base: Path, flavour: str, n: int, hole: Blackhole, sink: Sink, sink_
     try:
         main_kb, all_kb, settle_s = settle(proc)
         _, qcount_s, _, qcount_cpu = run_cli(config, "qcount")
-        qlist_first, qlist_s, lines, qlist_cpu = run_cli(config, "qlist")
+        qlist_first, qlist_s, lines, qlist_cpu = run_cli(config, "qlist",
+                                                         limit_s=qlist_limit_s)
     finally:
         kill(proc)
         hole.drop()
@@ -308,6 +315,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--only-fill", action="store_true")
     ap.add_argument("--no-fill", action="store_true", help="measure the queue as it is")
+    ap.add_argument("--qlist-limit", type=float, default=0.0,
+                    help="stop qlist after this many seconds and count its lines so far")
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix=f"sluice-million-{args.store}-",
                                             dir="/var/tmp"))
@@ -337,7 +346,8 @@ def main() -> None:
                     store.close()
             if args.only_fill:
                 continue
-            print(measure(base, args.store, n, hole, sink, sink_port, pg_dsn), flush=True)
+            print(measure(base, args.store, n, hole, sink, sink_port, pg_dsn,
+                          args.qlist_limit), flush=True)
     finally:
         sink.stop_thread()
         if pg is not None:
