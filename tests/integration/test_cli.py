@@ -291,3 +291,65 @@ def test_config_show_masks_secrets(tmp_path: Path) -> None:
         assert secret not in shown
     assert "ops: '********'" in shown and "alice: '********'" in shown
     assert "postgresql://sluice:********@db/sluice" in shown
+
+
+def test_qlist_lines_are_what_csv_writes_with_times_to_the_second(cfg: Path) -> None:
+    # qlist writes most lines itself (csv.writer costs at a million); a
+    # field with a quote, a separator or a line break still goes through
+    # csv, and a cached time is the one datetime would have formatted.
+    from datetime import UTC, datetime
+
+    from sluice.config import load_config
+    from sluice.model import QueueState, Reply, Submission
+    from sluice.store import Transition, open_store
+
+    t0 = 1_800_000_000.0
+    store = open_store(load_config(cfg))
+    try:
+        plain = store.submit(Submission("a@example.org", ("p@example.net",)), b"x", t0 + 0.5)
+        edge = store.submit(Submission("b@example.org", ("e@example.net",)), b"x",
+                            t0 + 0.9999997)
+        odd = store.submit(Submission("c@example.org", ("o@example.net", "q@example.net")),
+                           b"x", t0 + 1.25)
+        for e in store.claim(10, t0 + 2, 0):
+            text = 'busy; try "later"\nplease' if e.spid == odd.spid else "busy"
+            store.apply([Transition(e.qid, QueueState.DEFERRED, next_attempt_at=t0 + 60.9,
+                                    reply=Reply(451, "4.3.0", text), attempted=True)])
+    finally:
+        store.close()
+    out = run(cfg, "qlist").stdout
+    rows, _ = qlist(cfg)
+    by_qid = {r["QueueID"]: r for r in rows}
+
+    def at(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+    assert by_qid[plain.qids[0]]["Arrival"] == at(t0 + 0.5)
+    assert by_qid[edge.qids[0]]["Arrival"] == at(t0 + 0.9999997) == at(t0 + 1)
+    assert by_qid[odd.qids[1]]["NextAttempt"] == at(t0 + 60.9)
+    assert by_qid[odd.qids[1]]["LastReply"] == '451 4.3.0 busy; try "later"\nplease'
+    assert by_qid[plain.qids[0]]["LastReply"] == "451 4.3.0 busy"
+    # The same bytes csv.writer would write for every row.
+    expected = io.StringIO()
+    writer = csv.writer(expected, delimiter=";", lineterminator="\n")
+    writer.writerow(rows[0].keys())
+    for r in rows:
+        writer.writerow(r.values())
+    assert out.startswith(expected.getvalue())
+
+
+def test_qcount_imports_only_the_command_modules_up_to_its_own(cfg: Path) -> None:
+    # Importing every command's module cost qcount more than its own work.
+    code = ("import sys\nfrom sluice.cli import main\n"
+            f"status = main(['-c', {str(cfg)!r}, 'qcount'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('sluice.cli.')))\n"
+            "sys.exit(status)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=60, check=True).stdout
+    loaded = out.strip().splitlines()[-1]
+    assert "sluice.cli.queue_cmds" in loaded
+    assert "sluice.cli.policy_cmds" not in loaded and "sluice.cli.serve_cmds" not in loaded
+    # Everything is still there for --help and for a command that is not.
+    assert "auth" in run(cfg, "--help").stdout
+    bad = run(cfg, "nosuch", check=False)
+    assert bad.returncode == 2 and "'auth'" in bad.stderr

@@ -337,3 +337,106 @@ def test_a_submission_changed_in_its_own_batch_is_written_as_changed(tmp_path: P
         assert list((store.root / "tmp").iterdir()) == []
     finally:
         store.close()
+
+
+def test_recovery_commits_in_pieces_so_a_new_message_waits_for_one_piece_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a crash with a full active queue, rewriting every in-flight
+    # control file in one commit kept the receivers' commits (and so their
+    # 250s) waiting for all of it.
+    import sluice.store.fs as fs
+
+    monkeypatch.setattr(fs, "RECOVER_BATCH", 2)
+    store = open_fs(tmp_path)
+    try:
+        for i in range(6):
+            store.submit(Submission("a@example.org", (f"r{i}@d{i}.example",)), b"x", T0)
+        assert len(store.claim(6, T0, 0)) == 6
+        rewritten: list[int] = []
+        seen_at_commit: list[int] = []
+        real_copy = fs.copy_control
+
+        def copy_control(ctrl: fs.Control) -> fs.Control:
+            if not rewritten:  # recovery's first file: a message arrives now
+                fut = store.submit_future(Submission("b@example.org", ("n@new.example",)),
+                                          b"new", T0 + 1)
+                fut.add_done_callback(lambda _: seen_at_commit.append(len(rewritten)))
+            rewritten.append(1)
+            return real_copy(ctrl)
+
+        monkeypatch.setattr(fs, "copy_control", copy_control)
+        assert store.recover(T0 + 2) == 6
+        assert len(rewritten) >= 6
+        assert seen_at_commit and seen_at_commit[0] < len(rewritten)  # before the last piece
+        counts = store.count()
+        assert (counts[S.DEFERRED], counts[S.INCOMING], counts[S.ACTIVE]) == (6, 1, 0)
+        assert [e.state for e in store.claim(10, T0 + 2, 0)].count(S.ACTIVE) == 7
+    finally:
+        store.close()
+
+
+def test_a_submission_does_not_list_the_directory_it_writes_into(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each batch listed (and parsed) all of incoming/ to place its files:
+    # submissions slowed down in proportion to the queue, to 40 a second at
+    # 430,000 control files.
+    import sluice.store._fs_batch as fs_batch
+
+    store = open_fs(tmp_path)
+    try:
+        for i in range(3):
+            store.submit(Submission("a@example.org", (f"r{i}@d.example",)), b"x", T0)
+        listed: list[str] = []
+        real = fs_batch.listdir
+
+        def listdir(path: Path) -> list[str]:
+            listed.append(path.name)
+            return real(path)
+
+        monkeypatch.setattr(fs_batch, "listdir", listdir)
+        acc = store.submit(Submission("a@example.org", ("n@d.example", "m@e.example")), b"y",
+                           T0)
+        assert "incoming" not in listed
+        # A refill (which reads incoming/ as a stream) sees everything.
+        claimed = store.claim(10, T0, 0)
+        assert "incoming" not in listed
+        assert {e.qid for e in claimed} >= set(acc.qids) and len(claimed) == 5
+    finally:
+        store.close()
+
+
+def test_a_refill_reads_incoming_as_a_stream_with_the_batch_s_own_changes(
+        tmp_path: Path) -> None:
+    # A refill held every incoming control file's parsed name at once: 684 MB
+    # in `serve` with a million queued.  It keeps the ``limit`` first instead,
+    # and still sees what earlier operations of its own batch did.
+    store = open_fs(tmp_path)
+    try:
+        old = [store.submit(Submission("a@example.org", (f"r{i}@d{i}.example",)), b"x",
+                            T0).qids[0] for i in range(4)]
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold(view: object) -> None:
+            holding.set()
+            gate.wait(10)
+
+        store._committer.submit(hold)
+        assert holding.wait(10)
+        # Queued behind the gate, one batch: a submission, then a refill.
+        new = store.submit_future(Submission("b@example.org", ("n@new.example",)), b"y", T0)
+        claimed: list[str] = []
+        op = threading.Thread(target=lambda: claimed.extend(
+            e.qid for e in store.claim(10, T0, 0)))
+        op.start()
+        deadline = time.monotonic() + 10
+        while store._committer._ops.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store._committer._ops.qsize() == 2
+        gate.set()
+        acc = new.result(timeout=10)
+        op.join(10)
+        assert claimed == [*old, acc.qids[0]]  # the batch's own file is a candidate
+        store.apply([Transition(q, QueueState.INCOMING) for q in claimed[:2]])
+        assert [e.qid for e in store.claim(1, T0, 0)] == [old[0]]  # the smallest first
+    finally:
+        store.close()

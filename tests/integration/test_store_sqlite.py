@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import sluice.store.sqlite as sqlite_module
-from sluice.model import Reply, Selector, Submission
+from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition
 from sluice.store.sqlite import SqliteStore
 from tests.integration.stores import check_migrated_v1_queue, open_flavour, run_diskfull
@@ -390,3 +390,29 @@ def test_a_full_disk_is_a_temporary_failure_and_passes(body_kb: int) -> None:
     assert found["all_listed"] and found["all_intact"] and found["count"] == found["accepted"]
     assert found["after_ok"], found.get("after_error")
     assert found["count_after"] == found["accepted"] - 3 + 1
+
+
+def test_only_the_first_recovery_reads_the_whole_queue(tmp_path: Path) -> None:
+    # The orphan-content sweep and the recount of qstats read every row (seconds
+    # at a million, under the write lock); nothing but an older version or a
+    # hand edit can make them find anything, so a queue has them once.
+    with _store(tmp_path) as store:
+        kept = store.submit(MSG, b"kept", T0)
+    with sqlite3.connect(tmp_path / "queue" / "queue.db") as conn:
+        conn.execute("INSERT INTO content (id, data) VALUES (?, ?)", (12345, b"orphan"))
+        conn.execute("UPDATE qstats SET n = 7 WHERE key = 'incoming'")
+    statements: list[str] = []
+    with _store(tmp_path) as store:
+        store._writer.set_trace_callback(statements.append)
+        store.recover(T0)
+        assert _content_rows(store) == [(int(kept.spid, 16), b"kept")]
+        assert store.count()[QueueState.INCOMING] == 2
+        assert any("COUNT(*)" in s for s in statements)
+    statements.clear()
+    with _store(tmp_path) as store:
+        store._writer.set_trace_callback(statements.append)
+        store.claim(1, T0, 0)
+        store.recover(T0 + 1)
+        assert not [s for s in statements if "COUNT(*)" in s or "DELETE FROM content" in s]
+        assert store.count()[QueueState.INCOMING] == 1
+        assert store.count()[QueueState.DEFERRED] == 1

@@ -40,8 +40,25 @@ QLIST_FIELDS = (
 )
 
 
+#: Times already formatted by _time, by whole second (cleared when full):
+#: the entries of one message, and messages queued in the same second,
+#: share their times, so a listing of a million formats few of them.
+_TIMES: dict[int, str] = {}
+_TIMES_MAX = 65536
+
+
 def _time(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    second = int(at)
+    # datetime rounds to the microsecond: near the next second, ask it.
+    if at < 0 or at - second >= 0.9999995:
+        return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    text = _TIMES.get(second)
+    if text is None:
+        if len(_TIMES) >= _TIMES_MAX:
+            _TIMES.clear()
+        text = _TIMES[second] = datetime.fromtimestamp(second, UTC).strftime(
+            "%Y-%m-%d %H:%M:%S")
+    return text
 
 
 def _add_selector_args(p: argparse.ArgumentParser, with_ids: bool) -> None:
@@ -151,6 +168,12 @@ def _user() -> str:
 
 # -- listing --------------------------------------------------------------------------------
 
+#: A qlist line without quoted fields has this many separators, and none of
+#: these characters (csv's QUOTE_MINIMAL quotes a field that has one).
+_SEPARATORS = len(QLIST_FIELDS) - 1
+_NEEDS_QUOTES = re.compile(r'["\r\n]')
+
+
 def _row(e: QueueEntry) -> list[str]:
     return [
         e.qid, e.spid, e.state.value, e.sender or "<>", e.recipient, e.domain,
@@ -176,8 +199,15 @@ def cmd_qlist(args: argparse.Namespace) -> int:
             return 0
         writer = csv.writer(out, delimiter=";", lineterminator="\n")
         writer.writerow(QLIST_FIELDS)
+        write = out.write
         for e in store.entries(selector, limit=args.limit):
-            writer.writerow(_row(e))
+            row = _row(e)
+            line = ";".join(row)
+            # What csv would write, unless a field needs quoting.
+            if line.count(";") == _SEPARATORS and not _NEEDS_QUOTES.search(line):
+                write(line + "\n")
+            else:
+                writer.writerow(row)
         counts = store.count(selector)
     out.write(totals_line(counts) + "\n")
     return 0

@@ -26,10 +26,11 @@ SEE ALSO
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sluice.model import QueueState
 from sluice.store import Action
@@ -43,6 +44,7 @@ from sluice.store._fs_files import (
     new_gen,
     parse_name,
     read_control,
+    scandir,
 )
 
 if TYPE_CHECKING:
@@ -116,6 +118,11 @@ class Batch:
             self._cur[rel_dir] = cur
             if rel_dir.startswith("deferred/") and self._deferred is not None:
                 self._deferred.add(int(rel_dir.split("/")[1]))
+            # What the batch did to the directory before anyone listed it.
+            prefix = rel_dir + "/"
+            for path in [p for p in self.files if p.startswith(prefix) and "/" not in
+                         p[len(prefix):]]:
+                self._sync(path)
         return cur
 
     def _spid_index(self, rel_dir: str) -> dict[str, set[str]]:
@@ -129,9 +136,20 @@ class Batch:
         return by_spid
 
     def _sync(self, path: str) -> None:
-        """Bring the directory model in line with ``files`` for one path."""
+        """Bring the directory model in line with ``files`` for one path.
+
+        Only for a directory this batch has listed: a submission's batch
+        writes into incoming/ without listing it (a million names), and
+        _dir() folds the batch's files in if it is listed later.
+        """
         rel_dir, name = path.rsplit("/", 1)
-        cur = self._dir(rel_dir)
+        if rel_dir.startswith("deferred/") and self.files.get(path) is not None:
+            self.deferred_dirs()  # make sure the set exists
+            assert self._deferred is not None
+            self._deferred.add(int(rel_dir.split("/")[1]))
+        cur = self._cur.get(rel_dir)
+        if cur is None:
+            return
         if path in self.files:
             present = self.files[path] is not None
         else:
@@ -143,10 +161,6 @@ class Batch:
                 cur[name] = parsed
                 if by_spid is not None:
                     by_spid[parsed.spid].add(name)
-                if rel_dir.startswith("deferred/"):
-                    self.deferred_dirs()  # make sure the set exists
-                    assert self._deferred is not None
-                    self._deferred.add(int(rel_dir.split("/")[1]))
         elif not present and name in cur:
             parsed = cur.pop(name)
             if by_spid is not None:
@@ -192,9 +206,45 @@ class Batch:
         """Control files of a directory (name, parsed name), with the batch's changes."""
         return list(self._dir(rel_dir).items())
 
-    def live_names(self, rel_dir: str) -> Iterable[tuple[str, Name]]:
-        """As names(), without a copy: the caller must not change the view meanwhile."""
-        return self._dir(rel_dir).items()
+    def smallest(self, rel_dir: str, k: int, key: Callable[[Name], tuple[Any, ...]]
+                 ) -> tuple[list[tuple[tuple[Any, ...], str]], int]:
+        """The ``k`` control files of a directory with the smallest ``key``.
+
+        Returns them as (key, path) in order, and the recipients the directory
+        holds in all.  A directory this batch has not listed is read as a stream, so a
+        refill from a million files holds ``k`` of them, not all.
+        """
+        if rel_dir in self._cur:
+            found: Iterable[tuple[str, Name]] = self._dir(rel_dir).items()
+        else:
+            found = self._streamed(rel_dir)
+        total = 0
+
+        def keyed() -> Iterator[tuple[tuple[Any, ...], str]]:
+            nonlocal total
+            for name, parsed in found:
+                total += parsed.n
+                yield key(parsed), f"{rel_dir}/{name}"
+
+        best = heapq.nsmallest(k, keyed())
+        return best, total
+
+    def _streamed(self, rel_dir: str) -> Iterator[tuple[str, Name]]:
+        """A directory's control files as _dir() would have them, one at a time."""
+        prefix = rel_dir + "/"
+        for entry in scandir(self.root / rel_dir):
+            if prefix + entry in self.files:
+                continue  # the batch's own version follows
+            # Not the cached parse: a million names would only churn its cache.
+            parsed = parse_name.__wrapped__(entry)
+            if parsed is not None:
+                yield entry, parsed
+        for path, ctrl in list(self.files.items()):
+            if ctrl is not None and path.startswith(prefix) and "/" not in path[len(prefix):]:
+                name = path[len(prefix):]
+                parsed = parse_name(name)
+                if parsed is not None:
+                    yield name, parsed
 
     def deferred_dirs(self) -> list[int]:
         """Due times of deferred/<T> directories, ascending."""

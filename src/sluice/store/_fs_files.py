@@ -31,6 +31,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -204,6 +205,18 @@ def read_control(root: Path, rel: str) -> Control | None:
         return Control.load(data, state_of(rel), rel)
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise StorageError(f"{root / rel} is not a control file: {exc}") from exc
+
+
+def scandir(path: Path) -> Iterator[str]:
+    """The names in a directory, one at a time (none if it is missing)."""
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                yield entry.name
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StorageError(f"cannot list {path}: {exc}") from exc
 
 
 def listdir(path: Path) -> list[str]:

@@ -169,6 +169,10 @@ CHANGES_KEEP_S = 3600.0
 # The store
 
 
+#: Control files recover() returns to the queue per commit.
+RECOVER_BATCH = 256
+
+
 class FsStore(Committing, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
 
@@ -397,15 +401,14 @@ class FsStore(Committing, Reading):
             return out
 
         def work(view: Batch) -> list[QueueEntry]:
-            inc = [((-parsed.priority, parsed.spid, parsed.idx0, parsed.n), f"incoming/{name}")
-                   for name, parsed in view.live_names("incoming")]
-            dfr = self._due_candidates(view, now)
-            n_inc = sum(key[-1] for key, _ in inc)
-            n_dfr = sum(key[-1] for key, _ in dfr)
-            take_d, take_i = split_quota(limit, n_inc, n_dfr, quota_deferred)
             # Every file holds at least one recipient: the first ``limit`` files
             # in order are all a refill can need, whatever the backlog.
-            return interleave(take(view, heapq.nsmallest(take_i, inc), take_i),
+            inc, n_inc = view.smallest(
+                "incoming", limit, lambda p: (-p.priority, p.spid, p.idx0, p.n))
+            dfr = self._due_candidates(view, now)
+            n_dfr = sum(key[-1] for key, _ in dfr)
+            take_d, take_i = split_quota(limit, n_inc, n_dfr, quota_deferred)
+            return interleave(take(view, inc[:take_i], take_i),
                               take(view, heapq.nsmallest(take_d, dfr), take_d))
 
         result: list[QueueEntry] = self._call(work)
@@ -512,10 +515,14 @@ class FsStore(Committing, Reading):
 
         Then prunes the change feed, cleans tmp/ and removes orphaned content.
         """
-        def work(view: Batch) -> int:
-            moved = 0
+        # In commits of RECOVER_BATCH files: a receiver's commit waits for
+        # one of them, not for the whole active queue to be rewritten.
+        def work(view: Batch) -> tuple[int, bool]:
+            moved = files = 0
             for state in (QueueState.ACTIVE, QueueState.DELIVERING):
                 for name, _ in view.names(STATE_DIRS[state]):
+                    if files >= RECOVER_BATCH:
+                        return moved, True
                     ctrl = view.load(f"{STATE_DIRS[state]}/{name}")
                     if ctrl is None:
                         continue
@@ -523,13 +530,17 @@ class FsStore(Committing, Reading):
                                   gen="", path="")
                     view.swap([ctrl], [new])
                     moved += len(ctrl.rcpts)
+                    files += 1
             view.after.append(lambda: self._prune_changes(now))
             view.after.append(lambda: self._clean_tmp(now))
             view.after.append(lambda: self._reconcile(now))
-            return moved
+            return moved, False
 
-        result: int = self._call(work)
-        return result
+        total, more = 0, True
+        while more:
+            moved, more = self._call(work)
+            total += moved
+        return total
 
     def _prune_changes(self, now: float) -> None:
         path = self.root / "changes.log"
