@@ -52,7 +52,9 @@ STRATEGIES
     the node asks again, first for the slots of what it has in flight.  When
     the come-back ends, leases beyond that share (granted while this node
     was back alone, before the store counted the others' deliveries in
-    flight) go back, and the node asks the store for its share again.
+    flight) go back, and the node asks the store for its share again; this
+    happens in the step that ends it, whatever event that step brings,
+    before any pickup sees the store's grants alone.
 
     Alone in the fall-back.  A node may lose the store while the others
     still reach it (a partition, a reply too late): it is told so
@@ -243,9 +245,21 @@ class ClusterLimits(GroupedLimits):
         return mine
 
     def _comeback(self, now: float) -> _Fallback | None:
-        """The fall-back just left, while the other nodes may still be in it."""
+        """The fall-back just left, while the other nodes may still be in it
+        (None once that is over: its end first trims the grants, so that
+        no step sees the store's grants alone before they are trimmed)."""
         cb = self.comeback
-        return cb if cb is not None and now < cb.until else None
+        if cb is None or now < cb.until:
+            return cb
+        self._end_comeback()
+        return None
+
+    def _end_comeback(self) -> None:
+        """Every node is back (or the transition is over): grants alone."""
+        cb, self.comeback = self.comeback, None
+        assert cb is not None
+        for key, grant in self.grants.items():
+            self._trim_after_comeback(key, grant, cb)
 
     def _lacks(self, row: _Row, slot: int, now: float) -> bool:
         """Whether the entry's grant (or, fallen back, its share) holds a pickup."""
@@ -376,9 +390,9 @@ class ClusterLimits(GroupedLimits):
                 return 0
             return min(room, limits.free(self._fallen_back(self.fallback, th, grant, now),
                                          row.inflight, row.times, row.last_at, now))
+        cb = self._comeback(now)  # first: its end may trim the grant
         if th.concurrency is not None:
             room = min(room, grant.room())
-        cb = self._comeback(now)
         if cb is not None:
             if cb.paused_until(th) > now:
                 return 0
@@ -462,6 +476,7 @@ class ClusterLimits(GroupedLimits):
                 if shared and self.fallback is None:
                     if self.comeback is not None:
                         self.comeback = replace(self.comeback, until=now + transition_s)
+                        self._comeback(now)  # ended now: trimmed before any use
                     return [g.entry for g in self.grants.values() if g.entry is not None]
                 self.comeback = (replace(self.fallback, until=now + transition_s, since=now)
                                  if shared and self.fallback is not None else None)
@@ -484,9 +499,7 @@ class ClusterLimits(GroupedLimits):
                 self.fallback = replace(self.fallback, until=0.0)  # transition over: shares
                 return [g.entry for g in self.grants.values() if g.entry is not None]
             case ClockTicked() if self.comeback is not None and self.comeback.until <= now:
-                cb, self.comeback = self.comeback, None  # every node is back: grants alone
-                for key, grant in self.grants.items():
-                    self._trim_after_comeback(key, grant, cb)
+                self._end_comeback()
                 return [g.entry for g in self.grants.values() if g.entry is not None]
         return []
 
