@@ -17,13 +17,18 @@ DESCRIPTION
 
 STRATEGIES
     Fall back, then come back.  The first Redis error (a timeout, a refused
-    connection) switches the scheduler to its fall-back shares
+    connection, or RedisForgot: Redis restarted empty without our noticing
+    an outage) switches the scheduler to its fall-back shares
     (ClusterModeChanged(shared=False, live nodes, rank, lease_ttl)); the
-    change is logged once and counted.  While fallen back the agent tries
-    Redis every second, and the first heartbeat that succeeds switches the
-    scheduler back (ClusterModeChanged(shared=True)).  The live nodes are
-    PostgreSQL's when the queue is there (it does not depend on Redis),
-    else the last list Redis gave.
+    change is logged once and counted, and the Redis client is told
+    (SharedLimits.reconnect: the next Redis may be a new one, and the idle
+    connections to the old one are closed, so that the first commands
+    after the come-back do not fail on them and fall back a second time).
+    While fallen back the agent tries Redis every second, and the first
+    heartbeat that succeeds switches the scheduler back
+    (ClusterModeChanged(shared=True)).  The live nodes are PostgreSQL's
+    when the queue is there (it does not depend on Redis), else the last
+    list Redis gave.
 
     One command at a time.  A ReturnGrants is carried before the
     AcquireGrants that follows it: the store's answer counts on what this
@@ -250,11 +255,13 @@ class ClusterAgent:
         self._fallen_nodes = len(nodes)
         if isinstance(exc, ResponseError):  # not an outage: Redis refused what we sent
             log.error("cluster limits: Redis refused a request (%s)", one_line(exc))
-        log.warning("cluster limits: Redis unreachable (%s); each limit is now this node's "
-                    "share of it (%d live nodes, rank %d) until Redis answers again",
-                    one_line(exc), len(nodes), rank)
+        log.warning("cluster limits: Redis unreachable or restarted (%s); each limit is now "
+                    "this node's share of it (%d live nodes, rank %d) until Redis answers "
+                    "again", one_line(exc), len(nodes), rank)
         self.post(ClusterModeChanged(False, len(nodes), rank, self.config.cluster.lease_ttl,
                                      others_shared=self._others_shared))
+        with contextlib.suppress(*_REDIS_ERRORS):  # closing dead sockets: nothing to say
+            await self.shared.reconnect()
 
     def _come_back(self) -> None:
         self.state.shared = True
