@@ -34,6 +34,13 @@ STRATEGIES
     AcquireGrants that follows it: the store's answer counts on what this
     node holds.
 
+    Hand over, then say so.  Back from a fall-back, the node tells
+    PostgreSQL it shares again only once its first AcquireGrants is
+    answered: that one carries the leases of its deliveries in flight
+    (ClusterLimits sends it, empty if there are none).  Before, another
+    node could end its come-back on our word and be granted leases that
+    Redis, restarted empty, did not yet know were in use here.
+
 INVARIANTS
     Every AcquireGrants is answered (GrantsChanged) or overtaken by a
     ClusterModeChanged; no error of a background task vanishes: the task
@@ -137,6 +144,7 @@ class ClusterAgent:
                                    postgres_reachable=None if self.nodes_store is None else True)
         self._commands: asyncio.Queue[Command] = asyncio.Queue()
         self._back_at: float | None = None  # came back from the fall-back, others maybe not
+        self._handed_over = True  # Redis counts this node's deliveries in flight
         self._fell_at = 0.0  # when this node last fell back
         self._others_shared = False  # told to the scheduler: others still take from Redis
         self._fallen_nodes = 0  # live nodes told to the scheduler with the fall-back
@@ -198,6 +206,7 @@ class ClusterAgent:
                 if isinstance(cmd, AcquireGrants):
                     answer = await self.shared.acquire(cmd, self.clock)
                     self.post(answer)
+                    self._handed_over = True  # the first after a come-back carries them
                 elif isinstance(cmd, ReturnGrants):
                     await self.shared.give_back(cmd)
             except _REDIS_ERRORS as exc:
@@ -272,6 +281,7 @@ class ClusterAgent:
         # every live node says it shares again (_watch_nodes), for a lease at
         # most; without, for a few retries.
         self._back_at = self.clock()
+        self._handed_over = False
         wait = (self.config.cluster.lease_ttl if self.nodes_store is not None
                 else COMEBACK_S + 2 * self.shared.timeout_s)
         self.post(ClusterModeChanged(True, transition_s=wait))
@@ -283,8 +293,10 @@ class ClusterAgent:
         while not stop.is_set():
             now = self.clock()
             try:
-                await asyncio.to_thread(store.heartbeat, self.host, self.started_at, now,
-                                        "shared" if self.state.shared else "fallback")
+                # "shared" only once Redis counts our deliveries in flight: the
+                # others end their come-backs on it and take leases against them.
+                mode = "shared" if self.state.shared and self._handed_over else "fallback"
+                await asyncio.to_thread(store.heartbeat, self.host, self.started_at, now, mode)
                 rows = await asyncio.to_thread(store.nodes)
                 self.state.postgres_reachable = True
                 live = [r for r in rows if r.heartbeat_at >= now - c.node_lease]
