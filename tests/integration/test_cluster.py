@@ -203,7 +203,10 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
         assert len(began) >= N_RATE
         conc_steady = max((n for t, n in stats.rises_by_domain.get("conc.example", [])
                            if not outage[0] - 1.0 <= t <= outage[1] + 10.0), default=0)
-        print(f"\ncluster test: peak {stats.peak_by_domain['conc.example']} connections to "
+        fell = {n.dir.name: sum("Redis unreachable" in line for line in n.output)
+                for n in nodes[:2]}
+        print(f"\ncluster test: fall-backs {fell}; "
+              f"peak {stats.peak_by_domain['conc.example']} connections to "
               f"conc.example (limit {CONC}), {conc_steady} away from the outage; "
               f"at most {steady} deliveries started in a second "
               f"away from the outage, {started} around it, and "
@@ -212,8 +215,10 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
               f"{len(counts)} distinct delivered in {took_over:.0f} s after the kill; "
               f"{dupes} duplicates; 0 lost")
         # Concurrency: never over the limit away from the Redis restart; at
-        # most one over in the seconds the nodes come back (docs/cluster.md,
-        # "Known weaknesses").
+        # most one connection over in the seconds the nodes come back, for a
+        # connection the sink still counts while it closes after its
+        # delivery (docs/cluster.md, "Limitations"; 3 in every run since the
+        # come-back was mended).
         assert conc_steady <= CONC
         assert stats.peak_by_domain["conc.example"] <= CONC + 1
         # Pickups come at dates 100 ms apart, each used within 50 ms of its

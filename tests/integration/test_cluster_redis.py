@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from sluice.cluster._redisserver import RedisServer
-from sluice.cluster.shared_limits import SharedLimits
+from sluice.cluster.shared_limits import RedisForgot, SharedLimits
 from sluice.scheduler import AcquireGrants, GrantRequest, Rate, ReturnGrants
 from tests.integration.redis_srv import redis_server
 
@@ -89,8 +89,43 @@ def test_an_unreachable_redis_raises_a_connection_error(redis_server: RedisServe
             with pytest.raises((redis.ConnectionError, redis.TimeoutError, OSError)):
                 await a.acquire(conc("k", 1, 1), lambda: 0.0)
             assert not await a.ping()
+            await a.reconnect()  # the agent fell back
             redis_server.run()
             assert await a.heartbeat() == ["a"]  # back, empty: the node renews itself
         finally:
             await a.close()
+    run(go())
+
+
+def test_after_a_redis_restart_the_first_calls_meet_the_new_redis(redis_server: RedisServer
+                                                                 ) -> None:
+    # Two nodes deliver under a limit of 3 (a: 2, b: 1), each with two pooled
+    # connections idle when Redis restarts empty.  No call fails on a
+    # connection made to the old Redis; a node that did not notice the
+    # restart hears once that Redis forgot it; the leases come back for the
+    # deliveries in flight, and no more than the limit in all.
+    def clock() -> float:
+        return 100.0
+
+    async def both(node: SharedLimits, in_use: int) -> int:
+        _, answer = await asyncio.gather(node.heartbeat(),
+                                         node.acquire(conc("k", 3, in_use, in_use), clock))
+        return answer.grants[0].slots
+
+    async def go() -> None:
+        a = SharedLimits(redis_server.url, "a")
+        b = SharedLimits(redis_server.url, "b")
+        try:
+            assert (await both(a, 2), await both(b, 1)) == (2, 1)
+            await asyncio.to_thread(redis_server.restart)  # the nodes' loop runs meanwhile
+            with pytest.raises(RedisForgot):  # not "Connection closed by server"
+                await a.acquire(conc("k", 3, 2, 2), clock)
+            await b.reconnect()  # b noticed the outage (its agent fell back): no error
+            assert await b.heartbeat() == ["a", "b"]
+            for _ in range(5):
+                assert (await both(a, 2), await both(b, 1)) == (2, 1)
+            assert await a.in_use() == {"k": {"a": 2, "b": 1}}
+        finally:
+            await a.close()
+            await b.close()
     run(go())

@@ -17,17 +17,29 @@ DESCRIPTION
 
 STRATEGIES
     Fall back, then come back.  The first Redis error (a timeout, a refused
-    connection) switches the scheduler to its fall-back shares
+    connection, or RedisForgot: Redis restarted empty without our noticing
+    an outage) switches the scheduler to its fall-back shares
     (ClusterModeChanged(shared=False, live nodes, rank, lease_ttl)); the
-    change is logged once and counted.  While fallen back the agent tries
-    Redis every second, and the first heartbeat that succeeds switches the
-    scheduler back (ClusterModeChanged(shared=True)).  The live nodes are
-    PostgreSQL's when the queue is there (it does not depend on Redis),
-    else the last list Redis gave.
+    change is logged once and counted, and the Redis client is told
+    (SharedLimits.reconnect: the next Redis may be a new one, and the idle
+    connections to the old one are closed, so that the first commands
+    after the come-back do not fail on them and fall back a second time).
+    While fallen back the agent tries Redis every second, and the first
+    heartbeat that succeeds switches the scheduler back
+    (ClusterModeChanged(shared=True)).  The live nodes are PostgreSQL's
+    when the queue is there (it does not depend on Redis), else the last
+    list Redis gave.
 
     One command at a time.  A ReturnGrants is carried before the
     AcquireGrants that follows it: the store's answer counts on what this
     node holds.
+
+    Hand over, then say so.  Back from a fall-back, the node tells
+    PostgreSQL it shares again only once its first AcquireGrants is
+    answered: that one carries the leases of its deliveries in flight
+    (ClusterLimits sends it, empty if there are none).  Before, another
+    node could end its come-back on our word and be granted leases that
+    Redis, restarted empty, did not yet know were in use here.
 
 INVARIANTS
     Every AcquireGrants is answered (GrantsChanged) or overtaken by a
@@ -143,6 +155,7 @@ class ClusterAgent:
                                    postgres_reachable=None if self.nodes_store is None else True)
         self._commands: asyncio.Queue[Command] = asyncio.Queue()
         self._back_at: float | None = None  # came back from the fall-back, others maybe not
+        self._handed_over = True  # Redis counts this node's deliveries in flight
         self._fell_at = 0.0  # when this node last fell back
         self._others_shared = False  # told to the scheduler: others still take from Redis
         self._fallen_nodes = 0  # live nodes told to the scheduler with the fall-back
@@ -205,6 +218,7 @@ class ClusterAgent:
                 if isinstance(cmd, AcquireGrants):
                     answer = await self.shared.acquire(cmd, self.clock)
                     self.post(answer)
+                    self._handed_over = True  # the first after a come-back carries them
                 elif isinstance(cmd, ReturnGrants):
                     await self.shared.give_back(cmd)
             except _REDIS_ERRORS as exc:
@@ -262,11 +276,13 @@ class ClusterAgent:
         self._fallen_nodes = len(nodes)
         if isinstance(exc, ResponseError):  # not an outage: Redis refused what we sent
             log.error("cluster limits: Redis refused a request (%s)", one_line(exc))
-        log.warning("cluster limits: Redis unreachable (%s); each limit is now this node's "
-                    "share of it (%d live nodes, rank %d) until Redis answers again",
-                    one_line(exc), len(nodes), rank)
+        log.warning("cluster limits: Redis unreachable or restarted (%s); each limit is now "
+                    "this node's share of it (%d live nodes, rank %d) until Redis answers "
+                    "again", one_line(exc), len(nodes), rank)
         self.post(ClusterModeChanged(False, len(nodes), rank, self.config.cluster.lease_ttl,
                                      others_shared=self._others_shared))
+        with contextlib.suppress(*_REDIS_ERRORS):  # closing dead sockets: nothing to say
+            await self.shared.reconnect()
 
     def _come_back(self) -> None:
         self.state.shared = True
@@ -277,6 +293,7 @@ class ClusterAgent:
         # every live node says it shares again (_watch_nodes), for a lease at
         # most; without, for a few retries.
         self._back_at = self.clock()
+        self._handed_over = False
         wait = (self.config.cluster.lease_ttl if self.nodes_store is not None
                 else COMEBACK_S + 2 * self.shared.timeout_s)
         self.post(ClusterModeChanged(True, transition_s=wait))
@@ -288,8 +305,10 @@ class ClusterAgent:
         while not stop.is_set():
             now = self.clock()
             try:
-                await asyncio.to_thread(store.heartbeat, self.host, self.started_at, now,
-                                        "shared" if self.state.shared else "fallback")
+                # "shared" only once Redis counts our deliveries in flight: the
+                # others end their come-backs on it and take leases against them.
+                mode = "shared" if self.state.shared and self._handed_over else "fallback"
+                await asyncio.to_thread(store.heartbeat, self.host, self.started_at, now, mode)
                 rows = await asyncio.to_thread(store.nodes)
                 self.state.postgres_reachable = True
                 live = [r for r in rows if r.heartbeat_at >= now - c.node_lease]
@@ -336,6 +355,11 @@ class ClusterAgent:
                          now: float) -> None:
         entries = await asyncio.to_thread(store.take_over, dead, now,
                                           now - self.config.cluster.node_lease)
+        if not entries:
+            # Another live node got there first (or the dead one held nothing):
+            # counted and logged by the node that returned the entries.
+            log.debug("cluster: node %s silent; nothing of it left to return", dead)
+            return
         self.state.takeovers += 1
         self.state.entries_taken_over += len(entries)
         log.warning("cluster: node %s silent for %.0f s; returned its %d claimed "

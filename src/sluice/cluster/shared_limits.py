@@ -6,6 +6,7 @@ SUMMARY
     answer = await shared.acquire(AcquireGrants(...), now)   -> GrantsChanged
     await shared.give_back(ReturnGrants(...))
     await shared.nodes() -> list of live node ids (sorted)
+    await shared.reconnect()                        after an outage: Redis may be a new one
 
 DESCRIPTION
     The scheduler's ClusterLimits asks for capacity with AcquireGrants and
@@ -47,6 +48,25 @@ STRATEGIES
     as NTP does), so that a late answer does not move them; the other half
     of the spacing absorbs what error is left.
 
+    Say when Redis forgot us.  Every script first checks this node's key.
+    If it is gone while Redis should know the node (it answered since the
+    last reconnect()), Redis restarted empty, or the node was silent for
+    a lease: the leases this node holds, and the deliveries they cover,
+    are no longer counted there.  The call then raises RedisForgot (after
+    renewing the key), which the agent takes as an outage: it falls back
+    and comes back through the transition that hands over the deliveries
+    in flight first.  So a restart quicker than any command noticed is not
+    missed.
+
+    Connections made to an old Redis are not reused.  redis-py 8.1.0 with
+    RESP3 (its default) hands out a pooled connection that the server
+    closed while it sat idle, when maintenance notifications are "auto"
+    (redis-py issue 4252): the first command after a Redis restart then
+    fails with "Connection closed by server", a spurious second outage.
+    Maintenance notifications (a Redis Enterprise feature) are turned off
+    here, which restores the pool's check; and reconnect() closes every
+    idle pooled connection as well, whatever the client version does.
+
 LIMITATIONS
     One Redis (a primary, with replicas for failover if wanted), not Redis
     Cluster: the scripts touch keys they compute.  A date a node does not
@@ -65,11 +85,13 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from sluice.config import Config
 from sluice.scheduler.events import AcquireGrants, Grant, GrantsChanged, ReturnGrants
 
-__all__ = ["ENV_PASSWORD", "ENV_URL", "SharedLimits"]
+__all__ = ["ENV_PASSWORD", "ENV_URL", "RedisForgot", "SharedLimits"]
 
 ENV_URL = "SLUICE_REDIS_URL"  # also read by sluice.cluster.enabled
 ENV_PASSWORD = "SLUICE_REDIS_PASSWORD"
@@ -80,8 +102,9 @@ ENV_PASSWORD = "SLUICE_REDIS_PASSWORD"
 #       then per request: key, concurrency (-1: none), spacing_ms (0: none), slots, pickups,
 #       in_use.
 # (spacing_ms may have a fraction: 1000/30 is not 33.)
-# Returns per request: slots, share (-1: none), retry_ms (-1: none), use_within_us, n, then
-# n dates as microseconds from Redis's now.
+# Returns whether the node's key was there (1/0), Redis's now (microseconds), then per
+# request: slots, share (-1: none), retry_ms (-1: none), use_within_us, n, then n dates as
+# microseconds from Redis's now.
 _ACQUIRE = """
 local p, node = ARGV[1], ARGV[2]
 local ttl, window, horizon = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -90,9 +113,10 @@ local min_within = tonumber(ARGV[8])
 -- Requests begin after the eight arguments above.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local known = redis.call('EXISTS', p .. 'node:' .. node)
 redis.call('SET', p .. 'node:' .. node, now, 'PX', ttl)
 redis.call('ZADD', p .. 'nodes', now, node)
-local out = {tonumber(t[1]) * 1000000 + tonumber(t[2])}  -- Redis's now, microseconds
+local out = {known, tonumber(t[1]) * 1000000 + tonumber(t[2])}
 local i = 9
 while i <= #ARGV do
   local key, conc, spacing = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
@@ -177,18 +201,25 @@ end
 return 0
 """
 
-# ARGV: prefix, node, lease_ttl_ms.  Returns the live nodes, in id order.
+# ARGV: prefix, node, lease_ttl_ms.  Returns whether the node's key was there (1/0), then
+# the live nodes, in id order.
 _HEARTBEAT = """
 local p, node, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local known = redis.call('EXISTS', p .. 'node:' .. node)
 redis.call('SET', p .. 'node:' .. node, now, 'PX', ttl)
 redis.call('ZADD', p .. 'nodes', now, node)
 redis.call('ZREMRANGEBYSCORE', p .. 'nodes', '-inf', now - ttl)
 local live = redis.call('ZRANGE', p .. 'nodes', 0, -1)
 table.sort(live)
+table.insert(live, 1, known)
 return live
 """
+
+
+class RedisForgot(RedisError):
+    """Redis no longer knows this node (restarted empty, or the node's key expired)."""
 
 
 class SharedLimits:
@@ -209,9 +240,12 @@ class SharedLimits:
                       str(int(want_window_s * 1000)), str(int(horizon_s * 1000)),
                       str(int(retry_s * 1000)), str(int(max_use_within_s * 1000)),
                       repr(min_use_within_s * 1000)]
-        kwargs: dict[str, Any] = {"socket_timeout": timeout_s,
-                                  "socket_connect_timeout": timeout_s,
-                                  "decode_responses": True}
+        kwargs: dict[str, Any] = {
+            "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+            "decode_responses": True,
+            # Off: with it ("auto" under RESP3) redis-py 8.1.0 reuses pooled
+            # connections the server closed (see "Connections made to an old Redis").
+            "maint_notifications_config": MaintNotificationsConfig(enabled=False)}
         if password:
             kwargs["password"] = password
         if url.startswith("rediss://"):
@@ -222,6 +256,7 @@ class SharedLimits:
         self._acquire = self.client.register_script(_ACQUIRE)
         self._return = self.client.register_script(_RETURN)
         self._heartbeat = self.client.register_script(_HEARTBEAT)
+        self._known = False  # Redis should know this node: it answered since reconnect()
 
     @classmethod
     def from_config(cls, config: Config) -> SharedLimits | None:
@@ -236,8 +271,23 @@ class SharedLimits:
 
     async def heartbeat(self) -> list[str]:
         """Renew this node (and so its leases); the live nodes in id order."""
-        live = await self._heartbeat(args=[*self._args[:2], self._args[2]])
+        known, *live = await self._heartbeat(args=[*self._args[:2], self._args[2]])
+        self._check_known(int(known))
         return [str(n) for n in live]
+
+    def _check_known(self, known: int) -> None:
+        """Raise RedisForgot if this node's key was gone while Redis should have it."""
+        expected, self._known = self._known, True
+        if expected and not known:
+            raise RedisForgot(f"Redis no longer knows node {self.node_id!r}: restarted empty, "
+                              "or the node's key expired")
+
+    async def reconnect(self) -> None:
+        """After an outage: Redis may be a new one, which does not know this
+        node (no RedisForgot for that), and the idle pooled connections
+        were made to the old one (closed here)."""
+        self._known = False
+        await self.client.connection_pool.disconnect(inuse_connections=False)
 
     async def acquire(self, cmd: AcquireGrants, clock: Callable[[], float]) -> GrantsChanged:
         """Ask for every request of ``cmd``; the answer in this node's time.
@@ -256,10 +306,11 @@ class SharedLimits:
         sent = clock()
         raw = [int(x) for x in await self._acquire(args=args)]
         received = clock()
-        offset = self._offset(raw[0] / 1e6, sent, received)
+        self._check_known(raw[0])
+        offset = self._offset(raw[1] / 1e6, sent, received)
         now = received
         grants = []
-        pos = 1
+        pos = 2
         for r in cmd.requests:
             slots, share, retry, within, n = raw[pos:pos + 5]
             dates = tuple(d / 1e6 - offset for d in raw[pos + 5:pos + 5 + n])

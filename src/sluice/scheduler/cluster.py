@@ -52,7 +52,16 @@ STRATEGIES
     the node asks again, first for the slots of what it has in flight.  When
     the come-back ends, leases beyond that share (granted while this node
     was back alone, before the store counted the others' deliveries in
-    flight) go back, and the node asks the store for its share again.
+    flight) go back, and the node asks the store for its share again; this
+    happens in the step that ends it, whatever event that step brings,
+    before any pickup sees the store's grants alone.
+
+    Hand over before sharing.  The step that comes back sends one
+    AcquireGrants carrying the leases of every delivery in flight (an
+    empty one if there are none), so that the store counts them before
+    any other node is granted leases against them.  The runtime tells the
+    other nodes that this one shares again only once that request is
+    answered (sluice.cluster.agent): until then their come-backs go on.
 
     Alone in the fall-back.  A node may lose the store while the others
     still reach it (a partition, a reply too late): it is told so
@@ -64,6 +73,9 @@ STRATEGIES
     exceeded.
 
 INVARIANTS
+    slots is what the store counts for this node once every command sent
+    is carried: an answer to a request sent before leases went back
+    counts them given back (_Grant.answered_slots).
     used <= slots for every grant while shared; a dated slot is used at most
     once, never before its time nor after its time + use_within_s.
 
@@ -118,6 +130,8 @@ class _Grant:
         "entry",
         "idle_at",
         "retry_at",
+        "returned",
+        "sent",
         "share",
         "slot_ats",
         "slots",
@@ -143,6 +157,21 @@ class _Grant:
         self.switch_slots = 0  # leases held when the node fell back
         self.answered_at = 0.0  # when the store last answered for it
         self.batch = 1  # dates to ask for at once; doubles while all are used
+        self.returned = 0  # leases given back so far (a running total)
+        self.sent: deque[int] = deque()  # ``returned`` when each unanswered request left
+
+    def give_back(self, key: str, count: int, into: list[tuple[str, int]]) -> None:
+        """Give ``count`` leases back (in ``into``'s ReturnGrants)."""
+        into.append((key, count))
+        self.slots -= count
+        self.returned += count
+
+    def answered_slots(self, slots: int) -> int:
+        """The leases held after an answer of ``slots``: the store counted
+        them when it answered, before the ones given back since the request
+        left (the runtime carries commands in order)."""
+        at = self.sent.popleft() if self.sent else self.returned
+        return slots - (self.returned - at)
 
     def room(self) -> int:
         """Leases free for a new delivery (within the node's share)."""
@@ -201,6 +230,7 @@ class ClusterLimits(GroupedLimits):
         self.comeback: _Fallback | None = None  # left lately, others maybe not yet
         self.cluster: frozenset[str] = frozenset()  # counter ids with scope: cluster
         self.returning: list[tuple[str, int]] = []  # leases to give back at the next step
+        self.hand_over = False  # just back: the next outbox asks, if only for nothing
 
     def load(self, policy: Policy, now: float) -> None:
         """Limits.load, noting the cluster-scoped counters; every grant asks again."""
@@ -248,9 +278,21 @@ class ClusterLimits(GroupedLimits):
         return mine
 
     def _comeback(self, now: float) -> _Fallback | None:
-        """The fall-back just left, while the other nodes may still be in it."""
+        """The fall-back just left, while the other nodes may still be in it
+        (None once that is over: its end first trims the grants, so that
+        no step sees the store's grants alone before they are trimmed)."""
         cb = self.comeback
-        return cb if cb is not None and now < cb.until else None
+        if cb is None or now < cb.until:
+            return cb
+        self._end_comeback()
+        return None
+
+    def _end_comeback(self) -> None:
+        """Every node is back (or the transition is over): grants alone."""
+        cb, self.comeback = self.comeback, None
+        assert cb is not None
+        for key, grant in self.grants.items():
+            self._trim_after_comeback(key, grant, cb)
 
     def _lacks(self, row: _Row, slot: int, now: float) -> bool:
         """Whether the entry's grant (or, fallen back, its share) holds a pickup."""
@@ -354,8 +396,7 @@ class ClusterLimits(GroupedLimits):
                 limit = parts[1].concurrency
         keep = grant.used if limit is None else max(grant.used, cb.share(limit))
         if grant.slots > keep:
-            self.returning.append((key, grant.slots - keep))
-            grant.slots = keep
+            grant.give_back(key, grant.slots - keep, self.returning)
             grant.share = None
             grant.asked = False
 
@@ -365,8 +406,7 @@ class ClusterLimits(GroupedLimits):
             return
         keep = max(grant.share, grant.used)
         if grant.slots > keep and grant.entry is not None:
-            self.returning.append((cluster_key(grant.entry), grant.slots - keep))
-            grant.slots = keep
+            grant.give_back(cluster_key(grant.entry), grant.slots - keep, self.returning)
 
     def _cluster_parts(self, entry: Entry) -> tuple[_Row, Thresholds, _Grant] | None:
         """The row, thresholds and grant of a cluster entry (None: not one)."""
@@ -390,9 +430,9 @@ class ClusterLimits(GroupedLimits):
                 return 0
             return min(room, limits.free(self._fallen_back(self.fallback, th, grant, now),
                                          row.inflight, row.times, row.last_at, now))
+        cb = self._comeback(now)  # first: its end may trim the grant
         if th.concurrency is not None:
             room = min(room, grant.room())
-        cb = self._comeback(now)
         if cb is not None:
             if cb.paused_until(th) > now:
                 return 0
@@ -455,7 +495,8 @@ class ClusterLimits(GroupedLimits):
                         continue
                     grant.asked = False
                     grant.answered_at = now
-                    grant.slots = max(g.slots, grant.used)  # in flight keeps its lease
+                    # In flight keeps its lease.
+                    grant.slots = max(grant.answered_slots(g.slots), grant.used)
                     grant.share = g.share
                     self._give_back_above_share(grant)
                     grant.slot_ats.extend(sorted(g.slot_ats))
@@ -485,9 +526,11 @@ class ClusterLimits(GroupedLimits):
                 if shared and self.fallback is None:
                     if self.comeback is not None:
                         self.comeback = replace(self.comeback, until=now + transition_s)
+                        self._comeback(now)  # ended now: trimmed before any use
                     return [g.entry for g in self.grants.values() if g.entry is not None]
                 self.comeback = (replace(self.fallback, until=now + transition_s, since=now)
                                  if shared and self.fallback is not None else None)
+                self.hand_over = self.comeback is not None
                 self.fallback = (None if shared else
                                  _Fallback(max(1, nodes), rank, now + transition_s, now,
                                            others))
@@ -499,6 +542,7 @@ class ClusterLimits(GroupedLimits):
                     grant.slot_ats.clear()
                     grant.retry_at = None
                     grant.slots = 0  # leases are asked for again, in flight first
+                    grant.sent.clear()  # unanswered requests: dropped by the runtime
                     grant.want_slots = grant.used
                     grant.idle_at = _NEVER
                 return [g.entry for g in self.grants.values() if g.entry is not None]
@@ -507,16 +551,17 @@ class ClusterLimits(GroupedLimits):
                 self.fallback = replace(self.fallback, until=0.0)  # transition over: shares
                 return [g.entry for g in self.grants.values() if g.entry is not None]
             case ClockTicked() if self.comeback is not None and self.comeback.until <= now:
-                cb, self.comeback = self.comeback, None  # every node is back: grants alone
-                for key, grant in self.grants.items():
-                    self._trim_after_comeback(key, grant, cb)
+                self._end_comeback()
                 return [g.entry for g in self.grants.values() if g.entry is not None]
         return []
 
     def outbox(self, now: float) -> list[Command]:
         """The grant requests and lease returns to send after a step; none while fallen back."""
-        if self.fallback is not None or not (self.grants or self.returning):
+        if self.fallback is not None:
             return []
+        hand_over, self.hand_over = self.hand_over, False
+        if not (self.grants or self.returning):
+            return [AcquireGrants(())] if hand_over else []
         requests = []
         returns = self.returning
         self.returning = []
@@ -524,8 +569,7 @@ class ClusterLimits(GroupedLimits):
             entry = grant.entry
             if entry is None:  # not used since a reload: only its idle leases matter
                 if grant.slots > grant.used and grant.idle_at + self.idle_s <= now:
-                    returns.append((key, grant.slots - grant.used))
-                    grant.slots = grant.used
+                    grant.give_back(key, grant.slots - grant.used, returns)
                     grant.idle_at = _NEVER
                 continue
             _, th = self._parts(entry)
@@ -544,8 +588,7 @@ class ClusterLimits(GroupedLimits):
                      and grant.answered_at + self.refresh_s <= now)
             if (not waiting and grant.slots > grant.used
                     and grant.idle_at + self.idle_s <= now):
-                returns.append((key, grant.slots - grant.used))
-                grant.slots = grant.used
+                grant.give_back(key, grant.slots - grant.used, returns)
                 grant.idle_at = _NEVER
             elif (wants or stale) and not grant.asked and (
                     grant.retry_at is None or grant.retry_at <= now or stale):
@@ -558,11 +601,12 @@ class ClusterLimits(GroupedLimits):
                     key, th.concurrency, th.rate, th.connectinterval_s or None,
                     max(grant.want_slots, grant.used), pickups, grant.used))
                 grant.asked = True
+                grant.sent.append(grant.returned)
                 grant.want_slots = grant.want_pickups = 0
         out: list[Command] = []
         if returns:  # first: a request counts on the leases the store holds for us
             out.append(ReturnGrants(tuple(returns)))
-        if requests:
+        if requests or hand_over:
             out.append(AcquireGrants(tuple(requests)))
         return out
 
