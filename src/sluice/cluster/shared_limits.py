@@ -283,9 +283,12 @@ class SharedLimits:
                               "or the node's key expired")
 
     async def reconnect(self) -> None:
-        """After an outage: Redis may be a new one, which does not know this
-        node (no RedisForgot for that), and the idle pooled connections
-        were made to the old one (closed here)."""
+        """Forget the old Redis after an outage; idle pooled connections close.
+
+        Redis may be a new one, which does not know this node (no
+        RedisForgot for that), and the idle pooled connections were made to
+        the old one.
+        """
         self._known = False
         await self.client.connection_pool.disconnect(inuse_connections=False)
 

@@ -167,9 +167,11 @@ class _Grant:
         self.returned += count
 
     def answered_slots(self, slots: int) -> int:
-        """The leases held after an answer of ``slots``: the store counted
-        them when it answered, before the ones given back since the request
-        left (the runtime carries commands in order)."""
+        """The leases held after an answer of ``slots``.
+
+        The store counted them when it answered, before the ones given back
+        since the request left (the runtime carries commands in order).
+        """
         at = self.sent.popleft() if self.sent else self.returned
         return slots - (self.returned - at)
 
@@ -278,9 +280,11 @@ class ClusterLimits(GroupedLimits):
         return mine
 
     def _comeback(self, now: float) -> _Fallback | None:
-        """The fall-back just left, while the other nodes may still be in it
-        (None once that is over: its end first trims the grants, so that
-        no step sees the store's grants alone before they are trimmed)."""
+        """The fall-back just left, while the other nodes may still be in it.
+
+        None once that is over: its end first trims the grants, so that no
+        step sees the store's grants alone before they are trimmed.
+        """
         cb = self.comeback
         if cb is None or now < cb.until:
             return cb
