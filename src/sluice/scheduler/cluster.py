@@ -75,7 +75,7 @@ STRATEGIES
 INVARIANTS
     slots is what the store counts for this node once every command sent
     is carried: an answer to a request sent before leases went back
-    counts them given back (_Grant.answered_slots).
+    counts them given back (Grant.answered_slots).
     used <= slots for every grant while shared; a dated slot is used at most
     once, never before its time nor after its time + use_within_s.
 
@@ -91,10 +91,11 @@ SEE ALSO
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from sluice.scheduler import limits
+from sluice.scheduler.cluster_grants import NEVER as _NEVER
+from sluice.scheduler.cluster_grants import Fallback, Grant
 from sluice.scheduler.events import (
     AcquireGrants,
     ClockTicked,
@@ -107,115 +108,16 @@ from sluice.scheduler.events import (
 )
 from sluice.scheduler.limits import Entry
 from sluice.scheduler.limits_grouped import GroupedLimits, _Binding, _Entry, _Row
-from sluice.scheduler.policy import Policy, Rate, Thresholds
+from sluice.scheduler.policy import Policy, Thresholds
 
 __all__ = ["ClusterLimits", "cluster_key"]
 
-_NEVER = float("inf")
 MAX_BATCH = 64
 
 
 def cluster_key(entry: Entry) -> str:
     """The name of a counter entry in the shared store: counter id and key."""
     return "\x1f".join((entry.counter.id, *entry.key))
-
-
-class _Grant:
-    """What this node holds of one cluster entry."""
-
-    __slots__ = (
-        "answered_at",
-        "asked",
-        "batch",
-        "entry",
-        "idle_at",
-        "retry_at",
-        "returned",
-        "sent",
-        "share",
-        "slot_ats",
-        "slots",
-        "switch_slots",
-        "use_within_s",
-        "used",
-        "want_pickups",
-        "want_slots",
-    )
-
-    def __init__(self, entry: _Entry) -> None:
-        self.entry: _Entry | None = entry  # its blocker (None after a reload, until used)
-        self.slots = 0  # leases held
-        self.used = 0  # deliveries in flight here (each needs a lease while shared)
-        self.slot_ats: deque[float] = deque()  # dated pickups granted, oldest first
-        self.use_within_s = 0.0
-        self.retry_at: float | None = None
-        self.asked = False  # a request is out
-        self.want_slots = 0
-        self.want_pickups = 0
-        self.idle_at = _NEVER  # since when a leased slot is unused
-        self.share: int | None = None  # the most to keep while others want some
-        self.switch_slots = 0  # leases held when the node fell back
-        self.answered_at = 0.0  # when the store last answered for it
-        self.batch = 1  # dates to ask for at once; doubles while all are used
-        self.returned = 0  # leases given back so far (a running total)
-        self.sent: deque[int] = deque()  # ``returned`` when each unanswered request left
-
-    def give_back(self, key: str, count: int, into: list[tuple[str, int]]) -> None:
-        """Give ``count`` leases back (in ``into``'s ReturnGrants)."""
-        into.append((key, count))
-        self.slots -= count
-        self.returned += count
-
-    def answered_slots(self, slots: int) -> int:
-        """The leases held after an answer of ``slots``.
-
-        The store counted them when it answered, before the ones given back
-        since the request left (the runtime carries commands in order).
-        """
-        at = self.sent.popleft() if self.sent else self.returned
-        return slots - (self.returned - at)
-
-    def room(self) -> int:
-        """Leases free for a new delivery (within the node's share)."""
-        cap = self.slots if self.share is None else min(self.slots, self.share)
-        return cap - self.used
-
-
-@dataclass(frozen=True, slots=True)
-class _Fallback:
-    nodes: int
-    rank: int
-    until: float  # end of the transition: leases held before may still count elsewhere
-    since: float  # when the node fell back (or, later, when the last other did)
-    others_shared: bool = False  # other live nodes still take from the store
-
-    def paused_until(self, th: Thresholds) -> float:
-        """Until when a rate or an interval starts nothing after the switch.
-
-        One window, so that no window holds pickups granted by the store and
-        pickups of the shares (which do not know each other's); for ever while
-        others still take from the store (an event ends it).
-        """
-        if self.others_shared and (th.rate is not None or th.connectinterval_s):
-            return _NEVER
-        wait = 0.0
-        if th.rate is not None:
-            wait = th.rate.per_s
-        if th.connectinterval_s:
-            wait = max(wait, th.connectinterval_s)
-        return self.since + wait
-
-    def share(self, limit: int) -> int:
-        """This node's part of a cluster limit of ``limit``."""
-        return limit // self.nodes + (1 if self.rank < limit % self.nodes else 0)
-
-    def thresholds(self, th: Thresholds) -> Thresholds:
-        conc = None if th.concurrency is None else self.share(th.concurrency)
-        rate = None if th.rate is None else Rate(self.share(th.rate.count), th.rate.per_s)
-        interval = th.connectinterval_s
-        if interval:
-            interval *= self.nodes  # one pickup per interval in all: each its turn
-        return replace(th, concurrency=conc, rate=rate, connectinterval_s=interval)
 
 
 class ClusterLimits(GroupedLimits):
@@ -227,9 +129,9 @@ class ClusterLimits(GroupedLimits):
         self.idle_s = idle_s
         self.refresh_s = refresh_s  # how often spare leases ask for the node's share
         self.lookahead = lookahead  # slots asked for beyond the next pickup
-        self.grants: dict[str, _Grant] = {}
-        self.fallback: _Fallback | None = None
-        self.comeback: _Fallback | None = None  # left lately, others maybe not yet
+        self.grants: dict[str, Grant] = {}
+        self.fallback: Fallback | None = None
+        self.comeback: Fallback | None = None  # left lately, others maybe not yet
         self.cluster: frozenset[str] = frozenset()  # counter ids with scope: cluster
         self.returning: list[tuple[str, int]] = []  # leases to give back at the next step
         self.hand_over = False  # just back: the next outbox asks, if only for nothing
@@ -254,17 +156,17 @@ class ClusterLimits(GroupedLimits):
                 out.append((row, slot))
         return out
 
-    def _grant(self, row: _Row, slot: int) -> _Grant:
+    def _grant(self, row: _Row, slot: int) -> Grant:
         entry = row.entry(slot)
         key = cluster_key(entry)
         grant = self.grants.get(key)
         if grant is None:
-            grant = self.grants[key] = _Grant(entry)
+            grant = self.grants[key] = Grant(entry)
         elif grant.entry is not entry:
             grant.entry = entry
         return grant
 
-    def _fallen_back(self, fallback: _Fallback, th: Thresholds, grant: _Grant,
+    def _fallen_back(self, fallback: Fallback, th: Thresholds, grant: Grant,
                      now: float) -> Thresholds:
         """The thresholds this node keeps alone: its share, with two restrictions.
 
@@ -279,7 +181,7 @@ class ClusterLimits(GroupedLimits):
                 mine = replace(mine, concurrency=0)
         return mine
 
-    def _comeback(self, now: float) -> _Fallback | None:
+    def _comeback(self, now: float) -> Fallback | None:
         """The fall-back just left, while the other nodes may still be in it.
 
         None once that is over: its end first trims the grants, so that no
@@ -334,7 +236,7 @@ class ClusterLimits(GroupedLimits):
         return max(1, min(MAX_BATCH, th.rate.count // 4))
 
     @staticmethod
-    def _drop_stale(grant: _Grant, now: float) -> None:
+    def _drop_stale(grant: Grant, now: float) -> None:
         ats = grant.slot_ats
         dropped = False
         while ats and ats[0] + grant.use_within_s < now:
@@ -384,7 +286,7 @@ class ClusterLimits(GroupedLimits):
                     grant.idle_at = now
         return waited
 
-    def _trim_after_comeback(self, key: str, grant: _Grant, cb: _Fallback) -> None:
+    def _trim_after_comeback(self, key: str, grant: Grant, cb: Fallback) -> None:
         """Give back the leases above this node's part once every node is back.
 
         Leases asked for while this node was back alone may hold more than its
@@ -404,7 +306,7 @@ class ClusterLimits(GroupedLimits):
             grant.share = None
             grant.asked = False
 
-    def _give_back_above_share(self, grant: _Grant) -> None:
+    def _give_back_above_share(self, grant: Grant) -> None:
         """Return at once the leases above the node's share that nothing uses."""
         if grant.share is None or self.fallback is not None:
             return
@@ -412,7 +314,7 @@ class ClusterLimits(GroupedLimits):
         if grant.slots > keep and grant.entry is not None:
             grant.give_back(cluster_key(grant.entry), grant.slots - keep, self.returning)
 
-    def _cluster_parts(self, entry: Entry) -> tuple[_Row, Thresholds, _Grant] | None:
+    def _cluster_parts(self, entry: Entry) -> tuple[_Row, Thresholds, Grant] | None:
         """The row, thresholds and grant of a cluster entry (None: not one)."""
         if entry.counter.id not in self.cluster:
             return None
@@ -536,7 +438,7 @@ class ClusterLimits(GroupedLimits):
                                  if shared and self.fallback is not None else None)
                 self.hand_over = self.comeback is not None
                 self.fallback = (None if shared else
-                                 _Fallback(max(1, nodes), rank, now + transition_s, now,
+                                 Fallback(max(1, nodes), rank, now + transition_s, now,
                                            others))
                 self.returning.clear()  # the store forgets them (their TTL) or never heard
                 for grant in self.grants.values():
