@@ -384,18 +384,11 @@ class SqliteStore(Database):
                 plan = [(*key, keys) for key, keys in groups.items()]
             for statement, params, spid, keys in plan:
                 for at in range(0, len(keys), _KEYS_PER_STATEMENT):
-                    part = keys[at : at + _KEYS_PER_STATEMENT]
-                    if len(part) == 1:
-                        idx, qid = part[0]
-                        cur = conn.execute(statement + " AND spid = ? AND idx = ?",
-                                           (*params, spid, idx))
-                        done = [qid] if cur.rowcount else []
-                    else:
-                        by_idx = dict(part)
-                        rows = conn.execute(
-                            f"{statement} AND spid = ? AND idx IN ({','.join('?' * len(part))})"
-                            " RETURNING idx", (*params, spid, *by_idx)).fetchall()
-                        done = [by_idx[idx] for idx, in rows]
+                    by_idx = dict(keys[at : at + _KEYS_PER_STATEMENT])
+                    rows = conn.execute(
+                        f"{statement} AND spid = ? AND idx IN ({','.join('?' * len(by_idx))})"
+                        " RETURNING idx", (*params, spid, *by_idx)).fetchall()
+                    done = [by_idx[idx] for idx, in rows]
                     if done:
                         applied.update(done)
                         if statement.startswith("DELETE"):
