@@ -44,6 +44,7 @@ from pathlib import Path
 
 import psycopg
 import yaml
+from procfs import proc_stats
 
 from sluice._loopback import free_port
 from sluice.cluster._redisserver import RedisServer
@@ -66,14 +67,7 @@ def loadavg() -> str:
 def cpu_of_groups(pgids: set[int]) -> float:
     """CPU seconds (user + system) of every live process in these process groups."""
     total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
+    for _pid, fields in proc_stats():
         if int(fields[2]) in pgids:  # pgrp
             total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / CLK

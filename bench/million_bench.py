@@ -54,6 +54,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from procfs import proc_stats  # noqa: E402
+
 from sluice.config import load_config  # noqa: E402
 from sluice.model import Submission  # noqa: E402
 from sluice.sink import Sink  # noqa: E402
@@ -155,15 +157,8 @@ def fill(store: Store, target: int, rcpts: int) -> float:
 def tree_rss_kb(pid: int) -> tuple[int, int]:
     """VmRSS (KB) of ``pid`` and of it with every descendant."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+    for child, fields in proc_stats():
+        children.setdefault(int(fields[1]), []).append(child)
 
     def rss(p: int) -> int:
         try:
