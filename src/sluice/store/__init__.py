@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACTION_STATES",
+    "CHANGES_KEEP_S",
+    "ORPHAN_AGE_S",
     "Action",
     "Change",
     "Counts",
@@ -57,6 +59,15 @@ __all__ = [
     "narrow",
     "open_store",
 ]
+
+
+#: Every flavour keeps operator changes this long in its change feed.
+CHANGES_KEEP_S = 3600.0
+
+#: Content without queue entries is removed by recover() only once this
+#: old: younger content may belong to a submission that another process
+#: (or node) wrote and has not committed yet.
+ORPHAN_AGE_S = 3600.0
 
 
 class StorageError(Exception):

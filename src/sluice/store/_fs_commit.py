@@ -35,12 +35,12 @@ import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.model import QueueState
 from sluice.spool import SpoolFile
 from sluice.spool.fs import FsSpool
-from sluice.store import StorageError
+from sluice.store import ORPHAN_AGE_S, StorageError
 from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths, in_parallel
 from sluice.store._fs_batch import Batch, Effects
 from sluice.store._fs_files import (
@@ -52,11 +52,6 @@ from sluice.store._fs_files import (
     unlink,
     write_file,
 )
-
-#: How long content without control files must have existed before
-#: recover() removes it: a submitter in another process may be between its
-#: spool write and its commit.
-ORPHAN_AGE_S = 3600.0
 
 
 class LateFailure(OSError):
@@ -75,8 +70,8 @@ class Committing:
     _batch_no: itertools.count[int]
     _seq_cache: tuple[int, int]
 
-    def dir_for(self, state: QueueState, next_at: float) -> str:
-        raise NotImplementedError  # FsStore's
+    if TYPE_CHECKING:  # Layout's, through FsStore
+        def dir_for(self, state: QueueState, next_at: float) -> str: ...
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

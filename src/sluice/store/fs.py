@@ -93,10 +93,11 @@ LIMITATIONS
 
 PARTS
     This file keeps the store's operations; the nouns they use are in
-    _fs_files (a control file: name, format, read, write), _fs_batch (the
-    overlay one batch works on), _fs_commit (group commit, journals,
-    content links, the change feed) and _fs_reading (listing, counting,
-    qshape, expiry, the feed's reader).
+    _fs_files (a control file: name, format, read, write), _fs_layout (the
+    directory of a file, layout.json), _fs_batch (the overlay one batch
+    works on), _fs_commit (group commit, journals, content links, the
+    change feed), _fs_recovery (what a restart puts back) and _fs_reading
+    (listing, counting, qshape, expiry, the feed's reader).
 
 SEE ALSO
     sluice.store (the interface), sluice.store._actions (operator
@@ -109,8 +110,6 @@ import concurrent.futures
 import contextlib
 import heapq
 import itertools
-import json
-import math
 import os
 import uuid
 from collections import defaultdict
@@ -138,9 +137,7 @@ from sluice.store import Action, StorageError, Transition
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock, fsync_paths
 from sluice.store._fs_batch import Batch, copy_control, recs_of, regroup
-from sluice.store._fs_commit import Committing
 from sluice.store._fs_files import (
-    LAYOUT_VERSION,
     STATE_DIRS,
     SUFFIX,
     Control,
@@ -149,11 +146,12 @@ from sluice.store._fs_files import (
     Rcpt,
     listdir,
     new_gen,
-    read_control,
     unlink,
     write_file,
 )
+from sluice.store._fs_layout import Layout
 from sluice.store._fs_reading import Reading
+from sluice.store._fs_recovery import Recovering
 from sluice.store._refill import interleave, split_quota
 
 if TYPE_CHECKING:
@@ -161,19 +159,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FsStore"]
 
-#: Operator changes are kept this long in the change feed.
-CHANGES_KEEP_S = 3600.0
-
-
-# --------------------------------------------------------------------------
-# The store
-
-
-#: Control files recover() returns to the queue per commit.
-RECOVER_BATCH = 256
-
-
-class FsStore(Committing, Reading):
+class FsStore(Layout, Recovering, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
 
     flavour = "fs"
@@ -229,58 +215,6 @@ class FsStore(Committing, Reading):
         granularity = RetryPolicy.from_config(q).granularity_s
         return cls(q.path, spool, granularity_s=granularity, node_id=config.node.id,
                    max_batch=q.commit_max_batch)
-
-    # -- layout ---------------------------------------------------------------------------
-
-    def dir_for(self, state: QueueState, next_at: float) -> str:
-        """The state directory of an entry: ``deferred/<T>`` by due time, else the state's own."""
-        if state is QueueState.DEFERRED:
-            return f"deferred/{self.due_dir(next_at)}"
-        return STATE_DIRS[state]
-
-    def due_dir(self, next_at: float) -> int:
-        """The deferred/<T> directory for a due time: rounded up, whole seconds."""
-        return max(0, math.ceil(self._policy.round_up(next_at) - 1e-6))
-
-    @property
-    def _window_s(self) -> float:
-        # Files in deferred/T are due in (T - window, T].
-        return self.granularity_s + 1.0
-
-    def _check_layout(self) -> None:
-        path = self.root / "layout.json"
-        try:
-            layout = json.loads(path.read_text())
-        except FileNotFoundError:
-            layout = None
-        except (OSError, ValueError) as exc:
-            raise StorageError(f"cannot read {path}: {exc}") from exc
-        if layout is not None and layout.get("layout") != LAYOUT_VERSION:
-            raise StorageError(f"{path}: unknown layout {layout.get('layout')!r}")
-        if layout is not None and layout.get("granularity_s") != self.granularity_s:
-            self._refile_deferred()
-        if layout is None or layout.get("granularity_s") != self.granularity_s:
-            self._write_small(path, json.dumps({"layout": LAYOUT_VERSION,
-                                                "granularity_s": self.granularity_s}))
-
-    def _refile_deferred(self) -> None:
-        """The granularity changed: move deferred files to their new directories."""
-        dirs: set[str] = set()
-        for d in listdir(self.root / "deferred"):
-            for name in listdir(self.root / "deferred" / d):
-                ctrl = read_control(self.root, f"deferred/{d}/{name}")
-                if ctrl is None:
-                    continue
-                target = f"deferred/{self.due_dir(ctrl.next_at)}"
-                if target != f"deferred/{d}":
-                    (self.root / target).mkdir(exist_ok=True)
-                    os.rename(self.root / "deferred" / d / name, self.root / target / name)
-                    dirs.update((str(self.root / target), str(self.root / "deferred" / d)))
-        dirs.add(str(self.root / "deferred"))
-        fsync_paths(dirs)
-        for d in listdir(self.root / "deferred"):
-            with contextlib.suppress(OSError):
-                os.rmdir(self.root / "deferred" / d)
 
     # -- submission -----------------------------------------------------------------------
 
@@ -509,59 +443,6 @@ class FsStore(Committing, Reading):
 
         result: list[QueueEntry] = self._call(work)
         return result
-
-    def recover(self, now: float) -> int:
-        """Store.recover: active and delivering control files back to deferred, due now.
-
-        Then prunes the change feed, cleans tmp/ and removes orphaned content.
-        """
-        # In commits of RECOVER_BATCH files: a receiver's commit waits for
-        # one of them, not for the whole active queue to be rewritten.
-        def work(view: Batch) -> tuple[int, bool]:
-            moved = files = 0
-            for state in (QueueState.ACTIVE, QueueState.DELIVERING):
-                for name, _ in view.names(STATE_DIRS[state]):
-                    if files >= RECOVER_BATCH:
-                        return moved, True
-                    ctrl = view.load(f"{STATE_DIRS[state]}/{name}")
-                    if ctrl is None:
-                        continue
-                    new = replace(copy_control(ctrl), state=QueueState.DEFERRED, next_at=now,
-                                  gen="", path="")
-                    view.swap([ctrl], [new])
-                    moved += len(ctrl.rcpts)
-                    files += 1
-            view.after.append(lambda: self._prune_changes(now))
-            view.after.append(lambda: self._clean_tmp(now))
-            view.after.append(lambda: self._reconcile(now))
-            return moved, False
-
-        total, more = 0, True
-        while more:
-            moved, more = self._call(work)
-            total += moved
-        return total
-
-    def _prune_changes(self, now: float) -> None:
-        path = self.root / "changes.log"
-        try:
-            lines = path.read_text("utf-8", "replace").splitlines()
-        except FileNotFoundError:
-            return
-        keep = []
-        for line in lines:
-            parts = line.split("\t")
-            if len(parts) == 4 and parts[0].isdigit():
-                with contextlib.suppress(ValueError):
-                    if float(parts[1]) >= now - CHANGES_KEEP_S:
-                        keep.append(line)
-        if len(keep) == len(lines):
-            return
-        if not keep and lines:
-            # Keep the last line so that sequence numbers never go back.
-            keep = [line for line in lines if line.split("\t")[0].isdigit()][-1:]
-        self._write_small(path, "".join(f"{line}\n" for line in keep))
-        self._seq_cache = (-1, 0)
 
     # -- operator side --------------------------------------------------------------------
 

@@ -135,7 +135,7 @@ from sluice.model import (
     parse_qid,
 )
 from sluice.spool import Content
-from sluice.store import Action, Transition
+from sluice.store import CHANGES_KEEP_S, Action, Transition
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock
 from sluice.store._kv_batch import Batch, Loader, Reader
@@ -167,8 +167,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNK_SIZE", "KvStore"]
 
-#: Operator changes are kept this long in the change feed.
-CHANGES_KEEP_S = 3600.0
 
 
 # --------------------------------------------------------------------------

@@ -71,7 +71,8 @@ LIMITATIONS
 
 SEE ALSO
     sluice.store (the interface), sluice.store._pg_schema (tables and
-    dialect), sluice.store._pg_content (the pool and content rows),
+    dialect), sluice.store._pg_commit (the group commit),
+    sluice.store._pg_content (the pool and content rows),
     sluice.store.sqlite (the same schema, embedded), seeds/000 section
     4.3.3, docs/storage.md.
 """
@@ -83,8 +84,7 @@ import contextlib
 import io
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from sluice.store import StorageError
@@ -107,16 +107,24 @@ from sluice.model import (
     parse_qid,
 )
 from sluice.spool import Content
-from sluice.store import Action, Change, Counts, StorageError, Transition, _pg_nodes
-from sluice.store._commit import GroupCommitter, Op
+from sluice.store import (
+    CHANGES_KEEP_S,
+    ORPHAN_AGE_S,
+    Action,
+    Change,
+    Counts,
+    StorageError,
+    Transition,
+    _pg_nodes,
+)
+from sluice.store._commit import GroupCommitter
+from sluice.store._pg_commit import PgBatch, PgCommitting
 from sluice.store._pg_content import CHUNK_SIZE, READ_CHUNKS, ContentReader, Pool, write_content
 from sluice.store._pg_schema import (
     MIGRATIONS,
     SCHEMA,
     SCHEMA_VERSION,
-    TRANSIENT,
     Postgres,
-    fail,
     storage_error,
     where_name,
 )
@@ -129,27 +137,14 @@ __all__ = ["CHUNK_SIZE", "ENV_DSN", "PgStore", "postgres_dsn"]
 
 ENV_DSN = "SLUICE_PG_DSN"
 
-#: Content without rows older than this is removed by recover(): younger
-#: content may belong to a submission another node has not committed yet.
-ORPHAN_AGE_S = 3600.0
 
-#: Operator changes are kept this long in the change feed.
-CHANGES_KEEP_S = 3600.0
-
-
-@dataclass(slots=True)
-class _Batch:
-    """What the operations of one transaction leave to do after its commit."""
-
-    conn: psycopg.Connection[Any]
-    gone: set[str] = field(default_factory=set)
 
 
 # --------------------------------------------------------------------------
 # The store
 
 
-class PgStore:
+class PgStore(PgCommitting):
     """Meta queue and content on PostgreSQL; see the module doc."""
 
     flavour = "postgres"
@@ -227,95 +222,6 @@ class PgStore:
         except psycopg.Error as exc:
             raise storage_error(exc, "reading the postgres queue failed") from exc
 
-    # -- the committer ------------------------------------------------------------------
-
-    def _writer_conn(self) -> psycopg.Connection[Any]:
-        conn = self._writer
-        if conn is None or conn.closed or conn.broken:
-            if conn is not None:
-                with contextlib.suppress(psycopg.Error):
-                    conn.close()
-            self._writer = None
-            conn = self._connect(autocommit=False)
-            self._writer = conn
-        return conn
-
-    def _run(self, ops: Sequence[Op]) -> tuple[list[Any], set[str]]:
-        """Run ``ops`` in one transaction; raises if any of them fails."""
-        conn = self._writer_conn()
-        batch = _Batch(conn)
-        values = []
-        try:
-            with conn.transaction():
-                for op in ops:
-                    values.append(op.work(batch))
-                if batch.gone:
-                    # Content goes in the same commit as its message's last row.
-                    done = conn.execute(
-                        "DELETE FROM sluice_content c WHERE c.spid = ANY(%s) AND c.chunk = 0 "
-                        "AND NOT EXISTS (SELECT 1 FROM sluice_queue q WHERE q.spid = c.spid) "
-                        "RETURNING c.spid", (sorted(batch.gone),)).fetchall()
-                    emptied = [r[0] for r in done]
-                    if emptied:
-                        conn.execute("DELETE FROM sluice_content WHERE spid = ANY(%s)",
-                                     (emptied,))
-                    # Rows another node is deleting right now may still have been
-                    # visible: look again after the commit.
-                    batch.gone.difference_update(emptied)
-        except BaseException:
-            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                with contextlib.suppress(psycopg.Error):
-                    conn.rollback()
-            raise
-        return values, batch.gone
-
-    def _commit(self, batch: list[Op]) -> None:
-        try:
-            try:
-                values, gone = self._run(batch)
-            except TRANSIENT:
-                values, gone = self._run(batch)  # a deadlock with another node: once more
-        except Exception:
-            # One transaction per operation, so that only the failing one fails.
-            for op in batch:
-                try:
-                    try:
-                        (value,), op_gone = self._run([op])
-                    except TRANSIENT:
-                        (value,), op_gone = self._run([op])
-                except Exception as exc:
-                    op.future.set_exception(fail(exc))
-                    continue
-                if op_gone:
-                    self._collect_content(op_gone)
-                op.future.set_result(value)
-            return
-        if gone:
-            self._collect_content(gone)
-        for op, value in zip(batch, values, strict=True):
-            op.future.set_result(value)
-
-    def _collect_content(self, spids: set[str]) -> None:
-        """Delete the content of messages whose last row is gone (after the commit)."""
-        try:
-            with self._pool.connection() as conn, conn.transaction():
-                conn.execute("SET LOCAL synchronous_commit = off")
-                conn.execute(
-                    "DELETE FROM sluice_content c WHERE c.spid = ANY(%s) AND NOT EXISTS "
-                    "(SELECT 1 FROM sluice_queue q WHERE q.spid = c.spid)",
-                    (sorted(spids),))
-        except (psycopg.Error, StorageError):
-            pass  # recover() removes what is left
-
-    def _op(self, work: Callable[[_Batch], Any], spid: str | None = None
-            ) -> concurrent.futures.Future[Any]:
-        if self._closed:
-            raise StorageError("the store is closed")
-        return self._committer.submit(work, extra=spid)
-
-    def _call(self, work: Callable[[_Batch], Any]) -> Any:
-        return self._op(work).result()
-
     # -- submission ---------------------------------------------------------------------
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
@@ -325,7 +231,7 @@ class PgStore:
         spid, size = write_content(self._pool, content, submission.spid)
         rows, accepted = queue_rows(submission, spid, size, now)
 
-        def work(batch: _Batch) -> Accepted:
+        def work(batch: PgBatch) -> Accepted:
             self._sql.insert(batch.conn, rows)
             return accepted
 
@@ -365,7 +271,7 @@ class PgStore:
             return []
         node = self.node_id
 
-        def work(batch: _Batch) -> list[QueueEntry]:
+        def work(batch: PgBatch) -> list[QueueEntry]:
             entries, self.last_claim_capped = self._sql.claim(
                 batch.conn, limit, now, quota_deferred, node, self.per_domain_cap)
             return entries
@@ -386,7 +292,7 @@ class PgStore:
             items.append((spid, idx, t))
         node = self.node_id
 
-        def work(batch: _Batch) -> set[str]:
+        def work(batch: PgBatch) -> set[str]:
             applied: set[str] = set()
             conn = batch.conn
             # Runs of the same kind keep their order and go in one round trip each.
@@ -459,7 +365,7 @@ class PgStore:
         if limit <= 0:
             return []
 
-        def work(batch: _Batch) -> list[QueueEntry]:
+        def work(batch: PgBatch) -> list[QueueEntry]:
             return self._sql.claim_bounces(batch.conn, limit, now, lease_s)
 
         result: list[QueueEntry] = self._call(work)
@@ -469,7 +375,7 @@ class PgStore:
         """Store.recover: this node's in-flight entries go back to the queue."""
         node = self.node_id
 
-        def work(batch: _Batch) -> int:
+        def work(batch: PgBatch) -> int:
             conn = batch.conn
             # Only this node's claims: the other nodes are delivering theirs.
             cur = conn.execute(
@@ -495,7 +401,7 @@ class PgStore:
     def heartbeat(self, host: str, started_at: float, now: float, limits: str = "shared"
                   ) -> None:
         """This node is alive (its row in sluice_nodes), its limits so shared."""
-        def work(batch: _Batch) -> None:
+        def work(batch: PgBatch) -> None:
             _pg_nodes.heartbeat(batch.conn, self.node_id, host, started_at, now, limits)
         self._call(work)
 
@@ -506,7 +412,7 @@ class PgStore:
 
     def take_over(self, dead: str, now: float, older_than: float) -> list[QueueEntry]:
         """Return a dead node's claims to the queue (see _pg_nodes.take_over)."""
-        def work(batch: _Batch) -> list[QueueEntry]:
+        def work(batch: PgBatch) -> list[QueueEntry]:
             return _pg_nodes.take_over(batch.conn, dead, now, older_than)
         result: list[QueueEntry] = self._call(work)
         return result
@@ -526,7 +432,7 @@ class PgStore:
         """Store.modify: an operator action on the selected entries, audited as changes."""
         change = self._sql.modifier(selector, action, now, priority, reply)
 
-        def work(batch: _Batch) -> list[QueueEntry]:
+        def work(batch: PgBatch) -> list[QueueEntry]:
             return change(batch.conn, batch.gone.update)
 
         result: list[QueueEntry] = self._call(work)

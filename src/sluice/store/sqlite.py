@@ -103,7 +103,15 @@ from sluice.model import (
 )
 from sluice.spool import Content, SpoolIOError, new_spid
 from sluice.spool.fs import FsSpool
-from sluice.store import Action, Change, Counts, StorageError, Transition
+from sluice.store import (
+    CHANGES_KEEP_S,
+    ORPHAN_AGE_S,
+    Action,
+    Change,
+    Counts,
+    StorageError,
+    Transition,
+)
 from sluice.store._commit import GroupCommitter
 from sluice.store._sql import SqlQueue, queue_rows, reply_columns
 from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database
@@ -147,13 +155,7 @@ def _transition_sql(t: Transition, node: str) -> tuple[str, tuple[Any, ...]]:
     params.append(node if t.state in IN_FLIGHT_STATES else None)
     return f"UPDATE queue SET {', '.join(sets)} {cond}", (*params, *cparams)
 
-#: How long an orphan spool file (content without rows) must have existed
-#: before recover() removes it: a submission in another process may be
-#: between its spool write and its commit.
-ORPHAN_AGE_S = 3600.0
 
-#: Operator changes are kept this long in the change feed.
-CHANGES_KEEP_S = 3600.0
 
 
 #: The qmeta key that says _check_whole_queue() has run on this queue.
