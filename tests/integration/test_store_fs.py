@@ -19,7 +19,7 @@ import pytest
 
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, Transition
-from sluice.store._fs_files import Name
+from sluice.store._fs_files import Control, Name
 from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
 from tests.integration.stores import flavour_config, open_flavour, run_diskfull
@@ -344,7 +344,7 @@ def test_recovery_commits_in_pieces_so_a_new_message_waits_for_one_piece_only(
     # After a crash with a full active queue, rewriting every in-flight
     # control file in one commit kept the receivers' commits (and so their
     # 250s) waiting for all of it.
-    import sluice.store.fs as fs
+    from sluice.store import _fs_recovery as fs
 
     monkeypatch.setattr(fs, "RECOVER_BATCH", 2)
     store = open_fs(tmp_path)
@@ -356,7 +356,7 @@ def test_recovery_commits_in_pieces_so_a_new_message_waits_for_one_piece_only(
         seen_at_commit: list[int] = []
         real_copy = fs.copy_control
 
-        def copy_control(ctrl: fs.Control) -> fs.Control:
+        def copy_control(ctrl: Control) -> Control:
             if not rewritten:  # recovery's first file: a message arrives now
                 fut = store.submit_future(Submission("b@example.org", ("n@new.example",)),
                                           b"new", T0 + 1)
