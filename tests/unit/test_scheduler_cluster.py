@@ -25,6 +25,7 @@ from sluice.scheduler import (
     Command,
     DeliveryFinished,
     DeliveryJob,
+    Event,
     Grant,
     GrantsChanged,
     JobsQueued,
@@ -396,3 +397,59 @@ def test_an_answer_to_a_request_sent_before_a_give_back_counts_it_given_back() -
     # The answer to the request sent before the give-back: 3 then, 2 now.
     cmds = sched.handle(GrantsChanged((Grant(key, slots=3, share=3),)), 4.8)
     assert not [c for c in cmds if isinstance(c, StartDelivery)], "a lease given back, used"
+
+
+def test_a_node_busy_on_every_lease_it_got_alone_gives_the_late_one_its_share() -> None:
+    # n0 asks first and, alone, is granted the whole limit.  Its store hands
+    # it no more than it can start (claim_per_destination), in the step where
+    # a delivery ends: no lease of n0's is ever spare at the step's end, nor
+    # does it want more.  n1 asks
+    # later: n0 must still learn its share went down and let a lease go as a
+    # delivery ends (in CI, before this, n1 waited until n0 had sent 35 of 40).
+    model = SharedModel()
+    policy = parse_policy([{"id": "dom", "fields": ["recipientdomain"], "concurrency": 2}])
+    scheds = {n: Scheduler(Settings(), policy, limits=ClusterLimits()) for n in ("n0", "n1")}
+    inflight: dict[str, list[tuple[float, StartDelivery]]] = {n: [] for n in scheds}
+    starts: dict[str, list[float]] = {n: [] for n in scheds}
+    queued = {n: 0 for n in scheds}  # handed to the scheduler, not started yet
+    ids = itertools.count()
+    now = 0.0
+
+    def apply(node: str, cmds: list[Command]) -> None:
+        for c in cmds:
+            if isinstance(c, StartDelivery):
+                inflight[node].append((now, c))
+                starts[node].append(now)
+                queued[node] -= 1
+            elif isinstance(c, AcquireGrants | ReturnGrants):
+                answer = model.serve(node, c, now)
+                if answer is not None:
+                    apply(node, scheds[node].handle(answer, now))
+
+    def refill(node: str) -> list[Event]:  # the store: what can start soon, no more
+        k = 2 - len(inflight[node]) - queued[node]
+        if k <= 0:
+            return []
+        queued[node] += k
+        return [JobsQueued(tuple(DeliveryJob(f"j{i}", f"{i:08X}", (f"{i:08X}-0",),
+                                             Route("d.example"))
+                                 for i in (next(ids) for _ in range(k))))]
+
+    apply("n0", scheds["n0"].handle_all(refill("n0"), now))
+    assert len(inflight["n0"]) == 2  # alone: the whole limit
+    while now < 4.0:
+        now = round(now + 0.05, 2)
+        for node, sched in scheds.items():
+            # As the runtime does: the deliveries that ended and the mail
+            # claimed in their place, one step.
+            events: list[Event] = []
+            for began, start in [x for x in inflight[node] if x[0] + 0.1 <= now]:
+                inflight[node].remove((began, start))
+                events.append(DeliveryFinished(start.job.ref, ((start.qids[0], OK),)))
+            if node == "n0" or now >= 0.5:
+                events += refill(node)
+            apply(node, sched.handle_all(events, now))
+        assert len(inflight["n0"]) + len(inflight["n1"]) <= 2
+    assert starts["n1"] and starts["n1"][0] <= 0.5 + 1.0 + 0.2, starts["n1"][:3]
+    late = [t for t in starts["n0"] if t >= 2.0]
+    assert abs(len(late) - len([t for t in starts["n1"] if t >= 2.0])) <= 2, "not shared"

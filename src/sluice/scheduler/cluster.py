@@ -127,7 +127,7 @@ class ClusterLimits(GroupedLimits):
                  ) -> None:
         super().__init__()
         self.idle_s = idle_s
-        self.refresh_s = refresh_s  # how often spare leases ask for the node's share
+        self.refresh_s = refresh_s  # how often held leases ask for the node's share
         self.lookahead = lookahead  # slots asked for beyond the next pickup
         self.grants: dict[str, Grant] = {}
         self.fallback: Fallback | None = None
@@ -488,9 +488,11 @@ class ClusterLimits(GroupedLimits):
                     if len(grant.slot_ats) < waiting:
                         grant.want_pickups = max(grant.want_pickups, waiting)
             wants = grant.want_slots > grant.slots or grant.want_pickups > 0
-            # Spare leases: ask again now and then to learn our share (others
-            # may want some now), and give back what is above it.
-            stale = (th.concurrency is not None and grant.slots > grant.used
+            # Held leases, spare or busy: ask again now and then to learn our
+            # share (others may want some now), and give back what is above
+            # it as deliveries end.  A node busy on every lease it was granted
+            # alone would otherwise keep them all while another waits.
+            stale = (th.concurrency is not None and grant.slots > 0
                      and grant.answered_at + self.refresh_s <= now)
             if (not waiting and grant.slots > grant.used
                     and grant.idle_at + self.idle_s <= now):
@@ -526,7 +528,8 @@ class ClusterLimits(GroupedLimits):
         for g in self.grants.values():
             if g.slots > g.used and g.idle_at < _NEVER:
                 times.append(g.idle_at + self.idle_s)  # an idle lease to give back
-                times.append(g.answered_at + self.refresh_s)  # and our share to learn
+            if g.slots > 0 and g.entry is not None and not g.asked:
+                times.append(g.answered_at + self.refresh_s)  # our share to learn
             if g.retry_at is not None and g.entry is not None and g.entry.waiting():
                 times.append(g.retry_at)  # ask again on behalf of waiters
         return min(times, default=None)
