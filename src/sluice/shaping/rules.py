@@ -68,9 +68,13 @@ WHERE_FIELDS: dict[str, str] = {
     "job": "jobid",
 }
 
+#: SMTP phases a reply can come in (sluice.model.Reply.phase, set by the
+#: delivery client): the greeting, EHLO/HELO/LHLO and STARTTLS, MAIL FROM,
+#: RCPT TO, DATA (up to 354), and the final dot.
+PHASES = ("connect", "helo", "mail", "rcpt", "data", "end-of-data")
+
 _REPLY_RE = re.compile(r"^([2-5][0-9]{2})[ -]?(?:([2-5]\.[0-9]{1,3}\.[0-9]{1,3})\b)?(.*)$", re.S)
 
-PHASES = ("connect", "mail", "rcpt", "data", "end-of-data")
 
 
 class Action(StrEnum):
