@@ -102,6 +102,14 @@ def test_gmail_421_backs_off_through_a_condition_and_why_names_rule_reply_and_ho
     text = "\n".join(sched.explain(f"{5:08X}-0", clock.now).lines(clock.now))
     assert "rule gmail-rate" in text and 'after reply "421 4.7.28 Gmail has' in text
     assert f"from host {MX}" in text
+    # The condition is on the provider's pattern: another Google MX host is held to
+    # the same limit, not only the host that said it (no suspension-like gap).
+    other = Route("googlemail.com", remotemx="aspmx.l.google.com", remoteip="127.0.0.2")
+    jobs = tuple(DeliveryJob(f"k{i}", f"{i + 16:08X}", (f"{i + 16:08X}-0",), other)
+                 for i in range(6))
+    started = [c for c in sched.handle(JobsQueued(jobs), clock.now)
+               if isinstance(c, StartDelivery)]
+    assert len(started) == 5
     # An operator lifts it: the condition goes.
     key = shaper.active()[0].key
     assert shaper.lift(key)
