@@ -148,6 +148,12 @@ class Reply:
     ``attempt_at``  when the queue recorded the attempt that got it; None
                     for a reply no attempt got (an operator's bounce, a
                     dead destination's deferral).
+    ``phase``       the SMTP phase the delivery client was in when the
+                    reply came (sluice.shaping.rules.PHASES: connect,
+                    helo, mail, rcpt, data, end-of-data); empty when
+                    unknown.  For traffic
+                    shaping only (sluice.shaping): it is not stored
+                    (to_record) and does not take part in equality.
     """
 
     code: int
@@ -155,6 +161,7 @@ class Reply:
     text: str = ""
     remote_mta: str = ""
     attempt_at: float | None = None
+    phase: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         parts = [str(self.code)]

@@ -40,13 +40,13 @@ def test_codes_with_x_wildcards_and_phases_match() -> None:
     assert not m.matches(Observation(0, 421, "4.2.0"))
 
 
-def test_immediate_suspend_names_the_concrete_host_and_expires() -> None:
+def test_immediate_suspend_names_the_provider_pattern_and_expires() -> None:
     rule = Rule("r", Action.SUSPEND, GMAIL, RATE, duration_s=600)
     engine = Engine([rule])
     out = engine.observe(refused(100))
     assert len(out) == 1 and isinstance(out[0], Apply) and out[0].new
     fired = out[0].fired
-    assert fired.fields == (("remotemx", "alt1.gmail-smtp-in.l.google.com"),)
+    assert fired.fields == (("remotemx", "*.google.com"),)
     assert fired.until_at == 700 and fired.reply == "421 4.7.28 slow down"
     assert fired.host == "alt1.gmail-smtp-in.l.google.com"
     assert engine.next_wakeup() == 700
@@ -62,9 +62,32 @@ def test_suspend_tenant_and_job_add_their_field() -> None:
     [a] = Engine([tenant]).observe(obs)
     [b] = Engine([job]).observe(obs)
     assert isinstance(a, Apply) and isinstance(b, Apply)
-    assert a.fired.fields == (("remotemx", "alt1.gmail-smtp-in.l.google.com"),
-                              ("tenantid", "acme"))
+    assert a.fired.fields == (("remotemx", "*.google.com"), ("tenantid", "acme"))
     assert b.fired.fields == (("jobid", "camp-7"),)
+
+
+def test_a_suspension_on_a_provider_is_one_action_for_all_its_hosts() -> None:
+    rule = Rule("r", Action.SUSPEND, GMAIL, RATE, duration_s=600)
+    engine = Engine([rule])
+    [first] = engine.observe(refused(100, mx="alt1.gmail-smtp-in.l.google.com"))
+    [again] = engine.observe(refused(200, mx="aspmx.l.google.com"))
+    assert isinstance(first, Apply) and isinstance(again, Apply)
+    assert first.new and not again.new  # the same suspension, its end moved
+    assert again.fired.key == first.fired.key
+    assert again.fired.until_at == 800 and again.fired.host == "aspmx.l.google.com"
+    assert [f.fields for f in engine.active()] == [(("remotemx", "*.google.com"),)]
+
+
+def test_a_literal_where_and_non_host_patterns_suspend_the_values_the_reply_came_with() -> None:
+    literal = Rule("l", Action.SUSPEND, Where((("remotemx", "aspmx.l.google.com"),)), RATE)
+    [a] = Engine([literal]).observe(refused(0, mx="aspmx.l.google.com"))
+    assert isinstance(a, Apply) and a.fired.fields == (("remotemx", "aspmx.l.google.com"),)
+    by_ip = Rule("i", Action.SUSPEND, Where((("remoteip", "127.0.0.*"),)), RATE)
+    [b] = Engine([by_ip]).observe(refused(0))
+    assert isinstance(b, Apply) and b.fired.fields == (("remoteip", "127.0.0.1"),)
+    bounce = Rule("b", Action.BOUNCE, GMAIL, RATE)
+    [c] = Engine([bounce]).observe(refused(0))
+    assert c.fired.fields == (("remotemx", "alt1.gmail-smtp-in.l.google.com"),)
 
 
 def test_n_matches_within_a_window_per_group() -> None:

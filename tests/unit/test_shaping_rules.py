@@ -87,6 +87,14 @@ def write(tmp_path: Path, text: str) -> str:
      "rules[1].name: rule 'a' is named twice"),
     ("rules:\n  - name: a\n    reply: {code: 421}\n    action: suspend\n"
      "    trigger: {within: soon}\n", "rules[0].trigger.within:"),
+    ("rules:\n  - name: a\n    where: {mx: '*'}\n    reply: {code: 421}\n"
+     "    action: suspend\n", "rules[0].where.mx: '*' would match every host"),
+    ("rules:\n  - name: a\n    where: {mx: '*.google,com'}\n    reply: {code: 421}\n"
+     "    action: suspend\n", "rules[0].where.mx: '*.google,com' is not a host name pattern"),
+    ("rules:\n  - name: a\n    where: {mx: '*..google.com'}\n    reply: {code: 421}\n"
+     "    action: backoff\n", "rules[0].where.mx: '*..google.com' is not a host name pattern"),
+    ("rules:\n  - name: a\n    where: {tenant: acme, mx: '/(/'}\n    reply: {code: 421}\n"
+     "    action: suspend\n", "rules[0].where.mx: bad regular expression"),
     ("rules: [\n", "invalid YAML at line"),
 ])
 def test_errors_are_one_line_naming_file_and_key(tmp_path: Path, text: str,

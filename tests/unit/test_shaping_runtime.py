@@ -102,6 +102,14 @@ def test_gmail_421_backs_off_through_a_condition_and_why_names_rule_reply_and_ho
     text = "\n".join(sched.explain(f"{5:08X}-0", clock.now).lines(clock.now))
     assert "rule gmail-rate" in text and 'after reply "421 4.7.28 Gmail has' in text
     assert f"from host {MX}" in text
+    # The condition is on the provider's pattern: another Google MX host is held to
+    # the same limit, not only the host that said it (no suspension-like gap).
+    other = Route("googlemail.com", remotemx="aspmx.l.google.com", remoteip="127.0.0.2")
+    jobs = tuple(DeliveryJob(f"k{i}", f"{i + 16:08X}", (f"{i + 16:08X}-0",), other)
+                 for i in range(6))
+    started = [c for c in sched.handle(JobsQueued(jobs), clock.now)
+               if isinstance(c, StartDelivery)]
+    assert len(started) == 5
     # An operator lifts it: the condition goes.
     key = shaper.active()[0].key
     assert shaper.lift(key)
@@ -118,12 +126,18 @@ def test_suspend_rule_suspends_the_host_and_expires(tmp_path: Path) -> None:
     shaper.observe(route, [result(421, "4.7.0", "go away")])
     [added] = events
     assert isinstance(added, SuspensionAdded)
-    assert added.suspension.fields == (("remotemx", MX),)
+    assert added.suspension.fields == (("remotemx", "*.google.com"),)
     apply(sched, events, clock.now)
-    jobs = (DeliveryJob("j1", "00000001", ("00000001-0",), route),)
-    assert not [c for c in sched.handle(JobsQueued(jobs), clock.now)
-                if isinstance(c, StartDelivery)]
-    text = "\n".join(sched.explain("00000001-0", clock.now).lines(clock.now))
+    # Every destination on a Google MX host waits, not only the host that said it.
+    googlemail = Route("googlemail.com", remotemx="aspmx.l.google.com", remoteip="127.0.0.2")
+    other = Route("example.com", remotemx="mx.example.com", remoteip="127.0.0.3")
+    jobs = (DeliveryJob("j1", "00000001", ("00000001-0",), route),
+            DeliveryJob("j2", "00000002", ("00000002-0",), googlemail),
+            DeliveryJob("j3", "00000003", ("00000003-0",), other))
+    started = [c for c in sched.handle(JobsQueued(jobs), clock.now)
+               if isinstance(c, StartDelivery)]
+    assert [c.job.ref for c in started] == ["j3"]
+    text = "\n".join(sched.explain("00000002-0", clock.now).lines(clock.now))
     assert "suspended by rule stop" in text and "go away" in text
     clock.now += 600
     shaper.tick(clock.now)

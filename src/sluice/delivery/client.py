@@ -20,6 +20,13 @@ DESCRIPTION
     reply for a refused recipient, otherwise the reply to the final dot
     (or to DATA, or to MAIL, whichever ended the transaction).
 
+    Every reply read is marked with the SMTP phase it answers
+    (ServerReply.phase, then Reply.phase: connect for the greeting, helo
+    for EHLO/HELO/LHLO and STARTTLS, mail, rcpt, data for DATA's 354,
+    end-of-data for the final dot), and so is the reply of a SessionError
+    (the phase the connection broke in), for traffic shaping rules that
+    name a phase (sluice.shaping.rules).
+
     Phase timeouts are RFC 5321 4.5.3.2's: connect, greeting, helo (EHLO,
     HELO, LHLO), starttls, mail, rcpt, data_init (DATA to 354),
     data_block (each wait for the socket to take more content), data_done
@@ -161,7 +168,8 @@ def _soft(reply: Reply, host: Host, what: str) -> Reply:
     """
     enhanced = reply.enhanced if reply.enhanced.startswith("4") else "4.4.2"
     code = reply.code if reply.is_transient else 451
-    return Reply(code, enhanced, f"host {host} {what}: {reply.code} {reply.text}")
+    return Reply(code, enhanced, f"host {host} {what}: {reply.code} {reply.text}",
+                 phase=reply.phase)
 
 
 class Session:
@@ -205,12 +213,13 @@ class Session:
                 timeouts.connect)
         except TimeoutError:
             raise SessionError(Reply(451, "4.4.1", f"connect to {host}: timed out after "
-                                     f"{timeouts.connect:g}s"), connected=False) from None
+                                     f"{timeouts.connect:g}s", phase="connect"),
+                               connected=False) from None
         except OSError as exc:
             why = os.strerror(exc.errno) if exc.errno else str(exc)
             src = f" from {localip}" if localip else ""
-            raise SessionError(Reply(451, "4.4.1", f"connect to {host}{src}: {why}"),
-                               connected=False) from None
+            raise SessionError(Reply(451, "4.4.1", f"connect to {host}{src}: {why}",
+                                     phase="connect"), connected=False) from None
         # uvloop calls connection_made after create_connection returns.
         reader.transport = transport
         sock = transport.get_extra_info("socket")
@@ -227,7 +236,8 @@ class Session:
 
     async def _handshake(self, helo: str, starttls: StartTls,
                          ssl_context: ssl.SSLContext | None) -> None:
-        greeting = await self._read(self.timeouts.greeting, "the initial server greeting")
+        greeting = await self._read(self.timeouts.greeting, "the initial server greeting",
+                                    "connect")
         if greeting.code != 220:
             self._refused(greeting, "greeted us with")
         await self._hello(helo)
@@ -237,10 +247,10 @@ class Session:
             if starttls == StartTls.REQUIRE:
                 self.quit()
                 raise SessionError(Reply(451, "4.7.4", f"TLS is required, but host {self.host} "
-                                         "did not offer STARTTLS"))
+                                         "did not offer STARTTLS", phase="helo"))
             return
         self.write(b"STARTTLS\r\n")
-        reply = await self._read(self.timeouts.starttls, "STARTTLS")
+        reply = await self._read(self.timeouts.starttls, "STARTTLS", "helo")
         if reply.code != 220:
             if starttls == StartTls.REQUIRE:
                 self.quit()
@@ -259,10 +269,10 @@ class Session:
                 ssl_handshake_timeout=self.timeouts.starttls)
         except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
             raise SessionError(Reply(451, "4.7.5", f"TLS handshake with {self.host} failed: "
-                                     f"{exc}"), tls_failed=True) from None
+                                     f"{exc}", phase="helo"), tls_failed=True) from None
         if new is None:
             raise SessionError(Reply(451, "4.4.2", f"lost connection with {self.host} "
-                                     "during the TLS handshake"))
+                                     "during the TLS handshake", phase="helo"))
         reader.transport = new
         self.tls = True
         await self._hello(helo)  # RFC 3207 4.2: discard what was learnt before TLS
@@ -270,14 +280,14 @@ class Session:
     async def _hello(self, helo: str) -> None:
         verb = b"LHLO " if self.lmtp else b"EHLO "
         self.write(verb + helo.encode("ascii", "replace") + b"\r\n")
-        reply = await self._read(self.timeouts.helo, verb.decode().strip())
+        reply = await self._read(self.timeouts.helo, verb.decode().strip(), "helo")
         if reply.code == 250:
             self.extensions = _extensions(reply.lines[1:])
             return
         if self.lmtp or reply.code < 500:
             self._refused(reply, "refused " + verb.decode().strip() + " with")
         self.write(b"HELO " + helo.encode("ascii", "replace") + b"\r\n")
-        reply = await self._read(self.timeouts.helo, "HELO")
+        reply = await self._read(self.timeouts.helo, "HELO", "helo")
         if reply.code != 250:
             self._refused(reply, "refused HELO with")
         self.extensions = {}
@@ -299,17 +309,25 @@ class Session:
             return  # the read that follows reports the loss
         transport.write(data)
 
-    async def _read(self, wait_s: float, what: str) -> ServerReply:
+    async def _read(self, wait_s: float, what: str, phase: str) -> ServerReply:
+        """The next reply, marked with the SMTP ``phase`` it answers (sluice.model.PHASES).
+
+        A timeout or a lost connection is a SessionError whose reply has
+        that phase too.
+        """
         try:
             reply = await self._reader.reply(wait_s)
         except ReplyTimeout:
             self.abort()
             raise SessionError(Reply(451, "4.4.2", f"conversation with {self.host} timed out "
-                                     f"while waiting for the reply to {what}")) from None
+                                     f"while waiting for the reply to {what}",
+                                     phase=phase)) from None
         except ConnectionError as exc:
             self.abort()
             raise SessionError(Reply(451, "4.4.2", f"lost connection with {self.host} while "
-                                     f"waiting for the reply to {what}: {exc}")) from None
+                                     f"waiting for the reply to {what}: {exc}",
+                                     phase=phase)) from None
+        reply.phase = phase
         self.answers += 1
         if reply.code == 421:
             # The server is closing the channel (RFC 5321 3.8): never reuse.
@@ -322,11 +340,11 @@ class Session:
         except ReplyTimeout:
             self.abort()
             raise SessionError(Reply(451, "4.4.2", f"conversation with {self.host} timed out "
-                                     f"while {what}")) from None
+                                     f"while {what}", phase="end-of-data")) from None
         except ConnectionError as exc:
             self.abort()
             raise SessionError(Reply(451, "4.4.2", f"lost connection with {self.host} while "
-                                     f"{what}: {exc}")) from None
+                                     f"{what}: {exc}", phase="end-of-data")) from None
 
     @property
     def alive(self) -> bool:
@@ -396,7 +414,8 @@ class Session:
                            before_data: Callable[[], Awaitable[None]] | None
                            ) -> tuple[ServerReply, ...]:
         if not self.alive:
-            raise SessionError(Reply(451, "4.4.2", f"connection to {self.host} is not usable"))
+            raise SessionError(Reply(451, "4.4.2", f"connection to {self.host} is not usable",
+                                     phase="mail"))
         # Two pieces ahead (the caller read the first): when the second is
         # empty the whole message is known, and a 7-bit one is sent without
         # BODY=8BITMIME.
@@ -418,7 +437,7 @@ class Session:
             self.write((mail + "".join(rcpts) + "DATA\r\n").encode("utf-8"))
         else:
             self.write(mail.encode("utf-8"))
-        mail_reply = await self._read(self.timeouts.mail, "MAIL FROM")
+        mail_reply = await self._read(self.timeouts.mail, "MAIL FROM", "mail")
         if mail_reply.code == 421:
             return (mail_reply,) * count
         if not mail_reply.is_positive and not pipelining:
@@ -427,7 +446,7 @@ class Session:
         for line in rcpts:
             if not pipelining:
                 self.write(line.encode("utf-8"))
-            reply = await self._read(self.timeouts.rcpt, "RCPT TO")
+            reply = await self._read(self.timeouts.rcpt, "RCPT TO", "rcpt")
             if reply.code == 421:
                 return _ended(rcpt_replies, reply, count)
             rcpt_replies.append(reply)
@@ -436,7 +455,7 @@ class Session:
                 await self._rset()
                 return tuple(rcpt_replies)
             self.write(b"DATA\r\n")
-        data_reply = await self._read(self.timeouts.data_init, "DATA")
+        data_reply = await self._read(self.timeouts.data_init, "DATA", "data")
         if data_reply.code == 421:
             return _ended(rcpt_replies, data_reply, count)
         if not mail_reply.is_positive:
@@ -466,13 +485,13 @@ class Session:
         if not self.usable:
             return
         self.write(b"RSET\r\n")
-        reply = await self._read(self.timeouts.rset, "RSET")
+        reply = await self._read(self.timeouts.rset, "RSET", "end-of-data")
         if reply.code != 250:
             self.quit()
 
     async def _dot_then_rset(self) -> None:
         self.write(b".\r\n")
-        await self._read(self.timeouts.data_done, "end of data")
+        await self._read(self.timeouts.data_done, "end of data", "end-of-data")
         await self._rset()
 
     async def _data(self, content: IO[bytes], first: bytes, second: bytes, replies: int
@@ -491,7 +510,8 @@ class Session:
             if self._reader.paused:
                 await self._drain("sending message content")
             chunk, nxt = nxt, content.read(READ_SIZE)
-        return [await self._read(self.timeouts.data_done, "end of data") for _ in range(replies)]
+        return [await self._read(self.timeouts.data_done, "end of data", "end-of-data")
+                for _ in range(replies)]
 
 
 def _ended(so_far: Sequence[ServerReply], reply: ServerReply, count: int

@@ -52,13 +52,18 @@ _ENHANCED_RE = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?: |$)")
 
 
 class ServerReply:
-    """One reply as the server sent it: code and text lines."""
+    """One reply as the server sent it: code and text lines.
 
-    __slots__ = ("code", "lines")
+    ``phase`` is the SMTP phase the Session read it in (sluice.shaping.rules.PHASES),
+    set by the Session; empty until then.
+    """
 
-    def __init__(self, code: int, lines: list[str]) -> None:
+    __slots__ = ("code", "lines", "phase")
+
+    def __init__(self, code: int, lines: list[str], phase: str = "") -> None:
         self.code = code
         self.lines = lines
+        self.phase = phase
 
     @property
     def is_positive(self) -> bool:
@@ -83,7 +88,7 @@ class ServerReply:
         if not enhanced and cls in (2, 4, 5):
             enhanced = f"{cls}.0.0"
         text = " ".join(t for t in texts if t)
-        return Reply(self.code, enhanced, f"{prefix}{text}{suffix}")
+        return Reply(self.code, enhanced, f"{prefix}{text}{suffix}", phase=self.phase)
 
     def __repr__(self) -> str:
         return f"ServerReply({self.code}, {self.lines!r})"

@@ -58,7 +58,7 @@ SEE ALSO
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,7 @@ __all__ = [
     "CASELESS_FIELDS",
     "DESTINATION_FIELDS",
     "FIELDS",
+    "PATTERN_SUSPENSION_FIELDS",
     "SCOPES",
     "Condition",
     "Counter",
@@ -77,6 +78,7 @@ __all__ = [
     "Rate",
     "Suspension",
     "Thresholds",
+    "host_pattern",
 ]
 
 #: The fields a counter, a condition or a suspension may name (seeds 001, 004).
@@ -96,6 +98,12 @@ DESTINATION_FIELDS = frozenset({"grouping", "remoteip", "remotemx", "recipientdo
 
 #: Host names compare without case; ids (tenantid, jobid, transportid, grouping) with.
 CASELESS_FIELDS = frozenset({"recipientdomain", "remotemx"})
+
+#: Fields a suspension may name by a host name pattern (``*.google.com``):
+#: a provider is the suffix of its MX hosts' (or its domains') names.
+PATTERN_SUSPENSION_FIELDS = frozenset({"recipientdomain", "remotemx"})
+
+_HOST_WILDCARD_RE = re.compile(r"^[A-Za-z0-9_.*-]+$")
 
 #: Where a counter's thresholds hold when several nodes share a queue: across
 #: all of them (through the cluster's shared limits), or on each node alone.
@@ -198,6 +206,31 @@ class Pattern:
     def matches(self, value: str) -> bool:
         """Whether ``value`` fits the pattern."""
         return self.regex.search(value) is not None
+
+
+def _is_regex(text: str) -> bool:
+    return len(text) >= 2 and text.startswith("/") and (text.endswith("/")
+                                                         or text.endswith("/i"))
+
+
+def host_pattern(text: str) -> Pattern:
+    """A wildcard (``*.google.com``) or ``/regex/`` over host names, checked.
+
+    Raises ValueError naming what is wrong: a regex that does not
+    compile, a wildcard with characters no host name has (spaces,
+    commas), or one that names no label at all (``*``, ``*.``), which
+    would match every host.
+    """
+    if not _is_regex(text):
+        if not _HOST_WILDCARD_RE.match(text):
+            raise ValueError(f"{text!r} is not a host name pattern: use letters, digits, "
+                             "'-', '.' and '*' (or a /regex/)")
+        if not text.replace("*", "").strip("."):
+            raise ValueError(f"{text!r} would match every host: name at least one label, "
+                             "as in '*.example.com'")
+        if ".." in text:
+            raise ValueError(f"{text!r} is not a host name pattern: empty label")
+    return Pattern.compile(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +388,12 @@ class Suspension:
     ``localip`` suspends one source IP: a delivery that may use others
     goes out from those (seed 004, "Excluding IPs from pool").  An expired
     suspension is lifted by the scheduler on its own.
+
+    ``remotemx`` and ``recipientdomain`` may be a host name pattern
+    (``*.google.com``, see host_pattern()): the suspension then holds
+    every destination whose MX host (or domain) fits, a provider's
+    whole fleet (a shaping rule's *where*, sluice.shaping).  Other
+    fields are exact values.
     """
 
     fields: tuple[tuple[str, str], ...]
@@ -362,11 +401,14 @@ class Suspension:
     expires_at: float | None = None
     tag: str = ""
     reason: str = ""
+    _patterns: tuple[tuple[str, Pattern], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.fields:
             raise ValueError("a suspension needs at least one field")
-        norm = tuple(sorted((k, v.lower().rstrip(".") if k in CASELESS_FIELDS else v)
+        # Host names and wildcards over them ignore case; a /regex/ is kept as written.
+        norm = tuple(sorted((k, v.lower().rstrip(".")
+                             if k in CASELESS_FIELDS and not _is_regex(v) else v)
                             for k, v in self.fields))
         names = [k for k, _ in norm]
         if len(set(names)) != len(names):
@@ -374,9 +416,38 @@ class Suspension:
         for name in names:
             if name not in FIELDS:
                 raise ValueError(f"unknown field {name!r}")
+        patterns: list[tuple[str, Pattern]] = []
+        for name, value in norm:
+            if not Pattern.is_pattern(value):
+                continue
+            if name not in PATTERN_SUSPENSION_FIELDS:
+                raise ValueError(f"a suspension matches {name} exactly, not by a pattern "
+                                 f"({value!r})")
+            patterns.append((name, host_pattern(value)))
         object.__setattr__(self, "fields", norm)
+        object.__setattr__(self, "_patterns", tuple(patterns))
         if not self.id:
             object.__setattr__(self, "id", ",".join(f"{k}={v}" for k, v in norm))
+
+    @property
+    def is_pattern(self) -> bool:
+        """Whether a field is a host name pattern rather than one value."""
+        return bool(self._patterns)
+
+    def matches(self, value: Callable[[str], str]) -> bool:
+        """Whether a delivery whose field values ``value(name)`` gives is held."""
+        patterns = dict(self._patterns)
+        for name, want in self.fields:
+            have = value(name)
+            if name in CASELESS_FIELDS:
+                have = have.lower().rstrip(".")
+            pattern = patterns.get(name)
+            if pattern is not None:
+                if not have or not pattern.matches(have):
+                    return False
+            elif have != want:
+                return False
+        return True
 
     @property
     def field_names(self) -> tuple[str, ...]:

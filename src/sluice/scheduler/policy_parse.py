@@ -27,6 +27,7 @@ from typing import Any
 
 from sluice.scheduler.policy import (
     FIELDS,
+    PATTERN_SUSPENSION_FIELDS,
     SCOPES,
     Condition,
     Counter,
@@ -38,6 +39,7 @@ from sluice.scheduler.policy import (
     Rate,
     Suspension,
     Thresholds,
+    host_pattern,
 )
 
 __all__ = ["parse_policy", "parse_suspension", "parse_suspensions"]
@@ -345,7 +347,16 @@ def _parse_suspension(item: object, path: str, problems: _Problems) -> Suspensio
             problems.add(_join(path, name), f"the {name} to suspend is a non-empty string")
             continue
         if Pattern.is_pattern(value):
-            problems.add(_join(path, name), "a suspension matches exact values, not patterns")
+            if name not in PATTERN_SUSPENSION_FIELDS:
+                problems.add(_join(path, name), "a suspension matches exact values, not "
+                             "patterns (only remotemx and recipientdomain take one)")
+                continue
+            try:
+                host_pattern(value)
+            except ValueError as exc:
+                problems.add(_join(path, name), str(exc))
+                continue
+            fields.append((name, value))
             continue
         if name in _HOST_FIELDS and any(c.isspace() for c in value):
             problems.add(_join(path, name), f"{value!r} is not a {name}: it has spaces")

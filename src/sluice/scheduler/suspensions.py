@@ -21,6 +21,12 @@ STRATEGIES
     caches what it found with the registry's version, which every add and
     remove bumps.
 
+    Patterns are scanned.  A suspension whose remotemx or recipientdomain
+    is a host name pattern (``remotemx=*.google.com``: every Gmail MX host)
+    cannot be found by a probe; those few are also kept apart and tested
+    one by one, after the probes found nothing.  The scan runs only when
+    the registry's version moved, like every look-up of a sub-queue.
+
     One suspension per set of values (Halon).  Adding one whose fields and
     values match an existing suspension only moves its expiry (and tag and
     reason): the running one stays, with its id and waiters.
@@ -31,6 +37,7 @@ SEE ALSO
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 
 from sluice.scheduler.events import Route
@@ -64,11 +71,13 @@ class Suspended(Blocker):
 class Suspensions:
     """The suspensions in force, by id and indexed by the fields they name."""
 
-    __slots__ = ("by_id", "index", "version")
+    __slots__ = ("by_id", "index", "patterned", "version")
 
     def __init__(self) -> None:
         self.by_id: dict[str, Suspended] = {}
         self.index: dict[tuple[str, ...], dict[tuple[str, ...], Suspended]] = {}
+        #: The suspensions that name a pattern, by id (also in ``index``).
+        self.patterned: dict[str, Suspended] = {}
         self.version = 0
 
     def check(self, susp: Suspension) -> None:
@@ -100,6 +109,8 @@ class Suspensions:
         blocker = Suspended(susp, from_file)
         index[susp.values] = blocker
         self.by_id[susp.id] = blocker
+        if susp.is_pattern:
+            self.patterned[susp.id] = blocker
         self.version += 1
         return blocker
 
@@ -108,6 +119,7 @@ class Suspensions:
         blocker = self.by_id.pop(sid, None)
         if blocker is None:
             return None
+        self.patterned.pop(sid, None)
         susp = blocker.suspension
         index = self.index.get(susp.field_names)
         if index is not None:
@@ -127,6 +139,10 @@ class Suspensions:
                 hit = index.get(tuple(route.value(n, ip) for n in names))
                 if hit is not None:
                     break
+            if hit is None and self.patterned:
+                value = functools.partial(route.value, localip=ip)
+                hit = next((b for b in self.patterned.values() if b.suspension.matches(value)),
+                           None)
             found.append(hit)
         return found
 

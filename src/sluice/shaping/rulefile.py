@@ -72,12 +72,17 @@ def _rate(value: Any) -> Rate:
 
 
 def _one(item: dict[str, Any], path: str, problems: list[tuple[str, str]]) -> Rule | None:
-    try:
-        where = Where(tuple(sorted((WHERE_FIELDS[k], str(v))
-                                   for k, v in (item.get("where") or {}).items())))
-    except ValueError as exc:
-        problems.append((f"{path}.where", str(exc)))
+    where_data = item.get("where") or {}
+    bad = False
+    for key, value in where_data.items():
+        try:  # one field at a time, so that the error names its key
+            Where(((WHERE_FIELDS[key], str(value)),))
+        except ValueError as exc:
+            problems.append((f"{path}.where.{key}", str(exc)))
+            bad = True
+    if bad:
         return None
+    where = Where(tuple(sorted((WHERE_FIELDS[k], str(v)) for k, v in where_data.items())))
     reply_data = item.get("reply") or {}
     try:
         reply = ReplyMatch(str(reply_data.get("code", "")), str(reply_data.get("enhanced", "")),

@@ -26,14 +26,22 @@ STRATEGIES
     five groups with one each; a rule on a literal names one value; a
     rule with no *where* counts per recipient domain.  The action then
     names the group: a back-off condition matches ``*.google.com`` (the
-    policy's conditions take patterns), while a suspension, which is an
-    exact look-up (sluice.scheduler.suspensions), names the concrete
-    values the reply came with.
+    policy's conditions take patterns), and so does a suspension for a
+    pattern on ``remotemx`` or ``recipientdomain`` (the scheduler's
+    suspensions take host name patterns there): one Gmail host saying
+    "stop" holds gmail.com and googlemail.com on every Gmail MX host.
+    Other fields (a tenant, a job, a pattern on an IP) take the values
+    the reply came with, as does a bounce.
 
-    Unknown phase matches.  A delivery result that does not say at which
-    SMTP phase the reply came (a connection failure, an agent that does
-    not record it) matches a rule with a phase list: a rule restricted
-    to RCPT must not go silent because the agent is vague.
+    Host name patterns are checked (sluice.scheduler.policy.host_pattern):
+    ``*``, ``*.``, or one with spaces or commas is refused when the file
+    is read, not when the first suspension would be made.
+
+    Unknown phase matches.  The delivery client marks each reply with
+    its phase (sluice.model.Reply.phase); a reply without one (Sluice's
+    own SIZE or SMTPUTF8 refusal, a hook's verdict) matches a rule with
+    a phase list: a rule restricted to RCPT must not go silent because
+    the source is vague.
 
     Pure: the standard library only (no clock, no I/O), like the
     scheduler it feeds.
@@ -45,7 +53,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from sluice.scheduler.policy import Pattern, Rate
+from sluice.scheduler.policy import PATTERN_SUSPENSION_FIELDS, Pattern, Rate, host_pattern
 
 __all__ = [
     "WHERE_FIELDS",
@@ -68,9 +76,13 @@ WHERE_FIELDS: dict[str, str] = {
     "job": "jobid",
 }
 
+#: SMTP phases a reply can come in (sluice.model.Reply.phase, set by the
+#: delivery client): the greeting, EHLO/HELO/LHLO and STARTTLS, MAIL FROM,
+#: RCPT TO, DATA (up to 354), and the final dot.
+PHASES = ("connect", "helo", "mail", "rcpt", "data", "end-of-data")
+
 _REPLY_RE = re.compile(r"^([2-5][0-9]{2})[ -]?(?:([2-5]\.[0-9]{1,3}\.[0-9]{1,3})\b)?(.*)$", re.S)
 
-PHASES = ("connect", "mail", "rcpt", "data", "end-of-data")
 
 
 class Action(StrEnum):
@@ -133,7 +145,8 @@ class Where:
             if name not in WHERE_FIELDS.values():
                 raise ValueError(f"unknown field {name!r}")
             if Pattern.is_pattern(value):
-                matchers.append((name, Pattern.compile(value)))
+                matchers.append((name, host_pattern(value) if name in PATTERN_SUSPENSION_FIELDS
+                                 else Pattern.compile(value)))
             else:
                 matchers.append((name, value.lower().rstrip(".")
                                  if name in ("recipientdomain", "remotemx") else value))
@@ -281,10 +294,25 @@ class Rule:
         return tuple(sorted(self.where.fields))
 
     def concrete(self, obs: Observation) -> tuple[tuple[str, str], ...]:
-        """The group's fields with the values ``obs`` came with (for suspensions)."""
+        """The fields a suspension or bounce names, with values.
+
+        The values ``obs`` came with, except that a suspension keeps a
+        host name pattern the rule's *where* gives for ``remotemx`` or
+        ``recipientdomain`` (``*.google.com``): it holds the provider's
+        every MX host, not the one that answered.
+        """
         names = [n for n, _ in self.group(obs)]
         if self.action is Action.SUSPEND_TENANT and "tenantid" not in names:
             names.append("tenantid")
         if self.action is Action.SUSPEND_JOB:
             names = ["jobid"]
-        return tuple(sorted((n, obs.value(n)) for n in names))
+        written = dict(self.where.fields)
+        suspends = self.action in (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB)
+
+        def value(name: str) -> str:
+            want = written.get(name, "")
+            if suspends and name in PATTERN_SUSPENSION_FIELDS and Pattern.is_pattern(want):
+                return want
+            return obs.value(name)
+
+        return tuple(sorted((n, value(n)) for n in names))

@@ -27,6 +27,12 @@ STRATEGIES
     of its own (augment()), so the shipped rules work with no policy at
     all.  augment() runs on every policy load, so a reload keeps them.
 
+    The phase comes with the reply.  The delivery client marks each reply
+    with the SMTP phase it answered (Reply.phase); the observation carries
+    it, so a rule with ``phase: [rcpt]`` sees only RCPT refusals.  A reply
+    Sluice made itself without a phase (a SIZE refusal, a hook's verdict)
+    has none, and matches any phase list (sluice.shaping.rules).
+
     One observation per reply per attempt.  A 421 at connect is the same
     reply for every recipient of the transaction: it is counted once,
     not once per recipient.
@@ -224,18 +230,18 @@ class Shaper:
 
     def observe(self, route: Route, results: Iterable[AttemptResult]) -> None:
         """Feed the engine the failed attempts of one route, each distinct reply once."""
-        seen: set[tuple[int, str, str, str]] = set()
+        seen: set[tuple[int, str, str, str, str]] = set()
         now = self.clock()
         for res in results:
             if not res.attempted or isinstance(res.outcome, Delivered):
                 continue
             reply = res.outcome.reply
             mx = res.remotemx or route.remotemx
-            key = (reply.code, reply.enhanced, reply.text, mx)
+            key = (reply.code, reply.enhanced, reply.text, reply.phase, mx)
             if key in seen:
                 continue
             seen.add(key)
-            obs = Observation(now, reply.code, reply.enhanced, reply.text, "",
+            obs = Observation(now, reply.code, reply.enhanced, reply.text, reply.phase,
                               route.recipientdomain, mx or reply.remote_mta,
                               res.remoteip or route.remoteip, res.localip or "",
                               route.tenantid, route.jobid)
@@ -252,7 +258,7 @@ class Shaper:
                 continue
             reply = ctx.outcome.reply
             entry = ctx.entry
-            obs = Observation(self.clock(), reply.code, reply.enhanced, reply.text, "",
+            obs = Observation(self.clock(), reply.code, reply.enhanced, reply.text, reply.phase,
                               entry.domain, ctx.remotemx or reply.remote_mta, ctx.remoteip,
                               ctx.localip, entry.tenantid, entry.jobid)
             self._run(self.engine.fire(rule, obs), who="hook")
