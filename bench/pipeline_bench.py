@@ -179,7 +179,13 @@ def generate(con: object, n: int, out_dir: Path) -> None:
           CAST(2000 + h2 % 80000 AS BIGINT) AS size,
           CASE WHEN event IN {attempt_kinds}
                THEN round(0.05 + (h4 % 3000) / 1000.0, 4) END AS duration_s,
-          false AS is_report
+          false AS is_report,
+          -- The receiving session's fields: set on received and session
+          -- events by a live node, null in this mix (no job reads them).
+          CAST(NULL AS VARCHAR) AS client_ip, CAST(NULL AS VARCHAR) AS helo,
+          CAST(NULL AS VARCHAR) AS tls_protocol, CAST(NULL AS VARCHAR) AS tls_cipher,
+          CAST(NULL AS VARCHAR) AS auth_user, CAST(NULL AS VARCHAR) AS refused,
+          CAST(NULL AS INTEGER) AS auth_failures, CAST(NULL AS VARCHAR) AS tls_failure
         FROM ({with_rcpt})
     """
     con.execute(  # type: ignore[attr-defined]
@@ -209,7 +215,9 @@ def duckdb_reference(con: object, files: str, parquet: str | None = None) -> flo
             ("remotemx", "VARCHAR"), ("remoteip", "VARCHAR"), ("attempt", "INTEGER"),
             ("code", "INTEGER"), ("enhanced", "VARCHAR"), ("response", "VARCHAR"),
             ("queue_age_s", "DOUBLE"), ("size", "BIGINT"), ("duration_s", "DOUBLE"),
-            ("is_report", "BOOLEAN"))
+            ("is_report", "BOOLEAN"), ("client_ip", "VARCHAR"), ("helo", "VARCHAR"),
+            ("tls_protocol", "VARCHAR"), ("tls_cipher", "VARCHAR"), ("auth_user", "VARCHAR"),
+            ("refused", "VARCHAR"), ("auth_failures", "INTEGER"), ("tls_failure", "VARCHAR"))
     )
     masked = "coalesce(response, '')"
     for pattern, repl, _guard in rules.MASK_RULES:
