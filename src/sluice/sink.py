@@ -19,8 +19,13 @@ DESCRIPTION
 
     It records per domain the messages accepted, the replies given, and
     the highest number of simultaneous connections, so tests can check
-    that a policy's limits held at the receiving end.  Accepted messages
-    can be kept (in memory or as files) to compare bytes.
+    that a policy's limits held at the receiving end.  A connection counts
+    from its first RCPT for a domain until the client says QUIT or the
+    connection closes, whichever comes first: a client is done with a
+    connection once it has said QUIT, and counting until the close as well
+    would charge it with how late this sink's own loop (in a busy test
+    process) gets to the close.  Accepted messages can be kept (in memory
+    or as files) to compare bytes.
 
 LIMITATIONS
     Not a mail store: messages kept in memory stay until the sink stops.
@@ -135,6 +140,11 @@ class _Handler:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         return await self.sink._on_data(server, session, envelope)
 
+    async def handle_QUIT(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        if isinstance(server, _SinkSMTP):
+            self.sink._on_disconnect(server)
+        return "221 Bye"
+
 
 class _SinkSMTP(SMTP):
     """aiosmtpd's server, told about connections so the sink can count them."""
@@ -144,6 +154,7 @@ class _SinkSMTP(SMTP):
         self._sink = sink
         self._domains: set[str] = set()
         self.connected_at = 0.0
+        self.counted = False  # among the open connections (from connect to QUIT or close)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.connected_at = time.time()
@@ -266,6 +277,7 @@ class Sink:
 
     def _on_connect(self, server: _SinkSMTP) -> None:
         with self._lock:
+            server.counted = True
             s = self._stats
             s.connections += 1
             s.current_connections += 1
@@ -275,7 +287,12 @@ class Sink:
                 s.peers[peer[0]] += 1
 
     def _on_disconnect(self, server: _SinkSMTP) -> None:
+        # A connection stops counting at QUIT (the client is done with it:
+        # an MTA frees its slot once it has said QUIT), or when it closes.
         with self._lock:
+            if not server.counted:
+                return
+            server.counted = False
             self._stats.current_connections -= 1
             for domain in server._domains:
                 self._stats.current_by_domain[domain] -= 1

@@ -65,3 +65,24 @@ def test_concurrency_is_tracked_per_domain(sink: tuple[Sink, int]) -> None:
     assert snap.current_connections == 0
     assert snap.current_by_domain["a.slowish.example"] == 0
     assert snap.delivered["a.slowish.example"] == 4
+
+
+def test_a_connection_stops_counting_at_quit_and_only_once(sink: tuple[Sink, int]) -> None:
+    s, port = sink
+    c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test")
+    c.sendmail("a@example.org", ["u@ok.example"], b"Subject: t\r\n\r\nbody\r\n")
+    assert s.snapshot().current_by_domain["ok.example"] == 1
+    code, _ = c.docmd("QUIT")  # said, and the 221 read: the socket is still open here
+    assert code == 221
+    snap = s.snapshot()
+    assert snap.current_by_domain["ok.example"] == 0 and snap.current_connections == 0
+    c.close()
+    send(port, ["u@ok.example"])  # one more, from connect to close
+    deadline = time.monotonic() + 5  # the server sees each close a moment later
+    while s.snapshot().current_connections > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # and a close counted twice would show by now
+    snap = s.snapshot()
+    assert snap.connections == 2
+    assert snap.current_connections == 0 and snap.current_by_domain["ok.example"] == 0
+    assert snap.peak_by_domain["ok.example"] == 1

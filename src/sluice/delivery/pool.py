@@ -83,7 +83,8 @@ class SessionPool:
 
     def give(self, key: PoolKey, session: Session) -> None:
         """Keep ``session`` idle for ``key``, or close it (see DESCRIPTION)."""
-        if self.closing or not session.alive or session.messages >= self.max_messages:
+        if (self.closing or not session.alive or session.messages >= self.max_messages
+                or self.idle_s <= 0):  # idle 0: keep none, QUIT before the caller goes on
             self.drop(session, polite=True)
             return
         self.idle.setdefault(key, []).append(session)
