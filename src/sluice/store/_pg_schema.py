@@ -120,7 +120,6 @@ class Postgres(Dialect):
     # changing the same rows take their locks in the same order; a refill
     # or a bounce lease skips the rows another node has locked.
     for_change = " ORDER BY spid, idx FOR UPDATE"
-    claim_order = "next_attempt_at, spid, idx"
     claim_lock = " FOR UPDATE SKIP LOCKED"
 
     # Arrays, not a chain of ORs or IN lists: an operator may select

@@ -41,7 +41,10 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from sluice.config.sections import TenantsConfig
 
 __all__ = ["EQUAL", "TenantWeights", "fair_pick", "interleave", "split_quota"]
 
@@ -91,6 +94,11 @@ class TenantWeights:
     def __post_init__(self) -> None:
         if any(not math.isfinite(w) or w <= 0 for w in [*self.weights.values(), self.default]):
             raise ValueError("tenant weights must be positive")
+
+    @classmethod
+    def of(cls, tenants: TenantsConfig) -> TenantWeights:
+        """The weights the scheduler's ``tenants`` section gives."""
+        return cls(tenants.weights, tenants.default_weight, tenants.fair)
 
     def weight(self, tenant: str) -> float:
         """The tenant's weight: its own, or the default."""

@@ -63,7 +63,7 @@ from sluice.model import (
 )
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._actions import EFFECTS, OperatorChange, Value
-from sluice.store._refill import interleave, split_quota
+from sluice.store._refill import EQUAL, TenantWeights, fair_pick, interleave, split_quota
 
 __all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows",
            "reply_columns"]
@@ -137,9 +137,8 @@ class Dialect(ABC):
     not_report: str
     #: Appended to a SELECT of rows about to be changed by an operator.
     for_change: str
-    #: The ORDER BY of a refill's candidates within one state and priority,
-    #: and what follows the LIMIT of a refill's or a bounce lease's SELECT.
-    claim_order: str
+    #: What follows a SELECT of rows a refill or a bounce lease is about to
+    #: change (a refill's candidates are read first and locked after).
     claim_lock: str
 
     @abstractmethod
@@ -194,10 +193,23 @@ class SqlQueue:
         self._changes = f"SELECT seq, qid, action FROM {d.changes} WHERE seq > {p} ORDER BY seq"
         self._top = f"SELECT max(seq) FROM {d.changes}"
         self._log = f"INSERT INTO {d.changes} (at, qid, action) VALUES ({p}, {p}, {p})"
-        pick = f"SELECT {COLUMNS} FROM {q} WHERE state = {p} AND priority = {p}"
-        tail = f" ORDER BY {d.claim_order} LIMIT {p}{d.claim_lock}"
-        self._pick_new = pick + tail
-        self._pick_due = f"{pick} AND next_attempt_at <= {p}{tail}"
+        # A refill's candidates: at most ``limit`` of each tenant (the window
+        # numbers each tenant's rows in its own refill order), or of all
+        # tenants together when they are not told apart.
+        order = "priority DESC, next_attempt_at, spid, idx"
+        self._pick: dict[tuple[bool, bool], str] = {}
+        for fair in (True, False):
+            for due in (False, True):
+                cond = f"state = {p}" + (f" AND next_attempt_at <= {p}" if due else "")
+                self._pick[fair, due] = (
+                    f"SELECT {COLUMNS} FROM (SELECT {COLUMNS}, row_number() OVER "
+                    f"(PARTITION BY {'tenantid' if fair else 'state'} ORDER BY {order}) "
+                    f"AS refill_rank "
+                    f"FROM {q} WHERE {cond}) AS c WHERE refill_rank <= {p} ORDER BY {order}")
+        # A window cannot lock its rows: the chosen ones are locked after,
+        # those another node holds skipped, those it took meanwhile dropped.
+        self._lock_picked = {due: f"SELECT {COLUMNS} FROM {q} WHERE state = {p} AND " + (
+            f"next_attempt_at <= {p} AND " if due else "") for due in (False, True)}
         self._activate = f"UPDATE {q} SET state = 'active', owner = {p}"
         self._bounces = (
             f"SELECT {COLUMNS} FROM {q} WHERE state = 'bounce' AND next_attempt_at <= {p} "
@@ -348,29 +360,36 @@ class SqlQueue:
         """Queue the rows of queue_rows()."""
         self.dialect.executemany(conn, self._insert, rows)
 
-    def _pick(self, conn: Conn, state: QueueState, due: bool, n: int, now: float
-              ) -> list[tuple[Any, ...]]:
-        """Up to ``n`` candidate rows in ``state``, priority 1 first."""
-        out: list[tuple[Any, ...]] = []
-        for prio in (1, 0):
-            if len(out) >= n:
-                break
-            if due:
-                rows = conn.execute(self._pick_due, (str(state), prio, now, n - len(out)))
-            else:
-                rows = conn.execute(self._pick_new, (str(state), prio, n - len(out)))
-            out.extend(rows.fetchall())
-        return out
+    def _candidates(self, conn: Conn, state: QueueState, due: bool, n: int, now: float,
+                    weights: TenantWeights) -> list[tuple[Any, ...]]:
+        """Up to ``n`` candidate rows in ``state``, shared between tenants by weight.
+
+        Each tenant's rows priority 1 first, then by next_attempt_at.
+        """
+        params: tuple[Any, ...] = (str(state), now, n) if due else (str(state), n)
+        rows = conn.execute(self._pick[weights.fair, due], params).fetchall()
+        by_tenant: dict[str, list[tuple[Any, ...]]] = {}
+        for row in rows:  # tenants in the order of their first candidate
+            by_tenant.setdefault(weights.key(row[13]), []).append(row)
+        chosen = fair_pick(by_tenant, weights, n)
+        if not chosen or not self.dialect.claim_lock:
+            return chosen
+        cond, keys = self.dialect.keys_in([r[0] for r in chosen], [r[1] for r in chosen])
+        locked = {(r[0], r[1]): r for r in conn.execute(
+            f"{self._lock_picked[due]}{cond}{self.dialect.claim_lock}",
+            (*params[:-1], *keys)).fetchall()}
+        return [locked[r[0], r[1]] for r in chosen if (r[0], r[1]) in locked]
 
     def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str,
-              per_domain: int = 0) -> tuple[list[QueueEntry], bool]:
+              per_domain: int = 0, weights: TenantWeights = EQUAL
+              ) -> tuple[list[QueueEntry], bool]:
         """Store.claim's selection and marking, on the write connection.
 
         Also whether ``per_domain`` (the most entries of one recipient domain
         ``node`` may hold claimed; 0: no cap) left candidates behind.
         """
-        incoming = self._pick(conn, QueueState.INCOMING, False, limit, now)
-        deferred = self._pick(conn, QueueState.DEFERRED, True, limit, now)
+        incoming = self._candidates(conn, QueueState.INCOMING, False, limit, now, weights)
+        deferred = self._candidates(conn, QueueState.DEFERRED, True, limit, now, weights)
         take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
         chosen = interleave(incoming[:take_i], deferred[:take_d])
         capped = False

@@ -131,7 +131,6 @@ class Sqlite(Dialect):
     # Every change runs under the database's write lock (one writer at a
     # time): no rows to lock, none to skip.
     for_change = ""
-    claim_order = "next_attempt_at"
     claim_lock = ""
 
     # IN lists, not a chain of ORs: SQLite refuses expression trees deeper
