@@ -75,7 +75,7 @@ def test_every_tenant_gets_its_weighted_share_of_every_prefix_within_one(
     total = sum(n for n, _ in spec.values())
     assert len(got) == min(limit, total)  # never more than limit, none left idle
     assert len(set(got)) == len(got)  # nothing twice
-    for t, (n, _) in spec.items():
+    for t in spec:
         mine = [i for tt, i in got if tt == t]
         assert mine == list(range(len(mine)))  # order within a tenant kept
     active = {t: w for t, (n, w) in spec.items() if n}
