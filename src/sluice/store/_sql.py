@@ -193,23 +193,22 @@ class SqlQueue:
         self._changes = f"SELECT seq, qid, action FROM {d.changes} WHERE seq > {p} ORDER BY seq"
         self._top = f"SELECT max(seq) FROM {d.changes}"
         self._log = f"INSERT INTO {d.changes} (at, qid, action) VALUES ({p}, {p}, {p})"
-        # A refill's candidates: at most ``limit`` of each tenant (the window
-        # numbers each tenant's rows in its own refill order), or of all
-        # tenants together when they are not told apart.
-        order = "priority DESC, next_attempt_at, spid, idx"
+        # A refill's candidates, per tenant (or of all together when tenants
+        # are not told apart), each tenant's priority 1 first, then oldest
+        # or due first; the tenants with entries in a state are found by
+        # skipping along the (state, tenantid, ...) index, one step each.
+        pick = f"SELECT {COLUMNS} FROM {q} WHERE state = {p} AND priority = {p}"
+        tail = f" ORDER BY next_attempt_at, spid, idx LIMIT {p}{d.claim_lock}"
         self._pick: dict[tuple[bool, bool], str] = {}
         for fair in (True, False):
-            for due in (False, True):
-                cond = f"state = {p}" + (f" AND next_attempt_at <= {p}" if due else "")
-                self._pick[fair, due] = (
-                    f"SELECT {COLUMNS} FROM (SELECT {COLUMNS}, row_number() OVER "
-                    f"(PARTITION BY {'tenantid' if fair else 'state'} ORDER BY {order}) "
-                    f"AS refill_rank "
-                    f"FROM {q} WHERE {cond}) AS c WHERE refill_rank <= {p} ORDER BY {order}")
-        # A window cannot lock its rows: the chosen ones are locked after,
-        # those another node holds skipped, those it took meanwhile dropped.
-        self._lock_picked = {due: f"SELECT {COLUMNS} FROM {q} WHERE state = {p} AND " + (
-            f"next_attempt_at <= {p} AND " if due else "") for due in (False, True)}
+            head = f"{pick} AND tenantid = {p}" if fair else pick
+            self._pick[fair, False] = head + tail
+            self._pick[fair, True] = f"{head} AND next_attempt_at <= {p}{tail}"
+        self._tenants = (
+            f"WITH RECURSIVE t(tenantid) AS (SELECT min(tenantid) FROM {q} WHERE state = {p} "
+            f"UNION ALL SELECT (SELECT min(tenantid) FROM {q} WHERE state = {p} "
+            "AND tenantid > t.tenantid) FROM t WHERE t.tenantid IS NOT NULL) "
+            "SELECT tenantid FROM t WHERE tenantid IS NOT NULL")
         self._activate = f"UPDATE {q} SET state = 'active', owner = {p}"
         self._bounces = (
             f"SELECT {COLUMNS} FROM {q} WHERE state = 'bounce' AND next_attempt_at <= {p} "
@@ -364,21 +363,29 @@ class SqlQueue:
                     weights: TenantWeights) -> list[tuple[Any, ...]]:
         """Up to ``n`` candidate rows in ``state``, shared between tenants by weight.
 
-        Each tenant's rows priority 1 first, then by next_attempt_at.
+        Each tenant's rows priority 1 first, then by next_attempt_at; at
+        most ``n`` read of each tenant.
         """
-        params: tuple[Any, ...] = (str(state), now, n) if due else (str(state), n)
-        rows = conn.execute(self._pick[weights.fair, due], params).fetchall()
+        if weights.fair:
+            rows = conn.execute(self._tenants, (str(state), str(state))).fetchall()
+            tenants = [r[0] for r in rows]
+        else:
+            tenants = [None]
         by_tenant: dict[str, list[tuple[Any, ...]]] = {}
-        for row in rows:  # tenants in the order of their first candidate
-            by_tenant.setdefault(weights.key(row[13]), []).append(row)
-        chosen = fair_pick(by_tenant, weights, n)
-        if not chosen or not self.dialect.claim_lock:
-            return chosen
-        cond, keys = self.dialect.keys_in([r[0] for r in chosen], [r[1] for r in chosen])
-        locked = {(r[0], r[1]): r for r in conn.execute(
-            f"{self._lock_picked[due]}{cond}{self.dialect.claim_lock}",
-            (*params[:-1], *keys)).fetchall()}
-        return [locked[r[0], r[1]] for r in chosen if (r[0], r[1]) in locked]
+        for tenant in tenants:
+            line: list[tuple[Any, ...]] = []
+            for prio in (1, 0):
+                if len(line) >= n:
+                    break
+                params = (str(state), prio, *(() if tenant is None else (tenant,)),
+                          *((now,) if due else ()), n - len(line))
+                line += conn.execute(self._pick[weights.fair, due], params).fetchall()
+            if line:
+                by_tenant[weights.key(line[0][13])] = line
+        # Turn order: the tenant with the first entry to take goes first.
+        first = sorted(by_tenant, key=lambda t: (-by_tenant[t][0][12], by_tenant[t][0][7],
+                                                 by_tenant[t][0][0], by_tenant[t][0][1]))
+        return fair_pick({t: by_tenant[t] for t in first}, weights, n)
 
     def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str,
               per_domain: int = 0, weights: TenantWeights = EQUAL
