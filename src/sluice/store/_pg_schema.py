@@ -80,7 +80,7 @@ CREATE TABLE IF NOT EXISTS sluice_queue (
 );
 CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
 CREATE INDEX IF NOT EXISTS sluice_queue_refill
-    ON sluice_queue (state, tenantid, priority, next_attempt_at);
+    ON sluice_queue (state, tenantid, priority, next_attempt_at, spid, idx);
 CREATE INDEX IF NOT EXISTS sluice_queue_domain ON sluice_queue (domain);
 CREATE INDEX IF NOT EXISTS sluice_queue_tenant ON sluice_queue (tenantid, jobid);
 CREATE INDEX IF NOT EXISTS sluice_queue_tenant_key ON sluice_queue (tenantid, spid, idx);

@@ -205,9 +205,10 @@ class SqlQueue:
             self._pick[fair, False] = head + tail
             self._pick[fair, True] = f"{head} AND next_attempt_at <= {p}{tail}"
         self._tenants = (
-            f"WITH RECURSIVE t(tenantid) AS (SELECT min(tenantid) FROM {q} WHERE state = {p} "
-            f"UNION ALL SELECT (SELECT min(tenantid) FROM {q} WHERE state = {p} "
-            "AND tenantid > t.tenantid) FROM t WHERE t.tenantid IS NOT NULL) "
+            f"WITH RECURSIVE t(tenantid) AS (SELECT * FROM (SELECT tenantid FROM {q} "
+            f"WHERE state = {p} ORDER BY tenantid LIMIT 1) AS first UNION ALL "
+            f"SELECT (SELECT tenantid FROM {q} WHERE state = {p} AND tenantid > t.tenantid "
+            "ORDER BY tenantid LIMIT 1) FROM t WHERE t.tenantid IS NOT NULL) "
             "SELECT tenantid FROM t WHERE tenantid IS NOT NULL")
         self._activate = f"UPDATE {q} SET state = 'active', owner = {p}"
         self._bounces = (
