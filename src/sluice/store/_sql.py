@@ -137,8 +137,7 @@ class Dialect(ABC):
     not_report: str
     #: Appended to a SELECT of rows about to be changed by an operator.
     for_change: str
-    #: What follows a SELECT of rows a refill or a bounce lease is about to
-    #: change (a refill's candidates are read first and locked after).
+    #: What follows the LIMIT of a refill's or a bounce lease's SELECT.
     claim_lock: str
 
     @abstractmethod
