@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.store._refill import EQUAL, TenantWeights, fair_pick, interleave, split_quota
+from sluice.store._refill import (
+    EQUAL,
+    TenantWeights,
+    fair_pick,
+    first_reads,
+    interleave,
+    split_quota,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -85,3 +92,24 @@ def test_every_tenant_gets_its_weighted_share_of_every_prefix_within_one(
             share = k * w / sum(active.values())
             taken = sum(1 for tt, _ in prefix if tt == t)
             assert taken >= min(spec[t][0], math.ceil(share - 1 - 1e-9)), (t, k, prefix)
+
+
+@given(tenants, st.integers(1, 120))
+def test_lists_cut_at_first_reads_still_give_every_tenant_its_share(
+        spec: dict[str, tuple[int, float]], limit: int) -> None:
+    # What the SQL stores do: read each tenant's share plus one; read up to
+    # the limit only when the tenants together have fewer than it.
+    weights = TenantWeights({t: w for t, (_, w) in spec.items()})
+    active = [t for t, (n, _) in spec.items() if n]
+    ask = first_reads(limit, active, weights)
+    assert all(1 <= k <= limit for k in ask.values())
+    cut = {t: [(t, i) for i in range(min(spec[t][0], ask[t]))] for t in active}
+    if sum(map(len, cut.values())) < limit:
+        cut = {t: [(t, i) for i in range(min(spec[t][0], limit))] for t in active}
+    got = fair_pick(cut, weights, limit)
+    assert len(got) == min(limit, sum(n for n, _ in spec.values()))
+    total_w = sum(spec[t][1] for t in active)
+    for t in active:
+        taken = sum(1 for tt, _ in got if tt == t)
+        share = len(got) * spec[t][1] / total_w
+        assert taken >= min(spec[t][0], math.ceil(share - 1 - 1e-9)), (t, got)

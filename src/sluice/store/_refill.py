@@ -4,6 +4,7 @@ SUMMARY
     split_quota(limit, n_incoming, n_deferred, quota_deferred) -> (deferred, incoming)
     interleave(incoming, deferred) -> list
     fair_pick({tenant: candidates}, TenantWeights(...), limit) -> list
+    first_reads(limit, tenants, weights) -> {tenant: how many to read first}
 
 DESCRIPTION
     A refill of the active queue takes new mail and due deferred mail in
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     from sluice.config.sections import TenantsConfig
 
-__all__ = ["EQUAL", "TenantWeights", "fair_pick", "interleave", "split_quota"]
+__all__ = ["EQUAL", "TenantWeights", "fair_pick", "first_reads", "interleave", "split_quota"]
 
 T = TypeVar("T")
 
@@ -142,3 +143,16 @@ def fair_pick(candidates: Mapping[str, Sequence[T]], weights: TenantWeights, lim
         if taken < len(line):
             heapq.heappush(heap, ((taken + 1) / weights.weight(tenant), order, taken))
     return out
+
+
+def first_reads(limit: int, tenants: Sequence[str], weights: TenantWeights) -> dict[str, int]:
+    """How many candidates of each tenant a refill of ``limit`` reads first.
+
+    Each tenant's weighted share of the batch, plus one: fair_pick over
+    lists cut there still gives every tenant its share within one, without
+    reading ``limit`` rows of each of many tenants.  If all together give
+    fewer than ``limit`` (some tenants have less than their share), the
+    caller reads up to ``limit`` of each of the others.
+    """
+    total = sum(weights.weight(t) for t in tenants)
+    return {t: min(limit, math.ceil(limit * weights.weight(t) / total) + 1) for t in tenants}

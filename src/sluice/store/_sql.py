@@ -63,7 +63,14 @@ from sluice.model import (
 )
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._actions import EFFECTS, OperatorChange, Value
-from sluice.store._refill import EQUAL, TenantWeights, fair_pick, interleave, split_quota
+from sluice.store._refill import (
+    EQUAL,
+    TenantWeights,
+    fair_pick,
+    first_reads,
+    interleave,
+    split_quota,
+)
 
 __all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows",
            "reply_columns"]
@@ -363,25 +370,32 @@ class SqlQueue:
                     weights: TenantWeights) -> list[tuple[Any, ...]]:
         """Up to ``n`` candidate rows in ``state``, shared between tenants by weight.
 
-        Each tenant's rows priority 1 first, then by next_attempt_at; at
-        most ``n`` read of each tenant.
+        Each tenant's rows priority 1 first, then by next_attempt_at; its
+        share of ``n`` plus one read first (first_reads), up to ``n`` only
+        when the tenants together have fewer.
         """
-        if weights.fair:
-            rows = conn.execute(self._tenants, (str(state), str(state))).fetchall()
-            tenants = [r[0] for r in rows]
-        else:
-            tenants = [None]
-        by_tenant: dict[str, list[tuple[Any, ...]]] = {}
-        for tenant in tenants:
+        pick = self._pick[weights.fair, due]
+
+        def read(tenant: str | None, k: int) -> list[tuple[Any, ...]]:
             line: list[tuple[Any, ...]] = []
             for prio in (1, 0):
-                if len(line) >= n:
+                if len(line) >= k:
                     break
                 params = (str(state), prio, *(() if tenant is None else (tenant,)),
-                          *((now,) if due else ()), n - len(line))
-                line += conn.execute(self._pick[weights.fair, due], params).fetchall()
-            if line:
-                by_tenant[weights.key(line[0][13])] = line
+                          *((now,) if due else ()), k - len(line))
+                line += conn.execute(pick, params).fetchall()
+            return line
+
+        if weights.fair:
+            rows = conn.execute(self._tenants, (str(state), str(state))).fetchall()
+            ask = first_reads(n, [r[0] for r in rows], weights)
+            lines = {t: read(t, k) for t, k in ask.items()}
+            if sum(map(len, lines.values())) < n:  # some have less than their share
+                lines = {t: read(t, n) if len(line) == ask[t] < n else line
+                         for t, line in lines.items()}
+        else:
+            lines = {"": read(None, n)}
+        by_tenant = {weights.key(line[0][13]): line for line in lines.values() if line}
         # Turn order: the tenant with the first entry to take goes first.
         first = sorted(by_tenant, key=lambda t: (-by_tenant[t][0][12], by_tenant[t][0][7],
                                                  by_tenant[t][0][0], by_tenant[t][0][1]))
