@@ -83,6 +83,38 @@ def test_two_nodes_claiming_at_once_never_take_the_same_recipient(
     assert {states[q] for q in got["node-b"]} == {"active"}
 
 
+def test_a_tenant_fair_refill_keeps_the_per_destination_cap_and_skips_locked_rows(
+        nodes: tuple[PgStore, PgStore]) -> None:
+    a, b = nodes
+    for i in range(40):
+        a.submit(Submission("s@example.org", (f"x{i}@one.example",), tenantid="big"), b"x", T0)
+    for i in range(10):
+        a.submit(Submission("s@example.org", (f"y{i}@two.example",), tenantid="small"), b"y",
+                 T0 + 1)
+    a.per_domain_cap = 3
+    first = a.claim(20, T0 + 5, 10)
+    assert sorted(e.domain for e in first) == ["one.example"] * 3 + ["two.example"] * 3
+    assert a.last_claim_capped
+    # another node claiming at once never takes what the first holds, and
+    # still gets both tenants' mail
+    got: dict[str, list[str]] = {"node-a": [], "node-b": []}
+    start = threading.Barrier(2)
+    a.per_domain_cap = 0
+
+    def run(store: PgStore) -> None:
+        start.wait()
+        while batch := store.claim(4, T0 + 5, 10):
+            got[store.node_id] += [e.qid for e in batch]
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    taken = [e.qid for e in first] + got["node-a"] + got["node-b"]
+    assert len(taken) == len(set(taken)) == 50
+
+
 def test_content_of_a_message_delivered_by_two_nodes_at_once_is_removed(
         nodes: tuple[PgStore, PgStore], dsn: str) -> None:
     a, b = nodes

@@ -151,9 +151,10 @@ def test_a_small_tenant_drains_soon_behind_a_big_one_only_with_shares(fair: bool
     # the small tenant gets half the pickups while it has mail and is done
     # long before the big one; with plain round robin over sub-queues it gets
     # 1 in 101 and waits behind the backlog.  The active queue holds the
-    # whole backlog here: the refill from the store is oldest first, not
-    # tenant-fair, so with maxmemoryqueue 500 the small tenant's mail waits
-    # in the store either way (121 s against 124 s; docs/scheduler.md).
+    # whole backlog here: the simulator's own store model refills oldest
+    # first, not tenant-fair as the real stores now do (sluice.store._refill),
+    # so with maxmemoryqueue 500 the small tenant's mail would wait in the
+    # simulated store either way (121 s against 124 s; docs/scheduler.md).
     from dataclasses import replace
 
     from sluice.scheduler.tenants import Shares

@@ -156,8 +156,10 @@ class Store(Protocol):
         """Move up to ``limit`` entries from incoming and due deferred to active.
 
         Alternates one from each; at least ``quota_deferred`` percent come from
-        deferred when both have work; within each, priority 1 first, then
-        oldest first.  The returned entries are in that interleaved order.
+        deferred when both have work.  Within each, the tenants with entries
+        waiting share it by the store's ``tenant_weights``
+        (sluice.store._refill.fair_pick); within a tenant, priority 1 first,
+        then oldest first.  The returned entries are in that interleaved order.
         """
         ...
 

@@ -79,6 +79,8 @@ CREATE TABLE IF NOT EXISTS sluice_queue (
     PRIMARY KEY (spid, idx)
 );
 CREATE INDEX IF NOT EXISTS sluice_queue_pick ON sluice_queue (state, priority, next_attempt_at);
+CREATE INDEX IF NOT EXISTS sluice_queue_refill
+    ON sluice_queue (state, tenantid, priority, next_attempt_at, spid, idx);
 CREATE INDEX IF NOT EXISTS sluice_queue_domain ON sluice_queue (domain);
 CREATE INDEX IF NOT EXISTS sluice_queue_tenant ON sluice_queue (tenantid, jobid);
 CREATE INDEX IF NOT EXISTS sluice_queue_tenant_key ON sluice_queue (tenantid, spid, idx);
@@ -120,7 +122,6 @@ class Postgres(Dialect):
     # changing the same rows take their locks in the same order; a refill
     # or a bounce lease skips the rows another node has locked.
     for_change = " ORDER BY spid, idx FOR UPDATE"
-    claim_order = "next_attempt_at, spid, idx"
     claim_lock = " FOR UPDATE SKIP LOCKED"
 
     # Arrays, not a chain of ORs or IN lists: an operator may select

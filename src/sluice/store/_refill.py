@@ -3,6 +3,8 @@
 SUMMARY
     split_quota(limit, n_incoming, n_deferred, quota_deferred) -> (deferred, incoming)
     interleave(incoming, deferred) -> list
+    fair_pick({tenant: candidates}, TenantWeights(...), limit) -> list
+    first_reads(limit, tenants, weights) -> {tenant: how many to read first}
 
 DESCRIPTION
     A refill of the active queue takes new mail and due deferred mail in
@@ -12,17 +14,40 @@ DESCRIPTION
     functions how many to take from each side and in which order, so that
     the order of a refill is the same whatever keeps the queue.
 
+    Tenants get their share of a refill as of every other limit (issue
+    "Tenants get their share"): each side's candidates come per tenant,
+    each tenant's oldest first and at most ``limit`` of them, and
+    fair_pick shares the side between the tenants that have candidates,
+    by weight, before split_quota and interleave join the two sides.  One
+    tenant's backlog thus never keeps another's mail in the store while
+    the active queue fills.
+
+STRATEGIES
+    Deficit round robin in its smooth form (the order of weighted fair
+    queueing for entries of one size): the next entry goes to the tenant
+    whose ``(taken + 1) / weight`` is least.  The circle with whole quanta
+    that the scheduler's FairQueue uses would end a batch mid-round and
+    leave a heavy tenant late in the circle short by up to its quantum;
+    here every tenant with candidates gets at least its weighted share of
+    any prefix of the batch less one (the D'Hondt lower bound).
+
 SEE ALSO
-    sluice.store.Store.claim, seeds/000 section 4.3.2, seeds/003.
+    sluice.store.Store.claim, sluice.scheduler.tenants, docs/scheduler.md,
+    seeds/000 section 4.3.2, seeds/003.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
-__all__ = ["interleave", "split_quota"]
+if TYPE_CHECKING:
+    from sluice.config.sections import TenantsConfig
+
+__all__ = ["EQUAL", "TenantWeights", "fair_pick", "first_reads", "interleave", "split_quota"]
 
 T = TypeVar("T")
 
@@ -54,3 +79,80 @@ def interleave(incoming: Sequence[T], deferred: Sequence[T]) -> list[T]:
         if i < len(deferred):
             out.append(deferred[i])
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class TenantWeights:
+    """Tenants' weights for a refill (a default for those not named).
+
+    ``fair=False``: every entry alike, whatever its tenant (oldest first).
+    """
+
+    weights: Mapping[str, float] = field(default_factory=dict)
+    default: float = 1.0
+    fair: bool = True
+
+    def __post_init__(self) -> None:
+        if any(not math.isfinite(w) or w <= 0 for w in [*self.weights.values(), self.default]):
+            raise ValueError("tenant weights must be positive")
+
+    @classmethod
+    def of(cls, tenants: TenantsConfig) -> TenantWeights:
+        """The weights the scheduler's ``tenants`` section gives."""
+        return cls(tenants.weights, tenants.default_weight, tenants.fair)
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's weight: its own, or the default."""
+        return self.weights.get(tenant, self.default)
+
+    def key(self, tenant: str) -> str:
+        """The tenant as a refill tells them apart ("" for all when not fair)."""
+        return tenant if self.fair else ""
+
+
+#: Every tenant alike: the weights of a store nobody told otherwise.
+EQUAL = TenantWeights()
+
+
+def fair_pick(candidates: Mapping[str, Sequence[T]], weights: TenantWeights, limit: int
+              ) -> list[T]:
+    """Up to ``limit`` of the candidates, shared between tenants by weight.
+
+    ``candidates``: each tenant's entries, in the order it wants them taken
+    (priority first, then oldest).  The tenants take turns by deficit
+    round robin in its smooth form: the next entry goes to the tenant that
+    is furthest behind its weighted share, i.e. whose ``(taken + 1) /
+    weight`` is least (ties: the order of ``candidates``).  A tenant whose
+    candidates run out leaves, and the others share its turns.  Every
+    prefix of the result is fair in the same way, so a caller may take the
+    first ``k`` of it.
+    """
+    heap: list[tuple[float, int, int]] = []  # (next finish, turn order, taken so far)
+    names = list(candidates)
+    for order, tenant in enumerate(names):
+        if candidates[tenant]:
+            heap.append((1.0 / weights.weight(tenant), order, 0))
+    heapq.heapify(heap)
+    out: list[T] = []
+    while heap and len(out) < limit:
+        _, order, taken = heapq.heappop(heap)
+        tenant = names[order]
+        line = candidates[tenant]
+        out.append(line[taken])
+        taken += 1
+        if taken < len(line):
+            heapq.heappush(heap, ((taken + 1) / weights.weight(tenant), order, taken))
+    return out
+
+
+def first_reads(limit: int, tenants: Sequence[str], weights: TenantWeights) -> dict[str, int]:
+    """How many candidates of each tenant a refill of ``limit`` reads first.
+
+    Each tenant's weighted share of the batch, plus one: fair_pick over
+    lists cut there still gives every tenant its share within one, without
+    reading ``limit`` rows of each of many tenants.  If all together give
+    fewer than ``limit`` (some tenants have less than their share), the
+    caller reads up to ``limit`` of each of the others.
+    """
+    total = sum(weights.weight(t) for t in tenants)
+    return {t: min(limit, math.ceil(limit * weights.weight(t) / total) + 1) for t in tenants}

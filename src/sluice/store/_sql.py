@@ -63,7 +63,14 @@ from sluice.model import (
 )
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._actions import EFFECTS, OperatorChange, Value
-from sluice.store._refill import interleave, split_quota
+from sluice.store._refill import (
+    EQUAL,
+    TenantWeights,
+    fair_pick,
+    first_reads,
+    interleave,
+    split_quota,
+)
 
 __all__ = ["COLUMNS", "Conn", "Dialect", "SqlQueue", "entry", "migrate", "queue_rows",
            "reply_columns"]
@@ -137,9 +144,7 @@ class Dialect(ABC):
     not_report: str
     #: Appended to a SELECT of rows about to be changed by an operator.
     for_change: str
-    #: The ORDER BY of a refill's candidates within one state and priority,
-    #: and what follows the LIMIT of a refill's or a bounce lease's SELECT.
-    claim_order: str
+    #: What follows the LIMIT of a refill's or a bounce lease's SELECT.
     claim_lock: str
 
     @abstractmethod
@@ -194,10 +199,23 @@ class SqlQueue:
         self._changes = f"SELECT seq, qid, action FROM {d.changes} WHERE seq > {p} ORDER BY seq"
         self._top = f"SELECT max(seq) FROM {d.changes}"
         self._log = f"INSERT INTO {d.changes} (at, qid, action) VALUES ({p}, {p}, {p})"
+        # A refill's candidates, per tenant (or of all together when tenants
+        # are not told apart), each tenant's priority 1 first, then oldest
+        # or due first; the tenants with entries in a state are found by
+        # skipping along the (state, tenantid, ...) index, one step each.
         pick = f"SELECT {COLUMNS} FROM {q} WHERE state = {p} AND priority = {p}"
-        tail = f" ORDER BY {d.claim_order} LIMIT {p}{d.claim_lock}"
-        self._pick_new = pick + tail
-        self._pick_due = f"{pick} AND next_attempt_at <= {p}{tail}"
+        tail = f" ORDER BY next_attempt_at, spid, idx LIMIT {p}{d.claim_lock}"
+        self._pick: dict[tuple[bool, bool], str] = {}
+        for fair in (True, False):
+            head = f"{pick} AND tenantid = {p}" if fair else pick
+            self._pick[fair, False] = head + tail
+            self._pick[fair, True] = f"{head} AND next_attempt_at <= {p}{tail}"
+        self._tenants = (
+            f"WITH RECURSIVE t(tenantid) AS (SELECT * FROM (SELECT tenantid FROM {q} "
+            f"WHERE state = {p} ORDER BY tenantid LIMIT 1) AS first UNION ALL "
+            f"SELECT (SELECT tenantid FROM {q} WHERE state = {p} AND tenantid > t.tenantid "
+            "ORDER BY tenantid LIMIT 1) FROM t WHERE t.tenantid IS NOT NULL) "
+            "SELECT tenantid FROM t WHERE tenantid IS NOT NULL")
         self._activate = f"UPDATE {q} SET state = 'active', owner = {p}"
         self._bounces = (
             f"SELECT {COLUMNS} FROM {q} WHERE state = 'bounce' AND next_attempt_at <= {p} "
@@ -348,29 +366,51 @@ class SqlQueue:
         """Queue the rows of queue_rows()."""
         self.dialect.executemany(conn, self._insert, rows)
 
-    def _pick(self, conn: Conn, state: QueueState, due: bool, n: int, now: float
-              ) -> list[tuple[Any, ...]]:
-        """Up to ``n`` candidate rows in ``state``, priority 1 first."""
-        out: list[tuple[Any, ...]] = []
-        for prio in (1, 0):
-            if len(out) >= n:
-                break
-            if due:
-                rows = conn.execute(self._pick_due, (str(state), prio, now, n - len(out)))
-            else:
-                rows = conn.execute(self._pick_new, (str(state), prio, n - len(out)))
-            out.extend(rows.fetchall())
-        return out
+    def _candidates(self, conn: Conn, state: QueueState, due: bool, n: int, now: float,
+                    weights: TenantWeights) -> list[tuple[Any, ...]]:
+        """Up to ``n`` candidate rows in ``state``, shared between tenants by weight.
+
+        Each tenant's rows priority 1 first, then by next_attempt_at; its
+        share of ``n`` plus one read first (first_reads), up to ``n`` only
+        when the tenants together have fewer.
+        """
+        pick = self._pick[weights.fair, due]
+
+        def read(tenant: str | None, k: int) -> list[tuple[Any, ...]]:
+            line: list[tuple[Any, ...]] = []
+            for prio in (1, 0):
+                if len(line) >= k:
+                    break
+                params = (str(state), prio, *(() if tenant is None else (tenant,)),
+                          *((now,) if due else ()), k - len(line))
+                line += conn.execute(pick, params).fetchall()
+            return line
+
+        if weights.fair:
+            rows = conn.execute(self._tenants, (str(state), str(state))).fetchall()
+            ask = first_reads(n, [r[0] for r in rows], weights)
+            lines = {t: read(t, k) for t, k in ask.items()}
+            if sum(map(len, lines.values())) < n:  # some have less than their share
+                lines = {t: read(t, n) if len(line) == ask[t] < n else line
+                         for t, line in lines.items()}
+        else:
+            lines = {"": read(None, n)}
+        by_tenant = {weights.key(line[0][13]): line for line in lines.values() if line}
+        # Turn order: the tenant with the first entry to take goes first.
+        first = sorted(by_tenant, key=lambda t: (-by_tenant[t][0][12], by_tenant[t][0][7],
+                                                 by_tenant[t][0][0], by_tenant[t][0][1]))
+        return fair_pick({t: by_tenant[t] for t in first}, weights, n)
 
     def claim(self, conn: Conn, limit: int, now: float, quota_deferred: int, node: str,
-              per_domain: int = 0) -> tuple[list[QueueEntry], bool]:
+              per_domain: int = 0, weights: TenantWeights = EQUAL
+              ) -> tuple[list[QueueEntry], bool]:
         """Store.claim's selection and marking, on the write connection.
 
         Also whether ``per_domain`` (the most entries of one recipient domain
         ``node`` may hold claimed; 0: no cap) left candidates behind.
         """
-        incoming = self._pick(conn, QueueState.INCOMING, False, limit, now)
-        deferred = self._pick(conn, QueueState.DEFERRED, True, limit, now)
+        incoming = self._candidates(conn, QueueState.INCOMING, False, limit, now, weights)
+        deferred = self._candidates(conn, QueueState.DEFERRED, True, limit, now, weights)
         take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
         chosen = interleave(incoming[:take_i], deferred[:take_d])
         capped = False

@@ -76,6 +76,8 @@ CREATE TABLE IF NOT EXISTS queue (
 ) WITHOUT ROWID;
 -- due-deferred selection, incoming FIFO, listing and counting by state
 CREATE INDEX IF NOT EXISTS queue_pick ON queue (state, priority, next_attempt_at);
+-- refills per tenant: the tenants of a state, and each one's candidates
+CREATE INDEX IF NOT EXISTS queue_refill ON queue (state, tenantid, priority, next_attempt_at);
 -- selectors and qshape by domain
 CREATE INDEX IF NOT EXISTS queue_domain ON queue (domain);
 -- selectors by tenant and job
@@ -131,7 +133,6 @@ class Sqlite(Dialect):
     # Every change runs under the database's write lock (one writer at a
     # time): no rows to lock, none to skip.
     for_change = ""
-    claim_order = "next_attempt_at"
     claim_lock = ""
 
     # IN lists, not a chain of ORs: SQLite refuses expression trees deeper

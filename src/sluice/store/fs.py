@@ -108,11 +108,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import heapq
 import itertools
 import os
+import sys
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -152,12 +152,16 @@ from sluice.store._fs_files import (
 from sluice.store._fs_layout import Layout
 from sluice.store._fs_reading import Reading
 from sluice.store._fs_recovery import Recovering
-from sluice.store._refill import interleave, split_quota
+from sluice.store._refill import EQUAL, TenantWeights, fair_pick, interleave, split_quota
 
 if TYPE_CHECKING:
     from sluice.config import Config
 
 __all__ = ["FsStore"]
+
+#: SPIDs whose tenant a store remembers for its refills before it starts over.
+TENANTS_KEPT = 1_000_000
+
 
 class FsStore(Layout, Recovering, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
@@ -165,6 +169,8 @@ class FsStore(Layout, Recovering, Reading):
     flavour = "fs"
     shared_access = True
     inline_max = 0  # content always goes to a spool file
+    #: Tenants' weights for sharing a refill (from_config: scheduler.tenants).
+    tenant_weights: TenantWeights = EQUAL
 
     def __init__(self, path: str | os.PathLike[str], spool: FsSpool, *,
                  granularity_s: float = 900.0, node_id: str = "local",
@@ -179,6 +185,7 @@ class FsStore(Layout, Recovering, Reading):
         self._closed = False
         self._batch_no = itertools.count()
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
+        self._tenants: dict[str, str] = {}  # SPID -> tenant, for refills
         # Where the last changes_since() answer ended: (file, seq, offset).
         self._feed_cursor: tuple[tuple[int, int], int, int] = ((0, 0), -1, 0)
         try:
@@ -213,8 +220,10 @@ class FsStore(Layout, Recovering, Reading):
         spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
                         q.spool.sync_method)
         granularity = RetryPolicy.from_config(q).granularity_s
-        return cls(q.path, spool, granularity_s=granularity, node_id=config.node.id,
-                   max_batch=q.commit_max_batch)
+        store = cls(q.path, spool, granularity_s=granularity, node_id=config.node.id,
+                    max_batch=q.commit_max_batch)
+        store.tenant_weights = TenantWeights.of(config.scheduler.tenants)
+        return store
 
     # -- submission -----------------------------------------------------------------------
 
@@ -313,40 +322,63 @@ class FsStore(Layout, Recovering, Reading):
         if not self._claimable(now):
             return []
 
-        def take(view: Batch, cands: list[tuple[tuple[Any, ...], str]], k: int
-                 ) -> list[QueueEntry]:
-            out: list[QueueEntry] = []
-            for _, path in cands:
-                if k <= 0:
-                    break
+        def take(view: Batch, slots: list[str]) -> list[QueueEntry]:
+            # ``slots``: one path per recipient to take, a file's in a row
+            # of its own order; a file of which fewer are wanted is split.
+            want = Counter(slots)
+            got: dict[str, list[QueueEntry]] = {}
+            for path, k in want.items():
                 ctrl = view.load(path)
                 if ctrl is None:
                     continue
                 if len(ctrl.rcpts) <= k:
-                    moved = view.move(ctrl, QueueState.ACTIVE)
-                    out += moved.entries()
-                    k -= len(ctrl.rcpts)
+                    got[path] = view.move(ctrl, QueueState.ACTIVE).entries()
                 else:
                     part = replace(ctrl, state=QueueState.ACTIVE, rcpts=ctrl.rcpts[:k])
-                    rest = replace(ctrl, rcpts=ctrl.rcpts[k:])
-                    view.swap([ctrl], [part, rest])
-                    out += part.entries()
-                    k = 0
+                    view.swap([ctrl], [part, replace(ctrl, rcpts=ctrl.rcpts[k:])])
+                    got[path] = part.entries()
+            out: list[QueueEntry] = []
+            for path in slots:
+                entries = got.get(path)
+                if entries:
+                    out.append(entries.pop(0))
             return out
 
         def work(view: Batch) -> list[QueueEntry]:
             # Every file holds at least one recipient: the first ``limit`` files
-            # in order are all a refill can need, whatever the backlog.
-            inc, n_inc = view.smallest(
-                "incoming", limit, lambda p: (-p.priority, p.spid, p.idx0, p.n))
-            dfr = self._due_candidates(view, now)
-            n_dfr = sum(key[-1] for key, _ in dfr)
-            take_d, take_i = split_quota(limit, n_inc, n_dfr, quota_deferred)
-            return interleave(take(view, inc[:take_i], take_i),
-                              take(view, heapq.nsmallest(take_d, dfr), take_d))
+            # of each tenant in order are all a refill can need from it.
+            inc, _ = view.smallest("incoming", limit if not weights.fair else sys.maxsize,
+                                   lambda p: (-p.priority, 0, p.spid, p.idx0, p.n))
+            dfr = sorted(self._due_candidates(view, now))
+            fair_inc = self._fair_slots(view, inc, limit, weights)
+            fair_dfr = self._fair_slots(view, dfr, limit, weights)
+            take_d, take_i = split_quota(limit, len(fair_inc), len(fair_dfr), quota_deferred)
+            return interleave(take(view, fair_inc[:take_i]), take(view, fair_dfr[:take_d]))
 
+        weights = self.tenant_weights
         result: list[QueueEntry] = self._call(work)
         return result
+
+    def _fair_slots(self, view: Batch, cands: list[tuple[tuple[Any, ...], str]], limit: int,
+                    weights: TenantWeights) -> list[str]:
+        """A refill's recipients from ``cands`` (files in order), by tenant: a path each."""
+        by_tenant: dict[str, list[str]] = {}
+        for key, path in cands:
+            tenant = weights.key(self._tenant_of(view, key[2], path)) if weights.fair else ""
+            line = by_tenant.setdefault(tenant, [])
+            line += [path] * min(key[-1], limit - len(line))
+        return fair_pick(by_tenant, weights, limit)
+
+    def _tenant_of(self, view: Batch, spid: str, path: str) -> str:
+        """The tenant of message ``spid`` (read from ``path`` once, then remembered)."""
+        tenant = self._tenants.get(spid)
+        if tenant is None:
+            ctrl = view.load(path)
+            tenant = ctrl.meta.tenantid if ctrl is not None else ""
+            if len(self._tenants) >= TENANTS_KEPT:
+                self._tenants.clear()
+            self._tenants[spid] = tenant
+        return tenant
 
     def _states_of(self, transitions: Sequence[Transition]) -> tuple[QueueState, ...]:
         states: dict[QueueState, None] = {}

@@ -160,7 +160,7 @@ from sluice.store._kv_keys import (
     zone_of,
 )
 from sluice.store._kv_reading import Reading
-from sluice.store._refill import interleave, split_quota
+from sluice.store._refill import EQUAL, TenantWeights, fair_pick, interleave, split_quota
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -173,12 +173,18 @@ __all__ = ["CHUNK_SIZE", "KvStore"]
 # The store
 
 
+#: SPIDs whose tenant a store remembers for its refills before it starts over.
+TENANTS_KEPT = 1_000_000
+
+
 class KvStore(Reading):
     """Meta queue and content in LevelDB, ZoneMTA's layout; see the module doc."""
 
     flavour = "kv"
     shared_access = False
     inline_max = 0  # content always goes to body chunks, whatever its size
+    #: Tenants' weights for sharing a refill (from_config: scheduler.tenants).
+    tenant_weights: TenantWeights = EQUAL
 
     def __init__(self, path: str | os.PathLike[str], *, node_id: str = "local",
                  max_batch: int = 2000) -> None:
@@ -190,6 +196,7 @@ class KvStore(Reading):
         self._reopened = False
         self._inflight: set[str] = set()
         self._inflight_lock = threading.Lock()
+        self._tenants: dict[str, str] = {}  # SPID -> tenant, for refills
         self._closed = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -211,7 +218,9 @@ class KvStore(Reading):
     def from_config(cls, config: Config) -> KvStore:
         """The store the queue section of a configuration describes."""
         q = config.queue
-        return cls(q.path, node_id=config.node.id, max_batch=q.commit_max_batch)
+        store = cls(q.path, node_id=config.node.id, max_batch=q.commit_max_batch)
+        store.tenant_weights = TenantWeights.of(config.scheduler.tenants)
+        return store
 
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
@@ -272,6 +281,47 @@ class KvStore(Reading):
                 return True
         return False
 
+    def _refill_candidates(self, view: Batch, loader: Loader, state: QueueState,
+                           due: float | None, limit: int
+                           ) -> list[tuple[bytes, bytes, dict[str, Any]]]:
+        """Up to ``limit`` of a refill's (key, dz, record) in ``state``, shared by tenant.
+
+        Each tenant's priority 1 first, then in key order (oldest, or due
+        first); at most ``limit`` read of each.  Not fair: the first
+        ``limit`` keys, as if all were one tenant.
+        """
+        weights = self.tenant_weights
+        by_tenant: dict[str, list[tuple[bytes, bytes, dict[str, Any]]]] = {}
+        n = 0
+        for prio in (1, 0):
+            prefix = state_prefix(state, prio)
+            stop = None if due is None else prefix + b(due_key(due)) + b"~"
+            for key, dz in view.items(prefix, stop=stop):
+                if not weights.fair and n >= limit:
+                    break
+                spid = key.decode().rsplit(" ", 2)[1]
+                line = by_tenant.setdefault(self._tenant_of(loader, spid), [])
+                if len(line) >= limit:
+                    continue
+                rec = loader.record(dz)
+                if rec is not None and (due is None or rec["n"] <= due):
+                    line.append((key, dz, rec))
+                    n += 1
+        return fair_pick(by_tenant, weights, limit)
+
+    def _tenant_of(self, loader: Loader, spid: str) -> str:
+        """The tenant of message ``spid`` ("" for all when not fair), remembered."""
+        if not self.tenant_weights.fair:
+            return ""
+        tenant = self._tenants.get(spid)
+        if tenant is None:
+            meta = loader.meta(spid)
+            tenant = str(meta.get("tenantid") or "") if meta is not None else ""
+            if len(self._tenants) >= TENANTS_KEPT:
+                self._tenants.clear()
+            self._tenants[spid] = tenant
+        return tenant
+
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
         """Store.claim over the incoming and due deferred keys.
 
@@ -286,23 +336,8 @@ class KvStore(Reading):
 
         def work(view: Batch) -> list[QueueEntry]:
             loader = Loader(view)
-            incoming: list[tuple[bytes, bytes, dict[str, Any]]] = []
-            for prio in (1, 0):
-                for key, dz in view.items(state_prefix(QueueState.INCOMING, prio)):
-                    if len(incoming) >= limit:
-                        break
-                    rec = loader.record(dz)
-                    if rec is not None:
-                        incoming.append((key, dz, rec))
-            deferred: list[tuple[bytes, bytes, dict[str, Any]]] = []
-            for prio in (1, 0):
-                prefix = state_prefix(QueueState.DEFERRED, prio)
-                for key, dz in view.items(prefix, stop=prefix + b(due_key(now)) + b"~"):
-                    if len(deferred) >= limit:
-                        break
-                    rec = loader.record(dz)
-                    if rec is not None and rec["n"] <= now:
-                        deferred.append((key, dz, rec))
+            incoming = self._refill_candidates(view, loader, QueueState.INCOMING, None, limit)
+            deferred = self._refill_candidates(view, loader, QueueState.DEFERRED, now, limit)
             take_d, take_i = split_quota(limit, len(incoming), len(deferred), quota_deferred)
             out = []
             for key, dz, rec in interleave(incoming[:take_i], deferred[:take_d]):

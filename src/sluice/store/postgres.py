@@ -128,6 +128,7 @@ from sluice.store._pg_schema import (
     storage_error,
     where_name,
 )
+from sluice.store._refill import EQUAL, TenantWeights
 from sluice.store._sql import SqlQueue, migrate, queue_rows, reply_columns
 
 if TYPE_CHECKING:
@@ -150,6 +151,8 @@ class PgStore(PgCommitting):
     flavour = "postgres"
     shared_access = True
     inline_max = 0  # content always goes to a spool file
+    #: Tenants' weights for sharing a refill (from_config: scheduler.tenants).
+    tenant_weights: TenantWeights = EQUAL
 
     def __init__(self, dsn: str, *, node_id: str = "local", pool_size: int = 4,
                  max_batch: int = 2000, connect_timeout_s: float = 10.0) -> None:
@@ -195,6 +198,7 @@ class PgStore(PgCommitting):
         if cluster_enabled(config):
             # Several nodes: hold no more of one domain than can start soon.
             store.per_domain_cap = config.cluster.claim_per_destination
+        store.tenant_weights = TenantWeights.of(config.scheduler.tenants)
         return store
 
     # -- connections --------------------------------------------------------------------
@@ -273,7 +277,8 @@ class PgStore(PgCommitting):
 
         def work(batch: PgBatch) -> list[QueueEntry]:
             entries, self.last_claim_capped = self._sql.claim(
-                batch.conn, limit, now, quota_deferred, node, self.per_domain_cap)
+                batch.conn, limit, now, quota_deferred, node, self.per_domain_cap,
+                self.tenant_weights)
             return entries
 
         result: list[QueueEntry] = self._call(work)

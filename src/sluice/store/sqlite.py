@@ -113,6 +113,7 @@ from sluice.store import (
     Transition,
 )
 from sluice.store._commit import GroupCommitter
+from sluice.store._refill import EQUAL, TenantWeights
 from sluice.store._sql import SqlQueue, queue_rows, reply_columns
 from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database
 from sluice.store._sqlite_schema import SCHEMA_VERSION, Sqlite, open_schema
@@ -194,6 +195,8 @@ class SqliteStore(Database):
     """
 
     flavour = "sqlite"
+    #: Tenants' weights for sharing a refill (from_config: scheduler.tenants).
+    tenant_weights: TenantWeights = EQUAL
     shared_access = True
 
     def __init__(
@@ -253,8 +256,10 @@ class SqliteStore(Database):
         q = config.queue
         spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
                         q.spool.sync_method)
-        return cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch,
-                   inline_max=q.spool.inline_max)
+        store = cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch,
+                    inline_max=q.spool.inline_max)
+        store.tenant_weights = TenantWeights.of(config.scheduler.tenants)
+        return store
 
     # -- submission --------------------------------------------------------------
 
@@ -350,7 +355,8 @@ class SqliteStore(Database):
         node = self.node_id
 
         def work(after: Batch) -> list[QueueEntry]:
-            return self._sql.claim(after.conn, limit, now, quota_deferred, node)[0]
+            return self._sql.claim(after.conn, limit, now, quota_deferred, node,
+                                   weights=self.tenant_weights)[0]
 
         # A claim lost in a power cut leaves the entries where they were.
         result: list[QueueEntry] = self._call(work, durable=False)
