@@ -24,6 +24,7 @@ from sluice.scheduler import (
     SuspensionRemoved,
     parse_policy,
 )
+from sluice.scheduler.policy_parse import parse_suspension
 from sluice.shaping.runtime import Shaper
 from tests.conftest import make_config
 
@@ -91,6 +92,7 @@ def test_gmail_421_backs_off_through_a_condition_and_why_names_rule_reply_and_ho
     [added] = events
     assert isinstance(added, ConditionAdded) and added.counter_id == "shaping-remotemx"
     assert added.condition.match == (("remotemx", "*.google.com"),)
+    assert added.condition.id == "shaping:test-node:gmail-rate:1"  # the node's, in a cluster
     assert added.condition.thresholds.concurrency == 5
     assert added.condition.expires_at == clock.now + 3600
     apply(sched, events, clock.now)
@@ -195,3 +197,25 @@ def test_the_post_delivery_hook_returns_a_shaping_action(tmp_path: Path) -> None
     assert hooks.shaping == []
     shaper.take(hooks)
     assert len(events) == 1
+
+
+def test_ids_name_the_node_and_skip_one_still_in_force(tmp_path: Path) -> None:
+    # In a cluster every node's actions reach the others: the id says whose
+    # it is, and one this node's last run left in force (given back by the
+    # cluster after a restart, while N starts again at 1) is not reused.
+    shaper, sched, events, clock = setup(tmp_path, (
+        "rules:\n  - name: stop\n    where: {mx: '*.google.com'}\n"
+        "    reply: {code: 421, regex: 'go away'}\n    action: suspend\n    duration: 10m\n"))
+    shaper.taken = sched.uses_id
+    left = SuspensionAdded(parse_suspension({"id": "shaping:test-node:stop:1",
+                                             "recipientdomain": "old.test"}))
+    apply(sched, [left], clock.now)
+    shaper.observe(Route("gmail.com", remotemx=MX, remoteip="127.0.0.1"),
+                   [result(421, "4.7.0", "go away")])
+    [added] = events
+    assert isinstance(added, SuspensionAdded)
+    assert added.suspension.id == "shaping:test-node:stop:2"
+    assert shaper.id_of(shaper.active()[0]) == "shaping:test-node:stop:2"
+    apply(sched, events, clock.now)
+    assert sched.uses_id("shaping:test-node:stop:1") and sched.uses_id("shaping:test-node:stop:2")
+    assert not sched.uses_id("shaping:test-node:stop:3")

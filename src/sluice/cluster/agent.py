@@ -182,7 +182,7 @@ class ClusterAgent:
         return self.state
 
     def publish(self, event: Event) -> None:
-        """An operator change made here: give it to the other nodes."""
+        """A change made here (an operator's, a shaping rule's): give it to the other nodes."""
         if self.shared_state is None or not isinstance(event, SHARED_EVENTS):
             return
         assert self.policy is not None

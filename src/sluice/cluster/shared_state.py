@@ -7,7 +7,9 @@ SUMMARY
 
 DESCRIPTION
     A suspension, a condition added at run time or a policy installed
-    through the REST API or the CLI on one node must hold on every node.
+    through the REST API or the CLI on one node must hold on every node;
+    so must the suspensions and conditions a shaping rule adds and ends
+    (both come through QueueManager.share).
     The cluster's queue is in PostgreSQL already, so the changes go there:
     one row per piece of shared state in ``sluice_cluster_state`` (key
     ``suspension:<id>``, ``condition:<counter>:<id>`` or ``policy``; the
@@ -23,6 +25,10 @@ DESCRIPTION
     reconnects must find the whole state, which a table gives by reading it.
 
 STRATEGIES
+    Applied, never audited: a change from another node goes to the
+    scheduler only (QueueManager.change with publish=False); the node
+    that made it wrote its audit record.
+
     Full resync on (re)connect: a node that (re)connects reads every row
     and applies the live ones (its own too, after a restart: they are the
     cluster's state, its file is not).  Changes are idempotent: a

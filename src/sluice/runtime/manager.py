@@ -217,9 +217,11 @@ class QueueManager:
                         ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
                                      change=functools.partial(self.change, publish=False),
                                      policy=lambda: self.scheduler.policy))
-        # shaping: remote replies change the limits (sluice.shaping; docs/shaping.md).
-        self.shaper = Shaper(config, self.post, lambda: self.scheduler.policy, self._now)
+        # shaping: remote replies change the limits (sluice.shaping; docs/shaping.md),
+        # on every node of a cluster (share).
+        self.shaper = Shaper(config, self.share, lambda: self.scheduler.policy, self._now)
         self.shaper.bounce = self._shaping_bounce
+        self.shaper.taken = self.scheduler.uses_id
         self.policy_file.on_poll = self._poll_shaping  # shaping: its rules file is watched
         self.deliveries = Deliveries(queue, self.planner, self.recorder, agent, self.shaper,
                                      self.hooks, self.jobs, self.stats, io=self._io,
@@ -253,8 +255,21 @@ class QueueManager:
         if not isinstance(event, _OPERATOR_EVENTS):
             raise TypeError(f"{type(event).__name__} is not an operator change")
         self.scheduler.check(event)
+        if publish:
+            self.share(event)
+        else:
+            self.post(event)
+
+    def share(self, event: Event) -> None:
+        """Apply a change made on this node here, and in a cluster on every node.
+
+        The operator's changes (change()) and the shaping rules' actions
+        come this way; changes from the other nodes do not (they come
+        through change(publish=False)), so no change goes round twice.
+        Nothing here audits: whoever made the change did, on this node.
+        """
         self.post(event)
-        if publish and self.cluster is not None:
+        if self.cluster is not None:
             self.cluster.publish(event)
 
     def notify_mail(self, count: int = 1) -> None:

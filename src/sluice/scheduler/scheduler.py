@@ -314,6 +314,11 @@ class Scheduler:
         """Suspensions in force, then automatic ones (entries over a threshold)."""
         return observe.suspensions(self, self._now if now is None else now)
 
+    def uses_id(self, change_id: str) -> bool:
+        """Whether a suspension or a counter's condition in force has id ``change_id``."""
+        return change_id in self._susps.by_id or any(
+            c.id == change_id for counter in self._policy.counters for c in counter.conditions)
+
     def destinations(self, now: float | None = None) -> list[DestinationView]:
         """Slow-start windows and the status cache, per destination."""
         now = self._now if now is None else now

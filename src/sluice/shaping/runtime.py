@@ -1,7 +1,7 @@
 """The shaping adapter: delivery results in, scheduler events and audit records out.
 
 SUMMARY
-    shaper = Shaper(config, post, policy, clock)
+    shaper = Shaper(config, share, policy, clock)
     policy = shaper.augment(policy)          add the counters back-offs need
     shaper.observe(route, results)           after every delivery attempt
     shaper.tick(now); shaper.next_wakeup()   from the queue manager's loop
@@ -16,9 +16,11 @@ DESCRIPTION
     suspension with an expiry (SuspensionAdded / SuspensionRemoved), a
     condition with an expiry on a counter over the group's fields
     (ConditionAdded / ConditionRemoved), a bounce of the group's queued
-    mail -- posted through the queue manager like an operator's change.
+    mail -- handed to the queue manager like an operator's change
+    (QueueManager.share: in a cluster the other nodes get them too).
     Every firing, end and reload is written to the audit history when an
-    AuditLog is attached (the API server attaches its own).
+    AuditLog is attached (the API server attaches its own); only here, on
+    the node whose rule fired: the other nodes apply the change unaudited.
 
 STRATEGIES
     Counters for back-off are added, not required.  A condition needs a
@@ -32,6 +34,13 @@ STRATEGIES
     it, so a rule with ``phase: [rcpt]`` sees only RCPT refusals.  A reply
     Sluice made itself without a phase (a SIZE refusal, a hook's verdict)
     has none, and matches any phase list (sluice.shaping.rules).
+
+    Ids name the node.  An action's suspension or condition is
+    ``shaping:NODE:RULE:N`` (NODE is node.id, N counts this process's
+    actions), so that two nodes' actions never share an id: a change
+    from another node with the same id would replace ours.  An id still
+    in force is skipped: after a restart the cluster gives this node back
+    the actions its last run left, and N starts again from 1.
 
     One observation per reply per attempt.  A 421 at connect is the same
     reply for every recipient of the transaction: it is counted once,
@@ -139,16 +148,21 @@ def hook_rule(shape: Shape, ctx: PostDelivery) -> Rule:
 class Shaper:
     """The engine, wired to a queue manager."""
 
-    def __init__(self, config: Config, post: Callable[[Event], None],
+    def __init__(self, config: Config, share: Callable[[Event], None],
                  policy: Callable[[], Policy], clock: Callable[[], float]) -> None:
         self.path = config.delivery.shaping
         self.defaults = config.delivery.shaping_defaults
-        self.post = post
+        #: Applies a change here and gives it to the other nodes (QueueManager.share).
+        self.share = share
+        self.node = config.node.id
         self.policy = policy
         self.clock = clock
         self.audit: AuditLog | None = None
         #: Bounce the queued mail of a group: set by the queue manager.
         self.bounce: Callable[[Fired], None] | None = None
+        #: Whether an id is in force already (set by the queue manager): one
+        #: this node's earlier run made still holds, read back from the cluster.
+        self.taken: Callable[[str], bool] = lambda sid: False
         self._mtime = self._stat()
         self._ids: dict[str, str] = {}
         self._seq = itertools.count(1)
@@ -284,7 +298,10 @@ class Shaper:
     def _id(self, fired: Fired) -> str:
         sid = self._ids.get(fired.key)
         if sid is None:
-            sid = f"shaping:{fired.rule}:{next(self._seq)}"
+            node = f"{self.node}:" if self.node else ""
+            sid = f"shaping:{node}{fired.rule}:{next(self._seq)}"
+            while self.taken(sid):
+                sid = f"shaping:{node}{fired.rule}:{next(self._seq)}"
             self._ids[fired.key] = sid
         return sid
 
@@ -317,7 +334,7 @@ class Shaper:
         sid = self._id(fired)
         reason = describe(fired)
         if fired.action in (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB):
-            self.post(SuspensionAdded(Suspension(fired.fields, sid, fired.until_at,
+            self.share(SuspensionAdded(Suspension(fired.fields, sid, fired.until_at,
                                                  "shaping", reason)))
             return
         counter = self._counter(fired.fields)
@@ -326,7 +343,7 @@ class Shaper:
                       "applied", fired.rule, ",".join(n for n, _ in fired.fields))
             return
         thresholds = Thresholds(concurrency=fired.concurrency, rate=fired.rate)
-        self.post(ConditionAdded(counter.id, Condition(fired.fields, thresholds, sid,
+        self.share(ConditionAdded(counter.id, Condition(fired.fields, thresholds, sid,
                                                        fired.until_at, "shaping", reason)))
 
     def _remove(self, fired: Fired) -> None:
@@ -334,11 +351,11 @@ class Shaper:
         if sid is None:
             return
         if fired.action in (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB):
-            self.post(SuspensionRemoved(sid))
+            self.share(SuspensionRemoved(sid))
             return
         counter = self._counter(fired.fields)
         if counter is not None:
-            self.post(ConditionRemoved(counter.id, sid))
+            self.share(ConditionRemoved(counter.id, sid))
 
     def _audit(self, who: str, action: str, target: str, reason: str, before: Any,
                after: Any) -> None:
@@ -357,5 +374,5 @@ class Shaper:
         return self.engine.active()
 
     def id_of(self, fired: Fired) -> str:
-        """The id the audit history and `why` give the action (``shaping:RULE:N``)."""
+        """The id the audit history and `why` give the action (``shaping:NODE:RULE:N``)."""
         return self._ids.get(fired.key, fired.key)
