@@ -69,3 +69,22 @@ def test_not_fair_takes_the_oldest_whatever_the_tenant(flavour: str, tmp_path: P
         assert {e.tenantid for e in store.claim(20, T0 + 1000, 10)} == {"a"}
     finally:
         store.close()
+
+
+def test_kv_walks_a_bounded_window_of_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    # kv has no index by tenant: it shares what the first keys hold and reads
+    # no further, so that a refill's cost does not grow with the backlog.
+    from sluice.store import kv
+
+    store = open_flavour("kv", tmp_path)
+    try:
+        queue_backlogs(store, 0.0)  # b's mail lies behind a's 500 keys
+        monkeypatch.setattr(kv, "SCAN_MIN", 100)
+        monkeypatch.setattr(kv, "SCAN_PER_PICK", 1)
+        assert {e.tenantid for e in store.claim(20, T0 + 1000, 10)} == {"a"}
+        monkeypatch.setattr(kv, "SCAN_MIN", 600)
+        by = [e.tenantid for e in store.claim(20, T0 + 1000, 10)]
+        assert by.count("b") == 10
+    finally:
+        store.close()

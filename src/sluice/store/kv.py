@@ -176,6 +176,10 @@ __all__ = ["CHUNK_SIZE", "KvStore"]
 #: SPIDs whose tenant a store remembers for its refills before it starts over.
 TENANTS_KEPT = 1_000_000
 
+#: The most keys of one side (incoming, due deferred) a refill reads to share
+#: it between tenants: this many times its limit, and at least SCAN_MIN.
+SCAN_PER_PICK, SCAN_MIN = 64, 10_000
+
 
 class KvStore(Reading):
     """Meta queue and content in LevelDB, ZoneMTA's layout; see the module doc."""
@@ -287,18 +291,22 @@ class KvStore(Reading):
         """Up to ``limit`` of a refill's (key, dz, record) in ``state``, shared by tenant.
 
         Each tenant's priority 1 first, then in key order (oldest, or due
-        first); at most ``limit`` read of each.  Not fair: the first
-        ``limit`` keys, as if all were one tenant.
+        first); at most ``limit`` read of each, among the first
+        ``max(SCAN_PER_PICK * limit, SCAN_MIN)`` keys (a bounded walk: no
+        index by tenant).  Not fair: the first ``limit`` keys, as if all
+        were one tenant.
         """
         weights = self.tenant_weights
         by_tenant: dict[str, list[tuple[bytes, bytes, dict[str, Any]]]] = {}
         n = 0
+        budget = max(SCAN_PER_PICK * limit, SCAN_MIN)
         for prio in (1, 0):
             prefix = state_prefix(state, prio)
             stop = None if due is None else prefix + b(due_key(due)) + b"~"
             for key, dz in view.items(prefix, stop=stop):
-                if not weights.fair and n >= limit:
+                if (not weights.fair and n >= limit) or budget <= 0:
                     break
+                budget -= 1
                 spid = key.decode().rsplit(" ", 2)[1]
                 line = by_tenant.setdefault(self._tenant_of(loader, spid), [])
                 if len(line) >= limit:
