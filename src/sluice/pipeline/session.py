@@ -12,7 +12,9 @@ DESCRIPTION
     progress bar of Spark's own (the CLI draws its own), UTC session time
     zone, shuffle partitions sized to the cores, and a log4j2 configuration
     that keeps Spark's log at ERROR.  On every master the cached events are
-    kept uncompressed (cheaper to build; hardly larger).
+    kept uncompressed (cheaper to build; hardly larger).  Python workers
+    run the interpreter the CLI runs in (python_workers), so that they find
+    Sluice without an activated virtual environment.
 
 STRATEGIES
     Reuse.  When a session is already active in this process (a test suite,
@@ -36,6 +38,7 @@ SEE ALSO
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -43,7 +46,8 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-__all__ = ["LOG4J2_PROPERTIES", "build_session", "is_local", "pipeline_session"]
+__all__ = ["LOG4J2_PROPERTIES", "build_session", "is_local", "pipeline_session",
+           "python_workers"]
 
 #: Spark's log kept at ERROR; PythonGatewayServer is noisy at INFO on start.
 LOG4J2_PROPERTIES = """\
@@ -134,12 +138,30 @@ def build_session(
     if not os.environ.get("SPARK_CONF_DIR"):
         path = _log4j2_file()
         settings["spark.driver.extraJavaOptions"] = f"-Dlog4j2.configurationFile=file:{path}"
+    settings.update(python_workers(conf or {}))
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def python_workers(conf: Mapping[str, str]) -> dict[str, str]:
+    """The interpreter Spark's Python workers run: this one, unless the operator chose.
+
+    Spark starts them with ``python3`` from the PATH by default, which
+    outside an activated virtual environment has no Sluice (the sendout's
+    injection runs in them: "No module named 'sluice'").  The choice is
+    PYSPARK_PYTHON, else ``--conf spark.pyspark.python=...``, else this
+    interpreter; it goes into the environment too, which is where the
+    workers of a local master take it from (the setting serves the
+    cluster managers).
+    """
+    chosen = (os.environ.get("PYSPARK_PYTHON") or conf.get("spark.pyspark.python")
+              or sys.executable)
+    os.environ["PYSPARK_PYTHON"] = chosen
+    return {} if "spark.pyspark.python" in conf else {"spark.pyspark.python": chosen}
 
 
 @contextmanager
