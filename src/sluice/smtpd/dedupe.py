@@ -79,6 +79,11 @@ LIMITATIONS
     the receiver's handoff thread.
     A message spilled to disk during DATA is read twice (digest, then
     spool).
+    Per node in a cluster: with the postgres flavour each node keeps its
+    own index under its queue.path.  A claim a crash left pending is
+    settled against the shared queue, where another node may already
+    have delivered its message and removed it: the key is forgotten, and
+    a resend is queued again (a duplicate, never a wrong answer).
 
 SEE ALSO
     sluice.idempotency, sluice.smtpd.handoff, docs/queue.md, docs/smtpd.md
