@@ -227,3 +227,27 @@ def test_ids_name_the_node_and_skip_one_still_in_force(tmp_path: Path) -> None:
     apply(sched, events, clock.now)
     assert sched.uses_id("shaping:test-node:stop:1") and sched.uses_id("shaping:test-node:stop:2")
     assert not sched.uses_id("shaping:test-node:stop:3")
+
+
+def test_a_condition_rule_on_a_pattern_holds_the_provider_as_a_whole(tmp_path: Path) -> None:
+    shaper, sched, events, clock = setup(tmp_path, (
+        "rules:\n  - name: gentle\n    where: {mx: '*.google.com'}\n"
+        "    reply: {code: 421}\n    action: condition\n"
+        "    thresholds: {concurrency: 1}\n    duration: 10m\n"))
+    shaper.observe(Route("gmail.com", remotemx=MX), [result(421, "4.7.0", "slow down")])
+    [added] = events
+    assert isinstance(added, ConditionAdded)
+    apply(sched, events, clock.now)
+    routes = [Route("gmail.com", remotemx=MX),
+              Route("googlemail.com", remotemx="aspmx.l.google.com")]
+    jobs = tuple(DeliveryJob(f"c{i}", f"{i + 32:08X}", (f"{i + 32:08X}-0",), routes[i % 2])
+                 for i in range(4))
+    started = [c for c in sched.handle(JobsQueued(jobs), clock.now)
+               if isinstance(c, StartDelivery)]
+    assert len(started) == 1  # one for both Google hosts
+    # It expires: each host has no limit of its own (shaping-remotemx limits nothing).
+    clock.now += 601
+    shaper.tick(clock.now)
+    more = [c for e in events for c in sched.handle(e, clock.now)
+            if isinstance(c, StartDelivery)]
+    assert len(more) == 3
