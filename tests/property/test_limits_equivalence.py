@@ -6,7 +6,9 @@ rows), are driven through the same random events: jobs queued for routes
 with source IP pools, MX groups and tenants; deliveries finishing, some
 with failed connections; time passing, often exactly to the next
 wake-up; suspensions added (with expiries) and lifted; policies reloaded;
-conditions added at run time with expiries and removed; operators taking
+conditions added at run time with expiries and removed, among them
+conditions on patterns that pool the hosts they match into one entry
+(also on one of two counters over the same field); operators taking
 entries away.  After every step both must have given the same commands
 and the same next wake-up, and must explain every queued recipient alike.
 """
@@ -69,10 +71,15 @@ POLICIES = [
      {"id": "dom", "fields": ["recipientdomain"], "rate": "3/5"}],
     [{"id": "dom", "fields": ["recipientdomain"], "rate": "3/30", "concurrency": 3},
      {"id": "tenant", "fields": ["tenantid"], "connectinterval": 2}],
+    [{"id": "mxa", "fields": ["remotemx"], "concurrency": 2},
+     {"id": "mxb", "fields": ["remotemx"], "rate": "3/5"},
+     {"id": "ipmx", "fields": ["localip", "remotemx"],
+      "if": {"remotemx": "*.google.com", "concurrency": 1}, "concurrency": 3}],
 ]
 
 DOMAINS = [("a.example", "mx.a.example"), ("b.example", "mx.b.example"),
-           ("gmail.com", "alt1.gmail-smtp-in.l.google.com")]
+           ("gmail.com", "alt1.gmail-smtp-in.l.google.com"),
+           ("googlemail.com", "aspmx.l.google.com")]
 POOLS = [(), (IP1,), (IP2,), (IP1, IP2)]
 SUSPENSIONS = [
     (("localip", IP1),),
@@ -85,6 +92,10 @@ CONDITIONS = [
     (("tenantid", "t1"), Thresholds(rate=Rate(2, 10))),
     (("localip", IP1), Thresholds(concurrency=1)),
     (("remotemx", "#google"), Thresholds(connectinterval_s=3)),
+    (("remotemx", "*.google.com"), Thresholds(concurrency=1, rate=Rate(2, 5))),
+    (("remotemx", "/\\.example$/"), Thresholds(rate=Rate(1, 4))),
+    (("recipientdomain", "*.example"), Thresholds(concurrency=2)),
+    (("tenantid", "t*"), Thresholds(rate=Rate(3, 10), connectinterval_s=1)),
 ]
 
 routes = st.builds(

@@ -5,7 +5,8 @@ deliveries (some fail), moves a fake clock, suspends and lifts, and has
 operators take entries away.  After every step it checks, with its own
 bookkeeping rather than the scheduler's:
 
-- no counter entry has more in flight than its concurrency threshold;
+- no counter entry has more in flight than its concurrency threshold (the
+  hosts a condition's pattern matches count in one entry);
 - no Y-second window holds more than X pickups of a rate-limited entry,
   and pickups of an entry with connectinterval are that far apart;
 - no ready job starves while capacity is idle (every waiting sub-queue is
@@ -50,7 +51,7 @@ from sluice.scheduler import (
     Thresholds,
     parse_policy,
 )
-from sluice.scheduler.policy import CASELESS_FIELDS
+from sluice.scheduler.policy import CASELESS_FIELDS, Pattern
 
 pytestmark = pytest.mark.property
 
@@ -68,10 +69,15 @@ POLICIES = [
     [{"fields": ["recipientdomain"], "rate": "2/5", "connectinterval": 1},
      {"fields": ["tenantid"], "concurrency": 2}],
     [{"fields": ["localip", "tenantid"], "concurrency": 1, "rate": "4/20"}],
+    [{"fields": ["remotemx"], "if": [{"remotemx": "*.google.com", "concurrency": 1,
+                                      "rate": "2/5"},
+                                     {"remotemx": "/\\.example$/", "concurrency": 2}],
+      "concurrency": 3}],
 ]
 
 DOMAINS = [("a.example", "mx.a.example"), ("b.example", "mx.b.example"),
-           ("gmail.com", "alt1.gmail-smtp-in.l.google.com")]
+           ("gmail.com", "alt1.gmail-smtp-in.l.google.com"),
+           ("googlemail.com", "aspmx.l.google.com")]
 POOLS = [(), (IP1,), (IP2,), (IP1, IP2)]
 SUSPENSIONS = [
     (("localip", IP1),),
@@ -86,7 +92,22 @@ routes = st.builds(
 
 
 def key_of(counter: Counter, route: Route, ip: str) -> tuple[str, ...]:
-    return tuple(f.component(route.value(f.name, ip)) for f in counter.fields)
+    """The entry a delivery counts in: its values, or the pattern of the condition it meets."""
+    key = [f.component(route.value(f.name, ip)) for f in counter.fields]
+    names = counter.field_names
+    for cond in counter.conditions:
+        pooled = list(key)
+        for name, want in cond.match:
+            pos = names.index(name)
+            if Pattern.is_pattern(want):
+                if not Pattern.compile(want).matches(key[pos]):
+                    break
+                pooled[pos] = want
+            elif key[pos] != (want.lower() if name in CASELESS_FIELDS else want):
+                break
+        else:
+            return tuple(pooled)
+    return tuple(key)
 
 
 def suspended(susp: Suspension, route: Route, ip: str) -> bool:

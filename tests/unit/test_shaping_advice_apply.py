@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sluice.scheduler import DeliveryJob, JobsQueued, Route, Scheduler, StartDelivery
 from sluice.scheduler.policy import Policy, Rate
 from sluice.scheduler.policy_parse import parse_policy
 from sluice.scheduler.settings import Settings
@@ -60,3 +61,22 @@ def test_the_simulated_queue_drains_with_fewer_refusals_under_the_advice() -> No
     assert change.refused_after == 0
     assert change.drain_after_s is not None
     assert after.delivered == 40
+
+
+def test_installed_advice_holds_the_providers_hosts_together() -> None:
+    # The installed condition names the pattern, so every Google MX host shares its
+    # concurrency of 2 (issue 17): 2 go at once for both hosts, not 2 for each.
+    policy = Shaper.augment(Policy())
+    (p,) = plan_advice([_advice(concurrency=2, rate=None)], policy, 0.0)
+    with_plan, _ = policy.with_condition(p.counter, p.condition)
+    sched = Scheduler(Settings(max_deliveries=100, initial_destination_concurrency=100,
+                               default_destination_concurrency_limit=100), with_plan)
+    routes = [Route("gmail.com", remotemx="alt1.gmail-smtp-in.l.google.com"),
+              Route("googlemail.com", remotemx="aspmx.l.google.com"),
+              Route("other.example", remotemx="mx.other.example")]
+    jobs = tuple(DeliveryJob(f"j{i}", f"{i:08X}", (f"{i:08X}-0",), routes[i % 3])
+                 for i in range(12))
+    sent = [c for c in sched.handle(JobsQueued(jobs), 0.0) if isinstance(c, StartDelivery)]
+    google = [c for c in sent if c.job.route.remotemx.endswith(".google.com")]
+    assert len(google) == 2
+    assert len(sent) - len(google) == 4  # the other MX is not the advice's

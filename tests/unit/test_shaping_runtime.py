@@ -12,6 +12,7 @@ from sluice.queue import AttemptResult
 from sluice.scheduler import (
     ConditionAdded,
     ConditionRemoved,
+    DeliveryFinished,
     DeliveryJob,
     Event,
     JobsQueued,
@@ -104,14 +105,21 @@ def test_gmail_421_backs_off_through_a_condition_and_why_names_rule_reply_and_ho
     text = "\n".join(sched.explain(f"{5:08X}-0", clock.now).lines(clock.now))
     assert "rule gmail-rate" in text and 'after reply "421 4.7.28 Gmail has' in text
     assert f"from host {MX}" in text
-    # The condition is on the provider's pattern: another Google MX host is held to
-    # the same limit, not only the host that said it (no suspension-like gap).
+    # The condition is on the provider's pattern, and holds for the provider as a
+    # whole: another Google MX host shares the same five, so none of its go while
+    # the first host's five are in flight, and one goes when one of those ends
+    # (a second later, when the rate of 5/1 has room again).
     other = Route("googlemail.com", remotemx="aspmx.l.google.com", remoteip="127.0.0.2")
     jobs = tuple(DeliveryJob(f"k{i}", f"{i + 16:08X}", (f"{i + 16:08X}-0",), other)
                  for i in range(6))
-    started = [c for c in sched.handle(JobsQueued(jobs), clock.now)
-               if isinstance(c, StartDelivery)]
-    assert len(started) == 5
+    assert not [c for c in sched.handle(JobsQueued(jobs), clock.now)
+                if isinstance(c, StartDelivery)]
+    ok = Delivered(Reply(250, "2.0.0", "ok"))
+    done = started[0]
+    clock.now += 1
+    after = [c for c in sched.handle(DeliveryFinished(done.job.ref, ((done.qids[0], ok),)),
+                                     clock.now) if isinstance(c, StartDelivery)]
+    assert [c.job.route.remotemx for c in after] == ["aspmx.l.google.com"]
     # An operator lifts it: the condition goes.
     key = shaper.active()[0].key
     assert shaper.lift(key)
@@ -219,3 +227,27 @@ def test_ids_name_the_node_and_skip_one_still_in_force(tmp_path: Path) -> None:
     apply(sched, events, clock.now)
     assert sched.uses_id("shaping:test-node:stop:1") and sched.uses_id("shaping:test-node:stop:2")
     assert not sched.uses_id("shaping:test-node:stop:3")
+
+
+def test_a_condition_rule_on_a_pattern_holds_the_provider_as_a_whole(tmp_path: Path) -> None:
+    shaper, sched, events, clock = setup(tmp_path, (
+        "rules:\n  - name: gentle\n    where: {mx: '*.google.com'}\n"
+        "    reply: {code: 421}\n    action: condition\n"
+        "    thresholds: {concurrency: 1}\n    duration: 10m\n"))
+    shaper.observe(Route("gmail.com", remotemx=MX), [result(421, "4.7.0", "slow down")])
+    [added] = events
+    assert isinstance(added, ConditionAdded)
+    apply(sched, events, clock.now)
+    routes = [Route("gmail.com", remotemx=MX),
+              Route("googlemail.com", remotemx="aspmx.l.google.com")]
+    jobs = tuple(DeliveryJob(f"c{i}", f"{i + 32:08X}", (f"{i + 32:08X}-0",), routes[i % 2])
+                 for i in range(4))
+    started = [c for c in sched.handle(JobsQueued(jobs), clock.now)
+               if isinstance(c, StartDelivery)]
+    assert len(started) == 1  # one for both Google hosts
+    # It expires: each host has no limit of its own (shaping-remotemx limits nothing).
+    clock.now += 601
+    shaper.tick(clock.now)
+    more = [c for e in events for c in sched.handle(e, clock.now)
+            if isinstance(c, StartDelivery)]
+    assert len(more) == 3

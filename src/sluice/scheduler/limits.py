@@ -13,7 +13,8 @@ SUMMARY
 
 DESCRIPTION
     A *counter entry* (Entry) is one counter of the policy and one key,
-    the values of the counter's fields for a delivery.  Its thresholds
+    the values of the counter's fields for a delivery (or a condition's
+    pattern, for all the values it matches: Counter.entry_key).  Its thresholds
     come from the counter's conditions (the first that matches) or its
     fall-back; its state is what was counted: deliveries in flight, the
     times of recent pickups, and the last pickup.  The scheduler knows
@@ -257,9 +258,15 @@ def destination_limit(concurrencies: Iterable[int]) -> int:
 
 
 def entry_key(counter: Counter, route: Route, ip: str) -> tuple[str, ...]:
-    """The key of ``counter``'s entry for a delivery of ``route`` from ``ip``."""
-    return tuple(spec.component(route.value(spec.name, ip)) if spec.groups
-                 else route.value(spec.name, ip) for spec in counter.fields)
+    """The key of ``counter``'s entry for a delivery of ``route`` from ``ip``.
+
+    The values of its fields (a group's ``#id`` for a value in a group),
+    pooled under a condition's pattern where the condition chosen names
+    one (Counter.entry_key).
+    """
+    key = tuple(spec.component(route.value(spec.name, ip)) if spec.groups
+                else route.value(spec.name, ip) for spec in counter.fields)
+    return counter.entry_key(key) if counter.pooling else key
 
 
 # --------------------------------------------------------------------------

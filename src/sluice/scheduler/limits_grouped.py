@@ -24,6 +24,14 @@ STRATEGIES
     Bindings are cached by the caller (one per sub-queue and source IP),
     so a pickup computes no key and evaluates no condition.
 
+    Pooled entries are rows too.  A condition that names a pattern keys
+    the entries it chooses by the pattern (Counter.entry_key): the binding
+    of every matching host gets the same row, so they share its counts.
+    Counters in a table must key alike, so a table holds counters with the
+    same fields *and* the same pooling (Counter.pooling); a counter whose
+    pooling changes with a condition added or removed leaves a table it
+    shared for one of its own, seeded with the rows' windows.
+
     Reloads keep rows.  A counter that survives with the same fields and
     the same memory (longest rate window and connect interval) stays in
     its table, whose rows keep their counts; one whose memory changes gets
@@ -62,6 +70,8 @@ from sluice.scheduler.policy import (
     Pattern,
     Policy,
     Thresholds,
+    key_fits,
+    pooled_key,
 )
 
 __all__ = ["GroupedLimits"]
@@ -90,14 +100,7 @@ class _Member:
     def pick(self, key: tuple[str, ...]) -> int:
         """The index of the first condition ``key`` meets; -1: the fall-back."""
         for n, (matcher, _) in enumerate(self.matchers):
-            for pos, want in matcher:
-                have = key[pos]
-                if isinstance(want, Pattern):
-                    if not want.matches(have):
-                        break
-                elif have != want:
-                    break
-            else:
+            if key_fits(matcher, key):
                 return n
         return -1
 
@@ -229,7 +232,7 @@ class _Row:
 class _Table:
     """Counters over the same fields with the same history, and their rows."""
 
-    __slots__ = ("keeps", "members", "no_profile", "owner", "profiles", "rows", "specs")
+    __slots__ = ("keeps", "members", "no_profile", "owner", "pool", "profiles", "rows", "specs")
 
     def __init__(self, owner: GroupedLimits, members: list[_Member]) -> None:
         self.owner = owner
@@ -237,6 +240,8 @@ class _Table:
         self.profiles: dict[tuple[int, ...], _Profile] = {}
         self.members: tuple[_Member, ...] = ()
         self.keeps = (0.0, 0.0)
+        # The conditions that key its rows, when one pools (all members' are alike).
+        self.pool: tuple[_Matcher, ...] = ()
         # Per field: its spec, and for a field with groups, the memo of its look-ups.
         self.specs: tuple[tuple[FieldSpec, dict[str, str] | None], ...] = ()
         self.take(members)
@@ -244,6 +249,8 @@ class _Table:
     def take(self, members: list[_Member]) -> None:
         self.members = tuple(members)
         self.keeps = (max(m.keeps[0] for m in members), max(m.keeps[1] for m in members))
+        first = members[0]
+        self.pool = tuple(m for m, _ in first.matchers) if first.counter.pooling else ()
         self.profiles = {}
         self.no_profile = _Profile((), [])
 
@@ -291,20 +298,27 @@ class GroupedLimits(LocalOnly):
         for table in self.tables:
             for m in table.members:
                 placed[(m.counter.id, m.counter.signature)] = (table, m.keeps)
-        stays: dict[int, tuple[_Table, list[_Member]]] = {}
-        fresh: dict[str, list[_Member]] = {}
+        stays: dict[tuple[int, object], tuple[_Table, list[_Member]]] = {}
+        fresh: dict[tuple[str, object], list[_Member]] = {}
         seeded: list[_Table] = []
         for index, counter in enumerate(policy.counters):
             member = _Member(counter, index)
             found = placed.get((counter.id, counter.signature))
             if found is None:
-                fresh.setdefault(counter.signature, []).append(member)
+                fresh.setdefault((counter.signature, counter.pooling), []).append(member)
             elif found[1] == member.keeps:
-                stays.setdefault(id(found[0]), (found[0], []))[1].append(member)
+                stays.setdefault((id(found[0]), counter.pooling), (found[0], []))[1].append(member)
             else:
-                seeded.append(self._seed(found[0], found[1], member, now))
+                seeded.append(self._seed(found[0], found[1], [member], now))
         tables: list[_Table] = []
+        kept = {id(t): t.keeps for t in self.tables}  # before take() changes them
+        taken: set[int] = set()
         for table, members in stays.values():
+            if id(table) in taken:
+                # Its pooling parted it from the counters it shared the table with.
+                seeded.append(self._seed(table, kept[id(table)], members, now))
+                continue
+            taken.add(id(table))
             table.take(members)
             for row in table.rows.values():
                 row.inflight = 0  # recounted from the deliveries in flight
@@ -328,13 +342,13 @@ class GroupedLimits(LocalOnly):
             for row in table.rows.values():
                 self._forget_later(row)
 
-    def _seed(self, old: _Table, keeps: tuple[float, float], member: _Member,
+    def _seed(self, old: _Table, keeps: tuple[float, float], members: list[_Member],
               now: float) -> _Table:
-        """A table for a surviving counter whose memory changed.
+        """A table for surviving counters whose memory or pooling changed.
 
         Its rows start with what the old windows hold now.
         """
-        table = _Table(self, [member])
+        table = _Table(self, members)
         rate_keep, interval_keep = keeps
         for key, old_row in old.rows.items():
             row = _Row(table, key)
@@ -361,6 +375,9 @@ class GroupedLimits(LocalOnly):
                     value = memo[raw] = spec.component(raw)
                 raw = value
             parts.append(raw)
+        for matcher in table.pool:
+            if key_fits(matcher, parts):
+                return pooled_key(matcher, parts)
         return tuple(parts)
 
     def bind(self, route: Route, ip: str) -> _Binding:

@@ -5,7 +5,9 @@ SUMMARY
 
 DESCRIPTION
     Every counter entry is a Tally in a dict keyed by (counter id, the
-    counter's fields, key).  Every question evaluates the policy afresh:
+    counter's fields, key); the key is limits.entry_key's, pooled under a
+    condition's pattern where one is chosen.  Every question evaluates the
+    policy afresh:
     the entry's thresholds are the counter's first matching condition or
     its fall-back (Counter.thresholds_for), compared with the tally by the
     rules in sluice.scheduler.limits.  Nothing is cached but the keys of a

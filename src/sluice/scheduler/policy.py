@@ -32,6 +32,13 @@ DESCRIPTION
     matched against the lower-cased value; the first group that matches
     wins.
 
+    A condition may name a pattern too (``if: {remotemx: '*.google.com'}``),
+    and then it pools like a group: every value it matches counts in one
+    entry, whose key holds the pattern as written (Counter.entry_key).  So
+    a condition on a provider's hosts -- a shaping back-off, an operator's
+    limit -- holds for the provider as a whole, not for each host.  When
+    the condition goes, the values count one by one again.
+
     Two spellings are accepted, and both end in the same Policy:
 
     Halon's file        ``{policies: [...], suspends: [...]}``; a counter
@@ -49,6 +56,12 @@ INVARIANTS
     could have two thresholds), and a ``#id`` only names a group of that
     field.  Host names (recipientdomain, remotemx) compare without case,
     ids with case.
+
+    Counter.thresholds_for(Counter.entry_key(k)) chooses the condition
+    that k itself chooses: a key component that is a pattern (a pooled
+    entry's) fits a condition's pattern only when it is the same text,
+    never by matching it as a value.  (A value that looks like a pattern,
+    ``a*b`` as a tenant id, is therefore taken for a pooled one.)
 
 SEE ALSO
     sluice.scheduler.scheduler (who enforces it), schemas/policy.schema.json,
@@ -79,6 +92,8 @@ __all__ = [
     "Suspension",
     "Thresholds",
     "host_pattern",
+    "key_fits",
+    "pooled_key",
 ]
 
 #: The fields a counter, a condition or a suspension may name (seeds 001, 004).
@@ -279,7 +294,8 @@ class Condition:
     """``if`` all of ``match`` hold, the entry gets ``thresholds``.
 
     A value in ``match`` is compared with the entry's key component: a
-    literal (lower-cased), a ``#group`` id, or a pattern.  Conditions
+    literal (lower-cased), a ``#group`` id, or a pattern, which pools the
+    values it matches into one entry (Counter.entry_key).  Conditions
     added at run time carry an id, and may carry an expiry, tag and reason.
     """
 
@@ -302,6 +318,11 @@ class Condition:
             else:
                 out.append((pos, value.lower()))
         return tuple(out)
+
+    @property
+    def pools(self) -> bool:
+        """Whether a value is a pattern, so that the entries it chooses are pooled."""
+        return any(Pattern.is_pattern(v) for _, v in self.match)
 
     def to_data(self) -> dict[str, Any]:
         """The condition as the policy file writes it."""
@@ -346,6 +367,31 @@ class Counter:
         return "|".join(f.signature for f in self.fields) or "*"
 
     @property
+    def pooling(self) -> tuple[tuple[tuple[str, str], ...], ...]:
+        """What keys pooled entries: every condition's match, if any pools (else ()).
+
+        Two counters over the same fields with the same pooling key every
+        delivery alike.
+        """
+        if not any(c.pools for c in self.conditions):
+            return ()
+        return tuple(c.match for c in self.conditions)
+
+    def entry_key(self, key: Sequence[str]) -> tuple[str, ...]:
+        """The key of the entry that a delivery whose values are ``key`` counts in.
+
+        ``key`` itself, unless the first condition it meets names a
+        pattern: then that field's component is the pattern as written,
+        shared by every value the pattern matches.
+        """
+        names = self.field_names
+        for cond in self.conditions:
+            matcher = cond.matcher(names)
+            if key_fits(matcher, key):
+                return pooled_key(matcher, key)
+        return tuple(key)
+
+    @property
     def limits_destination(self) -> bool:
         """Whether the counter counts by a destination field (so limits a destination)."""
         return any(f.name in DESTINATION_FIELDS for f in self.fields)
@@ -354,7 +400,7 @@ class Counter:
         """The thresholds of the entry ``key`` and the condition that chose them."""
         names = self.field_names
         for cond in self.conditions:
-            if _condition_matches(cond.matcher(names), key):
+            if key_fits(cond.matcher(names), key):
                 return cond.thresholds, cond
         return self.default, None
 
@@ -370,15 +416,34 @@ class Counter:
         return out
 
 
-def _condition_matches(matcher: Iterable[tuple[int, str | Pattern]], key: Sequence[str]) -> bool:
+def key_fits(matcher: Iterable[tuple[int, str | Pattern]], key: Sequence[str]) -> bool:
+    """Whether a condition's ``matcher`` (Condition.matcher) fits an entry's ``key``.
+
+    A pattern fits a value it matches, or a pooled component that is the
+    same pattern as written (and no other: ``*.com`` does not take the
+    entry pooled under ``*.google.com``).
+    """
     for pos, want in matcher:
         have = key[pos]
         if isinstance(want, Pattern):
-            if not want.matches(have):
+            if Pattern.is_pattern(have):
+                if have != want.text:
+                    return False
+            elif not want.matches(have):
                 return False
         elif have != want:
             return False
     return True
+
+
+def pooled_key(matcher: Iterable[tuple[int, str | Pattern]], key: Sequence[str]
+               ) -> tuple[str, ...]:
+    """``key`` with the component of each pattern of ``matcher`` replaced by its text."""
+    out = list(key)
+    for pos, want in matcher:
+        if isinstance(want, Pattern):
+            out[pos] = want.text
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
