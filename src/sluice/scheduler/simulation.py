@@ -7,7 +7,8 @@ SUMMARY
 DESCRIPTION
     A discrete-event simulation, with no sleeping and no I/O: simulated
     traffic arrives per tenant and job into a simulated store; the store
-    answers the scheduler's Refill with Mailismus's quota_deferred rule;
+    answers the scheduler's Refill as the real stores do (quota_deferred,
+    tenants by weight; sluice.scheduler.simulated_store);
     the scheduler (sluice.scheduler.Scheduler, unchanged) picks deliveries;
     simulated destinations answer after a latency, and may throttle (421
     after N per minute, or beyond N connections), greylist (451 until the
@@ -44,7 +45,6 @@ import math
 import random
 from array import array
 from bisect import bisect_left
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +77,7 @@ from sluice.scheduler.scenario import (
     parse_scenario,
 )
 from sluice.scheduler.scheduler import Scheduler
+from sluice.scheduler.simulated_store import SimStore
 
 __all__ = [
     "DestinationSpec",
@@ -258,8 +259,7 @@ class Simulation:
                 total += w
                 cum.append(total)
             self.choices.append((idx, cum))
-        self.incoming: deque[_Msg] = deque()
-        self.deferred: list[tuple[float, int, _Msg]] = []
+        self.store: SimStore[_Msg] = SimStore(scenario)
         self.messages: dict[str, _Msg] = {}
         self.heap: list[tuple[int, int, int, Any]] = []
         self.seq = 0
@@ -298,26 +298,6 @@ class Simulation:
 
     # -- the store ------------------------------------------------------------
 
-    def _claim(self, limit: int, now: float, quota: int) -> list[_Msg]:
-        """Mailismus/Postfix refill: at least quota% from due deferred when both have work.
-
-        New mail for the rest; more deferred if new mail runs out.
-        """
-        out: list[_Msg] = []
-        deferred = self.deferred
-        share = math.ceil(limit * quota / 100) if quota else 0
-        while len(out) < share and deferred and deferred[0][0] <= now:
-            out.append(heapq.heappop(deferred)[2])
-        incoming = self.incoming
-        while len(out) < limit and incoming:
-            out.append(incoming.popleft())
-        while len(out) < limit and deferred and deferred[0][0] <= now:
-            out.append(heapq.heappop(deferred)[2])
-        return out
-
-    def _due_at(self) -> float | None:
-        return self.deferred[0][0] if self.deferred else None
-
     def _defer(self, msg: _Msg, now: float, reply: Reply) -> None:
         msg.attempts += 1
         at = self.scenario.retry.next_attempt_at(now, msg.attempts, msg.arrival_at)
@@ -328,7 +308,7 @@ class Simulation:
         self.dests[msg.dest].group.deferrals += 1
         self.flow_groups[msg.flow].deferrals += 1
         self.seq += 1
-        heapq.heappush(self.deferred, (at, self.seq, msg))
+        self.store.defer(msg.flow, at, self.seq, msg)
 
     def _bounce(self, msg: _Msg, now: float) -> None:
         self.bounced += 1
@@ -392,7 +372,7 @@ class Simulation:
         group = self.flow_groups[flow_i]
         group.messages += n
         group.first_at = min(group.first_at, now)
-        incoming = self.incoming
+        incoming = self.store.new_mail(flow_i)
         messages = self.messages
         for _ in range(n):
             dest_i = idx[bisect_left(cum, rng.random() * total)] if len(idx) > 1 else idx[0]
@@ -448,7 +428,7 @@ class Simulation:
         self.handle_calls += 1
         refill = self._carry_out(sched.handle_all(events, now), tick)
         while refill is not None:
-            claimed = self._claim(refill.limit, now, refill.quota_deferred)
+            claimed = self.store.claim(refill.limit, now, refill.quota_deferred)
             jobs = []
             for msg in claimed:
                 jobs.append(DeliveryJob(msg.qid, msg.qid[:10], (msg.qid,),
@@ -456,9 +436,9 @@ class Simulation:
                                         sc.flows[msg.flow].priority, msg.arrival_at))
             exhausted = len(claimed) < refill.limit
             self.handle_calls += 1
+            due = self.store.due_at() if exhausted else None
             commands = sched.handle_all(
-                (EntriesClaimed(len(claimed), exhausted, self._due_at() if exhausted else None),
-                 JobsQueued(tuple(jobs))), now)
+                (EntriesClaimed(len(claimed), exhausted, due), JobsQueued(tuple(jobs))), now)
             used = sched.memory_used
             if used > self.peak_memory:
                 self.peak_memory = used
@@ -533,7 +513,8 @@ class Simulation:
                         events.append(SuspensionRemoved(act.lift))
             if arrived:
                 events.append(MailArrived())
-            if self.deferred and self.deferred[0][0] <= now:
+            due = self.store.due_at()
+            if due is not None and due <= now:
                 events.append(MailArrived())  # due deferred mail: the store has work
             self._decide(events, tick)
         self.ticks = tick

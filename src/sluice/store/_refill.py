@@ -42,7 +42,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from sluice.config.sections import TenantsConfig
@@ -110,11 +110,19 @@ class TenantWeights:
         return tenant if self.fair else ""
 
 
+class Weights(Protocol):
+    """What fair_pick needs of a tenant's weight (TenantWeights; the scheduler's Shares)."""
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's weight: its own, or the default."""
+        ...
+
+
 #: Every tenant alike: the weights of a store nobody told otherwise.
 EQUAL = TenantWeights()
 
 
-def fair_pick(candidates: Mapping[str, Sequence[T]], weights: TenantWeights, limit: int
+def fair_pick(candidates: Mapping[str, Sequence[T]], weights: Weights, limit: int
               ) -> list[T]:
     """Up to ``limit`` of the candidates, shared between tenants by weight.
 
