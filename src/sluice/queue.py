@@ -65,7 +65,7 @@ from sluice.model import (
 )
 from sluice.retry import RetryPolicy
 from sluice.spool import Content
-from sluice.store import Action, StorageError, Store, Transition, open_store
+from sluice.store import Action, SharedClaims, StorageError, Store, Transition, open_store
 
 __all__ = ["QSHAPE_EDGES_MIN", "AttemptResult", "Queue"]
 
@@ -428,13 +428,14 @@ class Queue:
 
         Those whose attempt had started (state delivering: the server may
         have the message) are logged as "recovered" with the reply
-        IN_FLIGHT_REPLY, "in flight at crash, may be a duplicate".  Not
-        for PostgreSQL, whose queue other nodes share: their attempts are
-        in flight too, and its entries do not say whose they are.
+        IN_FLIGHT_REPLY, "in flight at crash, may be a duplicate".  On a
+        queue other nodes share (PostgreSQL), only this node's: the others'
+        attempts are in flight too.
         """
         now = self.clock()
-        in_flight: list[QueueEntry] = []
-        if self.store.flavour != "postgres":
+        if isinstance(self.store, SharedClaims):
+            in_flight = self.store.own_in_flight()
+        else:
             in_flight = list(self.store.entries(Selector(states=(QueueState.DELIVERING,))))
         count = self.store.recover(now)
         self._log((self._event(EventKind.RECOVERED, e, now, reply=IN_FLIGHT_REPLY)

@@ -27,6 +27,7 @@ import pytest
 
 from sluice.faults import POINTS
 from sluice.sink import Sink
+from tests.integration.pg import dsn_for
 from tests.integration.serving import (
     Serving,
     free_port,
@@ -66,14 +67,20 @@ def _died(srv: Serving) -> int:
     return code
 
 
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
 @pytest.mark.parametrize("point", POINTS)
-def test_crash_at_a_point_of_delivery(point: str, tmp_path: Path,
+def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # PostgreSQL: the queue other nodes may share; the note is for this node's
+    # attempts only, found by the claim's owner.
+    queue: dict[str, object] = {"store": store}
+    if store == "postgres":
+        queue["postgres"] = {"dsn": dsn_for(tmp_path)}
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
     try:
         port = free_port()
-        config = write_serve_config(tmp_path, port,
+        config = write_serve_config(tmp_path, port, queue=queue,
                                     delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"}})
         monkeypatch.setenv("SLUICE_FAULT", point)
         srv = start_serve_with(config, tmp_path, port)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
 from sluice.model import Accepted, QueueEntry, QueueState, Reply, Selector, Submission
 from sluice.spool import Content
@@ -53,6 +53,7 @@ __all__ = [
     "Action",
     "Change",
     "Counts",
+    "SharedClaims",
     "StorageError",
     "Store",
     "Transition",
@@ -122,6 +123,15 @@ class Change:
     seq: int
     qid: str
     action: Action
+
+
+@runtime_checkable
+class SharedClaims(Protocol):
+    """A store whose queue several nodes share (PostgreSQL): each claim names its node."""
+
+    def own_in_flight(self) -> list[QueueEntry]:
+        """This node's entries whose attempt had started (state delivering)."""
+        ...
 
 
 class Store(Protocol):

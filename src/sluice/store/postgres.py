@@ -129,7 +129,7 @@ from sluice.store._pg_schema import (
     where_name,
 )
 from sluice.store._refill import EQUAL, TenantWeights
-from sluice.store._sql import SqlQueue, migrate, queue_rows, reply_columns
+from sluice.store._sql import COLUMNS, SqlQueue, entry, migrate, queue_rows, reply_columns
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -395,6 +395,14 @@ class PgStore(PgCommitting):
 
         result: int = self._call(work)
         return result
+
+    def own_in_flight(self) -> list[QueueEntry]:
+        """SharedClaims: this node's attempts that had started (the others' are theirs)."""
+        with self._reading() as conn:
+            rows = conn.execute(f"SELECT {COLUMNS} FROM sluice_queue WHERE owner = %s "
+                                "AND state = 'delivering' ORDER BY spid, idx",
+                                (self.node_id,)).fetchall()
+        return [entry(r) for r in rows]
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
