@@ -41,7 +41,7 @@ Prints the figures and the machine's load (/proc/loadavg) before and
 after.  A soak run, not a test: about two minutes.
 
     .venv/bin/python bench/harsh_kill.py [--messages 1000] [--kills 25] [--slow 0.15]
-                                         [--store sqlite|fs] [--seed 19]
+                                         [--store sqlite|fs|kv|postgres] [--seed 19]
 """
 
 from __future__ import annotations
@@ -102,6 +102,11 @@ def write_config(work: Path, port: int, sink_port: int, concurrency: int, store:
         "scheduler": {"default_destination_concurrency_limit": concurrency},
         "delivery": {"transport": {"*": f"smtp:[127.0.0.1]:{sink_port}"}},
     }
+    if store == "postgres":  # a throwaway server (the tests' own), a schema of this run's
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests.integration.pg import dsn_for
+
+        data["queue"]["postgres"] = {"dsn": dsn_for(work)}
     path = work / "sluice.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -114,6 +119,10 @@ def commit_interval(config: Path) -> float:
         data = yaml.safe_load(config.read_text())
         data["queue"]["path"] = str(scratch / "queue")
         data["queue"]["spool"]["rootpath"] = str(scratch / "spool")
+        if "postgres" in data["queue"]:  # a schema of its own, not the run's
+            from tests.integration.pg import dsn_for
+
+            data["queue"]["postgres"] = {"dsn": dsn_for(scratch)}
         (scratch / "c.yaml").write_text(yaml.safe_dump(data))
         cfg = load_config(scratch / "c.yaml")
         store = open_store(cfg)
@@ -276,8 +285,8 @@ def main() -> int:
                     help="destination concurrency limit (the load spans the kills)")
     ap.add_argument("--window", type=float, default=0.0,
                     help="commit interval for the classification (0: measured)")
-    ap.add_argument("--store", default="sqlite", choices=("sqlite", "fs"),
-                    help="queue store flavour (the embedded ones)")
+    ap.add_argument("--store", default="sqlite", choices=("sqlite", "fs", "kv", "postgres"),
+                    help="queue store flavour (postgres: a throwaway server on loopback)")
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--dir", default="/tmp", help="where the queue lives")
     args = ap.parse_args()
