@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluice.api import rendering
 from sluice.api.inject import TemplateContent
 from sluice.api.rendering import render, render_with_email_package
 
@@ -27,7 +28,8 @@ _MSGID = re.compile(rb"Message-ID: <\d+\.")
 SENDOUT = {"from": "Shop <news@shop.example>",
            "subject": "Hello {{ first }}, your code {{ code }}",
            "text_body": "Dear {{ first }}, your code is {{ code }}.\nSee you soon.\n",
-           "html_body": "<p>Dear {{ first }},</p><p>code <b>{{ code }}</b>.</p>\n",
+           "html_body": "<html><body><p>Dear {{ first }},</p><p>your code is <b>{{ code }}</b>.</p>"
+                        "</body></html>\n",  # 79 octets a line: quoted-printable
            "headers": {"List-Unsubscribe": "<mailto:unsub@shop.example?subject={{ email }}>"}}
 
 
@@ -46,10 +48,15 @@ def both(content: dict[str, Any], values: dict[str, Any], recipient: str = "u1@d
 
 
 def test_the_sendout_message_is_written_directly_and_equal() -> None:
-    values = {"first": "U1", "code": "100001", "email": "u1@d5.example"}
-    fast, reference = both(SENDOUT, values)
+    values = {"first": "U12345", "code": "112345", "email": "u12345@d1999.example"}
+    fast, reference = both(SENDOUT, values, "u12345@d1999.example")
     assert fast == reference
     assert isinstance(fast, bytes) and b"boundary=" in fast
+    assert b"Content-Transfer-Encoding: quoted-printable" in fast
+    # ... and it was written here, not by the email package
+    assert rendering._write("Shop <news@shop.example>", "Hello", [("List-Unsubscribe", "<x>")],
+                            "Dear", "<p>" + "é" * 100, "<1.2.3@mx.example>", "Tue, 14 Nov 2023",
+                            "u1@d5.example", "") is not None
 
 
 @pytest.mark.parametrize(("content", "values", "recipient", "name"), [
@@ -88,7 +95,9 @@ def test_outside_the_common_case_the_email_package_decides(
 _TEXT = st.one_of(
     st.text(st.sampled_from("aZ09 <>@.,;:\"'=?-_()\t\r\nüé€\x0b\x85"), max_size=120),
     st.integers(min_value=70, max_value=85).map(lambda n: "w" * n),  # about the line limit
-    st.integers(min_value=60, max_value=80).map(lambda n: "w " * (n // 2)))
+    st.integers(min_value=60, max_value=80).map(lambda n: "w " * (n // 2)),
+    st.lists(st.text(st.sampled_from("ab <>=.é\n"), min_size=70, max_size=200),
+             max_size=14).map("\n".join))  # long lines, more than 10 of them
 
 
 @settings(max_examples=300, deadline=None)

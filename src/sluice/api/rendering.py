@@ -15,12 +15,15 @@ STRATEGIES
     Two writers, one result.  The email package (EmailMessage with the
     SMTP policy) is the reference, and it costs about a millisecond a
     message -- most of an injection request's time, for headers it parses
-    again and folds again.  The common message -- ASCII headers short
-    enough for one line, ASCII parts with lines of at most 78 octets --
-    is written directly, byte for byte what the email package writes for
-    it (tests/unit/test_api_rendering.py compares the two); a header outside
-    that is folded by the email package alone (cached per value), and a
-    part outside it sends the whole message through the email package.
+    again and folds again.  The common message -- an ASCII recipient
+    without a display name, template headers the email package treats as
+    plain unstructured text -- is written here, byte for byte what the
+    email package writes for it (tests/unit/test_api_rendering.py compares
+    the two): a header that is not printable ASCII on one line is folded
+    by the email package alone (cached per value), and each part is
+    encoded with the email package's own choice of 7bit, 8bit,
+    quoted-printable or base64 (contentmanager's _encode_text).  Any other
+    message goes through the email package whole.
 
     Templates are compiled once per distinct source (a sendout sends the
     same template in every batch).
@@ -36,6 +39,7 @@ import random
 import re
 import sys
 from collections.abc import Callable
+from email import contentmanager
 from email.headerregistry import Address, HeaderRegistry, UnstructuredHeader
 from email.message import EmailMessage
 from email.policy import SMTP, SMTPUTF8
@@ -66,7 +70,9 @@ _PLAIN_ADDRESS = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%
                             r"@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*")
 _PLAIN_MSGID = re.compile(r"<\d+\.\d+\.\d+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*>")
 
-_PART_HEADERS = 'Content-Type: text/{}; charset="utf-8"\r\nContent-Transfer-Encoding: 7bit\r\n'
+_PART_HEADERS = 'Content-Type: text/{}; charset="utf-8"\r\nContent-Transfer-Encoding: {}\r\n'
+#: Line ends as the generator splits a payload.
+_LINE_END = re.compile(r"\r\n|\r|\n")
 #: The email package's boundary: 15 '=', 19 digits, '=='.
 _BOUNDARY_DIGITS = len(repr(sys.maxsize - 1))
 
@@ -116,14 +122,10 @@ def _header(name: str, value: str) -> bytes:
     return _folded(name, value)
 
 
-def _plain_part(text: str) -> bytes | None:
-    """A part's body as 7bit CRLF lines, or None when it needs an encoding."""
-    if not text.isascii():
-        return None
-    lines = text.encode("ascii").splitlines()
-    if any(len(x) > MAX_LINE for x in lines):
-        return None
-    return b"".join(x + b"\r\n" for x in lines) if lines else b"\r\n"
+def _part(text: str) -> tuple[str, bytes]:
+    """A part's transfer encoding and body, chosen and encoded as set_content() does."""
+    cte, data = contentmanager._encode_text(text, "utf-8", None, SMTP)  # type: ignore[attr-defined]
+    return cte, _LINE_END.sub("\r\n", data).encode("ascii", "surrogateescape")
 
 
 def _boundary(parts: list[bytes]) -> str | None:
@@ -155,17 +157,12 @@ def render(template: TemplateContent, values: dict[str, Any], recipient: str,
 
 
 def _write(from_: str, subject: str, headers: list[tuple[str, str]], body: str | None,
-           html: str | None,
-           msgid: str, date: str, recipient: str, name: str) -> bytes | None:
-    """The message written directly, or None when a part needs the email package."""
-    if not recipient.isascii():
+           html: str | None, msgid: str, date: str, recipient: str, name: str) -> bytes | None:
+    """The message written directly, or None when it needs the email package."""
+    if not recipient.isascii() or not all(_plain_name(key) for key, _ in headers):
         return None
-    text_part = _plain_part(body) if body is not None else b""
-    html_part = _plain_part(html) if html is not None else b""
-    if text_part is None or html_part is None:
-        return None
-    if not all(_plain_name(key) for key, _ in headers):
-        return None
+    text_cte, text_part = _part(body) if body is not None else ("", b"")
+    html_cte, html_part = _part(html) if html is not None else ("", b"")
     out = [_folded("From", from_)]
     if not name and _PLAIN_ADDRESS.fullmatch(recipient) and len(recipient) <= MAX_LINE - 4:
         out.append(f"To: {recipient}\r\n".encode("ascii"))
@@ -180,10 +177,11 @@ def _write(from_: str, subject: str, headers: list[tuple[str, str]], body: str |
         out.append(_folded("Message-ID", msgid))
     out += [_header(key, value) for key, value in headers]
     if body is None or html is None:
-        subtype = "plain" if body is not None else "html"
-        out.append(_PART_HEADERS.format(subtype).encode("ascii"))
+        subtype, cte, part = (("plain", text_cte, text_part) if body is not None
+                              else ("html", html_cte, html_part))
+        out.append(_PART_HEADERS.format(subtype, cte).encode("ascii"))
         out.append(b"MIME-Version: 1.0\r\n\r\n")
-        out.append(text_part or html_part)
+        out.append(part)
         return b"".join(out)
     boundary = _boundary([text_part, html_part])
     if boundary is None:
@@ -191,8 +189,9 @@ def _write(from_: str, subject: str, headers: list[tuple[str, str]], body: str |
     line = f"--{boundary}\r\n".encode("ascii")
     out.append(b'MIME-Version: 1.0\r\nContent-Type: multipart/alternative;\r\n boundary="'
                + boundary.encode("ascii") + b'"\r\n\r\n')
-    out += [line, _PART_HEADERS.format("plain").encode("ascii"), b"\r\n", text_part, b"\r\n",
-            line, _PART_HEADERS.format("html").encode("ascii"), b"MIME-Version: 1.0\r\n\r\n",
+    out += [line, _PART_HEADERS.format("plain", text_cte).encode("ascii"), b"\r\n", text_part,
+            b"\r\n", line, _PART_HEADERS.format("html", html_cte).encode("ascii"),
+            b"MIME-Version: 1.0\r\n\r\n",
             html_part, b"\r\n", f"--{boundary}--\r\n".encode("ascii")]
     return b"".join(out)
 
