@@ -73,6 +73,10 @@ _PLAIN_MSGID = re.compile(r"<\d+\.\d+\.\d+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*>")
 _PART_HEADERS = 'Content-Type: text/{}; charset="utf-8"\r\nContent-Transfer-Encoding: {}\r\n'
 #: Line ends as the generator splits a payload.
 _LINE_END = re.compile(r"\r\n|\r|\n")
+#: set_content()'s choice and encoding of a text part; private in the email package, so a
+#: Python without it sends every message through the email package.
+_ENCODE_TEXT: Callable[..., tuple[str, str]] | None = getattr(contentmanager, "_encode_text",
+                                                              None)
 #: The email package's boundary: 15 '=', 19 digits, '=='.
 _BOUNDARY_DIGITS = len(repr(sys.maxsize - 1))
 
@@ -124,7 +128,8 @@ def _header(name: str, value: str) -> bytes:
 
 def _part(text: str) -> tuple[str, bytes]:
     """A part's transfer encoding and body, chosen and encoded as set_content() does."""
-    cte, data = contentmanager._encode_text(text, "utf-8", None, SMTP)  # type: ignore[attr-defined]
+    assert _ENCODE_TEXT is not None
+    cte, data = _ENCODE_TEXT(text, "utf-8", None, SMTP)
     return cte, _LINE_END.sub("\r\n", data).encode("ascii", "surrogateescape")
 
 
@@ -159,7 +164,8 @@ def render(template: TemplateContent, values: dict[str, Any], recipient: str,
 def _write(from_: str, subject: str, headers: list[tuple[str, str]], body: str | None,
            html: str | None, msgid: str, date: str, recipient: str, name: str) -> bytes | None:
     """The message written directly, or None when it needs the email package."""
-    if not recipient.isascii() or not all(_plain_name(key) for key, _ in headers):
+    if (_ENCODE_TEXT is None or not recipient.isascii()
+            or not all(_plain_name(key) for key, _ in headers)):
         return None
     text_cte, text_part = _part(body) if body is not None else ("", b"")
     html_cte, html_part = _part(html) if html is not None else ("", b"")
