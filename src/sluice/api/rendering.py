@@ -22,24 +22,27 @@ STRATEGIES
     the two): a header that is not printable ASCII on one line is folded
     by the email package alone (cached per value), and each part is
     encoded with the email package's own choice of 7bit, 8bit,
-    quoted-printable or base64 (contentmanager's _encode_text).  Any other
-    message goes through the email package whole.
+    quoted-printable or base64 (_encode_text: the rule of contentmanager,
+    which keeps it private, written here).  Any other message goes through
+    the email package whole.
 
     Templates are compiled once per distinct source (a sendout sends the
     same template in every batch).
 
 SEE ALSO
-    sluice.api.injector (its caller), email.policy, email.contentmanager
+    sluice.api.injector (its caller), email.policy, email.contentmanager, email.quoprimime
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import random
 import re
 import sys
 from collections.abc import Callable
-from email import contentmanager
+from email import quoprimime
 from email.headerregistry import Address, HeaderRegistry, UnstructuredHeader
 from email.message import EmailMessage
 from email.policy import SMTP, SMTPUTF8
@@ -73,10 +76,6 @@ _PLAIN_MSGID = re.compile(r"<\d+\.\d+\.\d+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*>")
 _PART_HEADERS = 'Content-Type: text/{}; charset="utf-8"\r\nContent-Transfer-Encoding: {}\r\n'
 #: Line ends as the generator splits a payload.
 _LINE_END = re.compile(r"\r\n|\r|\n")
-#: set_content()'s choice and encoding of a text part; private in the email package, so a
-#: Python without it sends every message through the email package.
-_ENCODE_TEXT: Callable[..., tuple[str, str]] | None = getattr(contentmanager, "_encode_text",
-                                                              None)
 #: The email package's boundary: 15 '=', 19 digits, '=='.
 _BOUNDARY_DIGITS = len(repr(sys.maxsize - 1))
 
@@ -126,10 +125,38 @@ def _header(name: str, value: str) -> bytes:
     return _folded(name, value)
 
 
+def _encode_text(text: str) -> tuple[str, str]:
+    """set_content()'s choice and encoding of a UTF-8 text part under the SMTP policy.
+
+    The email package keeps this rule private (contentmanager), so it is
+    ours, written from it: 7bit when every line fits and is ASCII, else 8bit
+    when lines fit (the policy allows 8bit), else quoted-printable or
+    base64, whichever is shorter on the first ten lines.  The comparison
+    test holds it to the email package's output.
+    """
+    lines = text.encode("utf-8").splitlines()
+
+    def normal(ls: list[bytes]) -> bytes:
+        return b"\n".join(ls) + b"\n"
+
+    if max((len(x) for x in lines), default=0) <= MAX_LINE:
+        body = normal(lines)
+        if body.isascii():
+            return "7bit", body.decode("ascii")
+        return "8bit", body.decode("ascii", "surrogateescape")
+    sniff = b"\r\n".join(lines[:10]) + b"\r\n"
+    sniff_qp = quoprimime.body_encode(sniff.decode("latin-1"), MAX_LINE)
+    if len(sniff_qp) > len(binascii.b2a_base64(sniff)):
+        embedded = b"\r\n".join(lines) + b"\r\n"
+        return "base64", base64.encodebytes(embedded).decode("ascii")
+    if len(lines) <= 10:
+        return "quoted-printable", sniff_qp
+    return "quoted-printable", quoprimime.body_encode(normal(lines).decode("latin-1"), MAX_LINE)
+
+
 def _part(text: str) -> tuple[str, bytes]:
     """A part's transfer encoding and body, chosen and encoded as set_content() does."""
-    assert _ENCODE_TEXT is not None
-    cte, data = _ENCODE_TEXT(text, "utf-8", None, SMTP)
+    cte, data = _encode_text(text)
     return cte, _LINE_END.sub("\r\n", data).encode("ascii", "surrogateescape")
 
 
@@ -164,8 +191,7 @@ def render(template: TemplateContent, values: dict[str, Any], recipient: str,
 def _write(from_: str, subject: str, headers: list[tuple[str, str]], body: str | None,
            html: str | None, msgid: str, date: str, recipient: str, name: str) -> bytes | None:
     """The message written directly, or None when it needs the email package."""
-    if (_ENCODE_TEXT is None or not recipient.isascii()
-            or not all(_plain_name(key) for key, _ in headers)):
+    if not recipient.isascii() or not all(_plain_name(key) for key, _ in headers):
         return None
     text_cte, text_part = _part(body) if body is not None else ("", b"")
     html_cte, html_part = _part(html) if html is not None else ("", b"")
