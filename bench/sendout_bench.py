@@ -14,7 +14,7 @@ What it does:
      subject, a text and an HTML part and a List-Unsubscribe header.
      Without --inject it is a dry run (clean and personalise, send
      nothing: every good row ends "ready"); with --inject a real
-     `sluice serve` (filesystem queue, fsync on, the API on loopback)
+     `sluice serve` (the default SQLite queue, fsync on, the API on loopback)
      takes the mail over the injection API and delivers it to an SMTP
      sink on loopback while the sendout runs;
   3. prints the time, rows per second and the outcome counts read from
