@@ -18,11 +18,11 @@ STRATEGIES
     sides have work (Mailismus), new mail for the rest, then more deferred
     mail if new mail runs out (Postfix); and each side is shared between
     tenants by weight with the function every store flavour uses
-    (sluice.store._refill.fair_pick), so that a simulation with a small
+    (sluice.fairshare.fair_pick), so that a simulation with a small
     ``maxmemoryqueue`` shows what a tenant's backlog does to another's mail.
 
 SEE ALSO
-    sluice.scheduler.simulation, sluice.store._refill
+    sluice.scheduler.simulation, sluice.fairshare, sluice.store._refill
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from collections import deque
 from itertools import islice
 from typing import Generic, TypeVar
 
+from sluice.fairshare import fair_pick
 from sluice.scheduler.scenario import Scenario
-from sluice.store._refill import fair_pick
 
 __all__ = ["SimStore"]
 

@@ -168,7 +168,7 @@ class Store(Protocol):
         Alternates one from each; at least ``quota_deferred`` percent come from
         deferred when both have work.  Within each, the tenants with entries
         waiting share it by the store's ``tenant_weights``
-        (sluice.store._refill.fair_pick); within a tenant, priority 1 first,
+        (sluice.fairshare.fair_pick); within a tenant, priority 1 first,
         then oldest first.  The returned entries are in that interleaved order.
         """
         ...

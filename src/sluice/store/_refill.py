@@ -17,7 +17,8 @@ DESCRIPTION
     Tenants get their share of a refill as of every other limit (issue
     "Tenants get their share"): each side's candidates come per tenant,
     each tenant's oldest first and at most ``limit`` of them, and
-    fair_pick shares the side between the tenants that have candidates,
+    fair_pick (sluice.fairshare, pure, which the simulator's store uses
+    too) shares the side between the tenants that have candidates,
     by weight, before split_quota and interleave join the two sides.  One
     tenant's backlog thus never keeps another's mail in the store while
     the active queue fills.
@@ -38,11 +39,12 @@ SEE ALSO
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+from sluice.fairshare import fair_pick
 
 if TYPE_CHECKING:
     from sluice.config.sections import TenantsConfig
@@ -110,47 +112,8 @@ class TenantWeights:
         return tenant if self.fair else ""
 
 
-class Weights(Protocol):
-    """What fair_pick needs of a tenant's weight (TenantWeights; the scheduler's Shares)."""
-
-    def weight(self, tenant: str) -> float:
-        """The tenant's weight: its own, or the default."""
-        ...
-
-
 #: Every tenant alike: the weights of a store nobody told otherwise.
 EQUAL = TenantWeights()
-
-
-def fair_pick(candidates: Mapping[str, Sequence[T]], weights: Weights, limit: int
-              ) -> list[T]:
-    """Up to ``limit`` of the candidates, shared between tenants by weight.
-
-    ``candidates``: each tenant's entries, in the order it wants them taken
-    (priority first, then oldest).  The tenants take turns by deficit
-    round robin in its smooth form: the next entry goes to the tenant that
-    is furthest behind its weighted share, i.e. whose ``(taken + 1) /
-    weight`` is least (ties: the order of ``candidates``).  A tenant whose
-    candidates run out leaves, and the others share its turns.  Every
-    prefix of the result is fair in the same way, so a caller may take the
-    first ``k`` of it.
-    """
-    heap: list[tuple[float, int, int]] = []  # (next finish, turn order, taken so far)
-    names = list(candidates)
-    for order, tenant in enumerate(names):
-        if candidates[tenant]:
-            heap.append((1.0 / weights.weight(tenant), order, 0))
-    heapq.heapify(heap)
-    out: list[T] = []
-    while heap and len(out) < limit:
-        _, order, taken = heapq.heappop(heap)
-        tenant = names[order]
-        line = candidates[tenant]
-        out.append(line[taken])
-        taken += 1
-        if taken < len(line):
-            heapq.heappush(heap, ((taken + 1) / weights.weight(tenant), order, taken))
-    return out
 
 
 def first_reads(limit: int, tenants: Sequence[str], weights: TenantWeights) -> dict[str, int]:
