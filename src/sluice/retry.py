@@ -115,7 +115,10 @@ class RetryPolicy:
         g = self.granularity_s
         if g < 0.001:  # no rounding below a millisecond (and no overflow)
             return at
-        return math.ceil(at / g - 1e-9) * g
+        # Less a hair for float error in the quotient (relative to it, so that
+        # a time a few microseconds past a grid line is never rounded down).
+        q = at / g
+        return math.ceil(q - 1e-12 * max(1.0, q)) * g
 
     def maxtime_for(self, is_report: bool) -> float:
         """How long a message may stay queued: shorter for reports."""
