@@ -16,7 +16,7 @@ DESCRIPTION
     here, and a test holds the two to the same answers.  Patterns are
     therefore written in the regular-expression dialect that Python's
     ``re`` and Java's ``java.util.regex`` share: classes, alternation,
-    ``\b``, lookahead, ``(?i)``.
+    ``\b``, lookahead, ``(?i)``, possessive quantifiers (Python 3.11+).
 
 STRATEGIES
     Masked text.  Categories are decided on the reply text after masking,
