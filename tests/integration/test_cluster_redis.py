@@ -129,3 +129,39 @@ def test_after_a_redis_restart_the_first_calls_meet_the_new_redis(redis_server: 
             await a.close()
             await b.close()
     run(go())
+
+
+def test_a_new_node_is_not_forgotten_when_its_first_answers_cross(redis_server: RedisServer
+                                                                  ) -> None:
+    # A node's heartbeat and its first request go out together (two tasks of
+    # its agent).  Redis runs the heartbeat first, before any script has
+    # set the node's key, and its answer comes back after the request's: the
+    # node never was known to this Redis when it sent it, so that is no
+    # "Redis forgot us" (in CI it made a starting node fall back at once).
+    def clock() -> float:
+        return 100.0
+
+    async def go() -> None:
+        a = SharedLimits(redis_server.url, "fresh")
+        answered = asyncio.Event()
+        script = a._heartbeat
+
+        async def late_heartbeat(args: list[str]) -> list[object]:
+            out: list[object] = await script(args=args)  # run now, answered later
+            await answered.wait()
+            return out
+
+        a._heartbeat = late_heartbeat  # type: ignore[assignment]
+
+        async def request() -> int:
+            await asyncio.sleep(0.05)  # after the heartbeat ran
+            answer = await a.acquire(conc("k", 3, 1), clock)
+            answered.set()
+            return answer.grants[0].slots
+
+        try:
+            live, slots = await asyncio.gather(a.heartbeat(), request())
+            assert live == ["fresh"] and slots == 1
+        finally:
+            await a.close()
+    run(go())

@@ -271,13 +271,20 @@ class SharedLimits:
 
     async def heartbeat(self) -> list[str]:
         """Renew this node (and so its leases); the live nodes in id order."""
+        expected = self._known
         known, *live = await self._heartbeat(args=[*self._args[:2], self._args[2]])
-        self._check_known(int(known))
+        self._check_known(expected, int(known))
         return [str(n) for n in live]
 
-    def _check_known(self, known: int) -> None:
-        """Raise RedisForgot if this node's key was gone while Redis should have it."""
-        expected, self._known = self._known, True
+    def _check_known(self, expected: bool, known: int) -> None:
+        """Raise RedisForgot if this node's key was gone while Redis should have it.
+
+        ``expected``: whether Redis should have known the node when the call
+        was sent.  Not when it was answered: a heartbeat and a request sent
+        together before the first answer may be answered in either order,
+        and the one Redis ran first rightly found no key.
+        """
+        self._known = True
         if expected and not known:
             raise RedisForgot(f"Redis no longer knows node {self.node_id!r}: restarted empty, "
                               "or the node's key expired")
@@ -306,10 +313,10 @@ class SharedLimits:
                 spacing = max(spacing, r.interval_s)
             args += [r.key, str(-1 if r.concurrency is None else r.concurrency),
                      repr(spacing * 1000), str(r.slots), str(r.pickups), str(r.in_use)]
-        sent = clock()
+        sent, expected = clock(), self._known
         raw = [int(x) for x in await self._acquire(args=args)]
         received = clock()
-        self._check_known(raw[0])
+        self._check_known(expected, raw[0])
         offset = self._offset(raw[1] / 1e6, sent, received)
         now = received
         grants = []
