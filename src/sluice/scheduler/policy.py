@@ -200,7 +200,7 @@ class Pattern:
     @classmethod
     def compile(cls, text: str) -> Pattern:
         """Raises ValueError for a regex that does not compile."""
-        if len(text) >= 2 and text.startswith("/") and (text.endswith("/") or text.endswith("/i")):
+        if Pattern.is_regex(text):
             ignore_case = text.endswith("/i")
             body = text[1:-2] if ignore_case else text[1:-1]
             try:
@@ -213,19 +213,19 @@ class Pattern:
         return cls(text, re.compile("^" + ".*".join(parts) + "$", re.IGNORECASE))
 
     @staticmethod
+    def is_regex(text: str) -> bool:
+        """Whether ``text`` is written as a ``/regex/`` (or ``/regex/i``)."""
+        return len(text) >= 2 and text.startswith("/") and (text.endswith("/")
+                                                             or text.endswith("/i"))
+
+    @staticmethod
     def is_pattern(text: str) -> bool:
         """Whether ``text`` is a pattern (a wild-card or a /regex/) rather than a literal."""
-        return "*" in text or (len(text) >= 2 and text.startswith("/")
-                               and (text.endswith("/") or text.endswith("/i")))
+        return "*" in text or Pattern.is_regex(text)
 
     def matches(self, value: str) -> bool:
         """Whether ``value`` fits the pattern."""
         return self.regex.search(value) is not None
-
-
-def _is_regex(text: str) -> bool:
-    return len(text) >= 2 and text.startswith("/") and (text.endswith("/")
-                                                         or text.endswith("/i"))
 
 
 def host_pattern(text: str) -> Pattern:
@@ -236,7 +236,7 @@ def host_pattern(text: str) -> Pattern:
     commas), or one that names no label at all (``*``, ``*.``), which
     would match every host.
     """
-    if not _is_regex(text):
+    if not Pattern.is_regex(text):
         if not _HOST_WILDCARD_RE.match(text):
             raise ValueError(f"{text!r} is not a host name pattern: use letters, digits, "
                              "'-', '.' and '*' (or a /regex/)")
@@ -473,7 +473,7 @@ class Suspension:
             raise ValueError("a suspension needs at least one field")
         # Host names and wildcards over them ignore case; a /regex/ is kept as written.
         norm = tuple(sorted((k, v.lower().rstrip(".")
-                             if k in CASELESS_FIELDS and not _is_regex(v) else v)
+                             if k in CASELESS_FIELDS and not Pattern.is_regex(v) else v)
                             for k, v in self.fields))
         names = [k for k, _ in norm]
         if len(set(names)) != len(names):
