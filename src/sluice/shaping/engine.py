@@ -62,9 +62,6 @@ __all__ = ["Apply", "Bounce", "Ceiling", "Command", "Engine", "Fired", "Lift", "
 #: (concurrency, rate) the policy allows a group; None where it sets none.
 Ceiling = Callable[[tuple[tuple[str, str], ...]], tuple[int | None, Rate | None]]
 
-_SUSPENDS = (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB)
-
-
 def group_text(fields: Iterable[tuple[str, str]]) -> str:
     """A group's fields as ``name=value`` pairs joined by commas."""
     return ",".join(f"{k}={v}" for k, v in fields)
@@ -187,7 +184,7 @@ class Engine:
         self.firings[rule.name] = self.firings.get(rule.name, 0) + 1
         group = rule.group(obs)
         key = f"{rule.name}:{group_text(group)}"
-        if rule.action in _SUSPENDS:
+        if rule.action.suspends:
             key = f"{rule.name}:{group_text(rule.concrete(obs))}"
         old = self._active.get(key)
         host = obs.remotemx or obs.remoteip

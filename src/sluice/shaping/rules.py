@@ -95,6 +95,11 @@ class Action(StrEnum):
     CONDITION = "condition"
     BOUNCE = "bounce"
 
+    @property
+    def suspends(self) -> bool:
+        """Whether the action is a suspension (of the group, its tenant or its job)."""
+        return self in (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB)
+
 
 @dataclass(frozen=True, slots=True)
 class Observation:
@@ -307,11 +312,11 @@ class Rule:
         if self.action is Action.SUSPEND_JOB:
             names = ["jobid"]
         written = dict(self.where.fields)
-        suspends = self.action in (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB)
 
         def value(name: str) -> str:
             want = written.get(name, "")
-            if suspends and name in PATTERN_SUSPENSION_FIELDS and Pattern.is_pattern(want):
+            if (self.action.suspends and name in PATTERN_SUSPENSION_FIELDS
+                    and Pattern.is_pattern(want)):
                 return want
             return obs.value(name)
 

@@ -333,7 +333,7 @@ class Shaper:
     def _apply(self, fired: Fired) -> None:
         sid = self._id(fired)
         reason = describe(fired)
-        if fired.action in (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB):
+        if fired.action.suspends:
             self.share(SuspensionAdded(Suspension(fired.fields, sid, fired.until_at,
                                                  "shaping", reason)))
             return
@@ -350,7 +350,7 @@ class Shaper:
         sid = self._ids.get(fired.key)
         if sid is None:
             return
-        if fired.action in (Action.SUSPEND, Action.SUSPEND_TENANT, Action.SUSPEND_JOB):
+        if fired.action.suspends:
             self.share(SuspensionRemoved(sid))
             return
         counter = self._counter(fired.fields)
