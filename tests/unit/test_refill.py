@@ -113,3 +113,21 @@ def test_lists_cut_at_first_reads_still_give_every_tenant_its_share(
         taken = sum(1 for tt, _ in got if tt == t)
         share = len(got) * spec[t][1] / total_w
         assert taken >= min(spec[t][0], math.ceil(share - 1 - 1e-9)), (t, got)
+
+
+def test_a_tenant_is_read_once_per_message_and_the_memo_starts_over_when_full() -> None:
+    from sluice.store._refill import TenantMemo
+
+    reads: list[str] = []
+
+    def reader(spid: str, tenant: str):  # type: ignore[no-untyped-def]
+        return lambda: reads.append(spid) or tenant
+
+    memo = TenantMemo(kept=2)
+    assert memo.get("S1", reader("S1", "a")) == "a"
+    assert memo.get("S1", reader("S1", "changed")) == "a"  # remembered, not read again
+    assert memo.get("S2", reader("S2", "b")) == "b"
+    assert reads == ["S1", "S2"]
+    assert memo.get("S3", reader("S3", "c")) == "c"  # full: starts over
+    assert memo.get("S1", reader("S1", "a")) == "a"
+    assert reads == ["S1", "S2", "S3", "S1"]

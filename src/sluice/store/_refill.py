@@ -5,6 +5,7 @@ SUMMARY
     interleave(incoming, deferred) -> list
     fair_pick({tenant: candidates}, TenantWeights(...), limit) -> list
     first_reads(limit, tenants, weights) -> {tenant: how many to read first}
+    TenantMemo().get(spid, read) -> the tenant of a message, read once
 
 DESCRIPTION
     A refill of the active queue takes new mail and due deferred mail in
@@ -40,7 +41,7 @@ SEE ALSO
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -49,7 +50,8 @@ from sluice.fairshare import fair_pick
 if TYPE_CHECKING:
     from sluice.config.sections import TenantsConfig
 
-__all__ = ["EQUAL", "TenantWeights", "fair_pick", "first_reads", "interleave", "split_quota"]
+__all__ = ["EQUAL", "TenantMemo", "TenantWeights", "fair_pick", "first_reads", "interleave",
+           "split_quota"]
 
 T = TypeVar("T")
 
@@ -110,6 +112,31 @@ class TenantWeights:
     def key(self, tenant: str) -> str:
         """The tenant as a refill tells them apart ("" for all when not fair)."""
         return tenant if self.fair else ""
+
+
+class TenantMemo:
+    """The tenant of each message a refill met, read once and remembered.
+
+    A flavour whose refill cannot read the tenant beside the entry (fs:
+    in the control file; kv: in the message's metadata) reads it once per
+    message; past ``kept`` messages the memo starts over.
+    """
+
+    __slots__ = ("_of", "kept")
+
+    def __init__(self, kept: int = 1_000_000) -> None:
+        self._of: dict[str, str] = {}
+        self.kept = kept
+
+    def get(self, spid: str, read: Callable[[], str]) -> str:
+        """The tenant of message ``spid``; ``read()`` finds it the first time."""
+        tenant = self._of.get(spid)
+        if tenant is None:
+            tenant = read()
+            if len(self._of) >= self.kept:
+                self._of.clear()
+            self._of[spid] = tenant
+        return tenant
 
 
 #: Every tenant alike: the weights of a store nobody told otherwise.

@@ -152,16 +152,19 @@ from sluice.store._fs_files import (
 from sluice.store._fs_layout import Layout
 from sluice.store._fs_reading import Reading
 from sluice.store._fs_recovery import Recovering
-from sluice.store._refill import EQUAL, TenantWeights, fair_pick, interleave, split_quota
+from sluice.store._refill import (
+    EQUAL,
+    TenantMemo,
+    TenantWeights,
+    fair_pick,
+    interleave,
+    split_quota,
+)
 
 if TYPE_CHECKING:
     from sluice.config import Config
 
 __all__ = ["FsStore"]
-
-#: SPIDs whose tenant a store remembers for its refills before it starts over.
-TENANTS_KEPT = 1_000_000
-
 
 class FsStore(Layout, Recovering, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
@@ -185,7 +188,7 @@ class FsStore(Layout, Recovering, Reading):
         self._closed = False
         self._batch_no = itertools.count()
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
-        self._tenants: dict[str, str] = {}  # SPID -> tenant, for refills
+        self._tenants = TenantMemo()  # SPID -> tenant, for refills
         # Where the last changes_since() answer ended: (file, seq, offset).
         self._feed_cursor: tuple[tuple[int, int], int, int] = ((0, 0), -1, 0)
         try:
@@ -371,14 +374,11 @@ class FsStore(Layout, Recovering, Reading):
 
     def _tenant_of(self, view: Batch, spid: str, path: str) -> str:
         """The tenant of message ``spid`` (read from ``path`` once, then remembered)."""
-        tenant = self._tenants.get(spid)
-        if tenant is None:
+        def read() -> str:
             ctrl = view.load(path)
-            tenant = ctrl.meta.tenantid if ctrl is not None else ""
-            if len(self._tenants) >= TENANTS_KEPT:
-                self._tenants.clear()
-            self._tenants[spid] = tenant
-        return tenant
+            return ctrl.meta.tenantid if ctrl is not None else ""
+
+        return self._tenants.get(spid, read)
 
     def _states_of(self, transitions: Sequence[Transition]) -> tuple[QueueState, ...]:
         states: dict[QueueState, None] = {}

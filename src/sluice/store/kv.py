@@ -160,7 +160,14 @@ from sluice.store._kv_keys import (
     zone_of,
 )
 from sluice.store._kv_reading import Reading
-from sluice.store._refill import EQUAL, TenantWeights, fair_pick, interleave, split_quota
+from sluice.store._refill import (
+    EQUAL,
+    TenantMemo,
+    TenantWeights,
+    fair_pick,
+    interleave,
+    split_quota,
+)
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -172,9 +179,6 @@ __all__ = ["CHUNK_SIZE", "KvStore"]
 # --------------------------------------------------------------------------
 # The store
 
-
-#: SPIDs whose tenant a store remembers for its refills before it starts over.
-TENANTS_KEPT = 1_000_000
 
 #: The most keys of one side (incoming, due deferred) a refill reads to share
 #: it between tenants: this many times its limit, and at least SCAN_MIN.
@@ -200,7 +204,7 @@ class KvStore(Reading):
         self._reopened = False
         self._inflight: set[str] = set()
         self._inflight_lock = threading.Lock()
-        self._tenants: dict[str, str] = {}  # SPID -> tenant, for refills
+        self._tenants = TenantMemo()  # SPID -> tenant, for refills
         self._closed = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -321,14 +325,12 @@ class KvStore(Reading):
         """The tenant of message ``spid`` ("" for all when not fair), remembered."""
         if not self.tenant_weights.fair:
             return ""
-        tenant = self._tenants.get(spid)
-        if tenant is None:
+
+        def read() -> str:
             meta = loader.meta(spid)
-            tenant = str(meta.get("tenantid") or "") if meta is not None else ""
-            if len(self._tenants) >= TENANTS_KEPT:
-                self._tenants.clear()
-            self._tenants[spid] = tenant
-        return tenant
+            return str(meta.get("tenantid") or "") if meta is not None else ""
+
+        return self._tenants.get(spid, read)
 
     def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
         """Store.claim over the incoming and due deferred keys.
