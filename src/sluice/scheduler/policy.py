@@ -125,7 +125,6 @@ _HOST_WILDCARD_RE = re.compile(r"^[A-Za-z0-9_.*-]+$")
 SCOPES = ("cluster", "node")
 
 
-
 class PolicyError(Exception):
     """A policy or suspension list is unusable.
 

@@ -84,7 +84,6 @@ PHASES = ("connect", "helo", "mail", "rcpt", "data", "end-of-data")
 _REPLY_RE = re.compile(r"^([2-5][0-9]{2})[ -]?(?:([2-5]\.[0-9]{1,3}\.[0-9]{1,3})\b)?(.*)$", re.S)
 
 
-
 class Action(StrEnum):
     """What a rule does when it fires."""
     IGNORE = "ignore"  # the reply is this rule's, and nothing happens (greylisting)

@@ -139,8 +139,6 @@ __all__ = ["CHUNK_SIZE", "ENV_DSN", "PgStore", "postgres_dsn"]
 ENV_DSN = "SLUICE_PG_DSN"
 
 
-
-
 # --------------------------------------------------------------------------
 # The store
 

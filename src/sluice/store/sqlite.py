@@ -157,8 +157,6 @@ def _transition_sql(t: Transition, node: str) -> tuple[str, tuple[Any, ...]]:
     return f"UPDATE queue SET {', '.join(sets)} {cond}", (*params, *cparams)
 
 
-
-
 #: The qmeta key that says _check_whole_queue() has run on this queue.
 _CHECKED = "whole_queue_checked"
 
