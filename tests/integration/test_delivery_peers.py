@@ -84,9 +84,18 @@ class AuthoritativeDns:
                     sock.sendall(len(out).to_bytes(2, "big") + out)
 
         socketserver.ThreadingUDPServer.allow_reuse_address = True
-        self._udp = socketserver.ThreadingUDPServer(("127.0.0.1", 0), Udp)
-        self.port = self._udp.server_address[1]
-        self._tcp = socketserver.ThreadingTCPServer(("127.0.0.1", self.port), Tcp)
+        # UDP and TCP on one port: the UDP port the kernel picks may be taken
+        # for TCP by another process (CI saw EADDRINUSE), so try again then.
+        for attempt in range(20):
+            self._udp = socketserver.ThreadingUDPServer(("127.0.0.1", 0), Udp)
+            self.port = self._udp.server_address[1]
+            try:
+                self._tcp = socketserver.ThreadingTCPServer(("127.0.0.1", self.port), Tcp)
+                break
+            except OSError:
+                self._udp.server_close()
+                if attempt == 19:
+                    raise
         self._udp.daemon_threads = self._tcp.daemon_threads = True
         self._threads = [threading.Thread(target=s.serve_forever, daemon=True)
                          for s in (self._udp, self._tcp)]
