@@ -21,6 +21,16 @@ STRATEGIES
     point at them are committed, and deleted only after the commit that
     removed their last row is durable.
 
+    Undo pages in memory for small batches.  Each operation runs in a
+    savepoint, and SQLite keeps the pages a savepoint changed in a
+    sub-journal that spills to a temporary file past 64 KiB: a refill or a
+    few delivery outcomes created, wrote and deleted such a file, and the
+    queue manager wrote about 100 KB per delivered message, most of it
+    there.  The writer keeps temporary files in memory (temp_store), except
+    for batches with a bulk operation (an operator action over a selector,
+    recovery): their undo pages can be as large as the queue, so they go to
+    a file as before.
+
 SEE ALSO
     sluice.store.sqlite (the store), sluice.store._commit (GroupCommitter).
 """
@@ -43,11 +53,15 @@ from sluice.spool.fs import FsSpool
 from sluice.store import StorageError
 from sluice.store._commit import GroupCommitter, Op
 
-__all__ = ["OP_SAVEPOINT", "Batch", "Database"]
+__all__ = ["BULK", "OP_SAVEPOINT", "Batch", "Database"]
 
 #: The savepoint each operation of a batch runs in; an operation may roll
 #: back to it to start over.
 OP_SAVEPOINT = "op"
+
+#: An operation's ``extra`` when it may change a large part of the queue:
+#: its batch keeps undo pages in a temporary file, not in memory.
+BULK = "bulk"
 
 
 @dataclass(slots=True)
@@ -74,6 +88,7 @@ class Database:
     _lock_fd: int
     _writer: sqlite3.Connection
     _committer: GroupCommitter
+    _temp_in_memory: bool = False
 
     # -- connections ---------------------------------------------------------------
 
@@ -118,13 +133,22 @@ class Database:
 
     def _submit_op(self, work: Callable[[Batch], Any],
                    files: list[SpoolFile] | None = None, *,
-                   durable: bool = True) -> concurrent.futures.Future[Any]:
+                   durable: bool = True, bulk: bool = False) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
-        return self._committer.submit(work, files or (), durable=durable)
+        return self._committer.submit(work, files or (), BULK if bulk else None,
+                                      durable=durable)
 
-    def _call(self, work: Callable[[Batch], Any], *, durable: bool = True) -> Any:
-        return self._submit_op(work, durable=durable).result()
+    def _call(self, work: Callable[[Batch], Any], *, durable: bool = True,
+              bulk: bool = False) -> Any:
+        return self._submit_op(work, durable=durable, bulk=bulk).result()
+
+    def _temp_store_for(self, batch: list[Op]) -> None:
+        """Undo pages in memory, unless an operation of the batch is bulk (module doc)."""
+        in_memory = all(op.extra != BULK for op in batch)
+        if in_memory != self._temp_in_memory:
+            self._writer.execute(f"PRAGMA temp_store = {'MEMORY' if in_memory else 'FILE'}")
+            self._temp_in_memory = in_memory
 
     @contextlib.contextmanager
     def _write_lock(self) -> Iterator[None]:
@@ -177,6 +201,7 @@ class Database:
         # 2. Meta: the whole batch in one transaction, one savepoint per op.
         conn = self._writer
         durable = any(op.durable or op.files for op in batch)
+        self._temp_store_for(batch)
         after = Batch(conn)
         results: list[tuple[Op, Any, BaseException | None]] = []
         # Several processes (receivers, the queue manager) commit to one

@@ -447,7 +447,7 @@ class SqliteStore(Database):
                 _check_whole_queue(conn)
             return int(cur.rowcount)
 
-        moved: int = self._call(work)
+        moved: int = self._call(work, bulk=True)
         self._sweep_orphans(now)
         return moved
 
@@ -484,7 +484,7 @@ class SqliteStore(Database):
             conn = after.conn
             return change(conn, lambda spids: self._collect_gone(conn, spids, after))
 
-        result: list[QueueEntry] = self._call(work)
+        result: list[QueueEntry] = self._call(work, bulk=True)
         return result
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:
