@@ -123,9 +123,30 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
-#: Entries per grouped statement in apply(): far below SQLite's limit on
-#: variables.
-_KEYS_PER_STATEMENT = 400
+#: Entries per grouped statement in apply(): one OR term each at most, far
+#: below SQLite's limits on variables and expression depth.
+_KEYS_PER_STATEMENT = 200
+
+
+def _keys_where(keys: Sequence[tuple[str, int, str]]
+                ) -> tuple[str, list[Any], dict[tuple[str, int], str]]:
+    """A WHERE clause for these (spid, idx, qid) keys, its values, and the qid of each key.
+
+    One ``spid = ? AND idx IN (...)`` term per message, OR'ed: SQLite looks
+    each term up by the primary key (a row-value IN list made it scan an
+    index instead).
+    """
+    by_spid: dict[str, list[int]] = {}
+    qids: dict[tuple[str, int], str] = {}
+    for spid, idx, qid in keys:
+        by_spid.setdefault(spid, []).append(idx)
+        qids[spid, idx] = qid
+    terms: list[str] = []
+    values: list[Any] = []
+    for spid, idxs in by_spid.items():
+        terms.append(f"(spid = ? AND idx IN ({','.join('?' * len(idxs))}))")
+        values += (spid, *idxs)
+    return " OR ".join(terms), values, qids
 
 
 def _transition_sql(t: Transition, node: str) -> tuple[str, tuple[Any, ...]]:
@@ -372,32 +393,33 @@ class SqliteStore(Database):
             conn = after.conn
             applied: set[str] = set()
             touched: set[str] = set()
-            # Transitions of one message with the same statement and values
-            # (its recipients in one transaction: delivered, or marked
-            # delivering) run as one statement over their indexes.  Grouping
-            # reorders, so it is only done when no entry appears twice.
-            groups: dict[tuple[str, tuple[Any, ...], str], list[tuple[int, str]]] = {}
-            each: list[tuple[str, tuple[Any, ...], str, list[tuple[int, str]]]] = []
+            # Transitions with the same statement and values (a batch of
+            # deliveries, of "delivering" marks, a message's recipients)
+            # run as one statement over all their keys, whatever message
+            # they belong to.  Grouping reorders, so it is only done when
+            # no entry appears twice.
+            keyed: list[tuple[str, tuple[Any, ...], str, int, str]] = []
             for t in items:
                 spid, idx = parse_qid(t.qid)
                 if idx is None:
                     raise ValueError(f"a transition needs a full queue id, not {t.qid!r}")
-                statement, params = _transition_sql(t, node)
-                groups.setdefault((statement, params, spid), []).append((idx, t.qid))
-                each.append((statement, params, spid, [(idx, t.qid)]))
-            plan = each
-            if len(groups) < len(items) and len({(g[2], g[3][0][0]) for g in each}) == len(items):
+                keyed.append((*_transition_sql(t, node), spid, idx, t.qid))
+            if len({(k[2], k[3]) for k in keyed}) == len(keyed):
+                groups: dict[tuple[str, tuple[Any, ...]], list[tuple[str, int, str]]] = {}
+                for statement, params, spid, idx, qid in keyed:
+                    groups.setdefault((statement, params), []).append((spid, idx, qid))
                 plan = [(*key, keys) for key, keys in groups.items()]
-            for statement, params, spid, keys in plan:
+            else:
+                plan = [(st, params, [(spid, idx, qid)]) for st, params, spid, idx, qid in keyed]
+            for statement, params, keys in plan:
+                deleting = statement.startswith("DELETE")
                 for at in range(0, len(keys), _KEYS_PER_STATEMENT):
-                    by_idx = dict(keys[at : at + _KEYS_PER_STATEMENT])
-                    rows = conn.execute(
-                        f"{statement} AND spid = ? AND idx IN ({','.join('?' * len(by_idx))})"
-                        " RETURNING idx", (*params, spid, *by_idx)).fetchall()
-                    done = [by_idx[idx] for idx, in rows]
-                    if done:
-                        applied.update(done)
-                        if statement.startswith("DELETE"):
+                    where, values, qids = _keys_where(keys[at : at + _KEYS_PER_STATEMENT])
+                    for spid, idx in conn.execute(
+                            f"{statement} AND ({where}) RETURNING spid, idx",
+                            (*params, *values)).fetchall():
+                        applied.add(qids[spid, idx])
+                        if deleting:
                             touched.add(spid)
             self._collect_gone(conn, touched, after)
             return applied
@@ -409,15 +431,28 @@ class SqliteStore(Database):
         return result
 
     def _collect_gone(self, conn: sqlite3.Connection, spids: set[str], after: Batch) -> None:
-        """Queue for deletion the content of messages that have no rows left."""
-        for spid in spids:
-            if conn.execute("SELECT 1 FROM queue WHERE spid = ? LIMIT 1", (spid,)).fetchone():
+        """Queue for deletion the content of messages that have no rows left.
+
+        A few statements for all of them, not a few each.
+        """
+        if not spids:
+            return
+        listed = sorted(spids)
+        for at in range(0, len(listed), _KEYS_PER_STATEMENT):
+            chunk = listed[at : at + _KEYS_PER_STATEMENT]
+            marks = ",".join("?" * len(chunk))
+            kept = {spid for spid, in conn.execute(
+                f"SELECT DISTINCT spid FROM queue WHERE spid IN ({marks})", chunk)}
+            gone = [spid for spid in chunk if spid not in kept]
+            if not gone:
                 continue
             # Content kept inline goes in this very transaction; a file only
             # once the commit is durable.
-            if not conn.execute("DELETE FROM content WHERE id = ?", (int(spid, 16),)).rowcount:
-                after.unlink.append(spid)
-            conn.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
+            inline = {i for i, in conn.execute(
+                f"DELETE FROM content WHERE id IN ({','.join('?' * len(gone))}) RETURNING id",
+                [int(spid, 16) for spid in gone])}
+            after.unlink.extend(spid for spid in gone if int(spid, 16) not in inline)
+            conn.execute("UPDATE qstats SET n = n - ? WHERE key = 'messages'", (len(gone),))
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: entries in the bounce state, leased for the NDR writer."""
