@@ -158,7 +158,9 @@ def _transition_sql(t: Transition, node: str) -> tuple[str, tuple[Any, ...]]:
     cond = "WHERE 1"
     cparams: list[Any] = []
     if t.expect:
-        cond = f"WHERE state IN ({','.join('?' * len(t.expect))})"
+        # "+state": never look entries up by state here (thousands are
+        # active), always by the keys the caller adds.
+        cond = f"WHERE +state IN ({','.join('?' * len(t.expect))})"
         cparams.extend(str(s) for s in t.expect)
     if t.state is None:
         return f"DELETE FROM queue {cond}", tuple(cparams)
