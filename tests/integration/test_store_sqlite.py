@@ -69,6 +69,35 @@ def test_submissions_and_operator_changes_are_flushed_outcomes_are_not(
         assert seen == ["flush", "flush"]
 
 
+def test_callers_that_need_no_flush_do_not_wait_for_their_batch_s_flush(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A "delivering" mark committed with a delivery's outcome was answered
+    # only after the outcome's fsync, and every delivery waits for its mark
+    # before the message goes out.
+    import threading
+
+    with _store(tmp_path) as store:
+        acc = store.submit(MSG, b"x", T0)
+        first, second = store.claim(10, T0, 10)
+        gate = threading.Event()
+        busy = store._submit_op(lambda after: gate.wait(10))  # holds the committer
+        mark = store._submit_op(lambda after: store._sql.get(first.qid), durable=False)
+        outcome = store._submit_op(lambda after: store._sql.get(second.qid))
+        at_flush: list[tuple[bool, bool]] = []
+        flush = store._flush_wal
+
+        def spy() -> None:
+            at_flush.append((mark.done(), outcome.done()))
+            flush()
+
+        monkeypatch.setattr(store, "_flush_wal", spy)
+        gate.set()
+        busy.result(10)
+        assert mark.result(10) is not None and outcome.result(10) is not None
+        assert (True, False) in at_flush
+        assert acc.spid == first.spid
+
+
 def test_a_failed_flush_fails_the_callers_that_needed_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with _store(tmp_path) as store:

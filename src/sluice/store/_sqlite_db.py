@@ -16,8 +16,9 @@ STRATEGIES
     everything that queued up in one transaction with a savepoint per
     operation, commits with synchronous=NORMAL under the flock(2) lock
     beside the database, releases the lock and only then fdatasyncs the
-    WAL before telling the batch's callers (see sluice.store.sqlite,
-    STRATEGIES, for why).  Spool files are synced before the rows that
+    WAL before telling the batch's callers that need it (see
+    sluice.store.sqlite, STRATEGIES, for why); the others (claims, marks,
+    failed attempts) hear of the commit before that flush.  Spool files are synced before the rows that
     point at them are committed, and deleted only after the commit that
     removed their last row is durable.
 
@@ -220,34 +221,47 @@ class Database:
                         self.spool.discard(f)
                     op.future.set_exception(err)
                 return
-        # 3. Durability, outside the lock: the commit wrote the WAL without
+        # 3. Callers that need no flush (a claim, a "delivering" mark, a
+        #    failed attempt) and operations that failed hear of the commit
+        #    now: they do not wait for a flush that other operations of
+        #    their batch asked for.
+        for op, value, failure in results:
+            if failure is not None or not (op.durable or op.files):
+                self._settle(op, value, failure, None)
+        # 4. Durability, outside the lock: the commit wrote the WAL without
         #    syncing it (synchronous=NORMAL), so that no process waits for
         #    another's fsync to begin its own transaction; the batch's
-        #    callers hear of it only once the WAL is synced.  If that fails,
-        #    the rows are in the queue but maybe not on disk: callers that
-        #    needed durability get an error (a client retries; a duplicate
-        #    is possible, a loss after 250 is not).
+        #    callers that need it hear of it only once the WAL is synced.  If
+        #    that fails, the rows are in the queue but maybe not on disk:
+        #    they get an error (a client retries; a duplicate is possible, a
+        #    loss after 250 is not).
         unsynced: StorageError | None = None
         if durable:
             try:
                 self._flush_wal()
             except OSError as exc:
                 unsynced = StorageError(f"the queue's log could not be synced: {exc}")
-        # 4. Content whose last row is gone may go too (on the spool's own
+        # 5. Content whose last row is gone may go too (on the spool's own
         #    thread: unlinks must not delay the next commit).
         self.spool.delete_soon(after.unlink, barrier=(
             None if durable and unsynced is None else self._flush_wal))
         for op, value, failure in results:
-            if failure is None and unsynced is not None and (op.durable or op.files):
-                op.future.set_exception(unsynced)
-            elif failure is None:
-                op.future.set_result(value)
-            else:
-                for f in op.files:
-                    self.spool.discard(f)
-                if isinstance(failure, sqlite3.Error):
-                    failure = StorageError(str(failure))
-                op.future.set_exception(failure)
+            if failure is None and (op.durable or op.files):
+                self._settle(op, value, None, unsynced)
+
+    def _settle(self, op: Op, value: Any, failure: BaseException | None,
+                unsynced: StorageError | None) -> None:
+        """Tell an operation's caller how its commit went."""
+        if failure is None and unsynced is not None:
+            op.future.set_exception(unsynced)
+        elif failure is None:
+            op.future.set_result(value)
+        else:
+            for f in op.files:
+                self.spool.discard(f)
+            if isinstance(failure, sqlite3.Error):
+                failure = StorageError(str(failure))
+            op.future.set_exception(failure)
 
     @staticmethod
     def _transaction(batch: list[Op], after: Batch,
