@@ -67,7 +67,7 @@ from sluice.retry import RetryPolicy
 from sluice.spool import Content
 from sluice.store import Action, SharedClaims, StorageError, Store, Transition, open_store
 
-__all__ = ["QSHAPE_EDGES_MIN", "AttemptResult", "Queue"]
+__all__ = ["QSHAPE_EDGES_MIN", "AttemptResult", "Queue", "RecordPlan"]
 
 #: Postfix qshape's age buckets, in minutes: T 5 10 20 40 80 160 320 640 1280 1280+
 QSHAPE_EDGES_MIN: tuple[int, ...] = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
@@ -107,6 +107,17 @@ class AttemptResult:
     remotemx: str | None = None
     remoteip: str | None = None
     duration_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordPlan:
+    """Queue.plan_record(): the store changes for some outcomes, and what to log after."""
+
+    now: float
+    transitions: list[Transition]
+    planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]]
+    #: A success among them: flushed before the caller goes on (see record()).
+    durable: bool
 
 
 class Queue:
@@ -205,12 +216,17 @@ class Queue:
 
         Not flushed: recovery returns active and delivering entries alike,
         the mark only lets it say "in flight at crash, may be a duplicate"
-        (see recover()).  The queue manager waits for it in a thread,
-        before the message's first byte goes out: after a crash of the
-        process (not of the machine) the mark is always there for an
-        attempt that may have delivered.
+        (see recover()).  The queue manager waits for it before the
+        message's first byte goes out: after a crash of the process (not of
+        the machine) the mark is always there for an attempt that may have
+        delivered.
         """
-        self.store.apply(
+        self.mark_delivering_future(entries).result()
+
+    def mark_delivering_future(self, entries: Sequence[QueueEntry]
+                               ) -> concurrent.futures.Future[set[str]]:
+        """As mark_delivering(), without waiting (for the queue manager's loop)."""
+        return self.store.apply_future(
             [Transition(e.qid, QueueState.DELIVERING, expect=(QueueState.ACTIVE,))
              for e in entries],
             durable=False,
@@ -251,8 +267,16 @@ class Queue:
         """Apply attempt outcomes; returns each result with the state it led to.
 
         The state is None when the entry is gone; results that did not apply
-        are left out.
+        are left out.  plan_record(), the store's apply, finish_record(): a
+        caller on an event loop runs the three itself, waiting for the
+        store's future rather than in a thread.
         """
+        plan = self.plan_record(results)
+        return self.finish_record(plan, self.store.apply(plan.transitions,
+                                                          durable=plan.durable))
+
+    def plan_record(self, results: Sequence[AttemptResult]) -> RecordPlan:
+        """The store changes that record these outcomes (see record())."""
         now = self.clock()
         transitions: list[Transition] = []
         planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]] = []
@@ -294,10 +318,15 @@ class Queue:
         # last commit interval.  Failures alone are not flushed: lost in a
         # power cut, a deferral is only redone, never a lost message.
         delivered = any(isinstance(res.outcome, Delivered) for res in results)
-        applied = self.store.apply(transitions, durable=delivered)
+        return RecordPlan(now, transitions, planned, durable=delivered)
+
+    def finish_record(self, plan: RecordPlan, applied: set[str]
+                      ) -> list[tuple[AttemptResult, QueueState | None]]:
+        """Log what the store applied of ``plan``; record()'s answer."""
+        now = plan.now
         out: list[tuple[AttemptResult, QueueState | None]] = []
         events = []
-        for res, state, kind, reply in planned:
+        for res, state, kind, reply in plan.planned:
             if res.entry.qid not in applied:
                 continue
             out.append((res, state))

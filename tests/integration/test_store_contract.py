@@ -261,6 +261,24 @@ def test_outcomes_applied_without_a_flush_still_apply_and_free_content(store: St
     assert _content_goes(store, acc.spid)
 
 
+def test_apply_future_resolves_to_what_apply_returns(store: Store) -> None:
+    # The queue manager's loop waits for this future instead of a thread.
+    store.submit(sub("a@example.net", "b@example.net"), body(), T0)
+    first, second = store.claim(10, T0, 10)
+    assert store.apply_future([]).result(10) == set()
+    marked = store.apply_future(
+        [Transition(q, QueueState.DELIVERING, expect=(QueueState.ACTIVE,))
+         for q in (first.qid, second.qid)], durable=False)
+    assert marked.result(10) == {first.qid, second.qid}
+    again = store.apply_future([Transition(first.qid, QueueState.DELIVERING,
+                                           expect=(QueueState.ACTIVE,))])
+    assert again.result(10) == set()  # no longer active: not applied
+    gone = store.apply_future([Transition(first.qid, None)])
+    assert gone.result(10) == {first.qid}
+    assert store.get(first.qid) is None
+    assert store.get(second.qid).state is QueueState.DELIVERING  # type: ignore[union-attr]
+
+
 def _content_goes(store: Store, spid: str, within: float = 5) -> bool:
     """True once the content of ``spid`` cannot be read (unlinks may run
     on a background thread after the commit)."""

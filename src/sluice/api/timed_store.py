@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Iterator, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from sluice.model import Accepted, QueueEntry, QueueState, Reply, Selector, Submission
 from sluice.spool import Content
@@ -37,6 +37,9 @@ __all__ = ["STORE_OPS", "TimedStore"]
 
 #: The operations TimedStore times (the ``op`` label).
 STORE_OPS = ("submit", "claim", "claim_bounces", "apply", "modify", "recover")
+
+
+T = TypeVar("T")
 
 
 class TimedStore:
@@ -59,14 +62,22 @@ class TimedStore:
     def submit_future(self, submission: Submission, content: Content, now: float
                       ) -> concurrent.futures.Future[Accepted]:
         """Queue a message without waiting (timed when the future completes)."""
-        start = time.perf_counter()
-        fut = self.inner.submit_future(submission, content, now)
+        return self._timed_future("submit", time.perf_counter(),
+                                  self.inner.submit_future(submission, content, now))
 
-        def done(f: concurrent.futures.Future[Accepted]) -> None:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Apply transitions without waiting (timed as apply when the future completes)."""
+        return self._timed_future("apply", time.perf_counter(),
+                                  self.inner.apply_future(transitions, durable=durable))
+
+    def _timed_future(self, op: str, start: float, fut: concurrent.futures.Future[T]
+                      ) -> concurrent.futures.Future[T]:
+        def done(f: concurrent.futures.Future[T]) -> None:
             if f.cancelled() or f.exception() is not None:
-                self.metrics.store_errors.labels("submit").inc()
+                self.metrics.store_errors.labels(op).inc()
             else:
-                self.metrics.store_seconds.labels("submit").observe(time.perf_counter() - start)
+                self.metrics.store_seconds.labels(op).observe(time.perf_counter() - start)
 
         fut.add_done_callback(done)
         return fut

@@ -45,7 +45,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from sluice import faults
@@ -78,7 +78,7 @@ class Deliveries:
 
     def __init__(self, queue: Queue, planner: Planner, recorder: Recorder,
                  agent: DeliveryAgent, shaper: Shaper, hooks: Hooks, jobs: Jobs,
-                 stats: DeliveryCounters, *, io: Callable[..., Awaitable[Any]],
+                 stats: DeliveryCounters, *,
                  post: Callable[[Event], None], spawn: Spawn, spawn_delivery: Spawn,
                  stopping: Callable[[], bool]) -> None:
         self.queue = queue
@@ -89,7 +89,6 @@ class Deliveries:
         self.hooks = hooks
         self.jobs = jobs
         self.stats = stats
-        self._io = io
         self._post = post
         self._spawn = spawn
         self._spawn_delivery = spawn_delivery
@@ -133,7 +132,7 @@ class Deliveries:
 
     async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
         try:
-            await self._io(self.queue.mark_delivering, entries)
+            await asyncio.wrap_future(self.queue.mark_delivering_future(entries))
         except Exception as exc:
             self.recorder.failed(exc)  # only the note at a restart is missed
         finally:

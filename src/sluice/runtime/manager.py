@@ -224,8 +224,8 @@ class QueueManager:
         self.shaper.taken = self.scheduler.uses_id
         self.policy_file.on_poll = self._poll_shaping  # shaping: its rules file is watched
         self.deliveries = Deliveries(queue, self.planner, self.recorder, agent, self.shaper,
-                                     self.hooks, self.jobs, self.stats, io=self._io,
-                                     post=self.post, spawn=self._spawn,
+                                     self.hooks, self.jobs, self.stats, post=self.post,
+                                     spawn=self._spawn,
                                      spawn_delivery=functools.partial(self._spawn, delivery=True),
                                      stopping=lambda: self._stopping)
 

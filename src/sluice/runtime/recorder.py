@@ -123,7 +123,11 @@ class Recorder:
             batch, self._pending = self._pending, []
             waiters, self._waiters = self._waiters, []
             try:
-                applied = await self._io(self.queue.record, batch)
+                # The store's own thread does the work; the loop waits for
+                # its future, not for a thread of the pool that waits for it.
+                plan = self.queue.plan_record(batch)
+                applied = self.queue.finish_record(plan, await asyncio.wrap_future(
+                    self.queue.store.apply_future(plan.transitions, durable=plan.durable)))
             except BaseException as exc:
                 # Failed (retried below) or cancelled: the deliveries
                 # waiting for this batch go on.

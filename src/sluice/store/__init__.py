@@ -51,6 +51,7 @@ __all__ = [
     "CHANGES_KEEP_S",
     "ORPHAN_AGE_S",
     "Action",
+    "ApplyByFuture",
     "Change",
     "Counts",
     "SharedClaims",
@@ -186,6 +187,15 @@ class Store(Protocol):
         """
         ...
 
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
+                     ) -> concurrent.futures.Future[set[str]]:
+        """As apply(), without waiting: the future resolves as apply() would return.
+
+        For a caller on an event loop (asyncio.wrap_future), which then
+        needs no thread of its own to wait in.
+        """
+        ...
+
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Lease up to ``limit`` entries in the bounce state for NDR generation.
 
@@ -267,6 +277,28 @@ class Store(Protocol):
     def close(self) -> None:
         """Release the store's files and connections; it is not used after."""
         ...
+
+
+class ApplyByFuture:
+    """Store.apply defined once, on the flavour's apply_future."""
+
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Store.apply_future; each flavour has its own."""
+        raise NotImplementedError
+
+    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
+              durable: bool = True) -> set[str]:
+        """Store.apply: apply_future, and its result when ``wait``."""
+        fut = self.apply_future(transitions, durable=durable)
+        return fut.result() if wait else set()
+
+
+def applied_nothing() -> concurrent.futures.Future[set[str]]:
+    """apply_future's answer to no transitions."""
+    fut: concurrent.futures.Future[set[str]] = concurrent.futures.Future()
+    fut.set_result(set())
+    return fut
 
 
 def open_store(config: Config) -> Store:

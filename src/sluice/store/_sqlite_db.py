@@ -18,9 +18,9 @@ STRATEGIES
     beside the database, releases the lock and only then fdatasyncs the
     WAL before telling the batch's callers that need it (see
     sluice.store.sqlite, STRATEGIES, for why); the others (claims, marks,
-    failed attempts) hear of the commit before that flush.  Spool files are synced before the rows that
-    point at them are committed, and deleted only after the commit that
-    removed their last row is durable.
+    failed attempts) hear of the commit before that flush.  Spool files
+    are synced before the rows that point at them are committed, and
+    deleted only after the commit that removed their last row is durable.
 
     Undo pages in memory for small batches.  Each operation runs in a
     savepoint, and SQLite keeps the pages a savepoint changed in a

@@ -133,7 +133,7 @@ from sluice.model import (
 from sluice.retry import RetryPolicy
 from sluice.spool import Content, SpoolIOError
 from sluice.spool.fs import FsSpool
-from sluice.store import Action, StorageError, Transition
+from sluice.store import Action, ApplyByFuture, StorageError, Transition, applied_nothing
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock, fsync_paths
 from sluice.store._fs_batch import Batch, copy_control, recs_of, regroup
@@ -166,7 +166,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FsStore"]
 
-class FsStore(Layout, Recovering, Reading):
+class FsStore(ApplyByFuture, Layout, Recovering, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
 
     flavour = "fs"
@@ -388,11 +388,11 @@ class FsStore(Layout, Recovering, Reading):
             states.update(dict.fromkeys(t.expect))
         return tuple(states)
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
-              durable: bool = True) -> set[str]:
-        """Store.apply in one batch, looking for control files in in-flight directories first."""
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Store.apply_future in one batch, looking in the in-flight directories first."""
         if not transitions:
-            return set()
+            return applied_nothing()
         by_spid: dict[str, list[tuple[int, Transition]]] = defaultdict(list)
         for t in transitions:
             spid, idx = parse_qid(t.qid)
@@ -437,11 +437,8 @@ class FsStore(Layout, Recovering, Reading):
                     view.swap(ctrls, regroup(ctrls, recs))
             return applied
 
-        fut = self._op(work)
-        if not wait:
-            return set()
-        result: set[str] = fut.result()
-        return result
+        fut: concurrent.futures.Future[set[str]] = self._op(work)
+        return fut
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: bounces/ entries due, leased by moving their due time."""

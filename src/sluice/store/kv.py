@@ -135,7 +135,7 @@ from sluice.model import (
     parse_qid,
 )
 from sluice.spool import Content
-from sluice.store import CHANGES_KEEP_S, Action, Transition
+from sluice.store import CHANGES_KEEP_S, Action, ApplyByFuture, Transition, applied_nothing
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock
 from sluice.store._kv_batch import Batch, Loader, Reader
@@ -184,7 +184,7 @@ __all__ = ["CHUNK_SIZE", "KvStore"]
 SCAN_PER_PICK, SCAN_MIN = 64, 10_000
 
 
-class KvStore(Reading):
+class KvStore(ApplyByFuture, Reading):
     """Meta queue and content in LevelDB, ZoneMTA's layout; see the module doc."""
 
     flavour = "kv"
@@ -393,11 +393,11 @@ class KvStore(Reading):
             view.delete(meta_key(spid))
             view.count("messages", -1)
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
-              durable: bool = True) -> set[str]:
-        """Store.apply: the state keys and stats of each entry changed in one batch."""
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Store.apply_future: the state keys and stats of each entry changed in one batch."""
         if not transitions:
-            return set()
+            return applied_nothing()
         items = []
         for t in transitions:
             spid, idx = parse_qid(t.qid)
@@ -431,11 +431,8 @@ class KvStore(Reading):
             self._collect_gone(view, gone)
             return applied
 
-        fut = self._op(work)
-        if not wait:
-            return set()
-        result: set[str] = fut.result()
-        return result
+        fut: concurrent.futures.Future[set[str]] = self._op(work)
+        return fut
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: bounce keys due, leased by moving their due time."""

@@ -111,11 +111,13 @@ from sluice.store import (
     CHANGES_KEEP_S,
     ORPHAN_AGE_S,
     Action,
+    ApplyByFuture,
     Change,
     Counts,
     StorageError,
     Transition,
     _pg_nodes,
+    applied_nothing,
 )
 from sluice.store._commit import GroupCommitter
 from sluice.store._pg_commit import PgBatch, PgCommitting
@@ -143,7 +145,7 @@ ENV_DSN = "SLUICE_PG_DSN"
 # The store
 
 
-class PgStore(PgCommitting):
+class PgStore(ApplyByFuture, PgCommitting):
     """Meta queue and content on PostgreSQL; see the module doc."""
 
     flavour = "postgres"
@@ -282,11 +284,11 @@ class PgStore(PgCommitting):
         result: list[QueueEntry] = self._call(work)
         return result
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
-              durable: bool = True) -> set[str]:
-        """Store.apply: runs of deletes and of updates in order, one round trip each."""
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Store.apply_future: runs of deletes and of updates in order, one round trip each."""
         if not transitions:
-            return set()
+            return applied_nothing()
         items = []
         for t in transitions:
             spid, idx = parse_qid(t.qid)
@@ -308,11 +310,8 @@ class PgStore(PgCommitting):
                     run.append(item)
             return applied
 
-        fut = self._op(work)
-        if not wait:
-            return set()
-        result: set[str] = fut.result()
-        return result
+        fut: concurrent.futures.Future[set[str]] = self._op(work)
+        return fut
 
     @staticmethod
     def _apply_run(conn: psycopg.Connection[Any], run: list[tuple[str, int, Transition]],

@@ -107,10 +107,12 @@ from sluice.store import (
     CHANGES_KEEP_S,
     ORPHAN_AGE_S,
     Action,
+    ApplyByFuture,
     Change,
     Counts,
     StorageError,
     Transition,
+    applied_nothing,
 )
 from sluice.store._commit import GroupCommitter
 from sluice.store._refill import EQUAL, TenantWeights
@@ -209,7 +211,7 @@ def _check_whole_queue(conn: sqlite3.Connection) -> None:
     conn.execute(f"INSERT OR REPLACE INTO qmeta (key, value) VALUES ('{_CHECKED}', '1')")
 
 
-class SqliteStore(Database):
+class SqliteStore(ApplyByFuture, Database):
     """Meta queue on SQLite (WAL), small content inline, the rest in files.
 
     The files are a filesystem spool; see the module doc.
@@ -383,11 +385,11 @@ class SqliteStore(Database):
         result: list[QueueEntry] = self._call(work, durable=False)
         return result
 
-    def apply(self, transitions: Sequence[Transition], *, wait: bool = True,
-              durable: bool = True) -> set[str]:
-        """Store.apply: attempt outcomes and marks, one statement per message where they agree."""
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Store.apply_future: outcomes and marks, one statement per kind of change."""
         if not transitions:
-            return set()
+            return applied_nothing()
         items = list(transitions)
         node = self.node_id
 
@@ -426,11 +428,8 @@ class SqliteStore(Database):
             self._collect_gone(conn, touched, after)
             return applied
 
-        fut = self._submit_op(work, durable=durable)
-        if not wait:
-            return set()
-        result: set[str] = fut.result()
-        return result
+        fut: concurrent.futures.Future[set[str]] = self._submit_op(work, durable=durable)
+        return fut
 
     def _collect_gone(self, conn: sqlite3.Connection, spids: set[str], after: Batch) -> None:
         """Queue for deletion the content of messages that have no rows left.
