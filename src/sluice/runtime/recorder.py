@@ -19,7 +19,10 @@ STRATEGIES
     outcomes before its connection takes another message (record()'s
     future; sluice.delivery.agent, "Durable before reuse"), so a success
     is durable one commit after its reply, not whenever the loop gets to
-    it.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
+    it.  The batch goes from the loop straight to the store's committer
+    (Queue.plan_record, Store.apply_future, Queue.finish_record): no pool
+    thread sits between them only to wait, which cost about 0.9 ms of
+    each delivery's wait.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
     burst of bounces makes few runs.
 
     A failing store is retried, not dropped.  A batch of outcomes that
