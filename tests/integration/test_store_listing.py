@@ -9,6 +9,7 @@ csv.writer over each entry's fields.
 from __future__ import annotations
 
 import csv
+import gc
 import io
 from datetime import UTC, datetime
 from pathlib import Path
@@ -122,6 +123,7 @@ def test_qlist_is_written_in_blocks_of_bytes_as_the_stream_would_encode_it(
             write_qlist(out, store, Selector())
             out.write("after\n")
             out.flush()
+            assert gc.isenabled()  # paused while listing only
             assert raw.getvalue() == f"before\n{want}after\n".encode(encoding, errors)
         text = io.StringIO()  # no binary buffer: the text itself
         write_qlist(text, store, Selector())
