@@ -1,10 +1,11 @@
 """Queue commands: qlist, qcount, qshape, hold, release, retry, delete, priority, bounce.
 
 DESCRIPTION
-    qlist follows Mailismus: semicolon-separated fields, the first row
-    names them, the last column (DSN) tells a delivery report from a
-    message, and the totals close the listing.  qshape follows Postfix's
-    qshape(1): recipients per domain by age in minutes.
+    qlist follows Mailismus (its lines: sluice.listing): semicolon-separated
+    fields, the first row names them, the last column (DSN) tells a
+    delivery report from a message, and the totals close the listing.
+    qshape follows Postfix's qshape(1): recipients per domain by age in
+    minutes.
 
     The commands open the queue directly.  They work while ``sluice serve``
     runs: SQLite readers never block the server, and a running queue
@@ -15,50 +16,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import re
 import sys
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from sluice.cli import CommandError, load
-from sluice.model import (
-    QueueEntry,
-    QueueState,
-    Selector,
-)
+from sluice.listing import write_qlist
+from sluice.model import QueueState, Selector
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
 from sluice.store import Action, StorageError, Store, narrow
-
-QLIST_FIELDS = (
-    "QueueID", "SPID", "State", "Sender", "Recipient", "Domain", "Arrival", "NextAttempt",
-    "Attempts", "Priority", "TenantID", "JobID", "TransportID", "LocalIP", "LastReply",
-    "Size", "DSN",
-)
-
-
-#: Times already formatted by _time, by whole second (cleared when full):
-#: the entries of one message, and messages queued in the same second,
-#: share their times, so a listing of a million formats few of them.
-_TIMES: dict[int, str] = {}
-_TIMES_MAX = 65536
-
-
-def _time(at: float) -> str:
-    second = int(at)
-    # datetime rounds to the microsecond: near the next second, ask it.
-    if at < 0 or at - second >= 0.9999995:
-        return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S")
-    text = _TIMES.get(second)
-    if text is None:
-        if len(_TIMES) >= _TIMES_MAX:
-            _TIMES.clear()
-        text = _TIMES[second] = datetime.fromtimestamp(second, UTC).strftime(
-            "%Y-%m-%d %H:%M:%S")
-    return text
 
 
 def _add_selector_args(p: argparse.ArgumentParser, with_ids: bool) -> None:
@@ -168,22 +137,6 @@ def _user() -> str:
 
 # -- listing --------------------------------------------------------------------------------
 
-#: A qlist line without quoted fields has this many separators, and none of
-#: these characters (csv's QUOTE_MINIMAL quotes a field that has one).
-_SEPARATORS = len(QLIST_FIELDS) - 1
-_NEEDS_QUOTES = re.compile(r'["\r\n]')
-
-
-def _row(e: QueueEntry) -> list[str]:
-    return [
-        e.qid, e.spid, e.state.value, e.sender or "<>", e.recipient, e.domain,
-        _time(e.arrival_at), _time(e.next_attempt_at), str(e.attempts), str(e.priority),
-        e.tenantid, e.jobid, e.transportid, ",".join(e.localip),
-        e.last_reply.describe() if e.last_reply else "", str(e.size),
-        "yes" if e.is_report else "no",
-    ]
-
-
 def cmd_qlist(args: argparse.Namespace) -> int:
     """`sluice qlist`: the selected entries, semicolon-separated or as JSON with totals."""
     selector = selector_from_args(args)
@@ -197,17 +150,7 @@ def cmd_qlist(args: argparse.Namespace) -> int:
             counts = store.count(selector)
             out.write('\n], "totals": ' + json.dumps(counts_json(counts)) + "}\n")
             return 0
-        writer = csv.writer(out, delimiter=";", lineterminator="\n")
-        writer.writerow(QLIST_FIELDS)
-        write = out.write
-        for e in store.entries(selector, limit=args.limit):
-            row = _row(e)
-            line = ";".join(row)
-            # What csv would write, unless a field needs quoting.
-            if line.count(";") == _SEPARATORS and not _NEEDS_QUOTES.search(line):
-                write(line + "\n")
-            else:
-                writer.writerow(row)
+        write_qlist(out, store, selector, args.limit)
         counts = store.count(selector)
     out.write(totals_line(counts) + "\n")
     return 0

@@ -5,7 +5,8 @@ the statements that read and change the queue the same way in both.
 
 SUMMARY
     COLUMNS, entry(row), queue_rows(submission, ...), Dialect,
-    SqlQueue(dialect, reading), migrate(conn, dialect, latest, steps, where)
+    SqlQueue(dialect, reading) (its rows() is ListsRows.list_rows),
+    migrate(conn, dialect, latest, steps, where)
 
 DESCRIPTION
     Both flavours keep one row per recipient entry with the same columns in
@@ -28,7 +29,9 @@ DESCRIPTION
 
     Per-row work is what the flavours did before: one tuple out of the
     driver and one QueueEntry per row, one parameter tuple per changed row
-    where the dialect runs a statement per row, no more.
+    where the dialect runs a statement per row, no more.  A listing
+    (rows(), for ``sluice qlist``) does not even build the QueueEntry: it
+    hands out the driver's tuples of LISTING_FIELDS a page at a time.
 
     Schema versions.  The meta table records the version of the schema a
     queue was created or last brought up to.  Each flavour opens a queue
@@ -61,7 +64,7 @@ from sluice.model import (
     parse_qid,
     recipient_domain,
 )
-from sluice.store import Action, Change, Counts, StorageError
+from sluice.store import LISTING_FIELDS, Action, Change, Counts, StorageError
 from sluice.store._actions import EFFECTS, OperatorChange, Value
 from sluice.store._refill import (
     EQUAL,
@@ -82,7 +85,7 @@ COLUMNS = (
     "is_report, size, smtputf8, last_mta, last_attempt_at"
 )
 
-#: Rows listed per query by entries().
+#: Rows listed per query by entries() and rows().
 PAGE = 5000
 
 
@@ -185,6 +188,7 @@ class SqlQueue:
         self._reading = reading
         p, q = d.p, d.queue
         self._select = f"SELECT {COLUMNS} FROM {q} WHERE "
+        self._listing = f"SELECT {', '.join(LISTING_FIELDS)} FROM {q} WHERE "
         self._get = f"SELECT {COLUMNS} FROM {q} WHERE spid = {p} AND idx = {p}"
         self._after = f" AND (spid, idx) > ({p}, {p})"
         self._page = f" ORDER BY spid, idx LIMIT {p}"
@@ -284,7 +288,24 @@ class SqlQueue:
 
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
-        """Pages of PAGE rows in key order, each after the last of the previous."""
+        """The selected entries in key order (see _pages)."""
+        for rows in self._pages(self._select, selector, after, limit):
+            yield from map(entry, rows)
+
+    def rows(self, selector: Selector, *, limit: int | None = None
+             ) -> Iterator[list[tuple[Any, ...]]]:
+        """ListsRows.list_rows: the selected entries as LISTING_FIELDS tuples, a page a chunk."""
+        return self._pages(self._listing, selector, None, limit)
+
+    def _pages(self, select: str, selector: Selector, after: str | None,
+               limit: int | None) -> Iterator[list[tuple[Any, ...]]]:
+        """Pages of PAGE rows of ``select`` in key order, each after the last of the previous.
+
+        The rows of ``select`` start with spid, idx.  Each page is one query
+        read to its end before it is handed out, so a slow reader (``sluice
+        qlist | less``) holds no read snapshot, which in WAL mode would keep
+        the writer's log from being checkpointed.
+        """
         where, params = self.where(selector)
         page = PAGE if limit is None else min(limit, PAGE)
         remaining = limit
@@ -294,7 +315,7 @@ class SqlQueue:
             cursor = (spid, -1 if idx is None else idx)
         while remaining is None or remaining > 0:
             n = page if remaining is None else min(page, remaining)
-            sql = self._select + where
+            sql = select + where
             p = list(params)
             if cursor is not None:
                 sql += self._after
@@ -303,8 +324,8 @@ class SqlQueue:
             p.append(n)
             with self._reading() as conn:
                 rows = conn.execute(sql, p).fetchall()
-            for row in rows:
-                yield entry(row)
+            if rows:
+                yield rows
             if len(rows) < n:
                 return
             cursor = (rows[-1][0], rows[-1][1])

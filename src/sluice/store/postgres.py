@@ -463,6 +463,11 @@ class PgStore(ApplyByFuture, PgCommitting):
         """Store.entries: the selected entries in queue-id order, after the cursor."""
         return self._sql.entries(selector, after=after, limit=limit)
 
+    def list_rows(self, selector: Selector, *, limit: int | None = None
+                  ) -> Iterator[list[tuple[Any, ...]]]:
+        """ListsRows.list_rows: the driver's rows, a page at a time, no QueueEntry."""
+        return self._sql.rows(selector, limit=limit)
+
     def count(self, selector: Selector | None = None) -> Counts:
         """Store.count: counted by the database (PostgreSQL keeps no totals)."""
         return self._sql.count(selector or Selector())

@@ -538,6 +538,11 @@ class SqliteStore(ApplyByFuture, Database):
         """Store.entries: the selected entries in queue-id order, after the cursor."""
         return self._sql.entries(selector, after=after, limit=limit)
 
+    def list_rows(self, selector: Selector, *, limit: int | None = None
+                  ) -> Iterator[list[tuple[Any, ...]]]:
+        """ListsRows.list_rows: the driver's rows, a page at a time, no QueueEntry."""
+        return self._sql.rows(selector, limit=limit)
+
     def count(self, selector: Selector | None = None) -> Counts:
         """Store.count: totals from qstats, or counted for a selector."""
         if selector is not None and not selector.is_empty:

@@ -1,0 +1,132 @@
+"""qlist's lines on every flavour: the SQL flavours' rows and the others' entries.
+
+The SQL flavours hand out plain rows (ListsRows) that the one formatter
+(sluice.listing) turns into lines; the others go through entries().  Both
+must give what the qlist format says, written out here the plain way:
+csv.writer over each entry's fields.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import io
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from sluice import listing
+from sluice.listing import QLIST_FIELDS, listing_rows, qlist_blocks, write_qlist
+from sluice.model import QueueEntry, QueueState, Reply, Selector, Submission
+from sluice.store import Action, ListsRows, Store, Transition
+from sluice.store import _sql as sql
+from tests.integration.stores import open_flavour
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_800_000_000.0
+
+
+def at(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def expected(entries: list[QueueEntry]) -> str:
+    """The qlist lines of ``entries`` as the format defines them."""
+    out = io.StringIO()
+    writer = csv.writer(out, delimiter=";", lineterminator="\n")
+    writer.writerow(QLIST_FIELDS)
+    for e in entries:
+        writer.writerow([
+            e.qid, e.spid, e.state.value, e.sender or "<>", e.recipient, e.domain,
+            at(e.arrival_at), at(e.next_attempt_at), str(e.attempts), str(e.priority),
+            e.tenantid, e.jobid, e.transportid, ",".join(e.localip),
+            e.last_reply.describe() if e.last_reply else "", str(e.size),
+            "yes" if e.is_report else "no"])
+    return out.getvalue()
+
+
+def fill(store: Store) -> dict[str, str]:
+    """A queue with every kind of field qlist shows; the SPIDs by name."""
+    odd = store.submit(Submission("a@example.org", ("p@example.net", "ünï@exämple.net"),
+                                  tenantid="t;1", jobid='j"1', transportid="tr",
+                                  localip=("192.0.2.1", "192.0.2.2"), priority=1),
+                       b"odd", T0 + 0.5)
+    report = store.submit(Submission("", ("e@example.net",), is_report=True), b"report",
+                          T0 + 0.9999997)
+    tried = store.submit(Submission("c@example.org", ("o@example.net", "q@example.net",
+                                                      "r@example.org")), b"x" * 300, T0 + 1.25)
+    held = store.submit(Submission("h@example.org", ("h@example.org",), hold=True), b"h", T0 + 2)
+    for i in range(4):
+        store.submit(Submission(f"s{i}@example.org", (f"u{i}@example.net", f"v{i}@example.com")),
+                     b"plain", T0 + 3 + i * 0.4)
+    replies = {0: Reply(451, "4.3.0", 'busy; try "later"\nplease', "mx.example.net", T0 + 2),
+               1: Reply(421, "", "busy", "", None)}
+    for e in store.claim(20, T0 + 2, 0):
+        if e.spid == tried.spid and e.idx in replies:
+            store.apply([Transition(e.qid, QueueState.DEFERRED, next_attempt_at=T0 + 60.9,
+                                    reply=replies[e.idx], attempted=True)])
+        else:
+            store.apply([Transition(e.qid, QueueState.INCOMING, expect=(QueueState.ACTIVE,))])
+    return {"odd": odd.spid, "report": report.spid, "tried": tried.spid, "held": held.spid}
+
+
+def test_qlist_lines_of_every_flavour_are_the_format_s(
+        store: Store, flavour: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pages and chunks of three rows, a time cache of two: the lines must
+    # not depend on where a page ends or on what the cache still holds.
+    monkeypatch.setattr(sql, "PAGE", 3)
+    monkeypatch.setattr(listing, "CHUNK", 3)
+    monkeypatch.setattr(listing, "_TIMES_MAX", 2)
+    spids = fill(store)
+    # The SQL flavours list plain rows; the others their entries.
+    assert isinstance(store, ListsRows) is (flavour in ("sqlite", "sqlite_files", "postgres"))
+    assert len(list(listing_rows(store, Selector()))) == 5  # 15 entries in chunks of 3
+    held = store.entries(Selector(qids=(spids["held"],)))
+    assert [e.state for e in held] == [QueueState.HOLD]
+    for selector, limit in [
+        (Selector(), None), (Selector(), 4), (Selector(), 1),
+        (Selector(states=(QueueState.DEFERRED,)), None),
+        (Selector(states=(QueueState.HOLD, QueueState.INCOMING)), None),
+        (Selector(domain="example.net"), 5), (Selector(sender=""), None),
+        (Selector(recipient="O@example.net"), None), (Selector(tenantid="t;1"), None),
+        (Selector(jobid='j"1'), None), (Selector(transportid="tr"), None),
+        (Selector(qids=(spids["tried"], spids["report"] + "-0")), None),
+        (Selector(domain="nowhere.example"), None),
+    ]:
+        want = expected(list(store.entries(selector, limit=limit)))
+        got = "".join(qlist_blocks(listing_rows(store, selector, limit)))
+        assert got == want, (selector, limit)
+    everything = "".join(qlist_blocks(listing_rows(store, Selector())))
+    # What the rows carry: the quoted fields, a report, the reply with its host.
+    assert everything.count("\n") == 1 + 15 + 1  # a reply text has a line break
+    assert '"t;1";"j""1";tr;192.0.2.1,192.0.2.2;' in everything
+    assert ';<>;e@example.net;example.net;2027-01-15 08:00:01;' in everything
+    assert ('"host mx.example.net said: 451 4.3.0 busy; try ""later""\nplease"'
+            in everything)
+    assert ";421 busy;300;no\n" in everything
+
+
+def test_qlist_is_written_in_blocks_of_bytes_as_the_stream_would_encode_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sql, "PAGE", 3)
+    store = open_flavour("sqlite", tmp_path)
+    try:
+        fill(store)
+        store.modify(Selector(recipient="p@example.net"), Action.HOLD, T0 + 5)
+        want = expected(list(store.entries(Selector())))
+        for encoding, errors in (("utf-8", "strict"), ("ascii", "backslashreplace")):
+            raw = io.BytesIO()
+            out = io.TextIOWrapper(raw, encoding=encoding, errors=errors)
+            out.write("before\n")
+            write_qlist(out, store, Selector())
+            out.write("after\n")
+            out.flush()
+            assert gc.isenabled()  # paused while listing only
+            assert raw.getvalue() == f"before\n{want}after\n".encode(encoding, errors)
+        text = io.StringIO()  # no binary buffer: the text itself
+        write_qlist(text, store, Selector())
+        assert text.getvalue() == want
+    finally:
+        store.close()
