@@ -6,7 +6,9 @@ inject into `sluice serve`.  Every 1-3 s (a seeded random pick) the whole
 serve process group is killed with SIGKILL and started again on the same
 queue, --kills times; the clients send again what was not answered 250.
 Then the queue drains, and every message answered 250 must have reached
-the sink (none lost).
+the sink (none lost).  The queue is counted (`sluice qcount`) only with
+serve stopped gracefully, since the kv store (LevelDB) lets one process
+open it; serve starts again if anything is left.
 
 Each duplicate (a message the sink accepted more than once) is explained
 or not, from the sink's acceptance times, the kill times and the
@@ -79,6 +81,7 @@ SLUICE = str(Path(sys.executable).parent / "sluice")
 ID_RE = re.compile(rb"^X-Test-Id: (\d+)\r?$", re.MULTILINE)
 SPID_RE = re.compile(rb"\(Sluice\) with \S+ id (\S+)")
 CLIENTS = 4
+QUIET_S = 3.0  # longer than the longest retry delay ("1s | 2s")
 
 
 def loadavg() -> str:
@@ -203,9 +206,20 @@ class Serve:
             self.proc = None
 
     def left(self) -> int:
+        """Recipients still queued, counted with serve stopped; it starts again if any.
+
+        LevelDB (kv) lets one process open the queue, so `sluice qcount`
+        runs between a graceful stop (SIGTERM: in-flight deliveries
+        finish, claims are given back; no duplicate comes of it) and the
+        next start, for every flavour alike.
+        """
+        self.stop()
         out = subprocess.run([SLUICE, "-c", str(self.config), "qcount", "--json"],
                              capture_output=True, text=True, timeout=60, check=True).stdout
-        return int(yaml.safe_load(out)["recipients"])
+        left = int(yaml.safe_load(out)["recipients"])
+        if left:
+            self.start()
+        return left
 
 
 class Injector:
@@ -321,10 +335,15 @@ def main() -> int:
             serve.start()
         for t in threads:
             t.join(300)
+        # Drained: every message answered 250 reached the sink, the sink has
+        # been quiet for longer than the longest retry delay, and the queue
+        # (counted with serve stopped) is empty.
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            delivered = {int(m) for msg in list(sink.messages) for m in ID_RE.findall(msg.data)}
-            if delivered >= inj.acked and serve.left() == 0:
+            msgs = list(sink.messages)
+            delivered = {int(m) for msg in msgs for m in ID_RE.findall(msg.data)}
+            quiet = time.time() - max((msg.at for msg in msgs), default=0.0)
+            if delivered >= inj.acked and quiet >= QUIET_S and serve.left() == 0:
                 break
             time.sleep(0.5)
         elapsed = time.monotonic() - started
