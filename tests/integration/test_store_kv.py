@@ -206,3 +206,37 @@ def test_a_full_disk_is_a_temporary_failure_and_passes() -> None:
     assert found["all_listed"] and found["all_intact"] and found["count"] == found["accepted"]
     assert found["after_ok"], found.get("after_error")
     assert found["count_after"] == found["accepted"] - 3 + 1
+
+
+def test_an_outcome_does_not_wait_for_the_content_of_new_mail_in_its_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outcomes committed with new mail waited for its log sync first; every
+    # moment an outcome is not durable is one in which a crash sends its
+    # message twice (bench/harsh_kill.py --store kv counted them as "late").
+    import threading
+
+    store = open_kv(tmp_path)
+    try:
+        store.submit(Submission("a@example.org", ("b@example.net",)), b"first", T0)
+        (entry,) = store.claim(10, T0, 10)
+        gate = threading.Event()
+        busy = store._op(lambda view: gate.wait(10))  # holds the committer
+        new_mail = store.submit_future(Submission("c@example.org", ("d@example.net",)),
+                                       b"second", T0)
+        outcome = store.apply_future([Transition(entry.qid, None)])
+        at_sync: list[bool] = []
+        sync = store._sync_logs
+
+        def spy() -> None:
+            at_sync.append(outcome.done())
+            sync()
+
+        monkeypatch.setattr(store, "_sync_logs", spy)
+        gate.set()
+        busy.result(10)
+        assert outcome.result(10) == {entry.qid}
+        assert new_mail.result(10).spid
+        assert at_sync and all(at_sync)
+        assert store.count().messages == 1
+    finally:
+        store.close()

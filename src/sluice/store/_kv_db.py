@@ -11,7 +11,12 @@ DESCRIPTION
     be replayed; a batch that follows a reopen checks that the content of
     its submissions survived it.  The committer syncs LevelDB's log files
     once for the content of the whole batch, then writes the batch's meta
-    keys, index keys and counters in one synchronous WriteBatch.
+    keys, index keys and counters in one synchronous WriteBatch.  A batch
+    that holds new mail and other changes (delivery outcomes, marks,
+    operator actions) commits the others first, in a synchronous write of
+    their own: an outcome must not wait for the content of new mail to be
+    synced, since every millisecond it is not durable is one in which a
+    crash sends its message twice (docs/queue.md, at least once).
 
 SEE ALSO
     sluice.store.kv (the layout and its strategies), sluice.store._commit
@@ -223,6 +228,13 @@ class Database:
     # -- the committer ------------------------------------------------------------------
 
     def _commit(self, batch: list[Op]) -> None:
+        if any(isinstance(op.extra, Submit) for op in batch) and not all(
+                isinstance(op.extra, Submit) for op in batch):
+            # The other changes first (module doc): nothing in a batch
+            # depends on a submission of the same batch, whose queue id its
+            # caller learns only after the commit.
+            self._commit([op for op in batch if not isinstance(op.extra, Submit)])
+            batch = [op for op in batch if isinstance(op.extra, Submit)]
         if self._broken or self._db is None:
             try:
                 self._try_reopen()
