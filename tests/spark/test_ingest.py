@@ -6,8 +6,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from pyspark.sql import functions as F
 
 from sluice.cli import main
+from sluice.pipeline.rules import FAILURE_EVENTS, MASK_RULES_ID, mask
+from sluice.pipeline.schema import STORED_MASK, STORED_RULES
 from tests.spark.test_cli import _run_log
 
 pytestmark = pytest.mark.spark
@@ -41,6 +44,10 @@ def test_ingest_is_idempotent_and_reports_read_the_table(spark, tmp_path: Path,
     lines = sum(len(f.read_text().splitlines()) for f in files)
     assert counts[0] > 0 and counts[0] + counts[1] == lines == total and counts[2] == 0
     assert sorted(p.name for p in table.glob("day=*"))  # partitioned by day
+    # Each failure's reply is stored masked, by the rules of this version.
+    stored = spark.read.parquet(str(table)).where(F.col("event").isin(*FAILURE_EVENTS))
+    pairs = stored.select("response", STORED_MASK, STORED_RULES).collect()
+    assert pairs and all(r[1] == mask(r[0]) and r[2] == MASK_RULES_ID for r in pairs)
 
     # A report over the table equals the report over the JSON lines.
     assert main(["analytics", "all", "-i", str(table), "-o", str(tmp_path / "t"),
