@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import pytest
+from pyspark.sql import functions as F
 
 from sluice.accounting import EVENT_FIELDS
-from sluice.pipeline.bounces import bounce_summary, classify_failures
-from sluice.pipeline.rules import BounceCategory, classify, mask, mx_group, throttle_kind
-from sluice.pipeline.schema import CLASSIFIED_SCHEMA, EVENT_SCHEMA
+from sluice.pipeline.bounces import (
+    MASKED_COLUMN,
+    bounce_summary,
+    classify_failures,
+    stored_masks,
+    with_masked_reply,
+)
+from sluice.pipeline.rules import (
+    MASK_RULES_ID,
+    BounceCategory,
+    classify,
+    mask,
+    mx_group,
+    throttle_kind,
+)
+from sluice.pipeline.schema import (
+    CLASSIFIED_SCHEMA,
+    EVENT_SCHEMA,
+    STORED_MASK,
+    STORED_RULES,
+    STORED_SCHEMA,
+)
 from tests.spark.frames import assert_df_equal, event, shape
 
 pytestmark = pytest.mark.spark
@@ -87,6 +107,36 @@ def test_spark_agrees_with_the_reference(spark, driver_keys_max):
         category, hard = classify(kind, code, enhanced, text)
         reason = " ".join(str(p) for p in (code, enhanced, mask(text) or None) if p)
         assert got[f"r{i}@example.com"] == (str(category), hard, reason), CASES[i]
+
+
+def test_a_stored_mask_is_taken_only_when_the_current_rules_made_it(spark):
+    rows = [
+        event("bounced", f"r{i}@example.com", i, code=code, enhanced=enhanced, response=text)
+        for i, (_, code, enhanced, text, _, _) in enumerate(CASES)
+    ]
+    rows += [event("deferred", "none@example.com", 98, response=None),
+             event("delivered", "ok@example.com", 99)]
+    df = spark.createDataFrame([tuple(r[f] for f in EVENT_FIELDS) for r in rows], EVENT_SCHEMA)
+    stored = stored_masks(df)
+    assert shape(stored.schema) == shape(EVENT_SCHEMA) + shape(STORED_SCHEMA)
+    got = {r.recipient: (r[STORED_MASK], r[STORED_RULES]) for r in stored.collect()}
+    for row in rows:
+        want = None if row["event"] == "delivered" else mask(row["response"])
+        assert got[row["recipient"]] == (want, MASK_RULES_ID), row
+
+    def masked(rules_id: object) -> set[object]:
+        forged = stored.withColumn(STORED_MASK, F.when(F.col(STORED_MASK).isNotNull(),
+                                                       F.lit("forged")))
+        forged = forged.withColumn(STORED_RULES, F.lit(rules_id).cast("long"))
+        return {r[MASKED_COLUMN] for r in with_masked_reply(forged).collect()}
+
+    # Made by these rules: taken as stored, nothing masked again.
+    assert masked(MASK_RULES_ID) == {"forged", None}
+    # Made by other rules, or by none (a file ingested before masks were
+    # stored): masked again.
+    again = {mask(r["response"]) for r in rows if r["event"] != "delivered"} | {None}
+    assert masked(MASK_RULES_ID + 1) == again
+    assert masked(None) == again
 
 
 def test_summary_counts(spark):

@@ -3,6 +3,7 @@
 SUMMARY
     classify_failures(events) -> DataFrame    EVENT_SCHEMA -> CLASSIFIED_SCHEMA
     with_masked_reply(events) -> DataFrame    events plus MASKED_COLUMN (failures only)
+    stored_masks(events) -> DataFrame         events plus STORED_SCHEMA, for ingest
     classify_masked(masked) -> DataFrame      the same, from with_masked_reply() rows
     bounce_summary(classified) -> DataFrame   counts per domain, event, category, hard
 
@@ -37,6 +38,12 @@ STRATEGIES
     masks while it caches the events (with_masked_reply) and classifies the
     cached rows with classify_masked(), which masks nothing again.
 
+    Mask at ingest.  An ingested table stores each failure's mask
+    (stored_masks(), STORED_SCHEMA) with the id of the rules that made it;
+    with_masked_reply() takes a stored mask the current rules made and
+    masks only the rest, so a report over such a table runs no regular
+    expression at all.
+
 SEE ALSO
     sluice.pipeline.rules (the rules and why), sluice.pipeline.suppress
 """
@@ -47,14 +54,15 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sluice.pipeline import expressions as X
-from sluice.pipeline.rules import FAILURE_EVENTS, category_of
-from sluice.pipeline.schema import CLASSIFIED_SCHEMA
+from sluice.pipeline.rules import FAILURE_EVENTS, MASK_RULES_ID, category_of
+from sluice.pipeline.schema import CLASSIFIED_SCHEMA, STORED_MASK, STORED_RULES, STORED_SCHEMA
 
 __all__ = [
     "MASKED_COLUMN",
     "bounce_summary",
     "classify_failures",
     "classify_masked",
+    "stored_masks",
     "with_masked_reply",
 ]
 
@@ -79,13 +87,37 @@ def with_masked_reply(events: DataFrame) -> DataFrame:
     """Add MASKED_COLUMN to ``events``: rules.mask(response) for failures, null otherwise.
 
     Other events skip the regular expressions: only failures are classified.
+    Where ``events`` carry a mask stored by ingest (STORED_SCHEMA) that the
+    current rules made, that is taken instead, and only the rest is masked.
     """
+    failure = _is_failure()
+    stored: Column | None = None
+    if STORED_MASK in events.columns and STORED_RULES in events.columns:
+        stored = F.coalesce(F.col(STORED_RULES) == F.lit(MASK_RULES_ID), F.lit(False))
+        failure_to_mask = failure & ~stored
+    else:
+        failure_to_mask = failure
+    # A row not to mask enters the rules as null, i.e. "": every guard fails
+    # at once and no regular expression runs on it.
     masked = X.with_masked(
-        events.withColumn(MASKED_COLUMN, F.when(_is_failure(), F.col("response"))),
+        events.withColumn(MASKED_COLUMN, F.when(failure_to_mask, F.col("response"))),
         MASKED_COLUMN,
         MASKED_COLUMN,
     )
-    return masked.withColumn(MASKED_COLUMN, F.when(_is_failure(), F.col(MASKED_COLUMN)))
+    value = F.col(MASKED_COLUMN) if stored is None else (
+        F.when(stored, F.col(STORED_MASK)).otherwise(F.col(MASKED_COLUMN)))
+    return masked.withColumn(MASKED_COLUMN, F.when(failure, value))
+
+
+def stored_masks(events: DataFrame) -> DataFrame:
+    """EVENT_SCHEMA -> EVENT_SCHEMA + STORED_SCHEMA, as ingest writes a table.
+
+    Every event gets the current MASK_RULES_ID, so that a later report
+    knows the null mask of a delivery was not left out but never needed.
+    """
+    plain = events.drop(*STORED_SCHEMA.fieldNames())
+    return (with_masked_reply(plain).withColumnRenamed(MASKED_COLUMN, STORED_MASK)
+            .withColumn(STORED_RULES, F.lit(MASK_RULES_ID).cast("long")))
 
 
 def classify_failures(events: DataFrame, driver_keys_max: int = DRIVER_KEYS_MAX) -> DataFrame:

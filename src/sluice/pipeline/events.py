@@ -2,7 +2,7 @@
 
 SUMMARY
     normalise_events(raw) -> events      RAW_EVENT_SCHEMA -> EVENT_SCHEMA
-    conform_events(df) -> events         any event-like table -> EVENT_SCHEMA
+    conform_events(df, extra=None) -> events   any event-like table -> EVENT_SCHEMA
     between(events, since, until) -> events
     parse_when(text, now) -> datetime    "2026-11-22", "2026-11-22T10:00Z", "24h" (ago)
 
@@ -19,8 +19,8 @@ DESCRIPTION
     job under ANSI mode.
 
 INVARIANTS
-    The result has exactly EVENT_SCHEMA and no row with a null time or a
-    null event kind.
+    The result has exactly EVENT_SCHEMA (followed by the ``extra`` fields
+    asked for) and no row with a null time or a null event kind.
 
 SEE ALSO
     sluice.accounting (the writer), sluice.pipeline.extract
@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import StringType
+from pyspark.sql.types import StringType, StructType
 
 from sluice.config import parse_duration
 from sluice.pipeline.schema import CORRUPT_COLUMN, EVENT_SCHEMA
@@ -48,10 +48,14 @@ def _time(df: DataFrame) -> Column:
     return F.col("time").cast("timestamp")
 
 
-def conform_events(df: DataFrame) -> DataFrame:
-    """Any table with (some of) the event columns -> EVENT_SCHEMA, cleaned."""
+def conform_events(df: DataFrame, extra: StructType | None = None) -> DataFrame:
+    """Any table with (some of) the event columns -> EVENT_SCHEMA, cleaned.
+
+    The fields of ``extra`` follow, null where ``df`` has no such column
+    (an ingested table's STORED_SCHEMA, say).
+    """
     cols: list[Column] = []
-    for field in EVENT_SCHEMA.fields:
+    for field in [*EVENT_SCHEMA.fields, *(extra.fields if extra is not None else ())]:
         if field.name == "time":
             col = _time(df)
         elif field.name in df.columns:
@@ -74,11 +78,11 @@ def conform_events(df: DataFrame) -> DataFrame:
     )
 
 
-def normalise_events(raw: DataFrame) -> DataFrame:
-    """RAW_EVENT_SCHEMA (JSON as read) -> EVENT_SCHEMA; bad lines dropped."""
+def normalise_events(raw: DataFrame, extra: StructType | None = None) -> DataFrame:
+    """RAW_EVENT_SCHEMA (JSON as read) -> EVENT_SCHEMA (+ ``extra``, null); bad lines dropped."""
     if CORRUPT_COLUMN in raw.columns:
         raw = raw.where(F.col(CORRUPT_COLUMN).isNull()).drop(CORRUPT_COLUMN)
-    return conform_events(raw)
+    return conform_events(raw, extra)
 
 
 def between(

@@ -2,7 +2,7 @@
 
 SUMMARY
     expand_inputs(patterns) -> list[str]
-    read_events(spark, paths) -> DataFrame (EVENT_SCHEMA)
+    read_events(spark, paths, extra=None) -> DataFrame (EVENT_SCHEMA [+ extra])
     read_lines(spark, paths) -> DataFrame (value: string)
 
 DESCRIPTION
@@ -19,7 +19,9 @@ DESCRIPTION
 
 INVARIANTS
     What read_events() returns has exactly EVENT_SCHEMA, whatever the input
-    format, so every transformation downstream sees one shape.
+    format, so every transformation downstream sees one shape; followed by
+    the ``extra`` fields when asked (an ingested table's stored columns,
+    null where an input has none).
 
 SEE ALSO
     sluice.pipeline.events (normalisation), sluice.pipeline.schema
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from sluice.pipeline.events import conform_events, normalise_events
 from sluice.pipeline.schema import CORRUPT_COLUMN, RAW_EVENT_SCHEMA
@@ -82,8 +85,9 @@ def is_parquet(path: str) -> bool:
     return p.is_dir() and (any(p.glob("*.parquet")) or any(p.glob("*=*/*.parquet")))
 
 
-def read_events(spark: SparkSession, paths: Iterable[str]) -> DataFrame:
-    """Events from JSON-lines and Parquet inputs, normalised to EVENT_SCHEMA."""
+def read_events(spark: SparkSession, paths: Iterable[str],
+                extra: StructType | None = None) -> DataFrame:
+    """Events from JSON-lines and Parquet inputs, normalised to EVENT_SCHEMA (+ ``extra``)."""
     paths = list(paths)
     if not paths:
         raise InputError("no input files")
@@ -97,9 +101,9 @@ def read_events(spark: SparkSession, paths: Iterable[str]) -> DataFrame:
             .option("columnNameOfCorruptRecord", CORRUPT_COLUMN)
             .json(jsonl)
         )
-        frames.append(raw.transform(normalise_events))
+        frames.append(normalise_events(raw, extra))
     if parquet:
-        frames.append(spark.read.parquet(*parquet).transform(conform_events))
+        frames.append(conform_events(spark.read.parquet(*parquet), extra))
     return reduce(lambda a, b: a.unionByName(b), frames)
 
 

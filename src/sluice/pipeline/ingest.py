@@ -10,6 +10,11 @@ DESCRIPTION
     reports read the table instead (``--input TABLE``: sluice.pipeline.
     extract reads a directory of ``day=`` partitions as Parquet).
 
+    Beside the events the table stores what every report would otherwise
+    derive again: each failure's masked reply (STORED_SCHEMA, made by
+    bounces.stored_masks with the id of the masking rules), so reports
+    group and classify replies without running a regular expression.
+
     Idempotent: each event's key is a hash of all its fields (as JSON, so
     a null and an empty string differ); an event whose key is already in
     the table's partition for its day is not appended again.  Running it
@@ -23,6 +28,10 @@ LIMITATIONS
     into the same table at the same time are not coordinated: run one at a
     time (a cron job, not two).
 
+STRATEGIES
+    Stream.  The new rows are counted while they are written
+    (DataFrame.observe), in one pass over the inputs; nothing is cached.
+
 SEE ALSO
     sluice.pipeline.extract, docs/analytics.md
 """
@@ -33,23 +42,35 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
-from pyspark import StorageLevel
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import DateType, StructField, StructType
 
 from sluice.accounting import EVENT_FIELDS
 from sluice.pipeline import hfs
+from sluice.pipeline.bounces import stored_masks
 from sluice.pipeline.events import between
 from sluice.pipeline.extract import expand_inputs, read_events
 from sluice.pipeline.jobs import JobResult
+from sluice.pipeline.schema import EVENT_SCHEMA, STORED_SCHEMA
 
 __all__ = ["run_ingest"]
 
 _KEY = "_key"
 
+#: What the existing table is read as for its keys: explicit, so that a
+#: table directory holding no data file yet reads as empty.
+_KEYS_SCHEMA = StructType([*EVENT_SCHEMA.fields, StructField("day", DateType(), True)])
+
 
 def _no_step(_: str) -> None:
     return None
+
+
+def _counted(df: DataFrame, name: str) -> tuple[DataFrame, Observation]:
+    """``df`` counting its rows as an action reads them, and where the count will be."""
+    seen = Observation(name)
+    return df.observe(seen, F.count(F.lit(1)).alias("n")), seen
 
 
 def run_ingest(
@@ -72,22 +93,22 @@ def run_ingest(
     keyed = (events.withColumn(_KEY, F.sha2(F.to_json(F.struct(*EVENT_FIELDS)), 256))
              .withColumn("day", F.to_date(F.col("time")))
              .dropDuplicates([_KEY]))
+    keyed, read = _counted(keyed, "read")
     fresh = keyed
     if hfs.exists(spark, table):
-        days = [r.day for r in keyed.select("day").distinct().collect()]  # a few dates
-        old = (spark.read.parquet(table).where(F.col("day").isin(days))
+        days = [r.day for r in  # a few dates
+                events.select(F.to_date(F.col("time")).alias("day")).distinct().collect()]
+        old = (spark.read.schema(_KEYS_SCHEMA).parquet(table).where(F.col("day").isin(days))
                .select(F.sha2(F.to_json(F.struct(*EVENT_FIELDS)), 256).alias(_KEY), "day"))
         fresh = keyed.join(old, [_KEY, "day"], "left_anti")
-    fresh = fresh.persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        step("ingest: appending")
-        added = fresh.count()
-        read = keyed.count()
-        if added:
-            (fresh.select(*EVENT_FIELDS, "day").write.mode("append").partitionBy("day")
-             .parquet(table))
-    finally:
-        fresh.unpersist()
+    fresh, added = _counted(fresh, "added")
+    step("ingest: appending")
+    # One pass, streamed: the rows are counted as they are written, not
+    # cached to be counted first (at 10M events that cache needed more
+    # than 4 GB of driver memory).  An empty append writes no data file.
+    (fresh.transform(stored_masks)
+     .select(*EVENT_FIELDS, *STORED_SCHEMA.fieldNames(), "day")
+     .write.mode("append").partitionBy("day").parquet(table))
     return JobResult("ingest", {"table": table},
-                     {"events_read": read, "events_added": added},
+                     {"events_read": read.get["n"], "events_added": added.get["n"]},
                      time.monotonic() - started)

@@ -56,6 +56,8 @@ STRATEGIES
     the classification, the reasons and the bounces.  On 1M events from a
     table the cache step cost 7.2 CPU-seconds caching what every job reads,
     4.6 caching the failures alone, and the report's aggregation no more.
+    A table ingest wrote holds the failures' masks already
+    (bounces.with_masked_reply takes them), so over it no reply is masked.
 
 SEE ALSO
     sluice.cli.analytics_cmds, docs/analytics.md
@@ -99,6 +101,7 @@ from sluice.pipeline.report import (
     top_reasons,
 )
 from sluice.pipeline.rules import FAILURE_EVENTS
+from sluice.pipeline.schema import STORED_SCHEMA
 from sluice.pipeline.shape import per_destination, throttle_findings
 from sluice.pipeline.suppress import last_delivered, suppressions
 from sluice.pipeline.suppress_list import merge_lists, read_list, write_list
@@ -160,9 +163,14 @@ def open_source(
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> Source:
-    """The events of ``inputs`` between ``since`` and ``until``, read once for the jobs."""
+    """The events of ``inputs`` between ``since`` and ``until``, read once for the jobs.
+
+    When every input is Parquet, the events keep the columns an ingested
+    table stores (STORED_SCHEMA; null where a table has none).
+    """
     paths = expand_inputs(inputs)
-    events = read_events(spark, paths).transform(between, since=since, until=until)
+    extra = STORED_SCHEMA if all(is_parquet(p) for p in paths) else None
+    events = read_events(spark, paths, extra).transform(between, since=since, until=until)
     return Source(paths, events, until)
 
 

@@ -35,6 +35,12 @@ STRATEGIES
     events, and the two meet in a join on the cell and its grouping id --
     about a third less work than one aggregation doing both.
 
+    Counts per cell first.  The counts aggregate the events once, per
+    detail cell, and the grouping sets then roll up the cells: every event
+    passes through one hash aggregation instead of four (GROUPING SETS
+    expands each row once per set).  The percentiles cannot be rolled up
+    from cells and still expand the deliveries.
+
     Reasons are grouped after masking (rules.mask): "452 4.2.2 <addr>...
     mailbox full" is one reason whoever the recipient.
 
@@ -99,6 +105,10 @@ class Level(StrEnum):
     TOTAL = "total"  # one row
 
 
+#: The event kinds the report counts, in output order.
+_KINDS: tuple[str, ...] = ("received", "delivered", "deferred", "bounced", "expired")
+
+
 def _count(kind: str) -> Column:
     return F.count_if(F.col("event") == kind).cast("long")
 
@@ -113,13 +123,22 @@ def outcomes(events: DataFrame) -> DataFrame:
     )
     keys = [*DIMENSIONS, "hour"]
     sets = [keys, ["hour"], ["domain"], []]
-    counts = with_hour.groupingSets(sets, *keys).agg(
-        _count("received").alias("received"),
-        _count("delivered").alias("delivered"),
-        _count("deferred").alias("deferred"),
-        _count("bounced").alias("bounced"),
-        _count("expired").alias("expired"),
-        F.avg(F.when(delivered, F.col("attempt"))).alias("attempts_per_delivered"),
+    # Counted per detail cell in one code-generated pass over the events,
+    # then the cells (far fewer) rolled up into the four levels: sums of
+    # counts are exact, and the average is kept as its sum and count.
+    attempt = F.when(delivered, F.col("attempt"))
+    cells = with_hour.groupBy(*keys).agg(
+        *[_count(kind).alias(kind) for kind in _KINDS],
+        F.sum(attempt).alias("_attempts"),
+        F.count(attempt).alias("_attempted"),
+    )
+    counts = cells.groupingSets(sets, *keys).agg(
+        *[F.sum(kind).alias(kind) for kind in _KINDS],
+        # avg() sums an int column as a double: the same value as this
+        # exact sum of longs for any count of attempts a log can hold.
+        F.when(F.sum("_attempted") > 0,
+               F.sum("_attempts").cast("double") / F.sum("_attempted").cast("double"))
+        .alias("attempts_per_delivered"),
         F.grouping_id().alias("_gid"),
     )
     pcts = with_hour.where(delivered & F.col("queue_age_s").isNotNull()).groupingSets(

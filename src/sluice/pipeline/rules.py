@@ -6,6 +6,7 @@ SUMMARY
     classify(event, code, enhanced, text) -> (BounceCategory, hard)
     category_of(event, enhanced, masked_text) -> BounceCategory
     mask(text) -> str                   variable parts of a reply masked
+    MASK_RULES_ID                       which rules made a stored mask
     throttle_kind(code, enhanced, text) -> ThrottleKind | None
     PROVIDER_GROUPS, mx_group(host) -> (groupid, patterns)
 
@@ -57,13 +58,16 @@ SEE ALSO
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = [
     "BOUNCE_RULES",
     "HARD_CATEGORIES",
+    "MASK_MAX",
     "MASK_RULES",
+    "MASK_RULES_ID",
     "PROVIDER_GROUPS",
     "THROTTLE_CODES",
     "BounceCategory",
@@ -328,6 +332,11 @@ MASK_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 #: Longest masked reason kept; the rest adds nothing to grouping.
 MASK_MAX = 200
+
+#: Which masking rules made a masked text: ingest stores it beside each
+#: masked reply (sluice.pipeline.ingest), and a report uses a stored mask
+#: only when it was made by the rules it would apply itself.
+MASK_RULES_ID: int = zlib.crc32(repr((MASK_RULES, MASK_MAX)).encode("utf-8"))
 
 _JAVA_GROUP = re.compile(r"\$(\d)")
 

@@ -4,6 +4,7 @@ SUMMARY
     RAW_EVENT_SCHEMA   the accounting log's JSON lines as read (time is text)
     EVENT_SCHEMA       events after normalisation (time is a timestamp)
     CLASSIFIED_SCHEMA  EVENT_SCHEMA plus category, hard and reason
+    STORED_SCHEMA      what an ingested table keeps beside EVENT_SCHEMA
     SUPPRESSION_SCHEMA what the suppress job produces
 
 DESCRIPTION
@@ -38,6 +39,9 @@ __all__ = [
     "CORRUPT_COLUMN",
     "EVENT_SCHEMA",
     "RAW_EVENT_SCHEMA",
+    "STORED_MASK",
+    "STORED_RULES",
+    "STORED_SCHEMA",
     "SUPPRESSION_SCHEMA",
 ]
 
@@ -70,6 +74,18 @@ EVENT_SCHEMA: StructType = _event_schema(TimestampType())
 
 RAW_EVENT_SCHEMA: StructType = StructType(
     [*_event_schema(StringType()).fields, StructField(CORRUPT_COLUMN, StringType(), True)]
+)
+
+#: Derived columns an ingested table stores beside EVENT_SCHEMA
+#: (sluice.pipeline.ingest): a failure's masked reply (null for other
+#: events), and the id of the masking rules that made it
+#: (rules.MASK_RULES_ID), so that a report masks again only what older
+#: rules masked.  Masking is the costliest step after parsing; stored, it
+#: is paid once per event instead of once per report.
+STORED_MASK = "masked_reply"
+STORED_RULES = "mask_rules"
+STORED_SCHEMA: StructType = StructType(
+    [StructField(STORED_MASK, StringType(), True), StructField(STORED_RULES, LongType(), True)]
 )
 
 CLASSIFIED_SCHEMA: StructType = StructType(
