@@ -437,8 +437,7 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
                     view.swap(ctrls, regroup(ctrls, recs))
             return applied
 
-        fut: concurrent.futures.Future[set[str]] = self._op(work)
-        return fut
+        return self._op(work)
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: bounces/ entries due, leased by moving their due time."""

@@ -431,8 +431,7 @@ class KvStore(ApplyByFuture, Reading):
             self._collect_gone(view, gone)
             return applied
 
-        fut: concurrent.futures.Future[set[str]] = self._op(work)
-        return fut
+        return self._op(work)
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: bounce keys due, leased by moving their due time."""

@@ -310,8 +310,7 @@ class PgStore(ApplyByFuture, PgCommitting):
                     run.append(item)
             return applied
 
-        fut: concurrent.futures.Future[set[str]] = self._op(work)
-        return fut
+        return self._op(work)
 
     @staticmethod
     def _apply_run(conn: psycopg.Connection[Any], run: list[tuple[str, int, Transition]],

@@ -76,7 +76,8 @@ LIMITATIONS
 SEE ALSO
     sluice.store (the interface), sluice.store._sqlite_schema (tables and
     triggers), sluice.store._sqlite_db (connections and the committer),
-    sluice.spool.fs, seeds/000 section 4.3.3.
+    sluice.store._sqlite_apply (the statements of apply), sluice.spool.fs,
+    seeds/000 section 4.3.3.
 """
 
 from __future__ import annotations
@@ -92,14 +93,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from sluice.model import (
-    IN_FLIGHT_STATES,
     Accepted,
     QueueEntry,
     QueueState,
     Reply,
     Selector,
     Submission,
-    parse_qid,
 )
 from sluice.spool import Content, SpoolIOError, new_spid
 from sluice.spool.fs import FsSpool
@@ -116,7 +115,8 @@ from sluice.store import (
 )
 from sluice.store._commit import GroupCommitter
 from sluice.store._refill import EQUAL, TenantWeights
-from sluice.store._sql import SqlQueue, queue_rows, reply_columns
+from sluice.store._sql import SqlQueue, queue_rows
+from sluice.store._sqlite_apply import KEYS_PER_STATEMENT, grouped, keys_where
 from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database
 from sluice.store._sqlite_schema import SCHEMA_VERSION, Sqlite, open_schema
 
@@ -124,63 +124,6 @@ if TYPE_CHECKING:
     from sluice.config import Config
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
-
-#: Entries per grouped statement in apply(): one OR term each at most, far
-#: below SQLite's limits on variables and expression depth.
-_KEYS_PER_STATEMENT = 200
-
-
-def _keys_where(keys: Sequence[tuple[str, int, str]]
-                ) -> tuple[str, list[Any], dict[tuple[str, int], str]]:
-    """A WHERE clause for these (spid, idx, qid) keys, its values, and the qid of each key.
-
-    One ``spid = ? AND idx IN (...)`` term per message, OR'ed: SQLite looks
-    each term up by the primary key (a row-value IN list made it scan an
-    index instead).
-    """
-    by_spid: dict[str, list[int]] = {}
-    qids: dict[tuple[str, int], str] = {}
-    for spid, idx, qid in keys:
-        by_spid.setdefault(spid, []).append(idx)
-        qids[spid, idx] = qid
-    terms: list[str] = []
-    values: list[Any] = []
-    for spid, idxs in by_spid.items():
-        terms.append(f"(spid = ? AND idx IN ({','.join('?' * len(idxs))}))")
-        values += (spid, *idxs)
-    return " OR ".join(terms), values, qids
-
-
-def _transition_sql(t: Transition, node: str) -> tuple[str, tuple[Any, ...]]:
-    """The statement that applies ``t`` up to its key condition, and its values.
-
-    The statement ends inside its WHERE clause; the caller adds the key
-    (one entry, or several as one row-value IN list).
-    """
-    cond = "WHERE 1"
-    cparams: list[Any] = []
-    if t.expect:
-        # "+state": never look entries up by state here (thousands are
-        # active), always by the keys the caller adds.
-        cond = f"WHERE +state IN ({','.join('?' * len(t.expect))})"
-        cparams.extend(str(s) for s in t.expect)
-    if t.state is None:
-        return f"DELETE FROM queue {cond}", tuple(cparams)
-    sets = ["state = ?"]
-    params: list[Any] = [str(t.state)]
-    if t.next_attempt_at is not None:
-        sets.append("next_attempt_at = ?")
-        params.append(t.next_attempt_at)
-    if t.reply is not None:
-        sets += ["last_code = ?", "last_enhanced = ?", "last_text = ?",
-                 "last_mta = ?", "last_attempt_at = ?"]
-        params += reply_columns(t.reply)
-    if t.attempted:
-        sets.append("attempts = attempts + 1")
-    sets.append("owner = ?")
-    params.append(node if t.state in IN_FLIGHT_STATES else None)
-    return f"UPDATE queue SET {', '.join(sets)} {cond}", (*params, *cparams)
-
 
 #: The qmeta key that says _check_whole_queue() has run on this queue.
 _CHECKED = "whole_queue_checked"
@@ -397,28 +340,10 @@ class SqliteStore(ApplyByFuture, Database):
             conn = after.conn
             applied: set[str] = set()
             touched: set[str] = set()
-            # Transitions with the same statement and values (a batch of
-            # deliveries, of "delivering" marks, a message's recipients)
-            # run as one statement over all their keys, whatever message
-            # they belong to.  Grouping reorders, so it is only done when
-            # no entry appears twice.
-            keyed: list[tuple[str, tuple[Any, ...], str, int, str]] = []
-            for t in items:
-                spid, idx = parse_qid(t.qid)
-                if idx is None:
-                    raise ValueError(f"a transition needs a full queue id, not {t.qid!r}")
-                keyed.append((*_transition_sql(t, node), spid, idx, t.qid))
-            if len({(k[2], k[3]) for k in keyed}) == len(keyed):
-                groups: dict[tuple[str, tuple[Any, ...]], list[tuple[str, int, str]]] = {}
-                for statement, params, spid, idx, qid in keyed:
-                    groups.setdefault((statement, params), []).append((spid, idx, qid))
-                plan = [(*key, keys) for key, keys in groups.items()]
-            else:
-                plan = [(st, params, [(spid, idx, qid)]) for st, params, spid, idx, qid in keyed]
-            for statement, params, keys in plan:
+            for statement, params, keys in grouped(items, node):
                 deleting = statement.startswith("DELETE")
-                for at in range(0, len(keys), _KEYS_PER_STATEMENT):
-                    where, values, qids = _keys_where(keys[at : at + _KEYS_PER_STATEMENT])
+                for at in range(0, len(keys), KEYS_PER_STATEMENT):
+                    where, values, qids = keys_where(keys[at : at + KEYS_PER_STATEMENT])
                     for spid, idx in conn.execute(
                             f"{statement} AND ({where}) RETURNING spid, idx",
                             (*params, *values)).fetchall():
@@ -428,8 +353,7 @@ class SqliteStore(ApplyByFuture, Database):
             self._collect_gone(conn, touched, after)
             return applied
 
-        fut: concurrent.futures.Future[set[str]] = self._submit_op(work, durable=durable)
-        return fut
+        return self._submit_op(work, durable=durable)
 
     def _collect_gone(self, conn: sqlite3.Connection, spids: set[str], after: Batch) -> None:
         """Queue for deletion the content of messages that have no rows left.
@@ -439,8 +363,8 @@ class SqliteStore(ApplyByFuture, Database):
         if not spids:
             return
         listed = sorted(spids)
-        for at in range(0, len(listed), _KEYS_PER_STATEMENT):
-            chunk = listed[at : at + _KEYS_PER_STATEMENT]
+        for at in range(0, len(listed), KEYS_PER_STATEMENT):
+            chunk = listed[at : at + KEYS_PER_STATEMENT]
             marks = ",".join("?" * len(chunk))
             kept = {spid for spid, in conn.execute(
                 f"SELECT DISTINCT spid FROM queue WHERE spid IN ({marks})", chunk)}
