@@ -267,13 +267,12 @@ class Queue:
         """Apply attempt outcomes; returns each result with the state it led to.
 
         The state is None when the entry is gone; results that did not apply
-        are left out.  plan_record(), the store's apply, finish_record(): a
+        are left out.  plan_record(), apply_record(), finish_record(): a
         caller on an event loop runs the three itself, waiting for the
         store's future rather than in a thread.
         """
         plan = self.plan_record(results)
-        return self.finish_record(plan, self.store.apply(plan.transitions,
-                                                          durable=plan.durable))
+        return self.finish_record(plan, self.apply_record(plan).result())
 
     def plan_record(self, results: Sequence[AttemptResult]) -> RecordPlan:
         """The store changes that record these outcomes (see record())."""
@@ -319,6 +318,10 @@ class Queue:
         # power cut, a deferral is only redone, never a lost message.
         delivered = any(isinstance(res.outcome, Delivered) for res in results)
         return RecordPlan(now, transitions, planned, durable=delivered)
+
+    def apply_record(self, plan: RecordPlan) -> concurrent.futures.Future[set[str]]:
+        """Give ``plan``'s changes to the store; the future holds the qids applied."""
+        return self.store.apply_future(plan.transitions, durable=plan.durable)
 
     def finish_record(self, plan: RecordPlan, applied: set[str]
                       ) -> list[tuple[AttemptResult, QueueState | None]]:

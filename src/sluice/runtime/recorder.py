@@ -20,7 +20,7 @@ STRATEGIES
     future; sluice.delivery.agent, "Durable before reuse"), so a success
     is durable one commit after its reply, not whenever the loop gets to
     it.  The batch goes from the loop straight to the store's committer
-    (Queue.plan_record, Store.apply_future, Queue.finish_record): no pool
+    (Queue.plan_record, apply_record, finish_record): no pool
     thread sits between them only to wait, which cost about 0.9 ms of
     each delivery's wait.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
     burst of bounces makes few runs.
@@ -129,8 +129,8 @@ class Recorder:
                 # The store's own thread does the work; the loop waits for
                 # its future, not for a thread of the pool that waits for it.
                 plan = self.queue.plan_record(batch)
-                applied = self.queue.finish_record(plan, await asyncio.wrap_future(
-                    self.queue.store.apply_future(plan.transitions, durable=plan.durable)))
+                applied = self.queue.finish_record(
+                    plan, await asyncio.wrap_future(self.queue.apply_record(plan)))
             except BaseException as exc:
                 # Failed (retried below) or cancelled: the deliveries
                 # waiting for this batch go on.
