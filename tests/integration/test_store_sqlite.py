@@ -98,6 +98,40 @@ def test_callers_that_need_no_flush_do_not_wait_for_their_batch_s_flush(
         assert acc.spid == first.spid
 
 
+def test_the_next_batch_commits_while_the_last_one_is_flushed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The committer ran each batch's fsync itself, so a "delivering" mark
+    # (no flush needed) queued behind a delivery's outcome waited for the
+    # outcome's fsync: every delivery of the queue manager paid for it.
+    # The flush now runs on its own thread while the next batch commits.
+    import threading
+
+    with _store(tmp_path) as store:
+        store.submit(MSG, b"x", T0)
+        first, second = store.claim(10, T0, 10)
+        in_flush, release = threading.Event(), threading.Event()
+        flush = store._flush_wal
+
+        def slow_flush() -> None:
+            in_flush.set()
+            assert release.wait(10)
+            flush()
+
+        monkeypatch.setattr(store, "_flush_wal", slow_flush)
+        outcome = store._submit_op(lambda after: store._sql.get(first.qid))
+        assert in_flush.wait(10)
+        mark = store._submit_op(lambda after: store._sql.get(second.qid), durable=False)
+        try:
+            # Committed and answered while the outcome's flush is still held.
+            assert mark.result(10) is not None
+            assert not outcome.done()
+        finally:
+            release.set()
+        assert outcome.result(10) is not None
+        # Both were committed, the durable one answered only after its flush.
+        monkeypatch.setattr(store, "_flush_wal", flush)
+        assert store.submit(MSG, b"y", T0).spid
+
 def test_a_failed_flush_fails_the_callers_that_needed_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with _store(tmp_path) as store:

@@ -4,7 +4,8 @@ SUMMARY
     Database, a part of SqliteStore (a mixin: SqliteStore sets the
     attributes): _reading() for readers, _submit_op(work) and _call(work)
     for the committer thread, _write_lock() for every writer; Batch, what
-    the operations of one commit share.
+    the operations of one commit share; WalSyncer, the thread that flushes
+    committed batches.
 
 DESCRIPTION
     Readers take one connection per thread, opened on first use and
@@ -15,10 +16,11 @@ STRATEGIES
     Group commit, and the fsync outside the write lock: the committer runs
     everything that queued up in one transaction with a savepoint per
     operation, commits with synchronous=NORMAL under the flock(2) lock
-    beside the database, releases the lock and only then fdatasyncs the
-    WAL before telling the batch's callers that need it (see
-    sluice.store.sqlite, STRATEGIES, for why); the others (claims, marks,
-    failed attempts) hear of the commit before that flush.  Spool files
+    beside the database, releases the lock and hands the batch to the
+    syncer thread (WalSyncer), which fdatasyncs the WAL before telling the
+    batch's callers that need it while the committer goes on with the
+    next batch (see sluice.store.sqlite, STRATEGIES, for why); the others
+    (claims, marks, failed attempts) hear of the commit before that flush.  Spool files
     are synced before the rows that point at them are committed, and
     deleted only after the commit that removed their last row is durable.
 
@@ -41,7 +43,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import logging
 import os
+import queue as queuelib
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -54,7 +58,9 @@ from sluice.spool.fs import FsSpool
 from sluice.store import StorageError
 from sluice.store._commit import GroupCommitter, Op
 
-__all__ = ["BULK", "OP_SAVEPOINT", "Batch", "Database"]
+__all__ = ["BULK", "OP_SAVEPOINT", "Batch", "Database", "WalSyncer"]
+
+_log = logging.getLogger(__name__)
 
 #: The savepoint each operation of a batch runs in; an operation may roll
 #: back to it to start over.
@@ -89,6 +95,7 @@ class Database:
     _lock_fd: int
     _writer: sqlite3.Connection
     _committer: GroupCommitter
+    _syncer: WalSyncer
     _temp_in_memory: bool = False
 
     # -- connections ---------------------------------------------------------------
@@ -201,7 +208,6 @@ class Database:
                     return
         # 2. Meta: the whole batch in one transaction, one savepoint per op.
         conn = self._writer
-        durable = any(op.durable or op.files for op in batch)
         self._temp_store_for(batch)
         after = Batch(conn)
         results: list[tuple[Op, Any, BaseException | None]] = []
@@ -225,29 +231,23 @@ class Database:
         #    failed attempt) and operations that failed hear of the commit
         #    now: they do not wait for a flush that other operations of
         #    their batch asked for.
+        waiting: list[tuple[Op, Any]] = []
         for op, value, failure in results:
             if failure is not None or not (op.durable or op.files):
                 self._settle(op, value, failure, None)
-        # 4. Durability, outside the lock: the commit wrote the WAL without
-        #    syncing it (synchronous=NORMAL), so that no process waits for
-        #    another's fsync to begin its own transaction; the batch's
-        #    callers that need it hear of it only once the WAL is synced.  If
-        #    that fails, the rows are in the queue but maybe not on disk:
-        #    they get an error (a client retries; a duplicate is possible, a
-        #    loss after 250 is not).
-        unsynced: StorageError | None = None
-        if durable:
-            try:
-                self._flush_wal()
-            except OSError as exc:
-                unsynced = StorageError(f"the queue's log could not be synced: {exc}")
-        # 5. Content whose last row is gone may go too (on the spool's own
-        #    thread: unlinks must not delay the next commit).
-        self.spool.delete_soon(after.unlink, barrier=(
-            None if durable and unsynced is None else self._flush_wal))
-        for op, value, failure in results:
-            if failure is None and (op.durable or op.files):
-                self._settle(op, value, None, unsynced)
+            else:
+                waiting.append((op, value))
+        # 4. Durability, outside the lock and off this thread: the commit
+        #    wrote the WAL without syncing it (synchronous=NORMAL), so that
+        #    no process waits for another's fsync to begin its own
+        #    transaction, and the syncer thread flushes it while this thread
+        #    commits the next batch (module doc, "Pipelined flush").  The
+        #    callers that need it hear of their commit once it is flushed.
+        #    A batch that needs no flush frees its content behind one.
+        if waiting:
+            self._syncer.after(waiting, after.unlink)
+        else:
+            self.spool.delete_soon(after.unlink, barrier=self._flush_wal)
 
     def _settle(self, op: Op, value: Any, failure: BaseException | None,
                 unsynced: StorageError | None) -> None:
@@ -281,3 +281,67 @@ class Database:
                 conn.execute(f"RELEASE {OP_SAVEPOINT}")
                 results.append((op, value, None))
         conn.execute("COMMIT")
+
+
+class WalSyncer:
+    """The thread that flushes the WAL after commits, then answers their callers.
+
+    ``after(waiting, unlink)`` queues a committed batch: the operations
+    whose callers wait for durability, with their values, and the content
+    their commit freed.  The thread takes every batch queued while its last
+    flush ran, flushes once for all of them (``flush``, the WAL's
+    fdatasync), and settles them in commit order; if the flush fails they
+    get the error (their rows are committed but maybe not on disk: a client
+    retries, a duplicate is possible, a loss after 250 is not) and their
+    content waits for a later flush.
+    """
+
+    def __init__(self, flush: Callable[[], None],
+                 settle: Callable[[Op, Any, BaseException | None, StorageError | None], None],
+                 spool: FsSpool, *, name: str = "sluice-wal-sync") -> None:
+        self._flush = flush
+        self._settle = settle
+        self._spool = spool
+        self._queue: queuelib.SimpleQueue[tuple[list[tuple[Op, Any]], list[str]] | None] = (
+            queuelib.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def after(self, waiting: list[tuple[Op, Any]], unlink: list[str]) -> None:
+        """Queue a committed batch for the next flush."""
+        self._queue.put((waiting, unlink))
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            if item is None:
+                return
+            batches = [item]
+            while True:  # every batch committed so far shares this flush
+                try:
+                    nxt = self._queue.get_nowait()
+                except queuelib.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batches.append(nxt)
+            unsynced: StorageError | None = None
+            try:
+                self._flush()
+            except OSError as exc:
+                unsynced = StorageError(f"the queue's log could not be synced: {exc}")
+            for waiting, unlink in batches:
+                self._spool.delete_soon(
+                    unlink, barrier=None if unsynced is None else self._flush)
+                for op, value in waiting:
+                    try:
+                        self._settle(op, value, None, unsynced)
+                    except Exception:  # one bad answer must not stop the flushes
+                        _log.exception("answering a committed operation failed")
+
+    def close(self) -> None:
+        """Flush and answer what is queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()

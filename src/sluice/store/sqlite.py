@@ -42,6 +42,12 @@ STRATEGIES
     of attempt outcomes and claims only are not synced at all (losing one
     repeats an attempt); content they free waits for a sync.
 
+    Pipelined flush.  The fdatasync runs on a syncer thread of its own,
+    so the committer begins the next batch while the last one is being
+    flushed: a claim or a "delivering" mark queued behind a delivery's
+    outcome waits for that outcome's transaction, not for its fsync, and
+    batches that commit during one flush share the next.
+
     Content in the commit.  A small message's content is inserted in the
     same transaction as its rows, so the WAL fsync that makes the rows
     durable makes the content durable too: no file to create, fsync and
@@ -117,7 +123,7 @@ from sluice.store._commit import GroupCommitter
 from sluice.store._refill import EQUAL, TenantWeights
 from sluice.store._sql import SqlQueue, queue_rows
 from sluice.store._sqlite_apply import KEYS_PER_STATEMENT, grouped, keys_where
-from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database
+from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database, WalSyncer
 from sluice.store._sqlite_schema import SCHEMA_VERSION, Sqlite, open_schema
 
 if TYPE_CHECKING:
@@ -212,6 +218,8 @@ class SqliteStore(ApplyByFuture, Database):
         # The writer commits without syncing the WAL; _commit syncs it itself,
         # after the commit and outside the lock, for batches that need it.
         self._writer.execute("PRAGMA synchronous = NORMAL")
+        # A lambda, so that a test spying on _flush_wal sees the syncer's flushes.
+        self._syncer = WalSyncer(lambda: self._flush_wal(), self._settle, self.spool)
         self._committer = GroupCommitter(self._commit, max_batch=max_batch, name="sluice-commit",
                                          dropped=self._discard)
         self._sql = SqlQueue(Sqlite(), self._reading)
@@ -518,6 +526,7 @@ class SqliteStore(ApplyByFuture, Database):
             return
         self._closed = True
         self._committer.close()
+        self._syncer.close()
         self.spool.close()
         os.close(self._lock_fd)
         with contextlib.suppress(sqlite3.Error):
