@@ -475,8 +475,8 @@ class QueueManager:
         recorder.
         """
         self._stopping = True
-        recorder = self.recorder.task
-        others = [t for t in self._tasks if t is not recorder]
+        recorder = self.recorder.tasks
+        others = [t for t in self._tasks if t not in recorder]
         for task in others:
             task.cancel()
         await asyncio.gather(*others, return_exceptions=True)

@@ -1,0 +1,144 @@
+"""The queue manager's recorder on a real SQLite queue: outcome batches are
+pipelined into the store, and a failing store is retried after a back-off
+without losing or double-counting an outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.model import Delivered, QueueState, Reply, Selector, Submission
+from sluice.queue import AttemptResult, Queue
+from sluice.runtime.parts import Health
+from sluice.runtime.recorder import Recorder
+from sluice.store import StorageError
+from sluice.store.sqlite import SqliteStore
+from tests.integration.stores import flavour_config
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_800_000_000.0
+OK = Delivered(Reply(250, "2.0.0", "queued as X"))
+
+
+class Counters:
+    delivered = 0
+    deferred = 0
+    bounced = 0
+
+
+def _queue(tmp_path: Path, n: int) -> tuple[Queue, list[AttemptResult]]:
+    queue = Queue.open(flavour_config("sqlite", tmp_path), clock=lambda: T0)
+    for i in range(n):
+        queue.submit(Submission("a@example.org", (f"r{i}@example.net",)), b"x\r\n")
+    claimed = queue.claim(100)
+    queue.mark_delivering(claimed)
+    return queue, [AttemptResult(e, OK, remoteip="127.0.0.1") for e in claimed]
+
+
+def _recorder(queue: Queue, tasks: list[asyncio.Task[None]],
+              sleeps: list[float] | None = None) -> tuple[Recorder, Counters]:
+    def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        tasks.append(task)
+        return task
+
+    async def sleep(delay: float) -> None:
+        if sleeps is not None:
+            sleeps.append(delay)
+        await asyncio.sleep(0)
+
+    async def io(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    stats = Counters()
+    return Recorder(queue, stats, Health(), spawn=spawn, io=io, notify_mail=lambda n: None,
+                    sleep=sleep), stats
+
+
+def _states(queue: Queue) -> dict[str, QueueState]:
+    return {e.qid: e.state for e in queue.store.entries(Selector())}
+
+
+def test_a_batch_goes_to_the_store_while_the_last_one_is_still_being_flushed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One batch at a time: an outcome that arrived during a commit waited
+    # for that commit's fsync before its own commit began.
+    queue, (first, second) = _queue(tmp_path, 2)
+    store = queue.store
+    assert isinstance(store, SqliteStore)
+    in_flush, release = threading.Event(), threading.Event()
+    flush = store._flush_wal
+
+    def slow_flush() -> None:
+        in_flush.set()
+        release.wait(10)
+        flush()
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        monkeypatch.setattr(store, "_flush_wal", slow_flush)
+        one = recorder.record([first])
+        assert await asyncio.to_thread(in_flush.wait, 10)
+        two = recorder.record([second])
+        try:
+            for _ in range(2000):  # the second batch is committed while the first is held
+                if second.entry.qid not in _states(queue):
+                    break
+                await asyncio.sleep(0.001)
+            assert second.entry.qid not in _states(queue)
+            assert not one.done() and not two.done()  # neither answered before its flush
+        finally:
+            release.set()
+        await asyncio.wait_for(asyncio.gather(one, two), 10)
+        assert stats.delivered == 2 and _states(queue) == {}
+        await recorder.drain()
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        queue.close()
+
+
+def test_a_failing_store_is_retried_after_a_back_off_and_counts_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    queue, results = _queue(tmp_path, 6)
+    apply_record = queue.apply_record
+    failures = [2]
+
+    def flaky(plan: Any) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise StorageError("disk full")
+        return apply_record(plan)
+
+    monkeypatch.setattr(queue, "apply_record", flaky)
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        sleeps: list[float] = []
+        recorder, stats = _recorder(queue, tasks, sleeps)
+        waiting = [recorder.record([r]) for r in results[:3]]
+        await asyncio.sleep(0)
+        waiting += [recorder.record([r]) for r in results[3:]]
+        await asyncio.wait_for(asyncio.gather(*waiting), 10)  # tried once: answered
+        for _ in range(1000):
+            if stats.delivered == 6:
+                break
+            await asyncio.sleep(0.001)
+        await recorder.drain()
+        assert stats.delivered == 6 and _states(queue) == {}
+        assert len(sleeps) == 2  # one back-off per failure
+        assert len(tasks) <= 2 + 2  # a batch per turn of the loop, and the retries in them
+
+    try:
+        asyncio.run(main())
+    finally:
+        queue.close()
