@@ -362,7 +362,8 @@ class KvStore(ApplyByFuture, Reading):
                     out.append(entry)
             return out
 
-        result: list[QueueEntry] = self._call(work)
+        # A claim lost in a power cut leaves its entries queued: not synced.
+        result: list[QueueEntry] = self._call(work, durable=False)
         return result
 
     def _change_state(self, view: Batch, spid: str, dz: bytes, rec: dict[str, Any],
@@ -431,7 +432,7 @@ class KvStore(ApplyByFuture, Reading):
             self._collect_gone(view, gone)
             return applied
 
-        return self._op(work)
+        return self._op(work, durable=durable)
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: bounce keys due, leased by moving their due time."""
