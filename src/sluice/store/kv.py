@@ -59,9 +59,10 @@ STRATEGIES
     batch: a synchronous write only syncs the current log, and chunks may
     sit in the previous one if LevelDB switched logs meanwhile), and then
     writes all the batch's meta keys, index keys and counters in one
-    WriteBatch with sync=True.  ZoneMTA lost data on recovery with unsynced
-    writes; here a message is visible only through keys of a synced atomic
-    batch whose content was already on disk.
+    WriteBatch and syncs the log files again.  ZoneMTA lost data on
+    recovery with unsynced writes; here a message is visible only through
+    keys of a synced atomic batch whose content was already on disk.
+    Claims and "delivering" marks are not synced (sluice.store._kv_db).
 
     Read-your-writes inside a batch: operations of one batch see each
     other's changes through an overlay of pending keys merged into every
