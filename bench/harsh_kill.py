@@ -39,6 +39,18 @@ accounting log:
                  "delivered" line of messages sent once, p99; a busy
                  machine stretches commits) is printed beside.
 
+The no-reply window of each kill is measured at the sink: from the
+SIGKILL to the sink seeing the killed process's connections close (EOF),
+with the sink's final dots still unanswered at the kill and the killed
+process's resident memory, which the kernel frees before it closes the
+sockets.  "No reply expected" is the mean those windows give for kills at
+random moments: each dot waiting at a kill is answered first with
+probability window / sink delay.  The count itself comes in lumps (the
+deliveries after a restart stay in step, so a kill catches up to four or
+none); the expectation varies far less from run to run.  Threads of the
+killed process still in uninterruptible sleep (an fsync) after the SIGKILL
+are counted too: they would keep its sockets open.
+
 Prints the figures and the machine's load (/proc/loadavg) before and
 after.  A soak run, not a test: about two minutes.
 
@@ -72,6 +84,7 @@ from typing import Any
 
 import yaml
 
+from sluice import sink as sink_module
 from sluice.config import load_config
 from sluice.model import QueueState, Submission
 from sluice.sink import Behaviour, Sink
@@ -145,6 +158,33 @@ def commit_interval(config: Path) -> float:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def uninterruptible(pid: int) -> list[str]:
+    """The threads of ``pid`` in uninterruptible sleep (state D), as their kernel wait.
+
+    A SIGKILL takes effect only when every thread has left the kernel, so
+    a thread in an fsync keeps the process, and its sockets, alive.
+    """
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "D":
+                wchan = ""
+                with contextlib.suppress(OSError):
+                    wchan = (task / "wchan").read_text().strip()
+                out.append(f"{(task / 'comm').read_text().strip()}:{wchan or '?'}")
+    return out
+
+
+def resident_kib(pid: int) -> int:
+    """A process's resident memory: the kernel frees it before it closes its sockets."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
 class Serve:
     """`sluice serve` as a process group that can be killed and started again."""
 
@@ -152,6 +192,9 @@ class Serve:
         self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
         self.dying: list[float] = []  # SIGKILL to reaped, each kill: its sockets close then
+        self.ready: list[float] = []  # when each start was serving
+        self.stuck: list[list[str]] = []  # each kill: threads in D (uninterruptible) after it
+        self.rss: list[int] = []  # each kill: the killed process's resident memory (KiB)
 
     def start(self, timeout: float = 60) -> None:
         proc = subprocess.Popen([SLUICE, "-c", str(self.config), "serve", "--log-level",
@@ -170,6 +213,7 @@ class Serve:
                 if b"serving SMTP on" in buf:
                     threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
                     self.proc = proc
+                    self.ready.append(time.time())
                     return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -187,9 +231,11 @@ class Serve:
 
     def kill(self) -> float:
         assert self.proc is not None
+        self.rss.append(resident_kib(self.proc.pid))
         at = time.time()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        self.stuck.append(uninterruptible(self.proc.pid))
         self.proc.wait()
         self.dying.append(time.time() - at)
         self.proc = None
@@ -290,6 +336,54 @@ def classify(copies: list[float], kills: list[float], events: list[tuple[str, fl
     return ("reply" if delta <= window else "late"), delta
 
 
+class Watch:
+    """What the sink saw of each connection: its final dots, and when it saw it close.
+
+    A message whose dot the sink has and whose answer is due after a kill
+    is delivered twice if the answer goes before the sink sees the
+    connection close (aiosmtpd cancels the answer at EOF): the no-reply
+    window of each kill is how long the killed process's connections
+    stayed open.
+    """
+
+    def __init__(self) -> None:
+        self.dots: list[float] = []  # the sink had a message's final dot
+        self.closed: dict[int, float] = {}  # connection: when the sink first saw EOF
+        smtp = sink_module._SinkSMTP
+        eof, lost, on_data = smtp.eof_received, smtp.connection_lost, Sink._on_data
+        watch = self
+
+        def note_eof(server: sink_module._SinkSMTP) -> bool | None:
+            watch.closed.setdefault(id(server), time.time())
+            return eof(server)
+
+        def note_lost(server: sink_module._SinkSMTP, exc: Exception | None) -> None:
+            watch.closed.setdefault(id(server), time.time())
+            lost(server, exc)
+
+        async def note_data(sink: Sink, server: Any, session: Any, envelope: Any) -> str:
+            watch.dots.append(time.time())
+            return await on_data(sink, server, session, envelope)
+
+        smtp.eof_received = note_eof  # type: ignore[method-assign,assignment]
+        smtp.connection_lost = note_lost  # type: ignore[method-assign,assignment]
+        Sink._on_data = note_data  # type: ignore[method-assign,assignment]
+
+    def per_kill(self, kills: list[float], ready: list[float], slow: float
+                 ) -> list[tuple[float, int, int]]:
+        """Each kill: (connections open for, dots awaiting an answer, answers due meanwhile)."""
+        out = []
+        closes = sorted(self.closed.values())
+        for i, k in enumerate(kills):
+            end = ready[i + 1] if i + 1 < len(ready) else k + 1.0
+            seen = [t - k for t in closes if k <= t < end]
+            open_for = max(seen) if seen else float("nan")
+            waiting = [t for t in self.dots if k - slow <= t < k]
+            due = sum(1 for t in waiting if t + slow <= k + open_for)
+            out.append((open_for, len(waiting), due))
+        return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--messages", type=int, default=1000)
@@ -307,6 +401,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="harsh-kill-", dir=args.dir))
     sink = Sink(default=Behaviour("slow", seconds=args.slow), keep=True)
+    watch = Watch()
     sink_port = sink.start_in_thread()
     port = free_port()
     config = write_config(work, port, sink_port, args.concurrency, args.store)
@@ -386,6 +481,27 @@ def main() -> int:
         print(f"  SIGKILL to serve reaped (its connections closed): median "
               f"{statistics.median(serve.dying) * 1000:.1f} ms, max "
               f"{max(serve.dying) * 1000:.1f} ms")
+    kill_view = watch.per_kill(kills, serve.ready, args.slow)
+    delays = [d for d, _, _ in kill_view]
+    known = sorted(d for d in delays if d == d)
+    if known:
+        print(f"  SIGKILL to the sink seeing the last connection close: median "
+              f"{statistics.median(known) * 1000:.1f} ms, mean {statistics.mean(known) * 1000:.1f}"
+              f" ms, p90 {known[int(0.9 * (len(known) - 1))] * 1000:.1f} ms, max "
+              f"{known[-1] * 1000:.1f} ms; dots awaiting an answer at a kill: mean "
+              f"{statistics.mean(w for _, w, _ in kill_view):.2f}; answers due before the "
+              f"close: {sum(d for _, _, d in kill_view)}")
+        # The mean of "no reply" over kills at random moments: each dot
+        # waiting at a kill is answered before the close with probability
+        # (how long the connections stayed open) / (the sink's delay).
+        expect = sum(w * d / args.slow for d, w, _ in kill_view if d == d)
+        print(f"  no reply expected from the windows: {expect:.1f}; the killed process's "
+              f"resident memory: mean {statistics.mean(serve.rss) / 1024:.0f} MiB, max "
+              f"{max(serve.rss) / 1024:.0f} MiB")
+    stuck = Counter(w for s in serve.stuck for w in s)
+    print(f"  kills that found a thread in uninterruptible sleep: "
+          f"{sum(1 for s in serve.stuck if s)} of {len(serve.stuck)} "
+          + " ".join(f"{w} x{n}" for w, n in stuck.most_common()))
     for cls in ("no reply", "reply", "late", "recorded", "no kill after it"):
         if classes[cls]:
             d = deltas[cls]
@@ -412,6 +528,10 @@ def main() -> int:
     # kill catches all of them or none: the figure comes in lumps.
     print(f"  kills that caught a duplicate: {len(caught)} of {len(kills)}; duplicates each: "
           + " ".join(str(v) for _, v in sorted(caught.items())))
+    for k, v in sorted(caught.items()):
+        print(f"    kill {k + 1}: {v}, connections closed after {delays[k] * 1000:.1f} ms, "
+              f"reaped after {serve.dying[k] * 1000:.1f} ms, in D: "
+              f"{' '.join(serve.stuck[k]) or 'none'}")
     unexplained = classes["late"] + classes["recorded"] + classes["no kill after it"]
     # The note is written for every entry marked delivering at a crash,
     # also those killed before their data went out (sent once in the end).

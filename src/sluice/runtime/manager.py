@@ -95,10 +95,9 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sluice.cluster.agent import ClusterAgent
-from sluice.cluster.shared_limits import SharedLimits
+from sluice import cluster
 from sluice.config import Config
 from sluice.delivery.agent import AgentStats, DeliveryAgent
 from sluice.delivery.plan import Planner
@@ -108,6 +107,10 @@ from sluice.model import QueueState, Reply, Selector
 from sluice.queue import Queue
 from sluice.runtime.deliveries import Deliveries
 from sluice.runtime.duties import ChangeWatcher, ExpirySweep
+
+if TYPE_CHECKING:
+    from sluice.cluster.agent import ClusterAgent
+    from sluice.cluster.shared_limits import SharedLimits
 from sluice.runtime.jobs import Jobs
 from sluice.runtime.parts import Health, Supervisor, Trouble
 from sluice.runtime.policy_file import PolicyFile, load_suspensions
@@ -189,8 +192,16 @@ class QueueManager:
         policy = self.policy_file.load()
         suspensions = load_suspensions(config.scheduler.suspensions)
         self._last_now = clock()
-        # Several nodes: limits shared through Redis (sluice.cluster).
-        shared = SharedLimits.from_config(config)
+        # Several nodes: limits shared through Redis (sluice.cluster).  The
+        # Redis and PostgreSQL clients are imported only then: they are a
+        # third of this process's memory, and a killed process closes its
+        # connections only once the kernel has freed all of it (a next hop
+        # that answers meanwhile gets the message twice; docs/queue.md).
+        shared: SharedLimits | None = None
+        if cluster.enabled(config):
+            from sluice.cluster.shared_limits import SharedLimits
+
+            shared = SharedLimits.from_config(config)
         self.scheduler = Scheduler(Settings.from_config(config), policy, suspensions,
                                    now=self._last_now,
                                    limits=None if shared is None else ClusterLimits())
@@ -213,10 +224,13 @@ class QueueManager:
                                             poll_s=change_poll_s)
         self.expiry_sweep = ExpirySweep(queue, self.recorder, io=self._io,
                                         interval_s=config.queue.bounces_interval)
-        self.cluster = (None if shared is None else
-                        ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
-                                     change=functools.partial(self.change, publish=False),
-                                     policy=lambda: self.scheduler.policy))
+        self.cluster: ClusterAgent | None = None
+        if shared is not None:
+            from sluice.cluster.agent import ClusterAgent
+
+            self.cluster = ClusterAgent(config, queue, shared, post=self.post, clock=self._now,
+                                        change=functools.partial(self.change, publish=False),
+                                        policy=lambda: self.scheduler.policy)
         # shaping: remote replies change the limits (sluice.shaping; docs/shaping.md),
         # on every node of a cluster (share).
         self.shaper = Shaper(config, self.share, lambda: self.scheduler.policy, self._now)

@@ -11,12 +11,24 @@ DESCRIPTION
     be replayed; a batch that follows a reopen checks that the content of
     its submissions survived it.  The committer syncs LevelDB's log files
     once for the content of the whole batch, then writes the batch's meta
-    keys, index keys and counters in one synchronous WriteBatch.  A batch
-    that holds new mail and other changes (delivery outcomes, marks,
-    operator actions) commits the others first, in a synchronous write of
+    keys, index keys and counters in one WriteBatch and syncs the log files
+    again.  A batch that holds new mail and other changes (delivery
+    outcomes, marks, operator actions) commits the others first, synced on
     their own: an outcome must not wait for the content of new mail to be
     synced, since every millisecond it is not durable is one in which a
     crash sends its message twice (docs/queue.md, at least once).
+
+STRATEGIES
+    No sync for what may be lost in a power cut (``durable=False``: claims,
+    "delivering" marks), as with SQLite: such a batch is written to the
+    operating system, which keeps it through a crash of the process, and
+    its callers hear of it at once.  It used to be a synchronous write like
+    any other, three per delivered message, and an outcome arriving while
+    one ran waited for it.  Durable batches sync every log file, not only
+    the current one (which is all a synchronous LevelDB write syncs): an
+    unsynced batch may sit in the log LevelDB just left, and a durable one
+    written after it must not survive a power cut without it.  A log that
+    LevelDB retired meanwhile was synced into a table before it went.
 
 SEE ALSO
     sluice.store.kv (the layout and its strategies), sluice.store._commit
@@ -259,6 +271,7 @@ class Database:
             return
         results: list[tuple[Op, Any, BaseException | None]] = []
         write_error: StorageError | None = None
+        durable = any(op.durable or isinstance(op.extra, Submit) for op in batch)
         with self._rw.reading():
             view = Batch(self._db)
             for op in batch:
@@ -277,7 +290,7 @@ class Database:
             def write(db: Any) -> None:
                 stats = {name: delta for name, delta in view.stats.items() if delta}
                 current = self._read_stats(db) if stats else {}
-                with db.write_batch(sync=True) as wb:
+                with db.write_batch() as wb:  # synced below, every log (module doc)
                     for key, value in view.pending.items():
                         if value is None:
                             wb.delete(key)
@@ -290,6 +303,22 @@ class Database:
                 self._write("writing the queue", write)
             except StorageError as exc:
                 write_error = exc
+        if write_error is None:
+            # Those that need no sync hear of the commit now (module doc).
+            for op, value, failure in results:
+                if failure is None and not (op.durable or isinstance(op.extra, Submit)):
+                    op.future.set_result(value)
+            results = [r for r in results if not r[0].future.done()]
+            if durable:
+                try:
+                    self._sync_logs()
+                except OSError as exc:
+                    # Written but maybe not on disk: the callers get an error
+                    # (a client sends again: a duplicate, never a loss), and
+                    # the database is reopened before the next write.
+                    with self._wlock:
+                        self._broken = True
+                    write_error = StorageError(f"syncing the queue's log failed: {exc}")
         for op, value, failure in results:
             if write_error is not None and failure is None:
                 failure = write_error
@@ -342,14 +371,14 @@ class Database:
             out[name] = int(raw) if raw else 0
         return out
 
-    def _op(self, work: Callable[[Batch], Any], extra: Any = None
+    def _op(self, work: Callable[[Batch], Any], extra: Any = None, *, durable: bool = True
             ) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
-        return self._committer.submit(work, extra=extra)
+        return self._committer.submit(work, extra=extra, durable=durable)
 
-    def _call(self, work: Callable[[Batch], Any]) -> Any:
-        return self._op(work).result()
+    def _call(self, work: Callable[[Batch], Any], *, durable: bool = True) -> Any:
+        return self._op(work, durable=durable).result()
 
     # -- submission ---------------------------------------------------------------------
 

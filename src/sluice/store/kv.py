@@ -59,9 +59,10 @@ STRATEGIES
     batch: a synchronous write only syncs the current log, and chunks may
     sit in the previous one if LevelDB switched logs meanwhile), and then
     writes all the batch's meta keys, index keys and counters in one
-    WriteBatch with sync=True.  ZoneMTA lost data on recovery with unsynced
-    writes; here a message is visible only through keys of a synced atomic
-    batch whose content was already on disk.
+    WriteBatch and syncs the log files again.  ZoneMTA lost data on
+    recovery with unsynced writes; here a message is visible only through
+    keys of a synced atomic batch whose content was already on disk.
+    Claims and "delivering" marks are not synced (sluice.store._kv_db).
 
     Read-your-writes inside a batch: operations of one batch see each
     other's changes through an overlay of pending keys merged into every
@@ -362,7 +363,8 @@ class KvStore(ApplyByFuture, Reading):
                     out.append(entry)
             return out
 
-        result: list[QueueEntry] = self._call(work)
+        # A claim lost in a power cut leaves its entries queued: not synced.
+        result: list[QueueEntry] = self._call(work, durable=False)
         return result
 
     def _change_state(self, view: Batch, spid: str, dz: bytes, rec: dict[str, Any],
@@ -431,7 +433,7 @@ class KvStore(ApplyByFuture, Reading):
             self._collect_gone(view, gone)
             return applied
 
-        return self._op(work)
+        return self._op(work, durable=durable)
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: bounce keys due, leased by moving their due time."""
