@@ -107,10 +107,6 @@ from sluice.model import QueueState, Reply, Selector
 from sluice.queue import Queue
 from sluice.runtime.deliveries import Deliveries
 from sluice.runtime.duties import ChangeWatcher, ExpirySweep
-
-if TYPE_CHECKING:
-    from sluice.cluster.agent import ClusterAgent
-    from sluice.cluster.shared_limits import SharedLimits
 from sluice.runtime.jobs import Jobs
 from sluice.runtime.parts import Health, Supervisor, Trouble
 from sluice.runtime.policy_file import PolicyFile, load_suspensions
@@ -139,6 +135,10 @@ from sluice.scheduler import (
 )
 from sluice.shaping.runtime import Shaper
 from sluice.store import Action as QueueAction
+
+if TYPE_CHECKING:
+    from sluice.cluster.agent import ClusterAgent
+    from sluice.cluster.shared_limits import SharedLimits
 
 __all__ = ["ManagerStats", "QueueManager"]
 
