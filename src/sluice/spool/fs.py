@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from sluice._batches import take_queued
 from sluice._fsync import fsync_fds, fsync_path, fsync_paths
 from sluice.spool import Content, SpoolFile, SpoolIOError, iter_chunks, spid_candidates
 
@@ -231,17 +232,8 @@ class FsSpool:
     def _sweep(self) -> None:
         while True:
             item = self._doomed.get()
-            stop = item is None
-            work: list[_Doomed] = [] if item is None else [item]
-            while not stop:  # take what else queued up: one barrier for all of it
-                try:
-                    nxt = self._doomed.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                else:
-                    work.append(nxt)
+            # What else queued up shares one barrier.
+            work, stop = ([], True) if item is None else take_queued(self._doomed, item)
             # By equality, not identity: each commit passes a fresh bound
             # method of the same store, and it is to run once for them all.
             barriers = dict.fromkeys(b for _, b in work if b is not None)

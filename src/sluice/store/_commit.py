@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice._batches import take_queued
 from sluice._fsync import fsync_fds, fsync_paths, in_parallel
 from sluice.spool import SpoolFile
 from sluice.store import StorageError
@@ -120,19 +121,10 @@ class GroupCommitter:
             if first is _STOP:
                 return
             assert isinstance(first, Op)
+            taken, stop = take_queued(self._ops, first, _STOP, self.max_batch)
             batch: list[Op] = []
-            self._take(first, batch)
-            stop = False
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self._ops.get_nowait()
-                except queuelib.Empty:
-                    break
-                if nxt is _STOP:
-                    stop = True
-                    break
-                assert isinstance(nxt, Op)
-                self._take(nxt, batch)
+            for op in taken:
+                self._take(op, batch)
             if not batch:
                 if stop:
                     return

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sluice._batches import take_queued
 from sluice.spool import SpoolFile
 from sluice.spool.fs import FsSpool
 from sluice.store import StorageError
@@ -317,16 +318,8 @@ class WalSyncer:
             item = self._queue.get()
             if item is None:
                 return
-            batches = [item]
-            while True:  # every batch committed so far shares this flush
-                try:
-                    nxt = self._queue.get_nowait()
-                except queuelib.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                batches.append(nxt)
+            # Every batch committed so far shares this flush.
+            batches, stop = take_queued(self._queue, item)
             unsynced: StorageError | None = None
             try:
                 self._flush()
