@@ -126,6 +126,8 @@ import json, sys, time
 from sluice.config import load_config
 from sluice.store import open_store
 store = open_store(load_config(sys.argv[1]))
+print("ready", flush=True)
+sys.stdin.readline()  # both start together: one must not claim all before the other is up
 got = []
 idle = 0
 while idle < 3:
@@ -150,8 +152,15 @@ def test_two_processes_never_claim_the_same_recipient(tmp_path: Path) -> None:
     path = tmp_path / "sluice.yaml"
     path.write_text(json.dumps(cfg.to_dict(readable=True)))
     procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, str(path)], cwd=ROOT,
-                              env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+                              env=subprocess_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     first, second = results
