@@ -46,8 +46,8 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-__all__ = ["LOG4J2_PROPERTIES", "build_session", "is_local", "pipeline_session",
-           "python_workers"]
+__all__ = ["LOG4J2_PROPERTIES", "SKETCH_KEYS_PER_TASK", "build_session", "is_local",
+           "pipeline_session", "python_workers"]
 
 #: Spark's log kept at ERROR; PythonGatewayServer is noisy at INFO on start.
 LOG4J2_PROPERTIES = """\
@@ -63,6 +63,17 @@ logger.pgs.level = error
 logger.hadoop.name = org.apache.hadoop
 logger.hadoop.level = error
 """
+
+
+#: Keys one task keeps in an object-hash aggregation (the report's
+#: percentile sketches) before Spark falls back to sorting them.  Spark's
+#: default is 128; 100,000 sufficed for 1M events (57k detail cells per
+#: task) but not for 10M (160k per task: every task fell back, and the
+#: sketches' map side cost 74 CPU-seconds instead of 34).  A task reads at
+#: most one split of the input (128 MB of Parquet, some 2M events, of which
+#: 0.8M deliveries), so it never holds more than that many sketches, a few
+#: hundred bytes each for the few values of a detail cell.
+SKETCH_KEYS_PER_TASK = 1_000_000
 
 
 def is_local(master: str) -> bool:
@@ -111,9 +122,9 @@ def build_session(
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
         # The report's detail level has hundreds of thousands of cells, each
-        # with a percentile sketch; past 128 keys per task Spark would fall
-        # back to sort-based aggregation, five times slower here.
-        "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "100000",
+        # with a percentile sketch; past this many keys per task Spark falls
+        # back to sort-based aggregation (see SKETCH_KEYS_PER_TASK).
+        "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": str(SKETCH_KEYS_PER_TASK),
         # The jobs cache the events they read (sluice.pipeline.jobs).
         # Compressing that cache costs as much CPU again as building it and
         # saves some 15 % of its size: most columns are ids, addresses and
