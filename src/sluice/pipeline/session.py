@@ -71,7 +71,7 @@ logger.hadoop.level = error
 
 #: Keys one task keeps in an object-hash aggregation (the report's
 #: percentile sketches) before Spark falls back to sorting them.  Spark's
-#: default is 128; 100,000 sufficed for 1M events (57k detail cells per
+#: default is 128; 100,000 sufficed for 1M events (30k detail cells per
 #: task) but not for 10M (160k per task: every task fell back, and the
 #: sketches' map side cost 74 CPU-seconds instead of 34).  A task reads at
 #: most one split of the input (128 MB of Parquet, some 2M events, of which
