@@ -35,9 +35,14 @@ runs it -- every table written as Parquet and CSV, the HTML page, the
 classified failures as Parquet -- in a session already started (the
 start-up is printed and not counted; the first run of a session does
 include the JVM's JIT warm-up and every query's planning and code
-generation).  DuckDB: reads the table into a temporary table and computes
-the same aggregations (outcome grouping sets with percentiles, reasons,
-bounce categories) into temporary tables; it writes no file.
+generation).  DuckDB: reads the table into a temporary table, computes
+the same tables (the four outcome levels from grouping sets with
+percentiles, the top reasons overall and per domain, the clients, every
+failure classified -- each distinct masked reason once, as Spark does --
+and the bounce summary) and writes each of them as Spark does, under
+WORKDIR/duck-N: Parquet (by day where Spark partitions by day) and CSV
+with a header, the classified failures as Parquet only.  Only the HTML
+page (a few KB from the totals) is Spark's alone.
 
 Prints one line per measurement and a summary with events/s.  Goal: 10M
 events through report + bounces in under 2 minutes on the project's
@@ -216,9 +221,11 @@ def check_format(out_dir: Path) -> None:
         raise SystemExit(f"generated keys {tuple(line)} differ from EVENT_FIELDS")
 
 
-def duckdb_reference(con: object, files: str, parquet: str | None = None) -> float:
+def duckdb_reference(con: object, files: str, parquet: str | None = None,
+                     out_dir: Path | None = None) -> float:
     """The same aggregations in DuckDB over the JSON ``files`` or, when given, the
-    ``parquet`` table ingest wrote; returns seconds."""
+    ``parquet`` table ingest wrote; returns seconds.  With ``out_dir``, every
+    table is written there as Spark's jobs write theirs (see _duckdb_write)."""
     cols = ", ".join(
         f"'{f}': '{t}'" for f, t in (
             ("time", "TIMESTAMPTZ"), ("event", "VARCHAR"), ("node", "VARCHAR"),
@@ -262,65 +269,133 @@ def duckdb_reference(con: object, files: str, parquet: str | None = None) -> flo
         masked = "masked_reply"
         source = (f"SELECT {', '.join(EVENT_FIELDS)}, masked_reply "
                   f"FROM read_parquet('{parquet}/*/*.parquet', hive_partitioning=true)")
+    if out_dir is not None:
+        shutil.rmtree(out_dir, ignore_errors=True)  # as Spark's overwrite, inside the time
+        out_dir.mkdir(parents=True)
     con.execute(f"CREATE OR REPLACE TEMP TABLE ev AS {source}")  # type: ignore[attr-defined]
     con.execute("""
         CREATE OR REPLACE TEMP TABLE outcomes AS
-        SELECT domain, tenantid, jobid, localip, remotemx, date_trunc('hour', time) AS hour,
-               count(*) FILTER (event = 'received') AS received,
-               count(*) FILTER (event = 'delivered') AS delivered,
-               count(*) FILTER (event = 'deferred') AS deferred,
-               count(*) FILTER (event = 'bounced') AS bounced,
-               count(*) FILTER (event = 'expired') AS expired,
-               approx_quantile(queue_age_s, [0.5, 0.95, 0.99])
-                   FILTER (event = 'delivered') AS pct,
-               avg(attempt) FILTER (event = 'delivered') AS attempts_per_delivered
-        FROM ev
-        GROUP BY GROUPING SETS ((domain, tenantid, jobid, localip, remotemx, hour),
-                                (hour), (domain), ())
+        SELECT *, CASE WHEN delivered + bounced + expired > 0
+                       THEN delivered / (delivered + bounced + expired) END AS delivery_rate
+        FROM (SELECT GROUPING(domain, tenantid, jobid, localip, remotemx, hour) AS gid,
+                     domain, tenantid, jobid, localip, remotemx, hour,
+                     count(*) FILTER (event = 'received') AS received,
+                     count(*) FILTER (event = 'delivered') AS delivered,
+                     count(*) FILTER (event = 'deferred') AS deferred,
+                     count(*) FILTER (event = 'bounced') AS bounced,
+                     count(*) FILTER (event = 'expired') AS expired,
+                     approx_quantile(queue_age_s, [0.5, 0.95, 0.99])
+                         FILTER (event = 'delivered') AS pct,
+                     avg(attempt) FILTER (event = 'delivered') AS attempts_per_delivered
+              FROM (SELECT *, date_trunc('hour', time) AS hour FROM ev
+                    WHERE event <> 'session')
+              GROUP BY GROUPING SETS ((domain, tenantid, jobid, localip, remotemx, hour),
+                                      (hour), (domain), ()))
     """)  # type: ignore[attr-defined]
     con.execute(f"""
         CREATE OR REPLACE TEMP TABLE failures AS
         SELECT *, {masked} AS masked FROM ev WHERE event IN ('deferred', 'bounced', 'expired')
     """)  # type: ignore[attr-defined]
+    dropped = "masked" if parquet is None else "masked, masked_reply"
+    # Classified as Spark's jobs do it: each distinct (event, enhanced code,
+    # masked reply) once, joined back to the failures.
+    con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE categories AS
+        SELECT *, CASE {' '.join(cases)} ELSE 'other' END AS category
+        FROM (SELECT DISTINCT event, coalesce(enhanced, '') AS enhanced, masked
+              FROM failures);
+        CREATE OR REPLACE TEMP TABLE classified AS
+        SELECT f.* EXCLUDE ({dropped}), c.category,
+               c.category IN ({hard}) AND f.event = 'bounced' AS hard,
+               concat_ws(' ', CAST(f.code AS VARCHAR), nullif(f.enhanced, ''),
+                         nullif(f.masked, '')) AS reason
+        FROM failures f JOIN categories c
+          ON f.event = c.event AND coalesce(f.enhanced, '') = c.enhanced
+             AND f.masked IS NOT DISTINCT FROM c.masked
+    """)  # type: ignore[attr-defined]
     con.execute("""
         CREATE OR REPLACE TEMP TABLE reasons AS
-        SELECT event, domain, concat_ws(' ', code, enhanced, masked) AS reason, count(*) AS n,
-               min(response) AS example
-        FROM failures GROUP BY ALL
+        SELECT event, domain, reason, count(*) AS count, min(response) AS example
+        FROM classified GROUP BY ALL
     """)  # type: ignore[attr-defined]
     # What the report makes of the reasons and the bounces job of the
     # categories, as Spark's jobs do (top reasons overall and per domain,
     # hard or soft, distinct recipients, the clients table).
     con.execute(f"""
         CREATE OR REPLACE TEMP TABLE reasons_top AS
-        SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY event ORDER BY n DESC, reason)
-                                 AS rank
-                       FROM (SELECT event, reason, sum(n) AS n, min(example) AS example
-                             FROM reasons GROUP BY ALL))
-        WHERE rank <= {TOP};
+        SELECT event, rank, reason, count, example FROM (
+            SELECT *, row_number() OVER (PARTITION BY event ORDER BY count DESC, reason) AS rank
+            FROM (SELECT event, reason, CAST(sum(count) AS BIGINT) AS count,
+                         min(example) AS example
+                  FROM reasons GROUP BY ALL))
+        WHERE rank <= {TOP} ORDER BY event, rank;
         CREATE OR REPLACE TEMP TABLE reasons_by_domain AS
-        SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY event, domain
-                                                    ORDER BY n DESC, reason) AS rank
-                       FROM reasons)
-        WHERE rank <= {TOP}
+        SELECT event, domain, rank, reason, count, example FROM (
+            SELECT *, row_number() OVER (PARTITION BY event, domain
+                                         ORDER BY count DESC, reason) AS rank
+            FROM reasons)
+        WHERE rank <= {TOP} ORDER BY event, domain, rank
     """)  # type: ignore[attr-defined]
-    con.execute(f"""
-        CREATE OR REPLACE TEMP TABLE bounces AS
-        SELECT domain, event, category, category IN ({hard}) AND event = 'bounced' AS hard,
-               count(*) AS n, approx_count_distinct(lower(recipient)) AS recipients
-        FROM (SELECT *, CASE {' '.join(cases)} ELSE 'other' END AS category FROM failures)
-        GROUP BY ALL
+    con.execute("""
+        CREATE OR REPLACE TEMP TABLE bounce_summary AS
+        SELECT domain, event, category, hard, count(*) AS count,
+               approx_count_distinct(lower(recipient)) AS recipients
+        FROM classified GROUP BY ALL ORDER BY count DESC, domain, event, category
     """)  # type: ignore[attr-defined]
     con.execute("""
         CREATE OR REPLACE TEMP TABLE clients AS
         SELECT client_ip, auth_user, tls_protocol,
                count(*) FILTER (event = 'session') AS connections,
+               coalesce(sum(auth_failures) FILTER (event = 'session'), 0) AS auth_failures,
+               count(*) FILTER (event = 'session' AND tls_failure IS NOT NULL) AS tls_failures,
                count(DISTINCT spid) FILTER (event = 'received') AS messages,
                count(*) FILTER (event = 'received') AS recipients
         FROM ev WHERE event IN ('received', 'session') AND client_ip IS NOT NULL
-        GROUP BY ALL
+        GROUP BY ALL ORDER BY recipients DESC, connections DESC, client_ip, auth_user,
+                              tls_protocol
     """)  # type: ignore[attr-defined]
+    if out_dir is not None:
+        _duckdb_write(con, out_dir)
     return time.monotonic() - started
+
+
+#: The report's outcome levels: the grouping id of their set, their key columns.
+_LEVELS = {
+    "outcomes_hourly": (0, "hour, domain, tenantid, jobid, localip, remotemx"),
+    "outcomes_by_hour": (62, "hour"),
+    "outcomes_by_domain": (31, "domain"),
+    "outcomes_total": (63, ""),
+}
+_MEASURES = ("received, delivered, deferred, bounced, expired, delivery_rate, "
+             "pct[1] AS queue_p50_s, pct[2] AS queue_p95_s, pct[3] AS queue_p99_s, "
+             "attempts_per_delivered")
+
+
+def _duckdb_write(con: object, out: Path) -> None:
+    """Every table Spark's report + bounces write, as they write it: Parquet
+    (by day where Spark partitions by day) and CSV with a header; the
+    classified failures as Parquet only."""
+    def copy(query: str, name: str, by_day: bool = False, csv: bool = True) -> None:
+        if by_day:
+            con.execute(  # type: ignore[attr-defined]
+                f"COPY (SELECT *, CAST({by_day_of[name]} AS DATE) AS day FROM ({query})) "
+                f"TO '{out / (name + '.parquet')}' (FORMAT PARQUET, PARTITION_BY (day))")
+        else:
+            con.execute(  # type: ignore[attr-defined]
+                f"COPY ({query}) TO '{out / (name + '.parquet')}' (FORMAT PARQUET)")
+        if csv:
+            con.execute(  # type: ignore[attr-defined]
+                f"COPY ({query}) TO '{out / (name + '.csv')}' (FORMAT CSV, HEADER)")
+
+    by_day_of = {"outcomes_hourly": "hour", "outcomes_by_hour": "hour", "bounces": "time"}
+    for name, (gid, keys) in _LEVELS.items():
+        order = f" ORDER BY {keys}" if keys and name != "outcomes_hourly" else ""
+        cols = f"{keys}, {_MEASURES}" if keys else _MEASURES
+        copy(f"SELECT {cols} FROM outcomes WHERE gid = {gid}{order}", name,
+             by_day=name in by_day_of)
+    for name in ("reasons_top", "reasons_by_domain", "clients", "bounce_summary"):
+        copy(f"SELECT * FROM {name}", name)
+    copy("SELECT * FROM classified", "bounces", by_day=True, csv=False)
 
 
 def main() -> int:
@@ -413,7 +488,7 @@ def main() -> int:
                       f"loadavg_after={os.getloadavg()[0]:.1f}", flush=True)
                 if not args.no_duckdb:
                     load_before = os.getloadavg()[0]
-                    duck = duckdb_reference(con, files, table)
+                    duck = duckdb_reference(con, files, table, work / f"duck-{n}")
                     ducks.append(duck)
                     print(f"duckdb n={n} run={run + 1} seconds={duck:.1f} "
                           f"events_per_s={n / duck:,.0f} loadavg_before={load_before:.1f}",
@@ -432,7 +507,7 @@ def main() -> int:
     what = "the ingested Parquet table" if args.parquet else "JSON lines"
     print(f"\nsummary (report + bounces over one read of {what}, medians of {args.runs}; "
           f"load now {os.getloadavg()[0]:.1f}; Spark's start-up not counted, its first run "
-          "warms the JVM; DuckDB writes no file, Spark writes every output):")
+          "warms the JVM; both write every table):")
     for n, total, duck_s in results:
         verdict = ""
         if n >= 10_000_000:

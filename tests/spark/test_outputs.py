@@ -153,3 +153,28 @@ def test_inflight_counts_cross_minutes_exactly(spark) -> None:
         want.append((t, d, running))
     assert sorted((r.t, r.delta, r.inflight) for r in got) == sorted(want)
     assert len({t // BUCKET_US for t, _, _ in want}) > 3  # the marks span several minutes
+
+
+def test_a_table_by_day_keeps_each_day_apart(spark, tmp_path: Path) -> None:
+    # The session writes by day with open writers per task, not after a
+    # sort by day (session.DAY_WRITERS_PER_TASK); past that many days in one
+    # task Spark sorts the rest.  Seven days, interleaved, in one task.
+    from pyspark.sql import functions as F
+
+    from sluice.pipeline.load import write_table
+    from sluice.pipeline.session import DAY_WRITERS_PER_TASK
+
+    assert spark.conf.get("spark.sql.optimizer.plannedWrite.enabled") == "false"
+    assert spark.conf.get("spark.sql.maxConcurrentOutputFileWriters") == str(
+        DAY_WRITERS_PER_TASK)
+    days = DAY_WRITERS_PER_TASK + 3
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    rows = [(start + timedelta(days=i % days, seconds=i), i) for i in range(700)]
+    df = spark.createDataFrame(rows, "time timestamp, n int").coalesce(1)
+    write_table(df, str(tmp_path), "t", csv=False, by_day="time")
+    back = spark.read.parquet(str(tmp_path / "t.parquet"))
+    assert back.count() == 700
+    wrong = back.where(F.to_date("time") != F.col("day")).count()
+    assert wrong == 0
+    per_day = {r["day"].isoformat(): r["count"] for r in back.groupBy("day").count().collect()}
+    assert per_day == {(start + timedelta(days=d)).date().isoformat(): 100 for d in range(days)}

@@ -23,7 +23,7 @@ from sluice.pipeline.report import (
     reasons,
     top_reasons,
 )
-from tests.spark.frames import assert_df_equal, event
+from tests.spark.frames import T0, assert_df_equal, event
 
 pytestmark = pytest.mark.spark
 
@@ -198,3 +198,53 @@ def test_html_report_renders_in_chromium(sample, tmp_path):
         finally:
             browser.close()
     assert errors == []
+
+
+def _fallbacks(df) -> int:
+    """How many tasks of df's object-hash aggregations fell back to sorting."""
+    df._jdf.collectAsList()  # run df's own plan (kept in the JVM), whose metrics we read
+    jvm_plan = df._jdf.queryExecution().executedPlan()
+
+    def walk(plan):
+        name = plan.nodeName()
+        if name == "AdaptiveSparkPlan":
+            yield from walk(plan.executedPlan())
+            return
+        if name.endswith("QueryStage"):
+            yield from walk(plan.plan())
+            return
+        yield plan
+        children = plan.children()
+        for i in range(children.length()):
+            yield from walk(children.apply(i))
+
+    total = 0
+    for node in walk(jvm_plan):
+        if node.nodeName() == "ObjectHashAggregate":
+            metric = node.metrics().get("numTasksFallBacked")
+            if metric.isDefined():
+                total += metric.get().value()
+    return total
+
+
+def test_percentiles_of_many_cells_stay_in_the_hash_aggregation(spark):
+    # 10M events make some 160k detail cells per task; past Spark's
+    # fall-back threshold every task sorted its sketches instead, at twice
+    # the CPU.  One task here holds 120k cells.
+    from pyspark.sql import functions as F
+
+    cells = 120_000
+    deliveries = spark.range(cells, numPartitions=1).select(
+        F.lit(T0).alias("time"),
+        F.lit("delivered").alias("event"),
+        F.concat(F.lit("d"), F.col("id").cast("string"), F.lit(".example")).alias("domain"),
+        F.lit("t1").alias("tenantid"),
+        F.lit("j1").alias("jobid"),
+        F.lit("192.0.2.1").alias("localip"),
+        F.lit("mx.example").alias("remotemx"),
+        (F.col("id") % 1000).cast("double").alias("queue_age_s"),
+        F.lit(1).alias("attempt"),
+    )
+    rows = outcomes(deliveries)
+    assert _fallbacks(rows) == 0
+    assert level(rows, Level.TOTAL).collect()[0]["delivered"] == cells
