@@ -36,11 +36,17 @@ def open_fs(tmp: Path, **queue: object) -> FsStore:
     return store
 
 
-def tree(store: FsStore) -> dict[str, list[str]]:
-    """Control file names per directory, relative to the queue root."""
+def tree(store: FsStore, *, buckets: bool = False) -> dict[str, list[str]]:
+    """Control file names per directory, relative to the queue root.
+
+    incoming/<bucket>/ counts as incoming/ unless ``buckets``.
+    """
     out: dict[str, list[str]] = {}
     for path in sorted(store.root.rglob("*.mmq")):
-        out.setdefault(str(path.parent.relative_to(store.root)), []).append(path.name)
+        rel = str(path.parent.relative_to(store.root))
+        if not buckets and rel.startswith("incoming/"):
+            rel = "incoming"
+        out.setdefault(rel, []).append(path.name)
     return out
 
 
@@ -51,10 +57,12 @@ def test_control_files_per_message_and_domain_named_by_spid_and_domain(tmp_path:
         acc = store.submit(Submission("alice@example.org",
                                       ("a@one.example", "b@two.example", "c@ONE.example"),
                                       priority=1), b"Subject: x\r\n\r\nbody\r\n", T0)
-        names = tree(store)
-        assert names == {"incoming": [f"{acc.spid}-0+2p1@one.example.mmq",
-                                      f"{acc.spid}-1+1p1@two.example.mmq"]}
-        doc = json.loads((store.root / "incoming" / names["incoming"][0]).read_text())
+        names = tree(store, buckets=True)
+        # incoming/ is split by priority and arrival: the SPID's leading digits.
+        bucket = f"incoming/p1-{acc.spid[:8]}"
+        assert names == {bucket: [f"{acc.spid}-0+2p1@one.example.mmq",
+                                  f"{acc.spid}-1+1p1@two.example.mmq"]}
+        doc = json.loads((store.root / bucket / names[bucket][0]).read_text())
         assert [r[:2] for r in doc["rcpts"]] == [[0, "a@one.example"], [2, "c@ONE.example"]]
         assert doc["sender"] == "alice@example.org" and doc["domain"] == "one.example"
         # Each control file holds one hard link to the content.
@@ -257,7 +265,7 @@ def test_a_new_granularity_refiles_the_deferred_tree(tmp_path: Path) -> None:
         assert tree(store) == {f"deferred/{int(T0 + 120)}": [f"{acc.spid}-0+1p0@d.example.mmq"]}
         assert [e.qid for e in store.claim(5, T0 + 100, 10)] == list(acc.qids)
         layout = json.loads((store.root / "layout.json").read_text())
-        assert layout == {"layout": 1, "granularity_s": 60.0}
+        assert layout == {"layout": 2, "granularity_s": 60.0}
     finally:
         store.close()
 
@@ -270,7 +278,7 @@ def test_control_files_written_before_the_smtputf8_flag_still_load(tmp_path: Pat
         old = store.submit(Submission("a@example.org", ("y@e.example",)), b"two", T0)
     finally:
         store.close()
-    files = {p.name.split("-")[0]: p for p in (tmp_path / "queue" / "incoming").iterdir()}
+    files = {p.name.split("-")[0]: p for p in (tmp_path / "queue" / "incoming").glob("*/*")}
     assert json.loads(files[flagged.spid].read_text())["smtputf8"] is True
     doc = json.loads(files[old.spid].read_text())
     del doc["smtputf8"]  # as an older Sluice wrote it
@@ -397,9 +405,10 @@ def test_a_submission_does_not_list_the_directory_it_writes_into(
         acc = store.submit(Submission("a@example.org", ("n@d.example", "m@e.example")), b"y",
                            T0)
         assert "incoming" not in listed
-        # A refill (which reads incoming/ as a stream) sees everything.
+        # A refill (which lists the buckets of incoming/ and reads them as
+        # streams) sees everything.
         claimed = store.claim(10, T0, 0)
-        assert "incoming" not in listed
+        assert not [name for name in listed if name.startswith("p0-")]
         assert {e.qid for e in claimed} >= set(acc.qids) and len(claimed) == 5
     finally:
         store.close()
@@ -438,5 +447,124 @@ def test_a_refill_reads_incoming_as_a_stream_with_the_batch_s_own_changes(
         assert claimed == [*old, acc.qids[0]]  # the batch's own file is a candidate
         store.apply([Transition(q, QueueState.INCOMING) for q in claimed[:2]])
         assert [e.qid for e in store.claim(1, T0, 0)] == [old[0]]  # the smallest first
+    finally:
+        store.close()
+
+
+def test_a_refill_lists_the_oldest_incoming_buckets_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # incoming/ was one directory: every refill read all of its names, about
+    # 10 s with a million queued.  It is split by priority and arrival (the
+    # SPID's leading digits), so a refill lists the first buckets only.
+    import sluice.store._fs_batch as fs_batch
+
+    store = open_fs(tmp_path)
+    try:
+        spids = [f"{t:08X}{k:08X}" for t in (0x10, 0x11, 0x12) for k in range(3)]
+        for spid in spids:
+            store.submit(Submission("a@example.org", ("x@d.example",), spid=spid), b"x", T0)
+        urgent = store.submit(Submission("a@example.org", ("u@d.example",), priority=1,
+                                         spid="00000013" + "0" * 8), b"u", T0)
+        assert sorted(tree(store, buckets=True)) == [
+            "incoming/p0-00000010", "incoming/p0-00000011", "incoming/p0-00000012",
+            "incoming/p1-00000013"]
+        read: list[str] = []
+        real = fs_batch.scandir
+
+        def scandir(path: Path):  # type: ignore[no-untyped-def]
+            read.append(path.name)
+            return real(path)
+
+        monkeypatch.setattr(fs_batch, "scandir", scandir)
+        # High priority first, then the oldest: two buckets give the four.
+        assert [e.spid for e in store.claim(4, T0, 0)] == [urgent.spid, *spids[:3]]
+        assert read == ["p1-00000013", "p0-00000010"]
+        read.clear()
+        assert [e.spid for e in store.claim(4, T0, 0)] == spids[3:7]
+        assert read == ["p0-00000011", "p0-00000012"]
+        # Emptied buckets of the past are removed.
+        assert sorted(tree(store, buckets=True)) == ["active", "incoming/p0-00000012"]
+        assert sorted(os.listdir(store.root / "incoming")) == ["p0-00000012"]
+    finally:
+        store.close()
+
+
+def test_a_flat_incoming_of_layout_1_is_moved_into_buckets_at_open(tmp_path: Path) -> None:
+    # Queues written before the buckets keep every incoming file in
+    # incoming/ itself: the first open moves them, and nothing is lost.
+    store = open_fs(tmp_path)
+    try:
+        accs = [store.submit(Submission("a@example.org", (f"r{i}@d{i % 2}.example", "z@z.example"),
+                                        priority=i % 2), b"x", T0) for i in range(5)]
+        deferred = store.submit(Submission("a@example.org", ("w@d.example",), delay_s=60),
+                                b"w", T0)
+        before = tree(store)
+    finally:
+        store.close()
+    root = tmp_path / "queue"
+    for path in list((root / "incoming").glob("*/*.mmq")):
+        path.rename(root / "incoming" / path.name)
+    for bucket in list((root / "incoming").iterdir()):
+        if bucket.is_dir():
+            bucket.rmdir()
+    (root / "layout.json").write_text(json.dumps({"layout": 1, "granularity_s": 900.0}))
+    store = open_fs(tmp_path)
+    try:
+        assert json.loads((root / "layout.json").read_text())["layout"] == 2
+        assert not list((root / "incoming").glob("*.mmq"))
+        assert tree(store) == before
+        assert {b.split("/")[1] for b in tree(store, buckets=True) if b.startswith("incoming/")
+                } == {f"p{i % 2}-{a.spid[:8]}" for i, a in enumerate(accs)}
+        assert store.count().by_state[S.INCOMING] == 10
+        claimed = store.claim(20, T0, 0)
+        assert {e.qid for e in claimed} == {q for a in accs for q in a.qids}
+        assert [e.spid for e in store.entries(Selector(states=(S.DEFERRED,)))] == [
+            deferred.spid]
+    finally:
+        store.close()
+
+
+def test_a_fair_refill_takes_each_tenant_s_first_buckets_without_reading_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Sharing a refill out by tenant needed every incoming file's tenant:
+    # the whole of incoming/ listed and a file of each message read.  The
+    # tenant is in the bucket's name, so each tenant's first buckets do.
+    import sluice.store._fs_batch as fs_batch
+    import sluice.store.fs as fs
+
+    store = open_fs(tmp_path)
+    try:
+        subs = [("00000010", "big"), ("00000011", "big"), ("00000012", "big"),
+                ("00000013", "a/b"), ("00000014", "")]
+        accs = {t: [] for _, t in subs}  # type: dict[str, list[str]]
+        for prefix, tenant in subs:
+            for k in range(2):
+                accs[tenant].append(store.submit(Submission(
+                    "a@example.org", ("x@d.example",), tenantid=tenant,
+                    spid=f"{prefix}{k:08X}"), b"x", T0).spid)
+        assert "incoming/p0-00000013-a%2Fb" in tree(store, buckets=True)
+        read: list[str] = []
+        real = fs_batch.scandir
+
+        def scandir(path: Path):  # type: ignore[no-untyped-def]
+            read.append(path.name)
+            return real(path)
+
+        monkeypatch.setattr(fs_batch, "scandir", scandir)
+        monkeypatch.setattr(fs.Batch, "load", lambda *a: pytest.fail("read a file"))
+        monkeypatch.setattr(store, "_tenants", fs.TenantMemo())
+        real_pick = fs.fair_pick
+        lines: list[dict[str, list[str]]] = []
+        monkeypatch.setattr(fs, "fair_pick", lambda by, w, n: (lines.append(by),
+                                                                real_pick(by, w, n))[1])
+        monkeypatch.setattr(fs.FsStore, "claim", lambda self, *a: self._call(
+            lambda view: self._fair_slots(
+                view, view.first_incoming(2, lambda p: (-p.priority, 0, p.spid, p.idx0, p.n),
+                                          by_tenant=True), 2, self.tenant_weights)))
+        picked = store.claim(2, T0, 0)
+        assert sorted(read) == ["p0-00000010-big", "p0-00000013-a%2Fb", "p0-00000014"]
+        assert {t: [p.split("/")[2][:16] for p in paths] for t, paths in lines[0].items()} == {
+            "big": accs["big"][:2], "a/b": accs["a/b"], "": accs[""]}
+        assert len(picked) == 2
     finally:
         store.close()

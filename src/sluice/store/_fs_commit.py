@@ -43,9 +43,11 @@ from sluice.spool.fs import FsSpool
 from sluice.store import ORPHAN_AGE_S, StorageError
 from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths, in_parallel
 from sluice.store._fs_batch import Batch, Effects
+from sluice.store._fs_buckets import bucket_is_current, sorted_buckets
 from sluice.store._fs_files import (
     REF_RE,
     STATE_DIRS,
+    Control,
     Name,
     listdir,
     read_control,
@@ -71,7 +73,7 @@ class Committing:
     _seq_cache: tuple[int, int]
 
     if TYPE_CHECKING:  # Layout's, through FsStore
-        def dir_for(self, state: QueueState, next_at: float) -> str: ...
+        def dir_for(self, ctrl: Control) -> str: ...
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -300,11 +302,16 @@ class Committing:
             in_parallel(unlink, [self.spool.directory(spid) / f"{spid}-{idx0}.ref"
                                   for spid, idx0 in fx.ref_drops])
             in_parallel(self._drop_if_unused, sorted({spid for spid, _ in fx.ref_drops}))
-            emptied = {rel.split("/")[1] for rel, _ in fx.unlinks if rel.startswith("deferred/")}
-            emptied |= {src.split("/")[1] for src, _ in fx.moves if src.startswith("deferred/")}
-            for t in emptied:
-                with contextlib.suppress(OSError):
-                    os.rmdir(root / "deferred" / t)
+            left = {rel.rsplit("/", 1)[0] for rel, _ in fx.unlinks}
+            left |= {src.rsplit("/", 1)[0] for src, _ in fx.moves}
+            for rel_dir in left:
+                # Emptied: a deferred/<T> goes, an incoming bucket once no
+                # new mail arrives in it.
+                if rel_dir.startswith("deferred/") or (
+                        rel_dir.startswith("incoming/")
+                        and not bucket_is_current(rel_dir.split("/")[1])):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(root / rel_dir)
             for hook in view.after:
                 hook()
 
@@ -411,7 +418,9 @@ class Committing:
                     self._add_ref(spid, idx0)
 
     def _all_dirs(self) -> list[str]:
-        out = [d for s, d in STATE_DIRS.items() if s is not QueueState.DEFERRED]
+        out = [d for s, d in STATE_DIRS.items()
+               if s not in (QueueState.DEFERRED, QueueState.INCOMING)]
         out += [f"deferred/{t}" for t in listdir(self.root / "deferred") if t.isdigit()]
+        out += [f"incoming/{b}" for b in sorted_buckets(listdir(self.root / "incoming"))]
         return out
 

@@ -31,6 +31,7 @@ from sluice.spool import spid_time
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._commit import RWLock
+from sluice.store._fs_buckets import sorted_buckets
 from sluice.store._fs_files import (
     STATE_DIRS,
     SUFFIX,
@@ -116,6 +117,8 @@ class Reading:
             if state is QueueState.DEFERRED:
                 out += [f"deferred/{t}" for t in
                         sorted(int(d) for d in listdir(self.root / "deferred") if d.isdigit())]
+            elif state is QueueState.INCOMING:
+                out += [f"incoming/{b}" for b in sorted_buckets(listdir(self.root / "incoming"))]
             else:
                 out.append(STATE_DIRS[state])
         return out

@@ -7,7 +7,10 @@ SUMMARY
 DESCRIPTION
     Layout (Mailismus section 4.3.2, plus the states Sluice adds):
 
-    incoming/             accepted, not yet tried
+    incoming/<bucket>/    accepted, not yet tried; the bucket is named by
+                          priority, the SPID's first 8 digits (4.1 s of
+                          arrival) and the tenant, so a refill lists the
+                          first buckets only (sluice.store._fs_buckets)
     deferred/<T>/         waiting for a retry; T is the due time in epoch
                           seconds rounded up by ``retry_granularity``, so
                           deferred mail clusters in few directories
@@ -17,7 +20,8 @@ DESCRIPTION
     delivering/           a delivery attempt is in flight
     tmp/, journal/        control files being written; batch journals
     changes.log           the operator change feed, one line per change
-    layout.json           the granularity the deferred tree is filed by
+    layout.json           the layout's version (2: incoming/ in buckets) and
+                          the granularity the deferred tree is filed by
     lock                  writers of all processes take it (flock)
 
     A control file holds the recipients of one message for one destination
@@ -58,7 +62,7 @@ STRATEGIES
     exists, a removal happens only if the file still has the generation the
     journal names.
 
-    Claims are renames (incoming/F -> active/F) done under the lock, so two
+    Claims are renames (incoming/B/F -> active/F) done under the lock, so two
     processes never claim the same file; a file larger than what is left of
     the claim's limit is split.
 
@@ -110,7 +114,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
-import sys
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -137,6 +140,7 @@ from sluice.store import Action, ApplyByFuture, StorageError, Transition, applie
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock, fsync_paths
 from sluice.store._fs_batch import Batch, copy_control, recs_of, regroup
+from sluice.store._fs_buckets import bucket_tenant, sorted_buckets
 from sluice.store._fs_files import (
     STATE_DIRS,
     SUFFIX,
@@ -146,6 +150,7 @@ from sluice.store._fs_files import (
     Rcpt,
     listdir,
     new_gen,
+    scandir,
     unlink,
     write_file,
 )
@@ -288,12 +293,9 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
     # -- the queue manager's side ---------------------------------------------------------
 
     def _claimable(self, now: float) -> bool:
-        try:
-            with os.scandir(self.root / "incoming") as it:
-                if any(e.name.endswith(SUFFIX) for e in it):
-                    return True
-        except FileNotFoundError:
-            pass
+        if any(any(n.endswith(SUFFIX) for n in scandir(self.root / "incoming" / b))
+               for b in sorted_buckets(listdir(self.root / "incoming"))):
+            return True
         return any(
             d.isdigit() and int(d) - self._window_s < now
             and any(n.endswith(SUFFIX) for n in listdir(self.root / "deferred" / d))
@@ -348,10 +350,10 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
             return out
 
         def work(view: Batch) -> list[QueueEntry]:
-            # Every file holds at least one recipient: the first ``limit`` files
-            # of each tenant in order are all a refill can need from it.
-            inc, _ = view.smallest("incoming", limit if not weights.fair else sys.maxsize,
-                                   lambda p: (-p.priority, 0, p.spid, p.idx0, p.n))
+            # Every file holds at least one recipient: the first ``limit``
+            # files (of each tenant) are all a refill can need.
+            inc = view.first_incoming(limit, lambda p: (-p.priority, 0, p.spid, p.idx0, p.n),
+                                      by_tenant=weights.fair)
             dfr = sorted(self._due_candidates(view, now))
             fair_inc = self._fair_slots(view, inc, limit, weights)
             fair_dfr = self._fair_slots(view, dfr, limit, weights)
@@ -373,7 +375,12 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         return fair_pick(by_tenant, weights, limit)
 
     def _tenant_of(self, view: Batch, spid: str, path: str) -> str:
-        """The tenant of message ``spid`` (read from ``path`` once, then remembered)."""
+        """The tenant of message ``spid``: its bucket's, or read from ``path`` once."""
+        if path.startswith("incoming/"):
+            tenant = bucket_tenant(path.split("/")[1])
+            if tenant is not None:
+                return tenant
+
         def read() -> str:
             ctrl = view.load(path)
             return ctrl.meta.tenantid if ctrl is not None else ""
