@@ -243,9 +243,13 @@ def test_a_crash_before_the_journal_leaves_nothing_half_done(tmp_path: Path) -> 
         # The journal never reached its end: no recipient of the message is queued.
         assert list(store.entries(Selector())) == []
         assert list((tmp_path / "queue" / "journal").iterdir()) == []
-        # Its content and control files are orphans; recover() removes them
-        # once they are old enough not to belong to a submission in flight.
-        store.recover(time.time() + 7200)
+        # Its content and control files are orphans; the check recover()
+        # starts removes them once they are old enough not to belong to a
+        # submission in flight.
+        for path in [*store.spool.root.rglob("*.msg"), *(tmp_path / "queue" / "tmp").iterdir()]:
+            os.utime(path, (time.time() - 7200, time.time() - 7200))
+        store.recover(time.time())
+        assert store.wait_check(30)
         assert list(store.spool.spids()) == []
         assert list(store.spool.root.rglob("*.ref")) == []
         assert list((tmp_path / "queue" / "tmp").iterdir()) == []

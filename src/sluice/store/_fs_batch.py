@@ -99,6 +99,7 @@ class Batch:
         self.needs_journal = False
         self.changes: list[tuple[float, str, str]] = []
         self.after: list[Callable[[], None]] = []
+        self.new_messages = 0  # submissions (sluice.store._fs_counts)
 
     # -- op boundaries ------------------------------------------------------------------
 
@@ -408,6 +409,15 @@ class Batch:
             self.write(new)
         for orphan in left.values():
             self.remove(orphan)
+
+    def add_message(self) -> None:
+        """A submission's message, for the totals."""
+        self.new_messages += 1
+
+        def undo() -> None:
+            self.new_messages -= 1
+
+        self._undo.append(undo)
 
     def log_change(self, at: float, qid: str, action: Action) -> None:
         self.changes.append((at, qid, str(action)))

@@ -32,6 +32,7 @@ from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._commit import RWLock
 from sluice.store._fs_buckets import sorted_buckets
+from sluice.store._fs_counts import CountsFile
 from sluice.store._fs_files import (
     STATE_DIRS,
     SUFFIX,
@@ -42,6 +43,7 @@ from sluice.store._fs_files import (
     names_suffice,
     parse_name,
     read_control,
+    scandir,
     state_of,
 )
 
@@ -52,6 +54,7 @@ class Reading:
     root: Path
     spool: FsSpool
     _rw: RWLock
+    _counts: CountsFile
     _feed_cursor: tuple[tuple[int, int], int, int]
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
@@ -209,6 +212,16 @@ class Reading:
         return out
 
     def count(self, selector: Selector | None = None) -> Counts:
+        """Store.count: the committer's totals, else from names, else from the files.
+
+        The whole queue is read from ``counts`` when it can be trusted
+        (sluice.store._fs_counts); otherwise, and for a selection by state
+        or domain, from the names, a directory at a time.
+        """
+        if selector is None or selector.is_empty:
+            tally = self._counts.trusted()
+            if tally is not None:
+                return Counts(by_state=dict(tally.by_state), messages=tally.messages)
         by_state = {s: 0 for s in QueueState}
         spids: set[str] = set()
         if selector is None or selector.is_empty or names_suffice(selector):
@@ -216,15 +229,18 @@ class Reading:
                 else selector.states
             may_match = NameFilter(selector)
             with self._rw.reading():
-                for rel_dir in self._dirs(states):
-                    state = state_of(rel_dir)
-                    n = 0
-                    for name in listdir(self.root / rel_dir):
-                        parsed = parse_name(name)
+                rel_dirs = self._dirs(states)
+            for rel_dir in rel_dirs:
+                state = state_of(rel_dir)
+                n = 0
+                with self._rw.reading():
+                    for name in scandir(self.root / rel_dir):
+                        # A million names: not through parse_name's cache.
+                        parsed = parse_name.__wrapped__(name)
                         if parsed is not None and may_match(parsed):
                             n += parsed.n
                             spids.add(parsed.spid)
-                    by_state[state] += n
+                by_state[state] += n
             return Counts(by_state=by_state, messages=len(spids))
         states = selector.states or tuple(QueueState)
         for ctrl in self._controls(states, selector):

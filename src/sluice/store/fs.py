@@ -114,6 +114,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import threading
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -141,6 +142,8 @@ from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock, fsync_paths
 from sluice.store._fs_batch import Batch, copy_control, recs_of, regroup
 from sluice.store._fs_buckets import bucket_tenant, sorted_buckets
+from sluice.store._fs_check import Watch
+from sluice.store._fs_counts import CountsFile, Tally
 from sluice.store._fs_files import (
     STATE_DIRS,
     SUFFIX,
@@ -191,6 +194,12 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         self.granularity_s = self._policy.granularity_s
         self._rw = RWLock()
         self._closed = False
+        self._counts = CountsFile(self.root)
+        self._watch: Watch | None = None
+        self._check_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._check_lock = threading.Lock()
+        self._check_again = False
         self._batch_no = itertools.count()
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
         self._tenants = TenantMemo()  # SPID -> tenant, for refills
@@ -198,6 +207,8 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         self._feed_cursor: tuple[tuple[int, int], int, int] = ((0, 0), -1, 0)
         try:
             created = not self.root.exists()
+            # No state directory yet: a new queue, whose totals are zero.
+            fresh = not any((self.root / d).exists() for d in STATE_DIRS.values())
             self.root.mkdir(parents=True, exist_ok=True)
             for d in (*(d for d in STATE_DIRS.values()), "tmp", "journal"):
                 if not (self.root / d).is_dir():
@@ -215,6 +226,8 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         try:
             with self._locked():
                 self._check_layout()
+                if fresh and not self._counts.path.exists():
+                    self._counts.store(Tally(ok=True))
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -275,6 +288,7 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         def work(view: Batch) -> Accepted:
             for ctrl in ctrls:
                 view.write(copy_control(ctrl), prepared=True)
+            view.add_message()
             return accepted
 
         try:
@@ -527,6 +541,8 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         """Stop the committer, close the spool and release the queue's lock."""
         if self._closed:
             return
+        self._stopping.set()
+        self.wait_check(30.0)
         self._committer.close()
         self._closed = True
         self.spool.close()
