@@ -276,3 +276,31 @@ def test_a_batch_of_another_process_during_the_check_makes_it_list_again(
     finally:
         other.close()
         store.close()
+
+
+def test_count_waits_for_this_process_s_check_rather_than_listing_the_tree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a restart serve's duties ask for the totals at once: a listing
+    # of its own (4 s for a million) beside the check's would count twice.
+    import sluice.store._fs_check as fs_check
+
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        store._counts.store(Tally(seq=store._counts.load().seq))  # not ok
+        gate = threading.Event()
+        real_state_of = fs_check.state_of
+        monkeypatch.setattr(fs_check, "state_of",
+                            lambda rel_dir: (gate.wait(30), real_state_of(rel_dir))[1])
+        store.recover(T0 + 1)
+        got: list[Counts] = []
+        counter = threading.Thread(target=lambda: got.append(from_file(store, monkeypatch)))
+        counter.start()
+        counter.join(0.2)
+        assert counter.is_alive()  # waiting for the check
+        gate.set()
+        counter.join(30)
+        assert got == [listed(store)]
+    finally:
+        gate.set()
+        store.close()

@@ -24,7 +24,7 @@ import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
 from sluice.spool import spid_time
@@ -47,6 +47,9 @@ from sluice.store._fs_files import (
     state_of,
 )
 
+#: How long count() waits for a check of this process before it lists the tree itself.
+CHECK_WAIT_S = 60.0
+
 
 class Reading:
     """The read side of FsStore (a mixin: FsStore sets the attributes)."""
@@ -56,6 +59,9 @@ class Reading:
     _rw: RWLock
     _counts: CountsFile
     _feed_cursor: tuple[tuple[int, int], int, int]
+
+    if TYPE_CHECKING:  # Checking's, through FsStore
+        def wait_check(self, timeout: float | None = None) -> bool: ...
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
@@ -220,6 +226,10 @@ class Reading:
         """
         if selector is None or selector.is_empty:
             tally = self._counts.trusted()
+            if tally is None and self.wait_check(CHECK_WAIT_S):
+                # This process's check (after a restart) counts them sooner
+                # than a listing of our own would.
+                tally = self._counts.trusted()
             if tally is not None:
                 return Counts(by_state=dict(tally.by_state), messages=tally.messages)
         by_state = {s: 0 for s in QueueState}
