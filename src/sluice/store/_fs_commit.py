@@ -301,9 +301,12 @@ class Committing:
                 tally.messages += view.new_messages - gone
                 tally.ok = True
             tally.seq += 1
-            self._counts.store(tally)
             if self._watch is not None:
                 self._watch.batches += 1
+            # The batch is in place: failing here would only leave the totals
+            # untrusted, not the batch undone.
+            with contextlib.suppress(OSError):
+                self._counts.store(tally)
 
     def _into_place(self, view: Batch, fx: Effects, temps: list[tuple[str, str]],
                     journal: Path | None, changes: list[tuple[str, int]]) -> int:

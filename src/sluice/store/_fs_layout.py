@@ -62,6 +62,7 @@ class Layout:
 
     if TYPE_CHECKING:  # Committing's, through FsStore
         def _write_small(self, path: Path, text: str) -> None: ...
+        def _moved_outside_batches(self) -> None: ...
 
     def dir_for(self, ctrl: Control) -> str:
         """The directory of a control file.
@@ -131,6 +132,7 @@ class Layout:
             os.rename(incoming / name, incoming / bucket / name)
         if made:
             fsync_paths([str(incoming / b) for b in made] + [str(incoming)])
+            self._moved_outside_batches()
 
     def _refile_deferred(self) -> None:
         """The granularity changed: move deferred files to their new directories."""
@@ -147,6 +149,7 @@ class Layout:
                     dirs.update((str(self.root / target), str(self.root / "deferred" / d)))
         dirs.add(str(self.root / "deferred"))
         fsync_paths(dirs)
+        self._moved_outside_batches()
         for d in listdir(self.root / "deferred"):
             with contextlib.suppress(OSError):
                 os.rmdir(self.root / "deferred" / d)
