@@ -572,3 +572,43 @@ def test_a_fair_refill_takes_each_tenant_s_first_buckets_without_reading_a_file(
         assert len(picked) == 2
     finally:
         store.close()
+
+
+def test_a_listing_reads_incoming_buckets_as_it_reaches_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # entries() (qlist, the console) listed every name in the tree before its
+    # first entry: 24 s to qlist's first line with a million queued.  The
+    # buckets are in SPID order, so the walk lists them as it gets there.
+    import sluice.store._fs_reading as fs_reading
+
+    store = open_fs(tmp_path)
+    try:
+        spids = [f"{t:08X}{k:08X}" for t in (0x20, 0x21, 0x22) for k in range(2)]
+        for i, spid in enumerate(spids):
+            store.submit(Submission("a@example.org", ("x@d.example", "y@e.example"), spid=spid,
+                                    priority=i % 2, tenantid=f"t{i % 3}"), b"x", T0)
+        store.submit(Submission("a@example.org", ("later@d.example",), delay_s=60,
+                                spid="00000021" + "F" * 8), b"y", T0)
+        listed: list[str] = []
+        real = fs_reading.listdir
+
+        def listdir(path: Path) -> list[str]:
+            listed.append(path.name)
+            return real(path)
+
+        monkeypatch.setattr(fs_reading, "listdir", listdir)
+        monkeypatch.setattr(fs_reading, "LIST_PAGE", 1)  # 200 messages a page
+        walk = store.entries(Selector())
+        assert next(walk).qid == f"{spids[0]}-0"
+        assert not [d for d in listed if d.startswith(("p0-00000021", "p0-00000022",
+                                                       "p1-00000021", "p1-00000022"))]
+        rest = [e.qid for e in walk]
+        assert rest == [f"{spids[0]}-1", *(f"{s}-{i}" for s in spids[1:4] for i in (0, 1)),
+                        "00000021FFFFFFFF-0", *(f"{s}-{i}" for s in spids[4:] for i in (0, 1))]
+        # A page after a cursor starts at its bucket.
+        listed.clear()
+        assert [e.qid for e in store.entries(Selector(), after=f"{spids[4]}-0")] == [
+            f"{spids[4]}-1", f"{spids[5]}-0", f"{spids[5]}-1"]
+        assert not [d for d in listed if "00000020" in d or "00000021" in d]
+    finally:
+        store.close()

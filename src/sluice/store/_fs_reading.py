@@ -20,6 +20,9 @@ SEE ALSO
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
+import operator
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,7 +34,7 @@ from sluice.spool import spid_time
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._commit import RWLock
-from sluice.store._fs_buckets import sorted_buckets
+from sluice.store._fs_buckets import BUCKET_DIGITS, sorted_buckets
 from sluice.store._fs_counts import CountsFile
 from sluice.store._fs_files import (
     STATE_DIRS,
@@ -47,6 +50,8 @@ from sluice.store._fs_files import (
     state_of,
 )
 
+#: Messages entries() reads under one hold of the read lock.
+LIST_PAGE = 200
 #: How long count() waits for a check of this process before it lists the tree itself.
 CHECK_WAIT_S = 60.0
 
@@ -168,6 +173,47 @@ class Reading:
                     return e
         return None
 
+    def _in_spid_order(self, states: Sequence[QueueState], selector: Selector,
+                       after_spid: str | None) -> Iterator[tuple[str, list[str]]]:
+        """(SPID, paths of its control files) of ``states``, in SPID order.
+
+        The directories of other states are listed first, the incoming
+        buckets as the walk reaches them: a bucket's name starts with its
+        files' SPIDs, so the first lines of a million come after the
+        first buckets, not after every name.
+        """
+        may_match = NameFilter(selector)
+        incoming = QueueState.INCOMING in states
+        with self._rw.reading():
+            dirs = self._dirs([s for s in states if s is not QueueState.INCOMING])
+            buckets = sorted_buckets(listdir(self.root / "incoming")) if incoming else []
+
+        def listed(rel_dirs: Iterable[str]) -> list[tuple[str, str]]:
+            out = []
+            for rel_dir in rel_dirs:
+                with self._rw.reading():
+                    names = listdir(self.root / rel_dir)
+                for name in names:
+                    parsed = parse_name.__wrapped__(name)  # not through the cache
+                    if parsed is not None and may_match(parsed) and (
+                            after_spid is None or parsed.spid >= after_spid):
+                        out.append((parsed.spid, f"{rel_dir}/{name}"))
+            out.sort()
+            return out
+
+        by_digits: dict[str, list[str]] = defaultdict(list)  # priorities and tenants together
+        for bucket in buckets:
+            by_digits[bucket[3:3 + BUCKET_DIGITS]].append(f"incoming/{bucket}")
+
+        def incoming_files() -> Iterator[tuple[str, str]]:
+            for digits in sorted(by_digits):
+                if after_spid is None or digits >= after_spid[:BUCKET_DIGITS]:
+                    yield from listed(by_digits[digits])
+
+        merged = heapq.merge(listed(dirs), incoming_files())
+        for spid, group in itertools.groupby(merged, key=operator.itemgetter(0)):
+            yield spid, [rel for _, rel in group]
+
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
         states = selector.states or tuple(QueueState)
@@ -175,26 +221,22 @@ class Reading:
         if after is not None:
             spid, idx = parse_qid(after)
             cursor = (spid, -1 if idx is None else idx)
-        with self._rw.reading():
-            found = self._names(states, selector)
-        groups: dict[str, list[str]] = defaultdict(list)
-        for parsed, rel in found:
-            if cursor is None or parsed.spid >= cursor[0]:
-                groups[parsed.spid].append(rel)
+        walk = self._in_spid_order(states, selector, None if cursor is None else cursor[0])
         remaining = limit
-        spids = sorted(groups)
-        page = 200
-        for start in range(0, len(spids), page):
+        while True:
+            chunk = list(itertools.islice(walk, LIST_PAGE))
+            if not chunk:
+                return
             out: list[QueueEntry] = []
             with self._rw.reading():
-                for spid in spids[start:start + page]:
-                    message: list[QueueEntry] = []
-                    for rel in groups[spid]:
+                for _, rels in chunk:
+                    message: dict[int, QueueEntry] = {}
+                    for rel in rels:
                         ctrl = read_control(self.root, rel)
                         if ctrl is not None:
-                            message += ctrl.entries()
-                    message.sort(key=lambda e: e.idx)
-                    out += [e for e in message if selector.matches(e)
+                            # A file that moved while the walk listed appears once.
+                            message.update((e.idx, e) for e in ctrl.entries())
+                    out += [e for _, e in sorted(message.items()) if selector.matches(e)
                             and (cursor is None or (e.spid, e.idx) > cursor)]
             for e in out:
                 if remaining is not None:
