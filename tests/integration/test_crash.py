@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sluice.model import Selector
+from sluice.model import QueueState, Selector
+from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
 from tests.integration.crash_child import verify
 from tests.integration.stores import flavour_config, open_flavour
@@ -102,6 +103,13 @@ def test_sigkill_never_loses_an_accepted_message(flavour: str, tmp_path: Path) -
             for spid in listed:  # also the ones committed but not yet ACKed
                 with store.open_content(spid) as stream:
                     assert verify(stream.read()), f"kill {kill}: {spid} is half-written"
+            if isinstance(store, FsStore):
+                # The totals the check counts (or the batches kept) are the tree's.
+                assert store.wait_check(60)
+                assert store._counts.trusted() is not None, f"kill {kill}: totals untrusted"
+                by_names = store.count(Selector(states=tuple(QueueState)))
+                assert store.count() == by_names, f"kill {kill}: totals differ"
+                assert by_names.messages == len(listed)
         finally:
             store.close()
     assert len(promised) > KILLS  # the child did get work done between kills

@@ -36,11 +36,17 @@ def open_fs(tmp: Path, **queue: object) -> FsStore:
     return store
 
 
-def tree(store: FsStore) -> dict[str, list[str]]:
-    """Control file names per directory, relative to the queue root."""
+def tree(store: FsStore, *, buckets: bool = False) -> dict[str, list[str]]:
+    """Control file names per directory, relative to the queue root.
+
+    incoming/<bucket>/ counts as incoming/ unless ``buckets``.
+    """
     out: dict[str, list[str]] = {}
     for path in sorted(store.root.rglob("*.mmq")):
-        out.setdefault(str(path.parent.relative_to(store.root)), []).append(path.name)
+        rel = str(path.parent.relative_to(store.root))
+        if not buckets and rel.startswith("incoming/"):
+            rel = "incoming"
+        out.setdefault(rel, []).append(path.name)
     return out
 
 
@@ -51,10 +57,12 @@ def test_control_files_per_message_and_domain_named_by_spid_and_domain(tmp_path:
         acc = store.submit(Submission("alice@example.org",
                                       ("a@one.example", "b@two.example", "c@ONE.example"),
                                       priority=1), b"Subject: x\r\n\r\nbody\r\n", T0)
-        names = tree(store)
-        assert names == {"incoming": [f"{acc.spid}-0+2p1@one.example.mmq",
-                                      f"{acc.spid}-1+1p1@two.example.mmq"]}
-        doc = json.loads((store.root / "incoming" / names["incoming"][0]).read_text())
+        names = tree(store, buckets=True)
+        # incoming/ is split by priority and arrival: the SPID's leading digits.
+        bucket = f"incoming/p1-{acc.spid[:8]}"
+        assert names == {bucket: [f"{acc.spid}-0+2p1@one.example.mmq",
+                                  f"{acc.spid}-1+1p1@two.example.mmq"]}
+        doc = json.loads((store.root / bucket / names[bucket][0]).read_text())
         assert [r[:2] for r in doc["rcpts"]] == [[0, "a@one.example"], [2, "c@ONE.example"]]
         assert doc["sender"] == "alice@example.org" and doc["domain"] == "one.example"
         # Each control file holds one hard link to the content.
@@ -244,9 +252,13 @@ def test_a_crash_before_the_journal_leaves_nothing_half_done(tmp_path: Path) -> 
         # The journal never reached its end: no recipient of the message is queued.
         assert list(store.entries(Selector())) == []
         assert list((tmp_path / "queue" / "journal").iterdir()) == []
-        # Its content and control files are orphans; recover() removes them
-        # once they are old enough not to belong to a submission in flight.
-        store.recover(time.time() + 7200)
+        # Its content and control files are orphans; the check recover()
+        # starts removes them once they are old enough not to belong to a
+        # submission in flight.
+        for path in [*store.spool.root.rglob("*.msg"), *(tmp_path / "queue" / "tmp").iterdir()]:
+            os.utime(path, (time.time() - 7200, time.time() - 7200))
+        store.recover(time.time())
+        assert store.wait_check(30)
         assert list(store.spool.spids()) == []
         assert list(store.spool.root.rglob("*.ref")) == []
         assert list((tmp_path / "queue" / "tmp").iterdir()) == []
@@ -266,7 +278,7 @@ def test_a_new_granularity_refiles_the_deferred_tree(tmp_path: Path) -> None:
         assert tree(store) == {f"deferred/{int(T0 + 120)}": [f"{acc.spid}-0+1p0@d.example.mmq"]}
         assert [e.qid for e in store.claim(5, T0 + 100, 10)] == list(acc.qids)
         layout = json.loads((store.root / "layout.json").read_text())
-        assert layout == {"layout": 1, "granularity_s": 60.0}
+        assert layout == {"layout": 2, "granularity_s": 60.0}
     finally:
         store.close()
 
@@ -279,7 +291,7 @@ def test_control_files_written_before_the_smtputf8_flag_still_load(tmp_path: Pat
         old = store.submit(Submission("a@example.org", ("y@e.example",)), b"two", T0)
     finally:
         store.close()
-    files = {p.name.split("-")[0]: p for p in (tmp_path / "queue" / "incoming").iterdir()}
+    files = {p.name.split("-")[0]: p for p in (tmp_path / "queue" / "incoming").glob("*/*")}
     assert json.loads(files[flagged.spid].read_text())["smtputf8"] is True
     doc = json.loads(files[old.spid].read_text())
     del doc["smtputf8"]  # as an older Sluice wrote it
@@ -406,9 +418,10 @@ def test_a_submission_does_not_list_the_directory_it_writes_into(
         acc = store.submit(Submission("a@example.org", ("n@d.example", "m@e.example")), b"y",
                            T0)
         assert "incoming" not in listed
-        # A refill (which reads incoming/ as a stream) sees everything.
+        # A refill (which lists the buckets of incoming/ and reads them as
+        # streams) sees everything.
         claimed = store.claim(10, T0, 0)
-        assert "incoming" not in listed
+        assert not [name for name in listed if name.startswith("p0-")]
         assert {e.qid for e in claimed} >= set(acc.qids) and len(claimed) == 5
     finally:
         store.close()
@@ -449,3 +462,4 @@ def test_a_refill_reads_incoming_as_a_stream_with_the_batch_s_own_changes(
         assert [e.qid for e in store.claim(1, T0, 0)] == [old[0]]  # the smallest first
     finally:
         store.close()
+

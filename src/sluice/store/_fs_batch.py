@@ -26,7 +26,9 @@ SEE ALSO
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +37,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sluice.model import QueueState
 from sluice.store import Action
 from sluice.store._actions import Edit
+from sluice.store._fs_buckets import (
+    BUCKET_DIGITS,
+    bucket_is_current,
+    bucket_tenant,
+    sorted_buckets,
+)
 from sluice.store._fs_files import (
     STATE_DIRS,
     Control,
@@ -56,7 +64,7 @@ class Tree(Protocol):
 
     root: Path
 
-    def dir_for(self, state: QueueState, next_at: float) -> str: ...
+    def dir_for(self, ctrl: Control) -> str: ...
 
 @dataclass(slots=True)
 class Effects:
@@ -84,11 +92,14 @@ class Batch:
         self._cur: dict[str, dict[str, Name]] = {}  # directory -> names now
         self._spids: dict[str, dict[str, set[str]]] = {}  # directory -> spid -> names
         self._deferred: set[int] | None = None
+        self._buckets: set[str] | None = None  # incoming/<bucket> names on disk
+        self._new_buckets: set[str] = set()  # and those the batch placed files in
         self._undo: list[Callable[[], None]] = []
         self._touched: set[str] = set()
         self.needs_journal = False
         self.changes: list[tuple[float, str, str]] = []
         self.after: list[Callable[[], None]] = []
+        self.new_messages = 0  # submissions (sluice.store._fs_counts)
 
     # -- op boundaries ------------------------------------------------------------------
 
@@ -147,6 +158,9 @@ class Batch:
             self.deferred_dirs()  # make sure the set exists
             assert self._deferred is not None
             self._deferred.add(int(rel_dir.split("/")[1]))
+        if rel_dir.startswith("incoming/") and self.files.get(path) is not None:
+            # Not listed here: a submission's batch need not read incoming/.
+            self._new_buckets.add(rel_dir.split("/")[1])
         cur = self._cur.get(rel_dir)
         if cur is None:
             return
@@ -229,6 +243,59 @@ class Batch:
         best = heapq.nsmallest(k, keyed())
         return best, total
 
+    def first_incoming(self, k: int, key: Callable[[Name], tuple[Any, ...]], *,
+                       by_tenant: bool = False) -> list[tuple[tuple[Any, ...], str]]:
+        """The first ``k`` incoming control files by ``key`` (of each tenant if ``by_tenant``).
+
+        As (key, path) in order.  ``key`` must order files the way their
+        buckets are ordered (priority, then SPID), so the first buckets are
+        all a refill lists: of each tenant's, if ``by_tenant``.  Old empty
+        buckets it passes are removed after the batch.
+        """
+        lines: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for rel_dir in self.incoming_dirs():
+            bucket = rel_dir.split("/")[1]
+            tenant = bucket_tenant(bucket) if by_tenant else ""
+            # A tenant whose name had to be cut is a line of its own per bucket.
+            lines[("t", tenant) if tenant is not None else ("b", bucket)].append(rel_dir)
+        out: list[tuple[tuple[Any, ...], str]] = []
+        empty: list[str] = []
+        head = len("incoming/p0-") + BUCKET_DIGITS
+        for buckets in lines.values():
+            # Buckets of one priority and time (one per tenant) are read together.
+            groups: list[list[str]] = []
+            for rel_dir in buckets:
+                if groups and groups[-1][0][:head] == rel_dir[:head]:
+                    groups[-1].append(rel_dir)
+                else:
+                    groups.append([rel_dir])
+            got: list[tuple[tuple[Any, ...], str]] = []
+            for group in groups:
+                need = k - len(got)
+                part: list[tuple[tuple[Any, ...], str]] = []
+                for rel_dir in group:
+                    best, _ = self.smallest(rel_dir, need, key)
+                    if not best and not bucket_is_current(rel_dir.split("/")[1]):
+                        empty.append(rel_dir)
+                    part += best
+                if len(group) > 1:
+                    part.sort()
+                got += part[:need]
+                if len(got) >= k:
+                    break
+            out += got
+        out.sort()
+        if empty:
+            root = self.root
+
+            def rmdirs() -> None:
+                for rel in empty:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(root / rel)
+
+            self.after.append(rmdirs)
+        return out
+
     def _streamed(self, rel_dir: str) -> Iterator[tuple[str, Name]]:
         """A directory's control files as _dir() would have them, one at a time."""
         prefix = rel_dir + "/"
@@ -252,11 +319,19 @@ class Batch:
             self._deferred = {int(d) for d in listdir(self.root / "deferred") if d.isdigit()}
         return sorted(self._deferred)
 
+    def incoming_dirs(self) -> list[str]:
+        """The incoming/<bucket> directories in claim order (high priority, then oldest)."""
+        if self._buckets is None:
+            self._buckets = set(sorted_buckets(listdir(self.root / "incoming")))
+        return [f"incoming/{b}" for b in sorted_buckets(self._buckets | self._new_buckets)]
+
     def state_dirs(self, states: Iterable[QueueState]) -> list[str]:
         out = []
         for state in dict.fromkeys(states):
             if state is QueueState.DEFERRED:
                 out += [f"deferred/{t}" for t in self.deferred_dirs()]
+            elif state is QueueState.INCOMING:
+                out += self.incoming_dirs()
             else:
                 out.append(STATE_DIRS[state])
         return out
@@ -285,7 +360,7 @@ class Batch:
     # -- changing -----------------------------------------------------------------------
 
     def _place(self, ctrl: Control) -> str:
-        return f"{self.store.dir_for(ctrl.state, ctrl.next_at)}/{ctrl.name()}"
+        return f"{self.store.dir_for(ctrl)}/{ctrl.name()}"
 
     def remove(self, ctrl: Control) -> None:
         self._set(ctrl.path, None, dirty=False)
@@ -334,6 +409,15 @@ class Batch:
             self.write(new)
         for orphan in left.values():
             self.remove(orphan)
+
+    def add_message(self) -> None:
+        """A submission's message, for the totals."""
+        self.new_messages += 1
+
+        def undo() -> None:
+            self.new_messages -= 1
+
+        self._undo.append(undo)
 
     def log_change(self, at: float, qid: str, action: Action) -> None:
         self.changes.append((at, qid, str(action)))

@@ -32,7 +32,6 @@ import fcntl
 import itertools
 import json
 import os
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,15 +42,19 @@ from sluice.spool.fs import FsSpool
 from sluice.store import ORPHAN_AGE_S, StorageError
 from sluice.store._commit import GroupCommitter, Op, RWLock, fsync_paths, in_parallel
 from sluice.store._fs_batch import Batch, Effects
+from sluice.store._fs_buckets import bucket_is_current, sorted_buckets
+from sluice.store._fs_counts import CountsFile, add_changes, changed_files
 from sluice.store._fs_files import (
-    REF_RE,
     STATE_DIRS,
-    Name,
+    Control,
     listdir,
     read_control,
     unlink,
     write_file,
 )
+
+if TYPE_CHECKING:
+    from sluice.store._fs_check import Watch
 
 
 class LateFailure(OSError):
@@ -69,9 +72,11 @@ class Committing:
     _committer: GroupCommitter
     _batch_no: itertools.count[int]
     _seq_cache: tuple[int, int]
+    _counts: CountsFile
+    _watch: Watch | None  # while a check lists the tree (sluice.store._fs_check)
 
     if TYPE_CHECKING:  # Layout's, through FsStore
-        def dir_for(self, state: QueueState, next_at: float) -> str: ...
+        def dir_for(self, ctrl: Control) -> str: ...
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -140,6 +145,13 @@ class Committing:
             fsync_paths(dirs)
             unlink(path)
         fsync_paths([str(self.root / "journal")])
+        self._moved_outside_batches()
+
+    def _moved_outside_batches(self) -> None:
+        """Files moved other than by a batch (under the lock): a check's listing is spoiled."""
+        tally = self._counts.load()
+        tally.seq += 1
+        self._counts.store(tally)
 
     # -- the committer --------------------------------------------------------------------
 
@@ -251,8 +263,16 @@ class Committing:
                 fsync_paths(sync, also=lambda: self.spool.sync(files))
             elif sync:
                 fsync_paths(sync)
+            if self._watch is not None:
+                self._watch.record_links(fx.ref_adds, True)
             if not fx and not view.after:
                 return
+            # The totals are not to be trusted from here until the batch is in place.
+            tally = self._counts.load() if fx else None
+            trusted = tally is not None and tally.trusted
+            if tally is not None and trusted:
+                tally.ok = False
+                self._counts.store(tally)
             # 2. The journal: the commit point of a batch that changes several files.
             journal = None
             if view.needs_journal and (len(fx.creates) + len(fx.unlinks)) >= 2:
@@ -268,13 +288,29 @@ class Committing:
                 if ctrl.prepared:
                     unlink(root / ctrl.prepared)
             raise
+        changes = changed_files(view, fx)
         try:
-            self._into_place(view, fx, temps, journal)
+            gone = self._into_place(view, fx, temps, journal, changes)
         except Exception as exc:
+            if self._watch is not None:
+                self._watch.spoiled = True
             raise LateFailure(str(exc)) from exc
+        if tally is not None:
+            if trusted:
+                add_changes(tally, changes)
+                tally.messages += view.new_messages - gone
+                tally.ok = True
+            tally.seq += 1
+            if self._watch is not None:
+                self._watch.batches += 1
+            # The batch is in place: failing here would only leave the totals
+            # untrusted, not the batch undone.
+            with contextlib.suppress(OSError):
+                self._counts.store(tally)
 
     def _into_place(self, view: Batch, fx: Effects, temps: list[tuple[str, str]],
-                    journal: Path | None) -> None:
+                    journal: Path | None, changes: list[tuple[str, int]]) -> int:
+        """Steps 3 to 5; returns how many messages lost their last control file."""
         root = self.root
         # 3. Into place.  Readers of this process wait; other processes see files move.
         dirs: set[str] = set()
@@ -288,6 +324,8 @@ class Committing:
             # Independent renames: issued together, they share journal commits.
             in_parallel(lambda pair: os.rename(*pair), renames)
             in_parallel(unlink, [root / rel for rel, _ in fx.unlinks])
+            if self._watch is not None:
+                self._watch.record(changes)
         dirs.update(str(dst.parent) for _, dst in renames)
         dirs.update(str(src.parent) for src, _ in renames[len(temps):])
         dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
@@ -296,28 +334,45 @@ class Committing:
         # 5. Done: the journal may go; so may links and content of what left.
         if journal is not None:
             unlink(journal)
+        gone: list[str] = []
         with self._rw.writing():
-            in_parallel(unlink, [self.spool.directory(spid) / f"{spid}-{idx0}.ref"
-                                  for spid, idx0 in fx.ref_drops])
-            in_parallel(self._drop_if_unused, sorted({spid for spid, _ in fx.ref_drops}))
-            emptied = {rel.split("/")[1] for rel, _ in fx.unlinks if rel.startswith("deferred/")}
-            emptied |= {src.split("/")[1] for src, _ in fx.moves if src.startswith("deferred/")}
-            for t in emptied:
-                with contextlib.suppress(OSError):
-                    os.rmdir(root / "deferred" / t)
+            in_parallel(lambda ref: self._drop_ref(*ref), sorted(fx.ref_drops))
+            if self._watch is not None:
+                self._watch.record_links(fx.ref_drops, False)
+            def drop(spid: str) -> None:
+                if self._drop_if_unused(spid):
+                    gone.append(spid)
+
+            in_parallel(drop, sorted({spid for spid, _ in fx.ref_drops}))
+            left = {rel.rsplit("/", 1)[0] for rel, _ in fx.unlinks}
+            left |= {src.rsplit("/", 1)[0] for src, _ in fx.moves}
+            for rel_dir in left:
+                # Emptied: a deferred/<T> goes, an incoming bucket once no
+                # new mail arrives in it.
+                if rel_dir.startswith("deferred/") or (
+                        rel_dir.startswith("incoming/")
+                        and not bucket_is_current(rel_dir.split("/")[1])):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(root / rel_dir)
             for hook in view.after:
                 hook()
+        return len(gone)
 
-    def _drop_if_unused(self, spid: str) -> None:
-        """Delete a message's content once no control file links to it."""
+    def _drop_if_unused(self, spid: str) -> bool:
+        """Delete a message's content once no control file links to it; whether it did."""
         try:
             links = os.stat(self.spool.path(spid)).st_nlink
         except FileNotFoundError:
-            return
+            return False
         if links <= 1:
             # Nothing links to it any more, so nothing can again: the unlink
             # itself may come a moment later, on the spool's own thread.
             self.spool.delete_soon([spid])
+            return True
+        return False
+
+    def _drop_ref(self, spid: str, idx0: int) -> None:
+        unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
 
     def _add_ref(self, spid: str, idx0: int) -> None:
         ref = self.spool.directory(spid) / f"{spid}-{idx0}.ref"
@@ -367,51 +422,10 @@ class Committing:
         self._seq_cache = (size, seq)
         return seq
 
-    def _reconcile(self, now: float) -> None:
-        """Content links equal control files; content without any is removed."""
-        controls: dict[str, set[int]] = defaultdict(set)
-        for rel_dir in self._all_dirs():
-            for name in listdir(self.root / rel_dir):
-                parsed = Name.parse(name)
-                if parsed is not None:
-                    controls[parsed.spid].add(parsed.idx0)
-        msgs: dict[str, float] = {}
-        refs: dict[str, set[int]] = defaultdict(set)
-        stack = [self.spool.root]
-        while stack:
-            top = stack.pop()
-            try:
-                with os.scandir(top) as it:
-                    for entry in it:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(Path(entry.path))
-                        elif entry.name.endswith(".msg"):
-                            with contextlib.suppress(FileNotFoundError):
-                                msgs[entry.name[:-4]] = entry.stat().st_mtime
-                        else:
-                            m = REF_RE.match(entry.name)
-                            if m:
-                                refs[m.group(1)].add(int(m.group(2)))
-            except FileNotFoundError:
-                continue
-        for spid in set(msgs) | set(refs):
-            want = controls.get(spid, set())
-            if not want:
-                if spid in msgs and now - msgs[spid] < ORPHAN_AGE_S:
-                    continue  # maybe a submission of another process, not yet committed
-                for idx0 in refs.get(spid, set()):
-                    unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
-                if spid in msgs:
-                    self.spool.delete(spid)
-                continue
-            for idx0 in refs.get(spid, set()) - want:
-                unlink(self.spool.directory(spid) / f"{spid}-{idx0}.ref")
-            if spid in msgs:
-                for idx0 in want - refs.get(spid, set()):
-                    self._add_ref(spid, idx0)
-
     def _all_dirs(self) -> list[str]:
-        out = [d for s, d in STATE_DIRS.items() if s is not QueueState.DEFERRED]
+        out = [d for s, d in STATE_DIRS.items()
+               if s not in (QueueState.DEFERRED, QueueState.INCOMING)]
         out += [f"deferred/{t}" for t in listdir(self.root / "deferred") if t.isdigit()]
+        out += [f"incoming/{b}" for b in sorted_buckets(listdir(self.root / "incoming"))]
         return out
 

@@ -39,7 +39,10 @@ from urllib.parse import quote
 from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid
 from sluice.store import StorageError
 
-LAYOUT_VERSION = 1
+#: The version of layout.json: 2 files incoming/ by arrival (incoming/<bucket>/).
+LAYOUT_VERSION = 2
+#: The version a control file's JSON carries ("v").
+FILE_VERSION = 1
 
 #: State directories (deferred has one level more: deferred/<T>/).
 STATE_DIRS: dict[QueueState, str] = {
@@ -159,7 +162,7 @@ class Control:
     def dump(self) -> bytes:
         m = self.meta
         doc = {
-            "v": LAYOUT_VERSION, "gen": self.gen, "spid": self.spid, "domain": self.domain,
+            "v": FILE_VERSION, "gen": self.gen, "spid": self.spid, "domain": self.domain,
             "next_at": self.next_at, "priority": self.priority, "sender": m.sender,
             "arrival_at": m.arrival_at, "tenantid": m.tenantid, "jobid": m.jobid,
             "transportid": m.transportid, "localip": list(m.localip),

@@ -20,17 +20,22 @@ SEE ALSO
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
+import operator
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
 from sluice.spool import spid_time
 from sluice.spool.fs import FsSpool
 from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._commit import RWLock
+from sluice.store._fs_buckets import BUCKET_DIGITS, sorted_buckets
+from sluice.store._fs_counts import CountsFile
 from sluice.store._fs_files import (
     STATE_DIRS,
     SUFFIX,
@@ -41,8 +46,14 @@ from sluice.store._fs_files import (
     names_suffice,
     parse_name,
     read_control,
+    scandir,
     state_of,
 )
+
+#: Messages entries() reads under one hold of the read lock.
+LIST_PAGE = 200
+#: How long count() waits for a check of this process before it lists the tree itself.
+CHECK_WAIT_S = 60.0
 
 
 class Reading:
@@ -51,7 +62,11 @@ class Reading:
     root: Path
     spool: FsSpool
     _rw: RWLock
+    _counts: CountsFile
     _feed_cursor: tuple[tuple[int, int], int, int]
+
+    if TYPE_CHECKING:  # Checking's, through FsStore
+        def wait_check(self, timeout: float | None = None) -> bool: ...
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
@@ -116,6 +131,8 @@ class Reading:
             if state is QueueState.DEFERRED:
                 out += [f"deferred/{t}" for t in
                         sorted(int(d) for d in listdir(self.root / "deferred") if d.isdigit())]
+            elif state is QueueState.INCOMING:
+                out += [f"incoming/{b}" for b in sorted_buckets(listdir(self.root / "incoming"))]
             else:
                 out.append(STATE_DIRS[state])
         return out
@@ -156,6 +173,47 @@ class Reading:
                     return e
         return None
 
+    def _in_spid_order(self, states: Sequence[QueueState], selector: Selector,
+                       after_spid: str | None) -> Iterator[tuple[str, list[str]]]:
+        """(SPID, paths of its control files) of ``states``, in SPID order.
+
+        The directories of other states are listed first, the incoming
+        buckets as the walk reaches them: a bucket's name starts with its
+        files' SPIDs, so the first lines of a million come after the
+        first buckets, not after every name.
+        """
+        may_match = NameFilter(selector)
+        incoming = QueueState.INCOMING in states
+        with self._rw.reading():
+            dirs = self._dirs([s for s in states if s is not QueueState.INCOMING])
+            buckets = sorted_buckets(listdir(self.root / "incoming")) if incoming else []
+
+        def listed(rel_dirs: Iterable[str]) -> list[tuple[str, str]]:
+            out = []
+            for rel_dir in rel_dirs:
+                with self._rw.reading():
+                    names = listdir(self.root / rel_dir)
+                for name in names:
+                    parsed = parse_name.__wrapped__(name)  # not through the cache
+                    if parsed is not None and may_match(parsed) and (
+                            after_spid is None or parsed.spid >= after_spid):
+                        out.append((parsed.spid, f"{rel_dir}/{name}"))
+            out.sort()
+            return out
+
+        by_digits: dict[str, list[str]] = defaultdict(list)  # priorities and tenants together
+        for bucket in buckets:
+            by_digits[bucket[3:3 + BUCKET_DIGITS]].append(f"incoming/{bucket}")
+
+        def incoming_files() -> Iterator[tuple[str, str]]:
+            for digits in sorted(by_digits):
+                if after_spid is None or digits >= after_spid[:BUCKET_DIGITS]:
+                    yield from listed(by_digits[digits])
+
+        merged = heapq.merge(listed(dirs), incoming_files())
+        for spid, group in itertools.groupby(merged, key=operator.itemgetter(0)):
+            yield spid, [rel for _, rel in group]
+
     def entries(self, selector: Selector, *, after: str | None = None,
                 limit: int | None = None) -> Iterator[QueueEntry]:
         states = selector.states or tuple(QueueState)
@@ -163,26 +221,22 @@ class Reading:
         if after is not None:
             spid, idx = parse_qid(after)
             cursor = (spid, -1 if idx is None else idx)
-        with self._rw.reading():
-            found = self._names(states, selector)
-        groups: dict[str, list[str]] = defaultdict(list)
-        for parsed, rel in found:
-            if cursor is None or parsed.spid >= cursor[0]:
-                groups[parsed.spid].append(rel)
+        walk = self._in_spid_order(states, selector, None if cursor is None else cursor[0])
         remaining = limit
-        spids = sorted(groups)
-        page = 200
-        for start in range(0, len(spids), page):
+        while True:
+            chunk = list(itertools.islice(walk, LIST_PAGE))
+            if not chunk:
+                return
             out: list[QueueEntry] = []
             with self._rw.reading():
-                for spid in spids[start:start + page]:
-                    message: list[QueueEntry] = []
-                    for rel in groups[spid]:
+                for _, rels in chunk:
+                    message: dict[int, QueueEntry] = {}
+                    for rel in rels:
                         ctrl = read_control(self.root, rel)
                         if ctrl is not None:
-                            message += ctrl.entries()
-                    message.sort(key=lambda e: e.idx)
-                    out += [e for e in message if selector.matches(e)
+                            # A file that moved while the walk listed appears once.
+                            message.update((e.idx, e) for e in ctrl.entries())
+                    out += [e for _, e in sorted(message.items()) if selector.matches(e)
                             and (cursor is None or (e.spid, e.idx) > cursor)]
             for e in out:
                 if remaining is not None:
@@ -206,6 +260,20 @@ class Reading:
         return out
 
     def count(self, selector: Selector | None = None) -> Counts:
+        """Store.count: the committer's totals, else from names, else from the files.
+
+        The whole queue is read from ``counts`` when it can be trusted
+        (sluice.store._fs_counts); otherwise, and for a selection by state
+        or domain, from the names, a directory at a time.
+        """
+        if selector is None or selector.is_empty:
+            tally = self._counts.trusted()
+            if tally is None and self.wait_check(CHECK_WAIT_S):
+                # This process's check (after a restart) counts them sooner
+                # than a listing of our own would.
+                tally = self._counts.trusted()
+            if tally is not None:
+                return Counts(by_state=dict(tally.by_state), messages=tally.messages)
         by_state = {s: 0 for s in QueueState}
         spids: set[str] = set()
         if selector is None or selector.is_empty or names_suffice(selector):
@@ -213,15 +281,18 @@ class Reading:
                 else selector.states
             may_match = NameFilter(selector)
             with self._rw.reading():
-                for rel_dir in self._dirs(states):
-                    state = state_of(rel_dir)
-                    n = 0
-                    for name in listdir(self.root / rel_dir):
-                        parsed = parse_name(name)
+                rel_dirs = self._dirs(states)
+            for rel_dir in rel_dirs:
+                state = state_of(rel_dir)
+                n = 0
+                with self._rw.reading():
+                    for name in scandir(self.root / rel_dir):
+                        # A million names: not through parse_name's cache.
+                        parsed = parse_name.__wrapped__(name)
                         if parsed is not None and may_match(parsed):
                             n += parsed.n
                             spids.add(parsed.spid)
-                    by_state[state] += n
+                by_state[state] += n
             return Counts(by_state=by_state, messages=len(spids))
         states = selector.states or tuple(QueueState)
         for ctrl in self._controls(states, selector):

@@ -31,14 +31,14 @@ from dataclasses import replace
 from sluice.model import QueueState
 from sluice.store import CHANGES_KEEP_S
 from sluice.store._fs_batch import Batch, copy_control
-from sluice.store._fs_commit import Committing
+from sluice.store._fs_check import Checking
 from sluice.store._fs_files import STATE_DIRS
 
 #: Control files recover() returns to the queue per commit.
 RECOVER_BATCH = 256
 
 
-class Recovering(Committing):
+class Recovering(Checking):
     """FsStore's recover() (a mixin over the commit machinery)."""
 
     def recover(self, now: float) -> int:
@@ -64,13 +64,14 @@ class Recovering(Committing):
                     files += 1
             view.after.append(lambda: self._prune_changes(now))
             view.after.append(lambda: self._clean_tmp(now))
-            view.after.append(lambda: self._reconcile(now))
             return moved, False
 
         total, more = 0, True
         while more:
             moved, more = self._call(work)
             total += moved
+        # Content links and totals: checked while the queue works.
+        self.start_check()
         return total
 
     def _prune_changes(self, now: float) -> None:

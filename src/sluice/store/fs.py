@@ -7,7 +7,10 @@ SUMMARY
 DESCRIPTION
     Layout (Mailismus section 4.3.2, plus the states Sluice adds):
 
-    incoming/             accepted, not yet tried
+    incoming/<bucket>/    accepted, not yet tried; the bucket is named by
+                          priority, the SPID's first 8 digits (4.1 s of
+                          arrival) and the tenant, so a refill lists the
+                          first buckets only (sluice.store._fs_buckets)
     deferred/<T>/         waiting for a retry; T is the due time in epoch
                           seconds rounded up by ``retry_granularity``, so
                           deferred mail clusters in few directories
@@ -17,7 +20,8 @@ DESCRIPTION
     delivering/           a delivery attempt is in flight
     tmp/, journal/        control files being written; batch journals
     changes.log           the operator change feed, one line per change
-    layout.json           the granularity the deferred tree is filed by
+    layout.json           the layout's version (2: incoming/ in buckets) and
+                          the granularity the deferred tree is filed by
     lock                  writers of all processes take it (flock)
 
     A control file holds the recipients of one message for one destination
@@ -58,7 +62,7 @@ STRATEGIES
     exists, a removal happens only if the file still has the generation the
     journal names.
 
-    Claims are renames (incoming/F -> active/F) done under the lock, so two
+    Claims are renames (incoming/B/F -> active/F) done under the lock, so two
     processes never claim the same file; a file larger than what is left of
     the claim's limit is split.
 
@@ -110,7 +114,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
-import sys
+import threading
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -137,6 +141,9 @@ from sluice.store import Action, ApplyByFuture, StorageError, Transition, applie
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock, fsync_paths
 from sluice.store._fs_batch import Batch, copy_control, recs_of, regroup
+from sluice.store._fs_buckets import bucket_tenant, sorted_buckets
+from sluice.store._fs_check import Watch
+from sluice.store._fs_counts import CountsFile, Tally
 from sluice.store._fs_files import (
     STATE_DIRS,
     SUFFIX,
@@ -146,6 +153,7 @@ from sluice.store._fs_files import (
     Rcpt,
     listdir,
     new_gen,
+    scandir,
     unlink,
     write_file,
 )
@@ -186,6 +194,12 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         self.granularity_s = self._policy.granularity_s
         self._rw = RWLock()
         self._closed = False
+        self._counts = CountsFile(self.root)
+        self._watch: Watch | None = None
+        self._check_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._check_lock = threading.Lock()
+        self._check_again = False
         self._batch_no = itertools.count()
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
         self._tenants = TenantMemo()  # SPID -> tenant, for refills
@@ -193,6 +207,8 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         self._feed_cursor: tuple[tuple[int, int], int, int] = ((0, 0), -1, 0)
         try:
             created = not self.root.exists()
+            # No state directory yet: a new queue, whose totals are zero.
+            fresh = not any((self.root / d).exists() for d in STATE_DIRS.values())
             self.root.mkdir(parents=True, exist_ok=True)
             for d in (*(d for d in STATE_DIRS.values()), "tmp", "journal"):
                 if not (self.root / d).is_dir():
@@ -210,6 +226,8 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         try:
             with self._locked():
                 self._check_layout()
+                if fresh and not self._counts.path.exists():
+                    self._counts.store(Tally(ok=True))
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -270,6 +288,7 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         def work(view: Batch) -> Accepted:
             for ctrl in ctrls:
                 view.write(copy_control(ctrl), prepared=True)
+            view.add_message()
             return accepted
 
         try:
@@ -288,12 +307,9 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
     # -- the queue manager's side ---------------------------------------------------------
 
     def _claimable(self, now: float) -> bool:
-        try:
-            with os.scandir(self.root / "incoming") as it:
-                if any(e.name.endswith(SUFFIX) for e in it):
-                    return True
-        except FileNotFoundError:
-            pass
+        if any(any(n.endswith(SUFFIX) for n in scandir(self.root / "incoming" / b))
+               for b in sorted_buckets(listdir(self.root / "incoming"))):
+            return True
         return any(
             d.isdigit() and int(d) - self._window_s < now
             and any(n.endswith(SUFFIX) for n in listdir(self.root / "deferred" / d))
@@ -348,10 +364,10 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
             return out
 
         def work(view: Batch) -> list[QueueEntry]:
-            # Every file holds at least one recipient: the first ``limit`` files
-            # of each tenant in order are all a refill can need from it.
-            inc, _ = view.smallest("incoming", limit if not weights.fair else sys.maxsize,
-                                   lambda p: (-p.priority, 0, p.spid, p.idx0, p.n))
+            # Every file holds at least one recipient: the first ``limit``
+            # files (of each tenant) are all a refill can need.
+            inc = view.first_incoming(limit, lambda p: (-p.priority, 0, p.spid, p.idx0, p.n),
+                                      by_tenant=weights.fair)
             dfr = sorted(self._due_candidates(view, now))
             fair_inc = self._fair_slots(view, inc, limit, weights)
             fair_dfr = self._fair_slots(view, dfr, limit, weights)
@@ -373,7 +389,12 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         return fair_pick(by_tenant, weights, limit)
 
     def _tenant_of(self, view: Batch, spid: str, path: str) -> str:
-        """The tenant of message ``spid`` (read from ``path`` once, then remembered)."""
+        """The tenant of message ``spid``: its bucket's, or read from ``path`` once."""
+        if path.startswith("incoming/"):
+            tenant = bucket_tenant(path.split("/")[1])
+            if tenant is not None:
+                return tenant
+
         def read() -> str:
             ctrl = view.load(path)
             return ctrl.meta.tenantid if ctrl is not None else ""
@@ -520,6 +541,8 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         """Stop the committer, close the spool and release the queue's lock."""
         if self._closed:
             return
+        self._stopping.set()
+        self.wait_check(30.0)
         self._committer.close()
         self._closed = True
         self.spool.close()

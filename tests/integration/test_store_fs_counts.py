@@ -1,0 +1,306 @@
+"""The fs flavour's totals and its check after a restart.
+
+qcount read every name in the tree (26 s with a million queued), and
+recover() reconciled every content link with every control file under
+the queue's lock (10.9 s in which no receiver could commit).  The
+committer now keeps the totals in ``counts``, and the reconciliation is a
+check that lists the tree while the queue works.  These tests hold the
+totals to what a listing of the tree says, through every kind of batch,
+crashes and a check that lists while batches change the tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.store import Action, Counts, Transition
+from sluice.store._fs_counts import Tally
+from sluice.store.fs import FsStore
+from tests.conftest import ROOT, subprocess_env
+from tests.integration.stores import flavour_config, open_flavour
+from tests.integration.test_store_fs import _CRASHER
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_800_000_000.0
+S = QueueState
+EVERY_STATE = Selector(states=tuple(QueueState))  # counted from the names
+
+
+def open_fs(tmp: Path) -> FsStore:
+    store = open_flavour("fs", tmp)
+    assert isinstance(store, FsStore)
+    return store
+
+
+def listed(store: FsStore) -> Counts:
+    """The totals by reading the tree."""
+    return store.count(EVERY_STATE)
+
+
+def from_file(store: FsStore, monkeypatch: pytest.MonkeyPatch) -> Counts:
+    """count() of the whole queue, failing if it lists a directory."""
+    import sluice.store._fs_reading as reading
+
+    def no(*_: Any) -> Any:
+        raise AssertionError("count() listed the tree")
+
+    with monkeypatch.context() as m:
+        m.setattr(reading, "scandir", no)
+        m.setattr(reading, "listdir", no)
+        return store.count()
+
+
+def links_match(store: FsStore) -> None:
+    """Every control file has its content link, and nothing else does."""
+    want: dict[str, set[int]] = {}
+    for path in store.root.rglob("*.mmq"):
+        if path.relative_to(store.root).parts[0] == "tmp":
+            continue
+        spid, rest = path.name.split("-", 1)
+        want.setdefault(spid, set()).add(int(rest.split("+")[0]))
+    have: dict[str, set[int]] = {}
+    for ref in store.spool.root.rglob("*.ref"):
+        spid, idx0 = ref.name[:-4].split("-")
+        have.setdefault(spid, set()).add(int(idx0))
+    assert have == want
+    for spid, idx0s in want.items():
+        assert os.stat(store.spool.path(spid)).st_nlink == 1 + len(idx0s)
+
+
+def busy_day(store: FsStore, now: float, k: int = 0) -> None:
+    """Some of every kind of batch."""
+    accs = [store.submit(Submission("a@example.org", tuple(
+        f"r{i}.{j}@d{(i + j) % 3}.example" for j in range(3)), priority=i % 2,
+        tenantid=f"t{i % 2}"), b"x", now) for i in range(6)]
+    store.submit(Submission("b@example.org", ("later@d.example",), delay_s=60), b"y", now)
+    claimed = store.claim(8, now, 0)
+    store.apply([Transition(claimed[0].qid, None),  # delivered
+                 Transition(claimed[1].qid, S.DEFERRED, next_attempt_at=now + 30,
+                            reply=Reply(451, "4.0.0 later"), attempted=True),
+                 Transition(claimed[2].qid, S.BOUNCE, reply=Reply(550, "5.0.0 no")),
+                 Transition(claimed[3].qid, S.DELIVERING)])
+    store.modify(Selector(qids=(accs[4].spid,)), Action.HOLD, now)
+    store.modify(Selector(qids=(accs[5].qids[1],)), Action.DELETE, now)
+    store.modify(Selector(qids=(accs[4].qids[0],)), Action.RELEASE, now)
+    store.modify(Selector(qids=(accs[3].spid,)), Action.PRIORITY, now, priority=1)
+    store.claim_bounces(10, now, 60)
+
+
+def test_the_committer_keeps_the_totals_so_qcount_lists_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_fs(tmp_path)
+    try:
+        assert from_file(store, monkeypatch) == listed(store)
+        busy_day(store, T0)
+        counts = from_file(store, monkeypatch)
+        assert counts == listed(store)
+        assert counts.messages == 7 and counts.recipients == 17
+        assert counts[S.HOLD] == 2 and counts[S.BOUNCE] == 1 and counts[S.DELIVERING] == 1
+        # Every message's recipients gone: so is the message.
+        spids = {e.spid for e in store.entries(Selector())}
+        store.modify(Selector(qids=tuple(sorted(spids)[:2])), Action.DELETE, T0)
+        assert from_file(store, monkeypatch) == listed(store)
+        assert from_file(store, monkeypatch).messages == 5
+        assert store.recover(T0 + 5) > 0
+        assert store.wait_check(30)
+        busy_day(store, T0 + 10)
+        assert from_file(store, monkeypatch) == listed(store)
+    finally:
+        store.close()
+    # Another process (here: another store on the same tree) sees them too.
+    store = open_fs(tmp_path)
+    try:
+        assert from_file(store, monkeypatch) == listed(store)
+    finally:
+        store.close()
+
+
+def test_a_batch_cut_short_leaves_the_totals_untrusted_until_the_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = flavour_config("fs", tmp_path)
+    path = tmp_path / "sluice.yaml"
+    path.write_text(json.dumps(cfg.to_dict(readable=True)))
+    store = open_fs(tmp_path)
+    busy_day(store, T0)
+    store.close()
+    proc = subprocess.run([sys.executable, "-c", _CRASHER, str(path)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 9, proc.stderr
+    assert json.loads((tmp_path / "queue" / "counts").read_bytes())["ok"] is False
+    store = open_fs(tmp_path)  # the journal is replayed
+    try:
+        # Not trusted: counted from the names, and right.
+        assert store._counts.trusted() is None
+        assert store.count() == listed(store)
+        assert listed(store).messages == 8
+        store.recover(time.time())
+        assert store.wait_check(30)
+        assert from_file(store, monkeypatch) == listed(store)
+        links_match(store)
+    finally:
+        store.close()
+
+
+def test_totals_of_another_boot_are_not_trusted(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # counts is not synced: after a crash of the machine it may be stale.
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        good = from_file(store, monkeypatch)
+        raw = json.loads((store.root / "counts").read_bytes())
+        raw["boot"] = "another boot"
+        (store.root / "counts").write_text(json.dumps(raw))
+        assert store._counts.trusted() is None
+        assert store.count() == good  # from the names
+        store.recover(T0)
+        assert store.wait_check(30)
+        assert from_file(store, monkeypatch) == listed(store)
+        assert from_file(store, monkeypatch).recipients == good.recipients
+    finally:
+        store.close()
+
+
+def test_the_check_lists_the_tree_while_batches_change_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sluice.store._fs_check as fs_check
+
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        # A crash's leftovers: a link without its control file, a control
+        # file without its link, content nothing links to, stale totals.
+        acc = store.submit(Submission("c@example.org", ("o@d.example",)), b"z", T0)
+        os.link(store.spool.path(acc.spid), store.spool.directory(acc.spid) / f"{acc.spid}-7.ref")
+        kept = next(e for e in store.entries(Selector(states=(S.DEFERRED,))))
+        os.unlink(store.spool.directory(kept.spid) / f"{kept.spid}-{kept.idx}.ref")
+        orphan = store.spool.write(b"orphan")
+        os.utime(store.spool.path(orphan.spid), (time.time() - 7200, time.time() - 7200))
+        store._counts.store(Tally(seq=store._counts.load().seq))  # not ok
+        # Between the directories it lists, batches of every kind change the tree.
+        real_state_of = fs_check.state_of
+        listed_dirs: list[str] = []
+
+        def state_of(rel_dir: str) -> QueueState:
+            listed_dirs.append(rel_dir)
+            if len(listed_dirs) in (2, 5):
+                busy_day(store, T0 + len(listed_dirs))
+            return real_state_of(rel_dir)
+
+        monkeypatch.setattr(fs_check, "state_of", state_of)
+        store.recover(T0 + 1)
+        assert store.wait_check(30)
+        monkeypatch.setattr(fs_check, "state_of", real_state_of)
+        assert len(listed_dirs) > 5
+        assert from_file(store, monkeypatch) == listed(store)
+        assert not store.spool.path(orphan.spid).exists()
+        links_match(store)
+    finally:
+        store.close()
+
+
+def test_recover_returns_before_the_check_and_mail_commits_while_it_lists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # recover() reconciled every content link under the queue's lock: with
+    # a million queued, no receiver could commit (answer 250) for 10.9 s.
+    import sluice.store._fs_check as fs_check
+
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        gate, listing = threading.Event(), threading.Event()
+        real_state_of = fs_check.state_of
+
+        def state_of(rel_dir: str) -> QueueState:
+            listing.set()
+            assert gate.wait(30)
+            return real_state_of(rel_dir)
+
+        monkeypatch.setattr(fs_check, "state_of", state_of)
+        store.recover(T0 + 1)
+        assert listing.wait(30)
+        acc = store.submit(Submission("n@example.org", ("n@new.example",)), b"n", T0 + 2)
+        assert acc.qids[0] in {e.qid for e in store.claim(100, T0 + 2, 0)}
+        assert not store.wait_check(0.01)  # still listing
+        gate.set()
+        assert store.wait_check(30)
+        assert from_file(store, monkeypatch) == listed(store)
+        links_match(store)
+    finally:
+        gate.set()
+        store.close()
+
+
+def test_a_batch_of_another_process_during_the_check_makes_it_list_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sluice.store._fs_check as fs_check
+
+    store = open_fs(tmp_path)
+    other = open_fs(tmp_path)  # its own lock: another process as far as flock goes
+    try:
+        busy_day(store, T0)
+        store._counts.store(Tally(seq=store._counts.load().seq))  # not ok
+        starts: list[int] = []
+        real_start = FsStore._watch_start
+
+        def watch_start(self: FsStore, view: Any) -> Any:
+            starts.append(1)
+            return real_start(self, view)
+
+        real_state_of = fs_check.state_of
+        done: list[int] = []
+
+        def state_of(rel_dir: str) -> QueueState:
+            if not done:
+                done.append(1)
+                other.submit(Submission("o@example.org", ("o@d.example",)), b"o", T0)
+            return real_state_of(rel_dir)
+
+        monkeypatch.setattr(FsStore, "_watch_start", watch_start)
+        monkeypatch.setattr(fs_check, "state_of", state_of)
+        store.recover(T0 + 1)
+        assert store.wait_check(30)
+        assert len(starts) == 2
+        assert from_file(store, monkeypatch) == listed(store)
+    finally:
+        other.close()
+        store.close()
+
+
+def test_count_waits_for_this_process_s_check_rather_than_listing_the_tree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a restart serve's duties ask for the totals at once: a listing
+    # of its own (4 s for a million) beside the check's would count twice.
+    import sluice.store._fs_check as fs_check
+
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        store._counts.store(Tally(seq=store._counts.load().seq))  # not ok
+        gate = threading.Event()
+        real_state_of = fs_check.state_of
+        monkeypatch.setattr(fs_check, "state_of",
+                            lambda rel_dir: (gate.wait(30), real_state_of(rel_dir))[1])
+        store.recover(T0 + 1)
+        got: list[Counts] = []
+        counter = threading.Thread(target=lambda: got.append(from_file(store, monkeypatch)))
+        counter.start()
+        counter.join(0.2)
+        assert counter.is_alive()  # waiting for the check
+        gate.set()
+        counter.join(30)
+        assert got == [listed(store)]
+    finally:
+        gate.set()
+        store.close()
