@@ -118,6 +118,11 @@ class ChunkReader(io.RawIOBase):
         super().close()
 
 
+
+def _needs_sync(op: Op) -> bool:
+    """Whether an operation's caller hears of its commit only after the log sync."""
+    return op.durable or isinstance(op.extra, Submit)
+
 class Database:
     """LevelDB and the committer of KvStore (a mixin: KvStore sets the attributes)."""
 
@@ -271,7 +276,7 @@ class Database:
             return
         results: list[tuple[Op, Any, BaseException | None]] = []
         write_error: StorageError | None = None
-        durable = any(op.durable or isinstance(op.extra, Submit) for op in batch)
+        durable = any(map(_needs_sync, batch))
         with self._rw.reading():
             view = Batch(self._db)
             for op in batch:
@@ -306,7 +311,7 @@ class Database:
         if write_error is None:
             # Those that need no sync hear of the commit now (module doc).
             for op, value, failure in results:
-                if failure is None and not (op.durable or isinstance(op.extra, Submit)):
+                if failure is None and not _needs_sync(op):
                     op.future.set_result(value)
             results = [r for r in results if not r[0].future.done()]
             if durable:
