@@ -21,14 +21,14 @@ STRATEGIES
     committer commits them in that order and one WAL flush can cover
     several: with one batch at a time, an outcome that arrived during a
     commit waited for that commit's fsync before its own began, most of
-    the ~4 ms a delivery waited to settle.  A delivery waits for the batch that holds its
-    outcomes before its connection takes another message (record()'s
-    future; sluice.delivery.agent, "Durable before reuse"), so a success
-    is durable one commit after its reply, not whenever the loop gets to
-    it.  The batch goes from the loop straight to the store's committer
-    (Queue.plan_record, apply_record, finish_record): no pool
-    thread sits between them only to wait, which cost about 0.9 ms of
-    each delivery's wait.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
+    the ~4 ms a delivery waited to settle.  A delivery waits for the
+    batch that holds its outcomes before its connection takes another
+    message (record()'s future; sluice.delivery.agent, "Durable before
+    reuse"), so a success is durable one commit after its reply, not
+    whenever the loop gets to it.  The batch goes from the loop straight
+    to the store's committer (Queue.plan_record, apply_record,
+    finish_record): no pool thread sits between them only to wait, which
+    cost about 0.9 ms of each delivery's wait.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
     burst of bounces makes few runs.
 
     A failing store is retried, not dropped.  A batch of outcomes that
