@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import IO, Protocol
 
 __all__ = ["Content", "Spool", "SpoolFile", "SpoolIOError", "iter_chunks", "new_spid",
-           "spid_candidates", "spid_time"]
+           "spid_candidates", "spid_head", "spid_time"]
 
 
 class SpoolIOError(OSError):
@@ -66,7 +66,12 @@ def new_spid(now_ms: int | None = None) -> str:
         else:
             suffix = int.from_bytes(os.urandom(3), "big") & 0xFFFFF
         _spid_last[0], _spid_last[1] = ms, suffix
-    return f"{ms & 0xFFFFFFFFFFF:011X}{suffix:05X}"
+    return f"{spid_head(ms)}{suffix:05X}"
+
+
+def spid_head(ms: int) -> str:
+    """The 11 hex digits a SPID drawn at ``ms`` (POSIX milliseconds) starts with."""
+    return f"{ms & 0xFFFFFFFFFFF:011X}"
 
 
 def spid_time(spid: str) -> float:

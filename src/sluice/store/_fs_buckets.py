@@ -32,6 +32,8 @@ import time
 from collections.abc import Iterable
 from urllib.parse import quote, unquote
 
+from sluice.spool import spid_head
+
 #: SPID digits a bucket is named by: 8 hex digits of milliseconds are 4.1 s.
 BUCKET_DIGITS = 8
 TENANT_MAX = 80
@@ -73,7 +75,7 @@ def bucket_tenant(bucket: str) -> str | None:
 def bucket_is_current(bucket: str, now_ms: int | None = None) -> bool:
     """Whether new mail may still arrive in ``bucket`` (this 4.1 s or the one before)."""
     ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-    now_prefix = int(f"{ms & 0xFFFFFFFFFFF:011X}"[:BUCKET_DIGITS], 16)
+    now_prefix = int(spid_head(ms)[:BUCKET_DIGITS], 16)
     return int(bucket[3:_HEAD], 16) >= now_prefix - 1
 
 
