@@ -56,16 +56,18 @@ time.sleep(3600)
 """
 
 
-def kill_to_eof(threads: int, megabytes: int) -> float:
+def _kill_after_ready(script: str, args: list[str], pause_s: float) -> float:
+    """Start ``script`` with its listener's port, wait for its ready byte and
+    ``pause_s``, SIGKILL it: the seconds until its connection reads EOF."""
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen()
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(srv.getsockname()[1]),
-                                  str(threads), str(megabytes)])
+        child = subprocess.Popen([sys.executable, "-c", script, str(srv.getsockname()[1]),
+                                  *args])
         conn, _ = srv.accept()
         with conn:
-            conn.recv(1)  # the child is ready: memory touched, threads started
-            time.sleep(0.1)
+            conn.recv(1)  # the child is ready
+            time.sleep(pause_s)
             started = time.perf_counter()
             os.kill(child.pid, signal.SIGKILL)
             conn.recv(1)  # EOF
@@ -74,24 +76,16 @@ def kill_to_eof(threads: int, megabytes: int) -> float:
     return took
 
 
+def kill_to_eof(threads: int, megabytes: int) -> float:
+    # Ready: memory touched, threads started.
+    return _kill_after_ready(CHILD, [str(threads), str(megabytes)], 0.1)
+
+
 def kill_in_fsync(megabytes: int, where: str) -> float:
     path = os.path.join(where, f"kill-close-{os.getpid()}.data")
     try:
-        with socket.socket() as srv:
-            srv.bind(("127.0.0.1", 0))
-            srv.listen()
-            child = subprocess.Popen([sys.executable, "-c", FSYNC_CHILD,
-                                      str(srv.getsockname()[1]), str(megabytes), path])
-            conn, _ = srv.accept()
-            with conn:
-                conn.recv(1)  # the data is written; the fsync begins
-                time.sleep(0.005)
-                started = time.perf_counter()
-                os.kill(child.pid, signal.SIGKILL)
-                conn.recv(1)  # EOF
-                took = time.perf_counter() - started
-            child.wait()
-        return took
+        # Ready: the data is written; the fsync begins.
+        return _kill_after_ready(FSYNC_CHILD, [str(megabytes), path], 0.005)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
