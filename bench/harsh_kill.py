@@ -399,6 +399,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp", help="where the queue lives")
     args = ap.parse_args()
 
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="harsh-kill-", dir=args.dir))
     sink = Sink(default=Behaviour("slow", seconds=args.slow), keep=True)
     watch = Watch()
