@@ -13,7 +13,7 @@ DESCRIPTION
 
     The format is defined here once, on listing rows (sluice.store's
     LISTING_FIELDS).  A store that reads such rows cheaply hands them out
-    itself (sluice.store.ListsRows, the SQL flavours); for the others
+    itself (sluice.store.ListsRows: the SQL flavours and fs); for kv
     entry_rows() makes them from entries().
 
 STRATEGIES

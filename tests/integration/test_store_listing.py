@@ -1,7 +1,8 @@
-"""qlist's lines on every flavour: the SQL flavours' rows and the others' entries.
+"""qlist's lines on every flavour: the SQL flavours' and fs's rows, kv's entries.
 
-The SQL flavours hand out plain rows (ListsRows) that the one formatter
-(sluice.listing) turns into lines; the others go through entries().  Both
+The SQL flavours and fs hand out plain rows (ListsRows) that the one
+formatter (sluice.listing) turns into lines; kv goes through entries(),
+and so does fs for a selection its file names do not answer.  Both
 must give what the qlist format says, written out here the plain way:
 csv.writer over each entry's fields.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import csv
 import gc
 import io
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -19,8 +21,10 @@ import pytest
 from sluice import listing
 from sluice.listing import QLIST_FIELDS, listing_rows, qlist_blocks, write_qlist
 from sluice.model import QueueEntry, QueueState, Reply, Selector, Submission
-from sluice.store import Action, ListsRows, Store, Transition
+from sluice.store import Action, ListsRows, StorageError, Store, Transition
+from sluice.store import _fs_reading as fs_reading
 from sluice.store import _sql as sql
+from sluice.store._fs_files import parse_name
 from tests.integration.stores import open_flavour
 
 pytestmark = pytest.mark.integration
@@ -79,10 +83,13 @@ def test_qlist_lines_of_every_flavour_are_the_format_s(
     monkeypatch.setattr(sql, "PAGE", 3)
     monkeypatch.setattr(listing, "CHUNK", 3)
     monkeypatch.setattr(listing, "_TIMES_MAX", 2)
+    monkeypatch.setattr(fs_reading, "LIST_PAGE", 2)  # messages a chunk
     spids = fill(store)
-    # The SQL flavours list plain rows; the others their entries.
-    assert isinstance(store, ListsRows) is (flavour in ("sqlite", "sqlite_files", "postgres"))
-    assert len(list(listing_rows(store, Selector()))) == 5  # 15 entries in chunks of 3
+    # The SQL flavours and fs list plain rows; kv its entries.
+    assert isinstance(store, ListsRows) is (flavour != "kv")
+    chunks = list(listing_rows(store, Selector()))
+    assert sum(map(len, chunks)) == 15 and all(chunks)
+    assert len(chunks) == (4 if flavour == "fs" else 5)  # 8 messages by 2; 15 rows by 3
     held = store.entries(Selector(qids=(spids["held"],)))
     assert [e.state for e in held] == [QueueState.HOLD]
     for selector, limit in [
@@ -128,5 +135,24 @@ def test_qlist_is_written_in_blocks_of_bytes_as_the_stream_would_encode_it(
         text = io.StringIO()  # no binary buffer: the text itself
         write_qlist(text, store, Selector())
         assert text.getvalue() == want
+    finally:
+        store.close()
+
+
+def test_fs_rows_name_a_broken_control_file_and_skip_one_that_went(tmp_path: Path) -> None:
+    store = open_flavour("fs", tmp_path)
+    try:
+        fill(store)
+        files = sorted((tmp_path / "queue").rglob("*.mmq"))
+        gone = parse_name(files[0].name)
+        assert gone is not None and len(files) > 2
+        files[0].unlink()  # delivered while the listing walked: left out
+        rows = [r for chunk in store.list_rows(Selector()) for r in chunk]
+        assert len(rows) == 15 - gone.n
+        assert rows == [r for chunk in listing.entry_rows(store.entries(Selector()))
+                        for r in chunk]
+        files[1].write_bytes(b"{not json")
+        with pytest.raises(StorageError, match=re.escape(str(files[1]))):
+            list(store.list_rows(Selector()))
     finally:
         store.close()

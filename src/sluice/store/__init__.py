@@ -160,7 +160,7 @@ LISTING_FIELDS = (
 
 @runtime_checkable
 class ListsRows(Protocol):
-    """A store that lists plain rows cheaply: no QueueEntry per row (the SQL flavours)."""
+    """A store that lists plain rows cheaply: no QueueEntry per row (SQL flavours, fs)."""
 
     def list_rows(self, selector: Selector, *, limit: int | None = None
                   ) -> Iterator[list[tuple[Any, ...]]]:

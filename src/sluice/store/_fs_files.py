@@ -14,9 +14,11 @@ DESCRIPTION
     content is one JSON object.  sluice.store.fs describes the whole tree.
 
 STRATEGIES
-    Names are parsed with string operations, not a regular expression,
-    and cached: a refill lists the same names batch after batch, qcount
-    lists them all.
+    Names are parsed with one regular expression (a third of what the
+    string operations it replaced cost) and cached: a refill lists the
+    same names batch after batch.  A listing or a count of a million
+    names goes around the cache, and a walk that only sorts by SPID
+    builds no Name (spid_of_name).
 
 SEE ALSO
     sluice.store.fs (the store), sluice.store._fs_batch (a batch's view)
@@ -31,9 +33,10 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid
@@ -77,26 +80,28 @@ class Name:
         return parse_name(name)
 
 
-HEXUP = frozenset("0123456789ABCDEF")
+#: A control file's name: SPID, first index, recipients, priority, domain.
+_NAME = re.compile(r"([0-9A-F]{8,32})-([0-9]{1,6})\+([0-9]{1,6})p([01])@(.*)\.mmq", re.S)
 
 
 @functools.lru_cache(maxsize=1 << 18)
 def parse_name(name: str) -> Name | None:
-    # String operations rather than a regular expression, and cached: a
-    # refill lists the same names batch after batch, qcount lists them all.
-    if not name.endswith(SUFFIX):
+    # Cached: a refill lists the same names batch after batch.
+    m = _NAME.fullmatch(name)
+    if m is None:
         return None
-    head, at, domain = name[:-len(SUFFIX)].partition("@")
-    spid, dash, rest = head.partition("-")
-    idx0, plus, rest = rest.partition("+")
-    n, p, prio = rest.partition("p")
-    if not (at and dash and plus and p) or prio not in ("0", "1"):
-        return None
-    if not (8 <= len(spid) <= 32 and HEXUP.issuperset(spid)):
-        return None
-    if not (idx0.isdigit() and n.isdigit() and len(idx0) <= 6 and len(n) <= 6):
-        return None
+    spid, idx0, n, prio, domain = m.groups()
     return Name(spid, int(idx0), int(n), int(prio), domain)
+
+
+def spid_of_name(name: str) -> str | None:
+    """The SPID of a control file's name; None for a name parse_name refuses.
+
+    No Name built: a listing of a million files sorts them by SPID and
+    needs nothing else from their names.
+    """
+    m = _NAME.fullmatch(name)
+    return None if m is None else m.group(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +215,80 @@ def read_control(root: Path, rel: str) -> Control | None:
         raise StorageError(f"{root / rel} is not a control file: {exc}") from exc
 
 
+#: Decodes a control file's JSON from text (json.loads on bytes first
+#: guesses the encoding, a third of its cost on a small file).
+_decode_json = json.JSONDecoder().decode
+
+
+def read_message(root: str, rels: Iterable[str], selector: Selector
+                 ) -> list[tuple[str, bytes]]:
+    """(relative path, bytes) of the control files of one message a listing shows.
+
+    ``root`` is the queue's directory as a string; a file gone meanwhile
+    is left out.  ``selector`` must be one the names answer (names_suffice):
+    only its states are checked here.
+    """
+    out = []
+    for rel in rels:
+        if selector.states and state_of(rel) not in selector.states:
+            continue
+        path = f"{root}/{rel}"
+        try:
+            out.append((rel, read_small(path)))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StorageError(f"cannot read {path}: {exc}") from exc
+    return out
+
+
+def message_rows(root: str, files: Iterable[tuple[str, bytes]]) -> list[tuple[Any, ...]]:
+    """The listing rows (sluice.store.LISTING_FIELDS) of one message's control files.
+
+    ``files`` as read_message() read them.  Made from each file's JSON
+    without building a Control or QueueEntry (a listing of a million
+    files spent most of its time there); in recipient order, a recipient
+    once if its file moved while it was listed.
+    """
+    rows: dict[int, tuple[Any, ...]] = {}
+    for rel, data in files:
+        try:
+            doc = _decode_json(data.decode())
+            spid, sender, domain = doc["spid"], doc["sender"], doc["domain"]
+            arrival, next_at, priority = doc["arrival_at"], doc["next_at"], doc["priority"]
+            tenant, job, transport = doc["tenantid"], doc["jobid"], doc["transportid"]
+            localip, size, report = ",".join(doc["localip"]), doc["size"], doc["is_report"]
+            value = state_of(rel).value
+            for idx, rcpt, attempts, reply in doc["rcpts"]:
+                if reply is None:
+                    rows[idx] = (spid, idx, value, sender, rcpt, domain, arrival, next_at,
+                                 attempts, priority, tenant, job, transport, localip, None,
+                                 None, None, None, size, report)
+                else:  # as Reply.from_record reads it
+                    rows[idx] = (spid, idx, value, sender, rcpt, domain, arrival, next_at,
+                                 attempts, priority, tenant, job, transport, localip,
+                                 int(reply[0]), reply[1] or "", reply[2] or "",
+                                 (reply[3] if len(reply) > 3 else "") or "", size, report)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise StorageError(f"{root}/{rel} is not a control file: {exc}") from exc
+    return [rows[i] for i in sorted(rows)]
+
+
+def read_small(path: str) -> bytes:
+    """A small file's bytes: one open, reads until the end, one close."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 1 << 16)
+        if len(data) == 1 << 16:
+            parts = [data]
+            while chunk := os.read(fd, 1 << 16):
+                parts.append(chunk)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
 def scandir(path: Path) -> Iterator[str]:
     """The names in a directory, one at a time (none if it is missing)."""
     try:
@@ -255,6 +334,11 @@ class NameFilter:
                 self.spids = frozenset(parse_qid(q)[0] for q in selector.qids)
             if selector.domain is not None:
                 self.domain = enc_domain(selector.domain)
+
+    @property
+    def everything(self) -> bool:
+        """Whether every name passes (no queue ids, no domain)."""
+        return self.spids is None and self.domain is None
 
     def __call__(self, parsed: Name) -> bool:
         if self.spids is not None and parsed.spid not in self.spids:

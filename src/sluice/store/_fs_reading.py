@@ -11,7 +11,9 @@ DESCRIPTION
     another process may see a file between two directories while a batch
     is applied.  Counting reads directory names only (the state is the
     directory, the recipient count is in the name); selections by sender,
-    tenant, job or transport, qshape and expiry read the files.
+    tenant, job or transport, qshape and expiry read the files.  The
+    listing qlist prints (list_rows) makes its rows from each file's JSON
+    with no entry objects, while a thread reads the next page's files.
 
 SEE ALSO
     sluice.store.fs, sluice.store._fs_files
@@ -26,9 +28,11 @@ import operator
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
+from sluice.listing import entry_rows
 from sluice.model import QueueEntry, QueueState, Selector, parse_qid
 from sluice.spool import spid_time
 from sluice.spool.fs import FsSpool
@@ -43,10 +47,13 @@ from sluice.store._fs_files import (
     Name,
     NameFilter,
     listdir,
+    message_rows,
     names_suffice,
     parse_name,
     read_control,
+    read_message,
     scandir,
+    spid_of_name,
     state_of,
 )
 
@@ -193,6 +200,12 @@ class Reading:
             for rel_dir in rel_dirs:
                 with self._rw.reading():
                     names = listdir(self.root / rel_dir)
+                if may_match.everything:  # only the SPID is needed: no Name built
+                    for name in names:
+                        spid = spid_of_name(name)
+                        if spid is not None and (after_spid is None or spid >= after_spid):
+                            out.append((spid, f"{rel_dir}/{name}"))
+                    continue
                 for name in names:
                     parsed = parse_name.__wrapped__(name)  # not through the cache
                     if parsed is not None and may_match(parsed) and (
@@ -244,6 +257,45 @@ class Reading:
                         return
                     remaining -= 1
                 yield e
+
+    def list_rows(self, selector: Selector, *, limit: int | None = None
+                  ) -> Iterator[list[tuple[Any, ...]]]:
+        """ListsRows.list_rows: rows straight from the files' JSON, no QueueEntry.
+
+        Only for a selection the walk's names and directories answer (by
+        state or domain); any other goes through entries() and
+        Selector.matches, the reference.  A thread reads the next page's
+        files (os.read lets go of the GIL) while this one makes the rows
+        of the last: on two cores a million files take about half as long.
+        """
+        if not names_suffice(selector):
+            yield from entry_rows(self.entries(selector, limit=limit))
+            return
+        states = selector.states or tuple(QueueState)
+        walk = self._in_spid_order(states, selector, None)
+        root = str(self.root)
+
+        def read_page() -> list[list[tuple[str, bytes]]] | None:
+            page = list(itertools.islice(walk, LIST_PAGE))
+            if not page:
+                return None
+            with self._rw.reading():
+                return [read_message(root, rels, selector) for _, rels in page]
+
+        remaining = -1 if limit is None else limit
+        with ThreadPoolExecutor(1, thread_name_prefix="fs-list") as reader:
+            ahead = reader.submit(read_page)
+            while remaining:
+                page = ahead.result()
+                if page is None:
+                    return
+                ahead = reader.submit(read_page)
+                out = [row for files in page for row in message_rows(root, files)]
+                if remaining > 0:
+                    out = out[:remaining]
+                    remaining -= len(out)
+                if out:
+                    yield out
 
     def oldest(self) -> dict[QueueState, float]:
         """The oldest entry of each state, by its SPID's time (see Store.oldest).

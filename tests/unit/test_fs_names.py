@@ -1,0 +1,54 @@
+"""The filesystem flavour's control file names: one pattern, read two ways.
+
+parse_name gives every field of a name, spid_of_name only its SPID (the
+listing's walk sorts a million names by it).  Both must take and refuse
+the same names, and a name Control.name() writes must read back.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluice.store._fs_files import Name, enc_domain, parse_name, spid_of_name
+
+pytestmark = pytest.mark.unit
+
+HEX = "0123456789ABCDEF"
+
+# Pieces of names, mostly well formed, with the mistakes a stray file could have.
+spids = st.one_of(st.text(HEX, min_size=8, max_size=32), st.text(HEX + "abx-", max_size=34))
+numbers = st.one_of(st.integers(0, 999_999).map(str), st.text("0123456789²٣+p@", max_size=8))
+prios = st.sampled_from(["0", "1", "2", "01", "", "p0"])
+domains = st.one_of(st.from_regex(r"[a-z0-9.-]{1,30}", fullmatch=True),
+                    st.text(max_size=12))
+suffixes = st.sampled_from([".mmq", ".mmq", ".mmq", ".tmp", "", ".mmq.mmq", ".MMQ"])
+
+
+@given(spids, numbers, numbers, prios, domains, suffixes, st.sampled_from(["-", "_"]),
+       st.sampled_from(["+", "-"]), st.sampled_from(["p", "P"]), st.sampled_from(["@", ""]))
+def test_both_readers_take_and_refuse_the_same_names(spid, idx0, n, prio, domain, suffix,
+                                                     dash, plus, p, at):
+    name = f"{spid}{dash}{idx0}{plus}{n}{p}{prio}{at}{domain}{suffix}"
+    parsed = parse_name.__wrapped__(name)
+    assert spid_of_name(name) == (None if parsed is None else parsed.spid)
+    if parsed is not None:
+        # What was taken is what the name says, field by field.
+        assert (parsed.spid, str(parsed.idx0), str(parsed.n), str(parsed.priority),
+                parsed.domain) == (spid, idx0, n, prio, domain + suffix[:-4])
+
+
+@given(st.text(HEX, min_size=16, max_size=16), st.integers(0, 999_999),
+       st.integers(1, 999_999), st.sampled_from([0, 1]),
+       st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40))
+def test_a_written_name_reads_back(spid, idx0, n, prio, domain):
+    name = f"{spid}-{idx0}+{n}p{prio}@{enc_domain(domain)}.mmq"
+    assert parse_name.__wrapped__(name) == Name(spid, idx0, n, prio, enc_domain(domain))
+    assert spid_of_name(name) == spid
+
+
+def test_digits_are_ascii_only():
+    # A superscript two is a digit to str.isdigit but not to int().
+    assert parse_name.__wrapped__("0123456789ABCDEF-²+1p0@x.mmq") is None
+    assert spid_of_name("0123456789ABCDEF-0+1p0@x.mmq") == "0123456789ABCDEF"
