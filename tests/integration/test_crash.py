@@ -85,7 +85,12 @@ def test_sigkill_never_loses_an_accepted_message(flavour: str, tmp_path: Path) -
     config_path.write_text(yaml.safe_dump(cfg.to_dict(readable=True)))
     rng = random.Random(20261122)
     promised: dict[str, tuple[str, int]] = {}
+    # Content read and found whole at an earlier kill is read again only
+    # after the last one (content lost in between cannot come back), so each
+    # kill reads what is new rather than the whole queue again.
+    checked: set[str] = set()
     for kill in range(KILLS):
+        last = kill == KILLS - 1
         promised.update(_run_and_kill(config_path, rng))
         store = open_flavour(flavour, tmp_path)
         try:
@@ -97,12 +102,17 @@ def test_sigkill_never_loses_an_accepted_message(flavour: str, tmp_path: Path) -
             assert not missing, f"kill {kill}: accepted messages lost: {missing[:5]}"
             for spid, (digest, nrcpt) in promised.items():
                 assert listed[spid] == nrcpt, f"kill {kill}: {spid} lost recipients"
+                if spid in checked and not last:
+                    continue
                 with store.open_content(spid) as stream:
                     data = stream.read()
                 assert hashlib.sha256(data).hexdigest() == digest, f"{spid} content differs"
             for spid in listed:  # also the ones committed but not yet ACKed
+                if spid in checked and not last:
+                    continue
                 with store.open_content(spid) as stream:
                     assert verify(stream.read()), f"kill {kill}: {spid} is half-written"
+            checked.update(listed)
             if isinstance(store, FsStore):
                 # The totals the check counts (or the batches kept) are the tree's.
                 assert store.wait_check(60)
