@@ -151,8 +151,12 @@ def test_fs_rows_name_a_broken_control_file_and_skip_one_that_went(tmp_path: Pat
         assert len(rows) == 15 - gone.n
         assert rows == [r for chunk in listing.entry_rows(store.entries(Selector()))
                         for r in chunk]
-        files[1].write_bytes(b"{not json")
-        with pytest.raises(StorageError, match=re.escape(str(files[1]))):
-            list(store.list_rows(Selector()))
+        whole = files[1].read_bytes()
+        for broken in (b"{not json", whole[:-5], whole + b"{}\n"):
+            files[1].write_bytes(broken)
+            with pytest.raises(StorageError, match=re.escape(str(files[1]))):
+                list(store.list_rows(Selector()))
+        files[1].write_bytes(whole)
+        assert [r for chunk in store.list_rows(Selector()) for r in chunk] == rows
     finally:
         store.close()

@@ -13,7 +13,7 @@ DESCRIPTION
     directory, the recipient count is in the name); selections by sender,
     tenant, job or transport, qshape and expiry read the files.  The
     listing qlist prints (list_rows) makes its rows from each file's JSON
-    with no entry objects, while a thread reads the next page's files.
+    with no entry objects.
 
 SEE ALSO
     sluice.store.fs, sluice.store._fs_files
@@ -28,7 +28,6 @@ import operator
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -264,9 +263,9 @@ class Reading:
 
         Only for a selection the walk's names and directories answer (by
         state or domain); any other goes through entries() and
-        Selector.matches, the reference.  A thread reads the next page's
-        files (os.read lets go of the GIL) while this one makes the rows
-        of the last: on two cores a million files take about half as long.
+        Selector.matches, the reference.  (A thread reading the next page's
+        files while this one made rows was tried: 6 % slower at a million,
+        as both need the GIL between the system calls.)
         """
         if not names_suffice(selector):
             yield from entry_rows(self.entries(selector, limit=limit))
@@ -274,28 +273,19 @@ class Reading:
         states = selector.states or tuple(QueueState)
         walk = self._in_spid_order(states, selector, None)
         root = str(self.root)
-
-        def read_page() -> list[list[tuple[str, bytes]]] | None:
+        remaining = -1 if limit is None else limit
+        while remaining:
             page = list(itertools.islice(walk, LIST_PAGE))
             if not page:
-                return None
+                return
             with self._rw.reading():
-                return [read_message(root, rels, selector) for _, rels in page]
-
-        remaining = -1 if limit is None else limit
-        with ThreadPoolExecutor(1, thread_name_prefix="fs-list") as reader:
-            ahead = reader.submit(read_page)
-            while remaining:
-                page = ahead.result()
-                if page is None:
-                    return
-                ahead = reader.submit(read_page)
-                out = [row for files in page for row in message_rows(root, files)]
-                if remaining > 0:
-                    out = out[:remaining]
-                    remaining -= len(out)
-                if out:
-                    yield out
+                files = [read_message(root, rels, selector) for _, rels in page]
+            out = [row for one in files for row in message_rows(root, one)]
+            if remaining > 0:
+                out = out[:remaining]
+                remaining -= len(out)
+            if out:
+                yield out
 
     def oldest(self) -> dict[QueueState, float]:
         """The oldest entry of each state, by its SPID's time (see Store.oldest).
