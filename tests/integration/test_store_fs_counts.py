@@ -304,3 +304,41 @@ def test_count_waits_for_this_process_s_check_rather_than_listing_the_tree(
     finally:
         gate.set()
         store.close()
+
+
+def stale_totals_of_another_boot(store: FsStore) -> None:
+    """``counts`` as a power cut may leave it: ok, of another boot, and wrong."""
+    raw = json.loads((store.root / "counts").read_bytes())
+    raw.update(boot="another boot", messages=raw["messages"] + 5)
+    raw[str(S.INCOMING)] += 9
+    (store.root / "counts").write_text(json.dumps(raw))
+
+
+def test_a_batch_after_a_reboot_does_not_make_stale_totals_trusted(
+        tmp_path: Path) -> None:
+    # store() stamped this boot on whatever it wrote: the first batch after
+    # a reboot turned the stale totals (not counted by it) into trusted ones.
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        stale_totals_of_another_boot(store)
+        store.submit(Submission("n@example.org", ("n@d.example",)), b"n", T0)
+        assert store._counts.trusted() is None
+        assert store.count() == listed(store)
+    finally:
+        store.close()
+
+
+def test_a_journal_replayed_after_a_reboot_does_not_make_stale_totals_trusted(
+        tmp_path: Path) -> None:
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        stale_totals_of_another_boot(store)
+        (store.root / "journal" / "1.0.jnl").write_text("END\n")  # a batch's, done
+        store._call(lambda view: None)  # the next writer replays it
+        assert not (store.root / "journal" / "1.0.jnl").exists()
+        assert store._counts.trusted() is None
+        assert store.count() == listed(store)
+    finally:
+        store.close()

@@ -114,7 +114,13 @@ class CountsFile:
             return Tally()
 
     def store(self, tally: Tally) -> None:
-        """Store the totals (the caller holds the queue's lock)."""
+        """Store the totals (the caller holds the queue's lock).
+
+        Stamped with this boot; totals loaded from another boot stay
+        untrusted (a batch or a replay does not make stale totals true).
+        """
+        if tally.boot and tally.boot != boot_id():
+            tally.ok = False
         tally.boot = boot_id()
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o640)
         try:
