@@ -17,12 +17,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.model import QueueState, Reply, Selector, Submission, format_qid
+from sluice.spool import new_spid
 from sluice.store import Action, Counts, Transition
 from sluice.store._fs_counts import Tally
 from sluice.store.fs import FsStore
@@ -340,5 +343,41 @@ def test_a_journal_replayed_after_a_reboot_does_not_make_stale_totals_trusted(
         assert not (store.root / "journal" / "1.0.jnl").exists()
         assert store._counts.trusted() is None
         assert store.count() == listed(store)
+    finally:
+        store.close()
+
+
+@contextmanager
+def one_batch(store: FsStore) -> Iterator[None]:
+    """What the block queues without waiting is committed as one batch."""
+    entered, gate = threading.Event(), threading.Event()
+    held = store._op(lambda view: (entered.set(), gate.wait(30)))
+    assert entered.wait(30)  # the committer is in the batch before
+    try:
+        yield
+    finally:
+        gate.set()
+        held.result(30)
+
+
+def test_a_message_submitted_and_removed_in_one_batch_is_no_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The batch counted the submission (+1) but, no control file of it ever
+    # reaching the disk, never a message gone: the totals said one message
+    # too many, and its content stayed in the spool with nothing linking it.
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        spid = new_spid()
+        with one_batch(store):
+            sub = store.submit_future(Submission("g@example.org", ("g@d.example",), spid=spid),
+                                      b"gone at once", T0)
+            gone = store.apply_future([Transition(format_qid(spid, 0), None)])
+            kept = store.submit_future(Submission("k@example.org", ("k@d.example",)), b"k", T0)
+        assert sub.result(30).spid == spid and kept.result(30)
+        assert gone.result(30) == {format_qid(spid, 0)}
+        assert from_file(store, monkeypatch) == listed(store)
+        store.spool.close()  # its deletions done
+        assert not store.spool.path(spid).exists()
     finally:
         store.close()

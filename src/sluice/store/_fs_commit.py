@@ -57,6 +57,11 @@ if TYPE_CHECKING:
     from sluice.store._fs_check import Watch
 
 
+def new_messages(view: Batch, fx: Effects) -> set[str]:
+    """The batch's submissions that have a control file at its end (its content linked)."""
+    return set(view.new_spids) & {spid for spid, _ in fx.ref_adds}
+
+
 class LateFailure(OSError):
     """A commit failed after its first changes may have become visible."""
 
@@ -222,6 +227,11 @@ class Committing:
         for op in failed:
             for f in op.files:
                 self.spool.discard(f)
+        # A message submitted and removed again within the batch: no control
+        # file ever linked its content.
+        unused = set(view.new_spids) - new_messages(view, fx)
+        if unused:
+            self.spool.delete_soon(sorted(unused))
         # Files submitters wrote that the batch did not use (failed, or changed
         # again within the batch).
         used = {ctrl.prepared for ctrl, _ in fx.creates if ctrl.prepared}
@@ -298,7 +308,7 @@ class Committing:
         if tally is not None:
             if trusted:
                 add_changes(tally, changes)
-                tally.messages += view.new_messages - gone
+                tally.messages += len(new_messages(view, fx)) - gone
                 tally.ok = True
             tally.seq += 1
             if self._watch is not None:

@@ -24,9 +24,11 @@ DESCRIPTION
 
     Recipients per state come from the names (a control file's state is
     its directory, its recipients are in its name).  Messages: +1 per
-    submission, -1 per message whose content lost its last link in the
-    batch (a content link per control file: the link count says when the
-    last control file went).
+    submission that has a control file at the batch's end (one removed
+    again in the same batch never was a message; its content goes), -1
+    per message whose content lost its last link in the batch (a content
+    link per control file: the link count says when the last control file
+    went).
 
 STRATEGIES
     One small file rewritten in place (padded, one pwrite, no fsync): two
