@@ -26,7 +26,7 @@ import pytest
 
 from sluice.model import QueueState, Reply, Selector, Submission, format_qid
 from sluice.spool import new_spid
-from sluice.store import Action, Counts, Transition
+from sluice.store import Action, Counts, StorageError, Transition
 from sluice.store._fs_counts import Tally
 from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
@@ -379,5 +379,36 @@ def test_a_message_submitted_and_removed_in_one_batch_is_no_message(
         assert from_file(store, monkeypatch) == listed(store)
         store.spool.close()  # its deletions done
         assert not store.spool.path(spid).exists()
+    finally:
+        store.close()
+
+
+def test_a_batch_that_fails_before_its_commit_point_leaves_no_link_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch links the content of the control files it creates before it
+    # syncs; one that failed there (an I/O error) kept those links and the
+    # totals trusted.  The extra link then kept the content alive when the
+    # message's last control file went: one message too many, for good.
+    store = open_fs(tmp_path)
+    try:
+        acc = store.submit(Submission("s@example.org", ("a@d.example", "b@d.example")), b"s", T0)
+        before = from_file(store, monkeypatch)
+        with one_batch(store):
+            # Split the message's one control file (a new file, a new link) ...
+            split = store.apply_future([Transition(acc.qids[1], S.DEFERRED,
+                                                   next_attempt_at=T0 + 60)])
+            # ... in a batch whose sync fails: a submitter's temporary file is gone.
+            sub = store.submit_future(Submission("f@example.org", ("f@d.example",)), b"f", T0)
+            for tmp in (store.root / "tmp").iterdir():
+                tmp.unlink()
+        for fut in (split, sub):
+            with pytest.raises(StorageError):
+                fut.result(30)
+        links_match(store)
+        assert store.count() == listed(store) == before
+        store.modify(Selector(qids=(acc.spid,)), Action.DELETE, T0)
+        assert store.count() == listed(store)
+        store.spool.close()
+        assert not store.spool.path(acc.spid).exists()
     finally:
         store.close()

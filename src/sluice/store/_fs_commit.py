@@ -249,6 +249,13 @@ class Committing:
         batch_id = f"{os.getpid()}.{next(self._batch_no)}"
         temps: list[tuple[str, str]] = []
         written: list[str] = []
+        # The totals are not to be trusted from here until the batch is in
+        # place: even its links (step 1) may outlive a batch cut short.
+        tally = self._counts.load() if fx else None
+        trusted = tally is not None and tally.trusted
+        if tally is not None and trusted:
+            tally.ok = False
+            self._counts.store(tally)
         try:
             # 1. Temporary files (submitters wrote theirs already; the rest are
             #    written together), content links, change feed; one fsync round.
@@ -277,12 +284,6 @@ class Committing:
                 self._watch.record_links(fx.ref_adds, True)
             if not fx and not view.after:
                 return
-            # The totals are not to be trusted from here until the batch is in place.
-            tally = self._counts.load() if fx else None
-            trusted = tally is not None and tally.trusted
-            if tally is not None and trusted:
-                tally.ok = False
-                self._counts.store(tally)
             # 2. The journal: the commit point of a batch that changes several files.
             journal = None
             if view.needs_journal and (len(fx.creates) + len(fx.unlinks)) >= 2:
@@ -297,6 +298,10 @@ class Committing:
             for ctrl, _ in fx.creates:
                 if ctrl.prepared:
                     unlink(root / ctrl.prepared)
+            # Links of control files that never come (the totals stay untrusted).
+            in_parallel(lambda ref: self._drop_ref(*ref), sorted(fx.ref_adds))
+            if self._watch is not None:
+                self._watch.record_links(fx.ref_adds, False)
             raise
         changes = changed_files(view, fx)
         try:

@@ -11,10 +11,11 @@ DESCRIPTION
     number that every counting batch of any process raises, the boot it
     was written in and whether it is to be trusted ("ok").  A batch that
     changes control files, under the queue's lock, first stores the
-    totals with ok false (before its commit point), then, once its files
-    are in place and its content links dropped, the totals plus what it
-    changed, ok again.  A batch cut short (a crash, a failed rename)
-    leaves ok false; so does a crash of the machine, since the file is not
+    totals with ok false (before it writes or links anything), then, once
+    its files are in place and its content links dropped, the totals plus
+    what it changed, ok again.  A batch cut short (a crash, a failed
+    rename or sync: it drops the links it made, not the marker) leaves ok
+    false; so does a crash of the machine, since the file is not
     synced: one written in another boot is not trusted either.  Readers
     take the lock shared for the read, so they never see a batch's marker
     and fall back to listing only when the totals are really stale.  What
