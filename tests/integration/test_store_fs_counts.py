@@ -412,3 +412,54 @@ def test_a_batch_that_fails_before_its_commit_point_leaves_no_link_behind(
         assert not store.spool.path(acc.spid).exists()
     finally:
         store.close()
+
+
+_CLAIMER = """
+import os, sys, time
+from sluice.config import load_config
+from sluice.store import open_store
+import sluice.store.fs as fs
+real_rename = os.rename
+def die_after_a_rename(src, dst):
+    real_rename(src, dst)
+    os._exit(9)  # killed while the claim's files go into place
+fs.os.rename = die_after_a_rename
+store = open_store(load_config(sys.argv[1]))
+store.claim(100, time.time(), 0)
+"""
+
+
+def test_a_process_killed_mid_batch_while_another_checks_makes_it_list_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch raised the sequence number only once in place: killed midway
+    # (a claim is renames and no journal, so nothing replays it) it left
+    # the number as it was, and a check listing meanwhile in another
+    # process stored its listing, a file short, as trusted totals.
+    import sluice.store._fs_check as fs_check
+
+    cfg = flavour_config("fs", tmp_path)
+    path = tmp_path / "sluice.yaml"
+    path.write_text(json.dumps(cfg.to_dict(readable=True)))
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        real_state_of = fs_check.state_of
+        killed: list[int] = []
+
+        def state_of(rel_dir: str) -> QueueState:
+            # active/ is listed; the other process claims from incoming/ into it.
+            if rel_dir.startswith("incoming/") and not killed:
+                proc = subprocess.run([sys.executable, "-c", _CLAIMER, str(path)], cwd=ROOT,
+                                      env=subprocess_env(), capture_output=True, text=True,
+                                      timeout=60)
+                killed.append(proc.returncode)
+            return real_state_of(rel_dir)
+
+        monkeypatch.setattr(fs_check, "state_of", state_of)
+        store.recover(T0 + 1)
+        assert store.wait_check(60)
+        monkeypatch.setattr(fs_check, "state_of", real_state_of)
+        assert killed == [9]
+        assert store.count() == listed(store)
+    finally:
+        store.close()

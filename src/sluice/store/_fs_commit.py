@@ -250,12 +250,17 @@ class Committing:
         temps: list[tuple[str, str]] = []
         written: list[str] = []
         # The totals are not to be trusted from here until the batch is in
-        # place: even its links (step 1) may outlive a batch cut short.
+        # place: even its links (step 1) may outlive a batch cut short.  The
+        # sequence number moves now, so that a batch killed midway spoils a
+        # check's listing in any process (sluice.store._fs_check).
         tally = self._counts.load() if fx else None
         trusted = tally is not None and tally.trusted
-        if tally is not None and trusted:
+        if tally is not None:
             tally.ok = False
+            tally.seq += 1
             self._counts.store(tally)
+            if self._watch is not None:
+                self._watch.batches += 1
         try:
             # 1. Temporary files (submitters wrote theirs already; the rest are
             #    written together), content links, change feed; one fsync round.
@@ -310,14 +315,10 @@ class Committing:
             if self._watch is not None:
                 self._watch.spoiled = True
             raise LateFailure(str(exc)) from exc
-        if tally is not None:
-            if trusted:
-                add_changes(tally, changes)
-                tally.messages += len(new_messages(view, fx)) - gone
-                tally.ok = True
-            tally.seq += 1
-            if self._watch is not None:
-                self._watch.batches += 1
+        if tally is not None and trusted:
+            add_changes(tally, changes)
+            tally.messages += len(new_messages(view, fx)) - gone
+            tally.ok = True
             # The batch is in place: failing here would only leave the totals
             # untrusted, not the batch undone.
             with contextlib.suppress(OSError):

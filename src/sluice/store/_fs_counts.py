@@ -8,7 +8,8 @@ SUMMARY
 
 DESCRIPTION
     ``counts`` holds the recipients per state, the messages, a sequence
-    number that every counting batch of any process raises, the boot it
+    number that every counting batch of any process raises before it
+    changes anything (so even one killed midway has), the boot it
     was written in and whether it is to be trusted ("ok").  A batch that
     changes control files, under the queue's lock, first stores the
     totals with ok false (before it writes or links anything), then, once
