@@ -463,3 +463,38 @@ def test_a_process_killed_mid_batch_while_another_checks_makes_it_list_again(
         assert store.count() == listed(store)
     finally:
         store.close()
+
+
+def test_a_failed_batch_the_check_s_start_shared_does_not_end_the_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check's first step is an operation of the committer, and a batch
+    # fails as a whole (here: another operation's sync).  The check gave up
+    # until the next start and left its Watch installed, so every later
+    # batch of the process went on recording into it.
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        store._counts.store(Tally(seq=store._counts.load().seq))  # not ok
+        queued = threading.Semaphore(0)
+        real_op = store._op
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            fut = real_op(*args, **kwargs)
+            queued.release()
+            return fut
+
+        with one_batch(store):
+            monkeypatch.setattr(store, "_op", op)
+            sub = store.submit_future(Submission("f@example.org", ("f@d.example",)), b"f", T0)
+            for tmp in (store.root / "tmp").iterdir():
+                tmp.unlink()  # the batch's sync fails
+            assert queued.acquire(timeout=30)
+            store.start_check()
+            assert queued.acquire(timeout=30)  # its first step is in the same batch
+        assert store.wait_check(30)
+        with pytest.raises(StorageError):
+            sub.result(30)
+        assert store._watch is None
+        assert from_file(store, monkeypatch) == listed(store)
+    finally:
+        store.close()

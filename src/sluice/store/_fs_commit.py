@@ -247,6 +247,8 @@ class Committing:
         """Make the batch's effects durable, in the order the module doc gives."""
         root = self.root
         batch_id = f"{os.getpid()}.{next(self._batch_no)}"
+        # Read once: the check's thread may drop it meanwhile (sluice.store._fs_check).
+        watch = self._watch
         temps: list[tuple[str, str]] = []
         written: list[str] = []
         # The totals are not to be trusted from here until the batch is in
@@ -259,8 +261,8 @@ class Committing:
             tally.ok = False
             tally.seq += 1
             self._counts.store(tally)
-            if self._watch is not None:
-                self._watch.batches += 1
+            if watch is not None:
+                watch.batches += 1
         try:
             # 1. Temporary files (submitters wrote theirs already; the rest are
             #    written together), content links, change feed; one fsync round.
@@ -285,8 +287,8 @@ class Committing:
                 fsync_paths(sync, also=lambda: self.spool.sync(files))
             elif sync:
                 fsync_paths(sync)
-            if self._watch is not None:
-                self._watch.record_links(fx.ref_adds, True)
+            if watch is not None:
+                watch.record_links(fx.ref_adds, True)
             if not fx and not view.after:
                 return
             # 2. The journal: the commit point of a batch that changes several files.
@@ -305,15 +307,15 @@ class Committing:
                     unlink(root / ctrl.prepared)
             # Links of control files that never come (the totals stay untrusted).
             in_parallel(lambda ref: self._drop_ref(*ref), sorted(fx.ref_adds))
-            if self._watch is not None:
-                self._watch.record_links(fx.ref_adds, False)
+            if watch is not None:
+                watch.record_links(fx.ref_adds, False)
             raise
         changes = changed_files(view, fx)
         try:
-            gone = self._into_place(view, fx, temps, journal, changes)
+            gone = self._into_place(view, fx, temps, journal, changes, watch)
         except Exception as exc:
-            if self._watch is not None:
-                self._watch.spoiled = True
+            if watch is not None:
+                watch.spoiled = True
             raise LateFailure(str(exc)) from exc
         if tally is not None and trusted:
             add_changes(tally, changes)
@@ -325,7 +327,8 @@ class Committing:
                 self._counts.store(tally)
 
     def _into_place(self, view: Batch, fx: Effects, temps: list[tuple[str, str]],
-                    journal: Path | None, changes: list[tuple[str, int]]) -> int:
+                    journal: Path | None, changes: list[tuple[str, int]],
+                    watch: Watch | None) -> int:
         """Steps 3 to 5; returns how many messages lost their last control file."""
         root = self.root
         # 3. Into place.  Readers of this process wait; other processes see files move.
@@ -340,8 +343,8 @@ class Committing:
             # Independent renames: issued together, they share journal commits.
             in_parallel(lambda pair: os.rename(*pair), renames)
             in_parallel(unlink, [root / rel for rel, _ in fx.unlinks])
-            if self._watch is not None:
-                self._watch.record(changes)
+            if watch is not None:
+                watch.record(changes)
         dirs.update(str(dst.parent) for _, dst in renames)
         dirs.update(str(src.parent) for src, _ in renames[len(temps):])
         dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
@@ -353,8 +356,8 @@ class Committing:
         gone: list[str] = []
         with self._rw.writing():
             in_parallel(lambda ref: self._drop_ref(*ref), sorted(fx.ref_drops))
-            if self._watch is not None:
-                self._watch.record_links(fx.ref_drops, False)
+            if watch is not None:
+                watch.record_links(fx.ref_drops, False)
             def drop(spid: str) -> None:
                 if self._drop_if_unused(spid):
                     gone.append(spid)
