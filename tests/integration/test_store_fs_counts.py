@@ -498,3 +498,34 @@ def test_a_failed_batch_the_check_s_start_shared_does_not_end_the_check(
         assert from_file(store, monkeypatch) == listed(store)
     finally:
         store.close()
+
+
+def test_a_journal_whose_sync_failed_is_not_replayed_after_the_batch_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch whose journal failed to sync removed its temporary files and
+    # reported failure, but left the journal, END and all: the next writer
+    # replayed it, skipping the creations (no temporary file) and doing
+    # the removals.  The recipients of a split file were gone.
+    import sluice.store._fs_commit as fs_commit
+
+    store = open_fs(tmp_path)
+    try:
+        acc = store.submit(Submission("s@example.org", ("a@d.example", "b@d.example")), b"s", T0)
+        real_fsync = fs_commit.fsync_paths
+
+        def fsync_paths(paths: Any, *args: Any, **kwargs: Any) -> None:
+            if any(str(p).endswith(".jnl") for p in paths):
+                raise OSError(5, "Input/output error")
+            real_fsync(paths, *args, **kwargs)
+
+        monkeypatch.setattr(fs_commit, "fsync_paths", fsync_paths)
+        with pytest.raises(StorageError):  # a split: two files for one, journalled
+            store.apply([Transition(acc.qids[1], S.DEFERRED, next_attempt_at=T0 + 60)])
+        monkeypatch.setattr(fs_commit, "fsync_paths", real_fsync)
+        store._call(lambda view: None)  # the next writer replays what journal there is
+        assert [e.qid for e in store.entries(Selector())] == list(acc.qids)
+        assert [e.state for e in store.entries(Selector())] == [S.INCOMING] * 2
+        assert store.count() == listed(store)
+        links_match(store)
+    finally:
+        store.close()

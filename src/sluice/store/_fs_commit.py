@@ -263,6 +263,7 @@ class Committing:
             self._counts.store(tally)
             if watch is not None:
                 watch.batches += 1
+        journal: Path | None = None
         try:
             # 1. Temporary files (submitters wrote theirs already; the rest are
             #    written together), content links, change feed; one fsync round.
@@ -292,7 +293,6 @@ class Committing:
             if not fx and not view.after:
                 return
             # 2. The journal: the commit point of a batch that changes several files.
-            journal = None
             if view.needs_journal and (len(fx.creates) + len(fx.unlinks)) >= 2:
                 journal = root / "journal" / f"{batch_id}.jnl"
                 lines = [json.dumps({"c": [t, f]}) for t, f in temps]
@@ -300,6 +300,10 @@ class Committing:
                 write_file(journal, ("\n".join([*lines, "END"]) + "\n").encode())
                 fsync_paths([str(journal), str(root / "journal")])
         except OSError:
+            # The batch fails: its journal first, or the next writer would
+            # replay its removals without the creations (their files go next).
+            if journal is not None:
+                unlink(journal)
             for tmp in written:
                 unlink(root / tmp)
             for ctrl, _ in fx.creates:
