@@ -529,3 +529,28 @@ def test_a_journal_whose_sync_failed_is_not_replayed_after_the_batch_failed(
         links_match(store)
     finally:
         store.close()
+
+
+def test_totals_that_cannot_be_stored_after_a_batch_are_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Once a batch is in place a failed write of its totals only leaves them
+    # untrusted, but it vanished: qcount listed the tree from then on, and
+    # nothing said why.
+    store = open_fs(tmp_path)
+    try:
+        counts = store.root / "counts"
+
+        def break_counts() -> None:  # after the renames, before the totals
+            counts.unlink()
+            counts.mkdir()
+
+        with one_batch(store):
+            sub = store.submit_future(Submission("n@example.org", ("n@d.example",)), b"n", T0)
+            hook = store._op(lambda view: view.after.append(break_counts))
+        assert sub.result(30) and hook.result(30) is None
+        assert any(r.levelname == "WARNING" and str(counts) in r.getMessage()
+                   for r in caplog.records)
+        counts.rmdir()
+        assert store.count() == listed(store)
+    finally:
+        store.close()

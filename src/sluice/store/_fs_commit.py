@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import itertools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -55,6 +56,8 @@ from sluice.store._fs_files import (
 
 if TYPE_CHECKING:
     from sluice.store._fs_check import Watch
+
+log = logging.getLogger(__name__)
 
 
 def new_messages(view: Batch, fx: Effects) -> set[str]:
@@ -325,10 +328,13 @@ class Committing:
             add_changes(tally, changes)
             tally.messages += len(new_messages(view, fx)) - gone
             tally.ok = True
-            # The batch is in place: failing here would only leave the totals
-            # untrusted, not the batch undone.
-            with contextlib.suppress(OSError):
+            # The batch is in place: failing here only leaves the totals
+            # untrusted, not the batch undone; said, not raised.
+            try:
                 self._counts.store(tally)
+            except OSError as exc:
+                log.warning("cannot store the totals in %s (untrusted until the next "
+                            "check): %s", self._counts.path, exc)
 
     def _into_place(self, view: Batch, fx: Effects, temps: list[tuple[str, str]],
                     journal: Path | None, changes: list[tuple[str, int]],
