@@ -37,8 +37,8 @@ STRATEGIES
     more than this process's batches), a journal replayed, a batch that
     failed midway or a failed batch that held one of the check's own steps
     (a batch fails as a whole) spoils the listing: the check starts again,
-    three times at most, and otherwise leaves the totals untrusted until the next
-    start.  A directory is listed whole under the read lock: about a
+    three times at most, and otherwise leaves the totals untrusted until
+    the next start.  A directory is listed whole under the read lock: about a
     second for a million files in one directory.
 
 SEE ALSO
