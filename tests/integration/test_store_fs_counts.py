@@ -17,13 +17,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sluice.model import QueueState, Reply, Selector, Submission
-from sluice.store import Action, Counts, Transition
+from sluice.model import QueueState, Reply, Selector, Submission, format_qid
+from sluice.spool import new_spid
+from sluice.store import Action, Counts, StorageError, Transition
 from sluice.store._fs_counts import Tally
 from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
@@ -303,4 +306,251 @@ def test_count_waits_for_this_process_s_check_rather_than_listing_the_tree(
         assert got == [listed(store)]
     finally:
         gate.set()
+        store.close()
+
+
+def stale_totals_of_another_boot(store: FsStore) -> None:
+    """``counts`` as a power cut may leave it: ok, of another boot, and wrong."""
+    raw = json.loads((store.root / "counts").read_bytes())
+    raw.update(boot="another boot", messages=raw["messages"] + 5)
+    raw[str(S.INCOMING)] += 9
+    (store.root / "counts").write_text(json.dumps(raw))
+
+
+def test_a_batch_after_a_reboot_does_not_make_stale_totals_trusted(
+        tmp_path: Path) -> None:
+    # store() stamped this boot on whatever it wrote: the first batch after
+    # a reboot turned the stale totals (not counted by it) into trusted ones.
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        stale_totals_of_another_boot(store)
+        store.submit(Submission("n@example.org", ("n@d.example",)), b"n", T0)
+        assert store._counts.trusted() is None
+        assert store.count() == listed(store)
+    finally:
+        store.close()
+
+
+def test_a_journal_replayed_after_a_reboot_does_not_make_stale_totals_trusted(
+        tmp_path: Path) -> None:
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        stale_totals_of_another_boot(store)
+        (store.root / "journal" / "1.0.jnl").write_text("END\n")  # a batch's, done
+        store._call(lambda view: None)  # the next writer replays it
+        assert not (store.root / "journal" / "1.0.jnl").exists()
+        assert store._counts.trusted() is None
+        assert store.count() == listed(store)
+    finally:
+        store.close()
+
+
+@contextmanager
+def one_batch(store: FsStore) -> Iterator[None]:
+    """What the block queues without waiting is committed as one batch."""
+    entered, gate = threading.Event(), threading.Event()
+    held = store._op(lambda view: (entered.set(), gate.wait(30)))
+    assert entered.wait(30)  # the committer is in the batch before
+    try:
+        yield
+    finally:
+        gate.set()
+        held.result(30)
+
+
+def test_a_message_submitted_and_removed_in_one_batch_is_no_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The batch counted the submission (+1) but, no control file of it ever
+    # reaching the disk, never a message gone: the totals said one message
+    # too many, and its content stayed in the spool with nothing linking it.
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        spid = new_spid()
+        with one_batch(store):
+            sub = store.submit_future(Submission("g@example.org", ("g@d.example",), spid=spid),
+                                      b"gone at once", T0)
+            gone = store.apply_future([Transition(format_qid(spid, 0), None)])
+            kept = store.submit_future(Submission("k@example.org", ("k@d.example",)), b"k", T0)
+        assert sub.result(30).spid == spid and kept.result(30)
+        assert gone.result(30) == {format_qid(spid, 0)}
+        assert from_file(store, monkeypatch) == listed(store)
+        store.spool.close()  # its deletions done
+        assert not store.spool.path(spid).exists()
+    finally:
+        store.close()
+
+
+def test_a_batch_that_fails_before_its_commit_point_leaves_no_link_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch links the content of the control files it creates before it
+    # syncs; one that failed there (an I/O error) kept those links and the
+    # totals trusted.  The extra link then kept the content alive when the
+    # message's last control file went: one message too many, for good.
+    store = open_fs(tmp_path)
+    try:
+        acc = store.submit(Submission("s@example.org", ("a@d.example", "b@d.example")), b"s", T0)
+        before = from_file(store, monkeypatch)
+        with one_batch(store):
+            # Split the message's one control file (a new file, a new link) ...
+            split = store.apply_future([Transition(acc.qids[1], S.DEFERRED,
+                                                   next_attempt_at=T0 + 60)])
+            # ... in a batch whose sync fails: a submitter's temporary file is gone.
+            sub = store.submit_future(Submission("f@example.org", ("f@d.example",)), b"f", T0)
+            for tmp in (store.root / "tmp").iterdir():
+                tmp.unlink()
+        for fut in (split, sub):
+            with pytest.raises(StorageError):
+                fut.result(30)
+        links_match(store)
+        assert store.count() == listed(store) == before
+        store.modify(Selector(qids=(acc.spid,)), Action.DELETE, T0)
+        assert store.count() == listed(store)
+        store.spool.close()
+        assert not store.spool.path(acc.spid).exists()
+    finally:
+        store.close()
+
+
+_CLAIMER = """
+import os, sys, time
+from sluice.config import load_config
+from sluice.store import open_store
+import sluice.store.fs as fs
+real_rename = os.rename
+def die_after_a_rename(src, dst):
+    real_rename(src, dst)
+    os._exit(9)  # killed while the claim's files go into place
+fs.os.rename = die_after_a_rename
+store = open_store(load_config(sys.argv[1]))
+store.claim(100, time.time(), 0)
+"""
+
+
+def test_a_process_killed_mid_batch_while_another_checks_makes_it_list_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch raised the sequence number only once in place: killed midway
+    # (a claim is renames and no journal, so nothing replays it) it left
+    # the number as it was, and a check listing meanwhile in another
+    # process stored its listing, a file short, as trusted totals.
+    import sluice.store._fs_check as fs_check
+
+    cfg = flavour_config("fs", tmp_path)
+    path = tmp_path / "sluice.yaml"
+    path.write_text(json.dumps(cfg.to_dict(readable=True)))
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        real_state_of = fs_check.state_of
+        killed: list[int] = []
+
+        def state_of(rel_dir: str) -> QueueState:
+            # active/ is listed; the other process claims from incoming/ into it.
+            if rel_dir.startswith("incoming/") and not killed:
+                proc = subprocess.run([sys.executable, "-c", _CLAIMER, str(path)], cwd=ROOT,
+                                      env=subprocess_env(), capture_output=True, text=True,
+                                      timeout=60)
+                killed.append(proc.returncode)
+            return real_state_of(rel_dir)
+
+        monkeypatch.setattr(fs_check, "state_of", state_of)
+        store.recover(T0 + 1)
+        assert store.wait_check(60)
+        monkeypatch.setattr(fs_check, "state_of", real_state_of)
+        assert killed == [9]
+        assert store.count() == listed(store)
+    finally:
+        store.close()
+
+
+def test_a_failed_batch_the_check_s_start_shared_does_not_end_the_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check's first step is an operation of the committer, and a batch
+    # fails as a whole (here: another operation's sync).  The check gave up
+    # until the next start and left its Watch installed, so every later
+    # batch of the process went on recording into it.
+    store = open_fs(tmp_path)
+    try:
+        busy_day(store, T0)
+        store._counts.store(Tally(seq=store._counts.load().seq))  # not ok
+        queued = threading.Semaphore(0)
+        real_op = store._op
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            fut = real_op(*args, **kwargs)
+            queued.release()
+            return fut
+
+        with one_batch(store):
+            monkeypatch.setattr(store, "_op", op)
+            sub = store.submit_future(Submission("f@example.org", ("f@d.example",)), b"f", T0)
+            for tmp in (store.root / "tmp").iterdir():
+                tmp.unlink()  # the batch's sync fails
+            assert queued.acquire(timeout=30)
+            store.start_check()
+            assert queued.acquire(timeout=30)  # its first step is in the same batch
+        assert store.wait_check(30)
+        with pytest.raises(StorageError):
+            sub.result(30)
+        assert store._watch is None
+        assert from_file(store, monkeypatch) == listed(store)
+    finally:
+        store.close()
+
+
+def test_a_journal_whose_sync_failed_is_not_replayed_after_the_batch_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch whose journal failed to sync removed its temporary files and
+    # reported failure, but left the journal, END and all: the next writer
+    # replayed it, skipping the creations (no temporary file) and doing
+    # the removals.  The recipients of a split file were gone.
+    import sluice.store._fs_commit as fs_commit
+
+    store = open_fs(tmp_path)
+    try:
+        acc = store.submit(Submission("s@example.org", ("a@d.example", "b@d.example")), b"s", T0)
+        real_fsync = fs_commit.fsync_paths
+
+        def fsync_paths(paths: Any, *args: Any, **kwargs: Any) -> None:
+            if any(str(p).endswith(".jnl") for p in paths):
+                raise OSError(5, "Input/output error")
+            real_fsync(paths, *args, **kwargs)
+
+        monkeypatch.setattr(fs_commit, "fsync_paths", fsync_paths)
+        with pytest.raises(StorageError):  # a split: two files for one, journalled
+            store.apply([Transition(acc.qids[1], S.DEFERRED, next_attempt_at=T0 + 60)])
+        monkeypatch.setattr(fs_commit, "fsync_paths", real_fsync)
+        store._call(lambda view: None)  # the next writer replays what journal there is
+        assert [e.qid for e in store.entries(Selector())] == list(acc.qids)
+        assert [e.state for e in store.entries(Selector())] == [S.INCOMING] * 2
+        assert store.count() == listed(store)
+        links_match(store)
+    finally:
+        store.close()
+
+
+def test_totals_that_cannot_be_stored_after_a_batch_are_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Once a batch is in place a failed write of its totals only leaves them
+    # untrusted, but it vanished: qcount listed the tree from then on, and
+    # nothing said why.
+    store = open_fs(tmp_path)
+    try:
+        counts = store.root / "counts"
+
+        def break_counts() -> None:  # after the renames, before the totals
+            counts.unlink()
+            counts.mkdir()
+
+        with one_batch(store):
+            sub = store.submit_future(Submission("n@example.org", ("n@d.example",)), b"n", T0)
+            hook = store._op(lambda view: view.after.append(break_counts))
+        assert sub.result(30) and hook.result(30) is None
+        assert any(r.levelname == "WARNING" and str(counts) in r.getMessage()
+                   for r in caplog.records)
+        counts.rmdir()
+        assert store.count() == listed(store)
+    finally:
         store.close()

@@ -99,7 +99,7 @@ class Batch:
         self.needs_journal = False
         self.changes: list[tuple[float, str, str]] = []
         self.after: list[Callable[[], None]] = []
-        self.new_messages = 0  # submissions (sluice.store._fs_counts)
+        self.new_spids: list[str] = []  # submissions (sluice.store._fs_counts)
 
     # -- op boundaries ------------------------------------------------------------------
 
@@ -410,12 +410,12 @@ class Batch:
         for orphan in left.values():
             self.remove(orphan)
 
-    def add_message(self) -> None:
+    def add_message(self, spid: str) -> None:
         """A submission's message, for the totals."""
-        self.new_messages += 1
+        self.new_spids.append(spid)
 
         def undo() -> None:
-            self.new_messages -= 1
+            self.new_spids.pop()
 
         self._undo.append(undo)
 

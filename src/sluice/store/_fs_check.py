@@ -34,10 +34,11 @@ STRATEGIES
       meanwhile counts as the batch left it.
 
     A batch of another process (the sequence number in ``counts`` moved
-    more than this process's batches), a journal replayed or a batch that
-    failed midway spoils the listing: the check starts again, three times
-    at most, and otherwise leaves the totals untrusted until the next
-    start.  A directory is listed whole under the read lock: about a
+    more than this process's batches), a journal replayed, a batch that
+    failed midway or a failed batch that held one of the check's own steps
+    (a batch fails as a whole) spoils the listing: the check starts again,
+    three times at most, and otherwise leaves the totals untrusted until
+    the next start.  A directory is listed whole under the read lock: about a
     second for a million files in one directory.
 
 SEE ALSO
@@ -155,7 +156,7 @@ class Checking(Committing):
 
     def _check_once(self) -> None:
         try:
-            if not self.check():
+            if not self.check() and not self._stopping.is_set():
                 log.warning("the queue at %s changed under every check; its totals are "
                             "counted from the tree until the next start", self.root)
         except StorageError as exc:
@@ -167,12 +168,19 @@ class Checking(Committing):
     def check(self) -> bool:
         """List the tree and fix it up (see the module doc); whether it got through."""
         for _ in range(ATTEMPTS):
-            watch: Watch = self._call(self._watch_start)
             try:
+                watch: Watch = self._call(self._watch_start)
                 found = self._list_tree(watch)
                 if found is None:
                     return False  # closed
                 done: bool = self._call(functools.partial(self._watch_end, watch, found))
+            except StorageError as exc:
+                # A batch fails as a whole: one the check's step shared, or
+                # one of its own.  The committer reads the watch once a batch.
+                if self._stopping.is_set():
+                    raise
+                log.warning("checking the queue at %s: %s; listing again", self.root, exc)
+                done = False
             finally:
                 self._watch = None
             if done:

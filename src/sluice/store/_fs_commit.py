@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import itertools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -55,6 +56,13 @@ from sluice.store._fs_files import (
 
 if TYPE_CHECKING:
     from sluice.store._fs_check import Watch
+
+log = logging.getLogger(__name__)
+
+
+def new_messages(view: Batch, fx: Effects) -> set[str]:
+    """The batch's submissions that have a control file at its end (its content linked)."""
+    return set(view.new_spids) & {spid for spid, _ in fx.ref_adds}
 
 
 class LateFailure(OSError):
@@ -222,6 +230,11 @@ class Committing:
         for op in failed:
             for f in op.files:
                 self.spool.discard(f)
+        # A message submitted and removed again within the batch: no control
+        # file ever linked its content.
+        unused = set(view.new_spids) - new_messages(view, fx)
+        if unused:
+            self.spool.delete_soon(sorted(unused))
         # Files submitters wrote that the batch did not use (failed, or changed
         # again within the batch).
         used = {ctrl.prepared for ctrl, _ in fx.creates if ctrl.prepared}
@@ -237,8 +250,23 @@ class Committing:
         """Make the batch's effects durable, in the order the module doc gives."""
         root = self.root
         batch_id = f"{os.getpid()}.{next(self._batch_no)}"
+        # Read once: the check's thread may drop it meanwhile (sluice.store._fs_check).
+        watch = self._watch
         temps: list[tuple[str, str]] = []
         written: list[str] = []
+        # The totals are not to be trusted from here until the batch is in
+        # place: even its links (step 1) may outlive a batch cut short.  The
+        # sequence number moves now, so that a batch killed midway spoils a
+        # check's listing in any process (sluice.store._fs_check).
+        tally = self._counts.load() if fx else None
+        trusted = tally is not None and tally.trusted
+        if tally is not None:
+            tally.ok = False
+            tally.seq += 1
+            self._counts.store(tally)
+            if watch is not None:
+                watch.batches += 1
+        journal: Path | None = None
         try:
             # 1. Temporary files (submitters wrote theirs already; the rest are
             #    written together), content links, change feed; one fsync round.
@@ -263,18 +291,11 @@ class Committing:
                 fsync_paths(sync, also=lambda: self.spool.sync(files))
             elif sync:
                 fsync_paths(sync)
-            if self._watch is not None:
-                self._watch.record_links(fx.ref_adds, True)
+            if watch is not None:
+                watch.record_links(fx.ref_adds, True)
             if not fx and not view.after:
                 return
-            # The totals are not to be trusted from here until the batch is in place.
-            tally = self._counts.load() if fx else None
-            trusted = tally is not None and tally.trusted
-            if tally is not None and trusted:
-                tally.ok = False
-                self._counts.store(tally)
             # 2. The journal: the commit point of a batch that changes several files.
-            journal = None
             if view.needs_journal and (len(fx.creates) + len(fx.unlinks)) >= 2:
                 journal = root / "journal" / f"{batch_id}.jnl"
                 lines = [json.dumps({"c": [t, f]}) for t, f in temps]
@@ -282,34 +303,42 @@ class Committing:
                 write_file(journal, ("\n".join([*lines, "END"]) + "\n").encode())
                 fsync_paths([str(journal), str(root / "journal")])
         except OSError:
+            # The batch fails: its journal first, or the next writer would
+            # replay its removals without the creations (their files go next).
+            if journal is not None:
+                unlink(journal)
             for tmp in written:
                 unlink(root / tmp)
             for ctrl, _ in fx.creates:
                 if ctrl.prepared:
                     unlink(root / ctrl.prepared)
+            # Links of control files that never come (the totals stay untrusted).
+            in_parallel(lambda ref: self._drop_ref(*ref), sorted(fx.ref_adds))
+            if watch is not None:
+                watch.record_links(fx.ref_adds, False)
             raise
         changes = changed_files(view, fx)
         try:
-            gone = self._into_place(view, fx, temps, journal, changes)
+            gone = self._into_place(view, fx, temps, journal, changes, watch)
         except Exception as exc:
-            if self._watch is not None:
-                self._watch.spoiled = True
+            if watch is not None:
+                watch.spoiled = True
             raise LateFailure(str(exc)) from exc
-        if tally is not None:
-            if trusted:
-                add_changes(tally, changes)
-                tally.messages += view.new_messages - gone
-                tally.ok = True
-            tally.seq += 1
-            if self._watch is not None:
-                self._watch.batches += 1
-            # The batch is in place: failing here would only leave the totals
-            # untrusted, not the batch undone.
-            with contextlib.suppress(OSError):
+        if tally is not None and trusted:
+            add_changes(tally, changes)
+            tally.messages += len(new_messages(view, fx)) - gone
+            tally.ok = True
+            # The batch is in place: failing here only leaves the totals
+            # untrusted, not the batch undone; said, not raised.
+            try:
                 self._counts.store(tally)
+            except OSError as exc:
+                log.warning("cannot store the totals in %s (untrusted until the next "
+                            "check): %s", self._counts.path, exc)
 
     def _into_place(self, view: Batch, fx: Effects, temps: list[tuple[str, str]],
-                    journal: Path | None, changes: list[tuple[str, int]]) -> int:
+                    journal: Path | None, changes: list[tuple[str, int]],
+                    watch: Watch | None) -> int:
         """Steps 3 to 5; returns how many messages lost their last control file."""
         root = self.root
         # 3. Into place.  Readers of this process wait; other processes see files move.
@@ -324,8 +353,8 @@ class Committing:
             # Independent renames: issued together, they share journal commits.
             in_parallel(lambda pair: os.rename(*pair), renames)
             in_parallel(unlink, [root / rel for rel, _ in fx.unlinks])
-            if self._watch is not None:
-                self._watch.record(changes)
+            if watch is not None:
+                watch.record(changes)
         dirs.update(str(dst.parent) for _, dst in renames)
         dirs.update(str(src.parent) for src, _ in renames[len(temps):])
         dirs.update(str((root / rel).parent) for rel, _ in fx.unlinks)
@@ -337,8 +366,8 @@ class Committing:
         gone: list[str] = []
         with self._rw.writing():
             in_parallel(lambda ref: self._drop_ref(*ref), sorted(fx.ref_drops))
-            if self._watch is not None:
-                self._watch.record_links(fx.ref_drops, False)
+            if watch is not None:
+                watch.record_links(fx.ref_drops, False)
             def drop(spid: str) -> None:
                 if self._drop_if_unused(spid):
                     gone.append(spid)

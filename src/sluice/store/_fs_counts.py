@@ -8,13 +8,15 @@ SUMMARY
 
 DESCRIPTION
     ``counts`` holds the recipients per state, the messages, a sequence
-    number that every counting batch of any process raises, the boot it
+    number that every counting batch of any process raises before it
+    changes anything (so even one killed midway has), the boot it
     was written in and whether it is to be trusted ("ok").  A batch that
     changes control files, under the queue's lock, first stores the
-    totals with ok false (before its commit point), then, once its files
-    are in place and its content links dropped, the totals plus what it
-    changed, ok again.  A batch cut short (a crash, a failed rename)
-    leaves ok false; so does a crash of the machine, since the file is not
+    totals with ok false (before it writes or links anything), then, once
+    its files are in place and its content links dropped, the totals plus
+    what it changed, ok again.  A batch cut short (a crash, a failed
+    rename or sync: it drops the links it made, not the marker) leaves ok
+    false; so does a crash of the machine, since the file is not
     synced: one written in another boot is not trusted either.  Readers
     take the lock shared for the read, so they never see a batch's marker
     and fall back to listing only when the totals are really stale.  What
@@ -24,9 +26,11 @@ DESCRIPTION
 
     Recipients per state come from the names (a control file's state is
     its directory, its recipients are in its name).  Messages: +1 per
-    submission, -1 per message whose content lost its last link in the
-    batch (a content link per control file: the link count says when the
-    last control file went).
+    submission that has a control file at the batch's end (one removed
+    again in the same batch never was a message; its content goes), -1
+    per message whose content lost its last link in the batch (a content
+    link per control file: the link count says when the last control file
+    went).
 
 STRATEGIES
     One small file rewritten in place (padded, one pwrite, no fsync): two
@@ -114,7 +118,13 @@ class CountsFile:
             return Tally()
 
     def store(self, tally: Tally) -> None:
-        """Store the totals (the caller holds the queue's lock)."""
+        """Store the totals (the caller holds the queue's lock).
+
+        Stamped with this boot; totals loaded from another boot stay
+        untrusted (a batch or a replay does not make stale totals true).
+        """
+        if tally.boot and tally.boot != boot_id():
+            tally.ok = False
         tally.boot = boot_id()
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o640)
         try:

@@ -288,7 +288,7 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         def work(view: Batch) -> Accepted:
             for ctrl in ctrls:
                 view.write(copy_control(ctrl), prepared=True)
-            view.add_message()
+            view.add_message(sf.spid)
             return accepted
 
         try:
