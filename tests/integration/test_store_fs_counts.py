@@ -11,6 +11,7 @@ crashes and a check that lists while batches change the tree.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ import pytest
 from sluice.model import QueueState, Reply, Selector, Submission, format_qid
 from sluice.spool import new_spid
 from sluice.store import Action, Counts, StorageError, Transition
+from sluice.store._fs_check import Listing
 from sluice.store._fs_counts import Tally
 from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
@@ -552,5 +554,42 @@ def test_totals_that_cannot_be_stored_after_a_batch_are_logged(
                    for r in caplog.records)
         counts.rmdir()
         assert store.count() == listed(store)
+    finally:
+        store.close()
+
+
+def test_the_check_settles_what_needs_fixing_before_the_committer_s_step() -> None:
+    # Sums of 1 << first index per message: control files, links, content.
+    found = Listing()
+    found.controls.update({"A": 0b11, "B": 0b01, "C": 0b01, "D": 0b10})
+    found.links.update({"A": 0b11, "B": 0b11, "C": 0b00, "E": 0b01})
+    found.content.update({"A", "B", "C", "D", "F"})
+    found.settle()
+    # A is right; B has a link too many; C and D lack links (D's content
+    # is there too); E is a link without a file; F content without either.
+    assert found.suspects == {"B", "C", "D", "E", "F"}
+    assert found.messages == 4
+
+
+def test_the_committer_s_step_fixes_messages_a_batch_changed_while_the_check_listed(
+        tmp_path: Path) -> None:
+    store = open_flavour("fs", tmp_path)
+    try:
+        assert isinstance(store, FsStore)
+        kept = store.submit(Submission("s@example.org", ("a@example.net",)), b"x", T0)
+        found = store._list_tree(store._call(store._watch_start))
+        assert found is not None
+        found.settle()
+        assert not found.suspects and found.messages == 1
+        # While the listing waits for the committer: one message goes, two come.
+        store.apply([Transition(format_qid(kept.spid, 0), None)])
+        new = [store.submit(Submission("s@example.org", (f"{u}@example.net",)), b"y", T0 + 1)
+               for u in ("b", "c")]
+        assert store._call(functools.partial(store._watch_end, store._watch, found))
+        # The totals the check stored (no batch came after it).
+        tally = store._counts.trusted()
+        assert tally is not None and tally.messages == 2
+        assert tally.by_state == {**dict.fromkeys(QueueState, 0), QueueState.INCOMING: 2}
+        assert [e.spid for e in store.entries(Selector())] == [m.spid for m in new]
     finally:
         store.close()
