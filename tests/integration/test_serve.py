@@ -243,10 +243,12 @@ def test_rate_limits_hold_at_the_sink(tmp_path: Path) -> None:
                 send(srv.port, "s@sender.example", [f"u{i}@rated.example"], msg)
             assert wait_until(lambda: s.snapshot().total_delivered == 20, 60)
         times = sorted(s.snapshot().accepted_at["rated.example"])
-        # No window of (1 s less 50 ms delivery jitter) holds more than 5.
+        # No window of (1 s less 150 ms for a delivery's own time: the sink
+        # notes the end of the data, not the pickup) holds more than 5.  A
+        # CI run once saw one delivery of a second's five end 50-60 ms late.
         for i, t in enumerate(times):
-            within = sum(1 for u in times[i:] if u - t < 0.95)
-            assert within <= 5, (i, times)
+            within = sum(1 for u in times[i:] if u - t < 0.85)
+            assert within <= 5, (i, [round(u - times[0], 3) for u in times])
         assert times[-1] - times[0] >= 2.9  # 20 at 5 a second: at least three windows on
     finally:
         s.stop_thread()
