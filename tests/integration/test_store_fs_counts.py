@@ -102,7 +102,6 @@ def busy_day(store: FsStore, now: float, k: int = 0) -> None:
     store.claim_bounces(10, now, 60)
 
 
-
 def untrust(store: FsStore) -> None:
     """Totals a crash left untrusted (same sequence number, ok false)."""
     store._counts.store(Tally(seq=store._counts.load().seq))
