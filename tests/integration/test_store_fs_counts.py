@@ -106,6 +106,7 @@ def untrust(store: FsStore) -> None:
     """Totals a crash left untrusted (same sequence number, ok false)."""
     store._counts.store(Tally(seq=store._counts.load().seq))
 
+
 def test_the_committer_keeps_the_totals_so_qcount_lists_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = open_fs(tmp_path)
