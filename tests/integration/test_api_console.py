@@ -3,6 +3,7 @@ body only for a token in api.body_tokens), the destination table, the charts."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from sluice.sink import Behaviour
-from tests.integration.serving import free_port, wait_until
+from tests.integration.serving import wait_until
 from tests.integration.test_api_support import ALICE, BOB, api_server
 
 pytestmark = [pytest.mark.integration]
@@ -92,9 +93,13 @@ def test_destinations_and_charts_follow_what_happens(tmp_path: Path) -> None:
 
 
 def test_destination_states_suspended_then_dead(tmp_path: Path) -> None:
-    closed = free_port()  # nothing listens there: connections are refused
-    relay = f"smtp:[127.0.0.1]:{closed}"
-    with api_server(tmp_path, queue={"retry_delays": "1h"},
+    # A port bound but not listening refuses connections, and nothing else
+    # can take it while the test runs (a free port could be taken by a
+    # server that accepts and never answers, and the relay never dies).
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    relay = f"smtp:[127.0.0.1]:{holder.getsockname()[1]}"
+    with holder, api_server(tmp_path, queue={"retry_delays": "1h"},
                     delivery={"transport": {"*": relay}},
                     scheduler={"suspensions": str(tmp_path / "susp.yaml")}) as srv:
         srv.ok("POST", "/api/v1/suspensions", json={

@@ -191,7 +191,12 @@ def test_web_console_views(tmp_path: Path, browser: Any) -> None:
                                           "cells => cells.map(c => c.textContent)")
         assert first == sorted(first) and len(set(first)) == 50
         page.click("#find-next")
-        expect(page.locator("#find-info")).to_have_text("page 2: 3 recipient(s) (the last page)")
+        try:
+            expect(page.locator("#find-info")).to_have_text(
+                "page 2: 3 recipient(s) (the last page)")
+        except AssertionError as exc:  # say what the page said (a CI run saw this once)
+            raise AssertionError(f"{exc}\nerror banner: {page.inner_text('#error')!r}; "
+                                 f"page errors: {errors}") from None
         second = page.eval_on_selector_all("#found tbody tr td:first-child",
                                            "cells => cells.map(c => c.textContent)")
         assert len(second) == 3 and min(second) > max(first)
