@@ -71,6 +71,7 @@ SEE ALSO
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import sqlite3
 import threading
 import time
@@ -182,7 +183,12 @@ class IdempotencyIndex:
         if conn is None:
             conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
                                    check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
+            # Receivers open one index at once; switching a new file to WAL
+            # can answer "database is locked" without waiting for the busy
+            # timeout, so the switch is made under a lock file of its own.
+            with open(f"{self.path}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             self._local.conn = conn
             with self._lock:
