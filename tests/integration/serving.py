@@ -119,6 +119,9 @@ def start_serve_with(config: Path, tmp: Path, port: int, timeout: float = 60,
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # Closed here: left to the garbage collector, the pipe's ResourceWarning
+    # fails whichever later test is running when it is collected.
+    proc.stdout.close()
     raise AssertionError("sluice serve did not start:\n" + "\n".join(output)
                          + buf.decode(errors="replace"))
 
