@@ -49,6 +49,22 @@ def open_flavour(flavour: str, tmp: Path, **sections: dict[str, Any]) -> Store:
     return open_store(flavour_config(flavour, tmp, **sections))
 
 
+
+def spy_dirs(monkeypatch: Any, module: Any, name: str) -> list[str]:
+    """The names of the directories ``module.name`` (a listing function) is called on.
+
+    The list grows as the calls come; the function still does its work.
+    """
+    seen: list[str] = []
+    real = getattr(module, name)
+
+    def spy(path: Any) -> Any:
+        seen.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
 # --------------------------------------------------------------------------
 # A full disk, in a child process inside a private mount namespace.
 #

@@ -22,7 +22,7 @@ from sluice.store import Action, Transition
 from sluice.store._fs_files import Control, Name
 from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
-from tests.integration.stores import flavour_config, open_flavour, run_diskfull
+from tests.integration.stores import flavour_config, open_flavour, run_diskfull, spy_dirs
 
 pytestmark = pytest.mark.integration
 
@@ -407,14 +407,7 @@ def test_a_submission_does_not_list_the_directory_it_writes_into(
     try:
         for i in range(3):
             store.submit(Submission("a@example.org", (f"r{i}@d.example",)), b"x", T0)
-        listed: list[str] = []
-        real = fs_batch.listdir
-
-        def listdir(path: Path) -> list[str]:
-            listed.append(path.name)
-            return real(path)
-
-        monkeypatch.setattr(fs_batch, "listdir", listdir)
+        listed = spy_dirs(monkeypatch, fs_batch, "listdir")
         acc = store.submit(Submission("a@example.org", ("n@d.example", "m@e.example")), b"y",
                            T0)
         assert "incoming" not in listed

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from sluice.model import QueueState, Selector, Submission
+from tests.integration.stores import spy_dirs
 from tests.integration.test_store_fs import T0, open_fs, tree
 
 pytestmark = pytest.mark.integration
@@ -40,14 +41,7 @@ def test_a_refill_lists_the_oldest_incoming_buckets_only(
         assert sorted(tree(store, buckets=True)) == [
             "incoming/p0-00000010", "incoming/p0-00000011", "incoming/p0-00000012",
             "incoming/p1-00000013"]
-        read: list[str] = []
-        real = fs_batch.scandir
-
-        def scandir(path: Path):  # type: ignore[no-untyped-def]
-            read.append(path.name)
-            return real(path)
-
-        monkeypatch.setattr(fs_batch, "scandir", scandir)
+        read = spy_dirs(monkeypatch, fs_batch, "scandir")
         # High priority first, then the oldest: two buckets give the four.
         assert [e.spid for e in store.claim(4, T0, 0)] == [urgent.spid, *spids[:3]]
         assert read == ["p1-00000013", "p0-00000010"]
@@ -115,14 +109,7 @@ def test_a_fair_refill_takes_each_tenant_s_first_buckets_without_reading_a_file(
                     "a@example.org", ("x@d.example",), tenantid=tenant,
                     spid=f"{prefix}{k:08X}"), b"x", T0).spid)
         assert "incoming/p0-00000013-a%2Fb" in tree(store, buckets=True)
-        read: list[str] = []
-        real = fs_batch.scandir
-
-        def scandir(path: Path):  # type: ignore[no-untyped-def]
-            read.append(path.name)
-            return real(path)
-
-        monkeypatch.setattr(fs_batch, "scandir", scandir)
+        read = spy_dirs(monkeypatch, fs_batch, "scandir")
         monkeypatch.setattr(fs.Batch, "load", lambda *a: pytest.fail("read a file"))
         monkeypatch.setattr(store, "_tenants", fs.TenantMemo())
         real_pick = fs.fair_pick
@@ -157,14 +144,7 @@ def test_a_listing_reads_incoming_buckets_as_it_reaches_them(
                                     priority=i % 2, tenantid=f"t{i % 3}"), b"x", T0)
         store.submit(Submission("a@example.org", ("later@d.example",), delay_s=60,
                                 spid="00000021" + "F" * 8), b"y", T0)
-        listed: list[str] = []
-        real = fs_reading.listdir
-
-        def listdir(path: Path) -> list[str]:
-            listed.append(path.name)
-            return real(path)
-
-        monkeypatch.setattr(fs_reading, "listdir", listdir)
+        listed = spy_dirs(monkeypatch, fs_reading, "listdir")
         monkeypatch.setattr(fs_reading, "LIST_PAGE", 1)  # 200 messages a page
         walk = store.entries(Selector())
         assert next(walk).qid == f"{spids[0]}-0"
