@@ -193,10 +193,8 @@ class Reply:
         A three-item record (written before Sluice kept who and when) reads as
         a reply Sluice made, at no time.
         """
-        mta = record[3] if len(record) > 3 else ""
         at = record[4] if len(record) > 4 else None
-        return cls(int(record[0]), record[1] or "", record[2] or "", mta or "",
-                   None if at is None else float(at))
+        return cls(*reply_fields(record), None if at is None else float(at))
 
     @property
     def is_permanent(self) -> bool:
@@ -207,6 +205,17 @@ class Reply:
     def is_transient(self) -> bool:
         """Whether the reply is a transient failure (4xx)."""
         return 400 <= self.code <= 499
+
+
+def reply_fields(record: Sequence[Any]) -> tuple[int, str, str, str]:
+    """Code, enhanced code, text and remote MTA of a stored reply record.
+
+    The one reading of Reply.to_record()'s list: Reply.from_record() and
+    the listings that make rows without a Reply (sluice.store) share it.
+    A three-item record was written before Sluice kept who gave a reply.
+    """
+    return (int(record[0]), record[1] or "", record[2] or "",
+            (record[3] if len(record) > 3 else "") or "")
 
 
 @dataclass(frozen=True, slots=True)

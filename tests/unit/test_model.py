@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sluice.model import (
     QueueEntry,
     QueueState,
+    Reply,
     Selector,
     Submission,
     format_qid,
     parse_qid,
     recipient_domain,
+    reply_fields,
 )
 
 pytestmark = pytest.mark.unit
@@ -78,3 +84,17 @@ def test_submission_initial_state() -> None:
     assert sub(hold=True).initial_state(100.0) == (QueueState.HOLD, 100.0)
     # hold wins over a delay
     assert sub(hold=True, delay_s=60).initial_state(100.0) == (QueueState.HOLD, 100.0)
+
+
+@given(st.builds(Reply, st.integers(200, 599), st.text(max_size=8), st.text(max_size=20),
+                 st.text(max_size=12),
+                 st.none() | st.floats(0, 2e9, allow_nan=False, allow_infinity=False)))
+def test_a_stored_reply_reads_back_as_it_was(reply: Reply) -> None:
+    record = json.loads(json.dumps(reply.to_record()))
+    assert Reply.from_record(record) == reply
+    assert reply_fields(record) == (reply.code, reply.enhanced, reply.text, reply.remote_mta)
+
+
+def test_an_old_three_item_reply_and_empty_fields_read_as_sluice_s_own() -> None:
+    assert reply_fields([451, None, "later"]) == (451, "", "later", "")
+    assert Reply.from_record(["550", "5.1.1", None, None, None]) == Reply(550, "5.1.1")

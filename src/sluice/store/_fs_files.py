@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid
+from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid, reply_fields
 from sluice.store import StorageError
 
 #: The version of layout.json: 2 files incoming/ by arrival (incoming/<bucket>/).
@@ -204,7 +204,7 @@ def state_of(rel: str) -> QueueState:
 
 def read_control(root: Path, rel: str) -> Control | None:
     try:
-        data = (root / rel).read_bytes()
+        data = read_small(f"{root}/{rel}")
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -270,11 +270,10 @@ def message_rows(root: str, files: Iterable[tuple[str, QueueState, bytes]]
                     rows[idx] = (spid, idx, value, sender, rcpt, domain, arrival, next_at,
                                  attempts, priority, tenant, job, transport, localip, None,
                                  None, None, None, size, report)
-                else:  # as Reply.from_record reads it
+                else:
                     rows[idx] = (spid, idx, value, sender, rcpt, domain, arrival, next_at,
                                  attempts, priority, tenant, job, transport, localip,
-                                 int(reply[0]), reply[1] or "", reply[2] or "",
-                                 (reply[3] if len(reply) > 3 else "") or "", size, report)
+                                 *reply_fields(reply), size, report)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise StorageError(f"{root}/{rel} is not a control file: {exc}") from exc
     return [rows[i] for i in sorted(rows)]
