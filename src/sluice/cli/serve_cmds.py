@@ -9,6 +9,7 @@ import signal
 import time
 from typing import Any
 
+from sluice import _gc
 from sluice.cli import CommandError, load
 from sluice.sink import Behaviour, Sink, parse_behaviour
 
@@ -55,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sluice.smtpd import ReceiverError
 
     cfg = load(args)
+    _gc.for_serving()
     try:
         return serve(cfg, log_level=args.log_level)
     except PolicyError as exc:

@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sluice import _gc
 from sluice.config import Config, ConfigError, load_config
 from sluice.logs import LOG_LEVEL_ENV, setup_logging
 from sluice.queue import Queue
@@ -185,6 +186,7 @@ def _process_main(config: Config | str, ready: Any, share: int, parent_pid: int,
                   sockets: list[socket.socket]) -> None:
     # multiprocessing ignores a target's return value; the status is the exit code.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the loop installs its handler
+    _gc.for_serving()
     sys.exit(run_receiver_process(config, ready, share=share, parent_pid=parent_pid,
                                   sockets=sockets))
 
