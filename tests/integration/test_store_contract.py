@@ -18,7 +18,14 @@ import pytest
 
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.spool import new_spid
-from sluice.store import ACTION_STATES, Action, StorageError, Store, Transition
+from sluice.store import (
+    ACTION_STATES,
+    Action,
+    ReadsContentsAhead,
+    StorageError,
+    Store,
+    Transition,
+)
 from sluice.store._actions import OperatorChange
 from tests.integration.stores import open_flavour
 
@@ -43,6 +50,22 @@ def states(store: Store) -> dict[str, QueueState]:
 def read(store: Store, spid: str) -> bytes:
     with store.open_content(spid) as stream:
         return stream.read()
+
+
+def test_contents_read_ahead_are_the_inline_ones_byte_for_byte(store: Store) -> None:
+    if not isinstance(store, ReadsContentsAhead):
+        assert not store.flavour.startswith("sqlite"), "SQLite reads contents ahead"
+        pytest.skip(f"{store.flavour}: each delivery reads its own content")
+    small = store.submit(sub(), body(1), T0)
+    big_body = b"Subject: big\r\n\r\n" + b"x" * (store.inline_max + 10) + b"\r\n"
+    big = store.submit(sub(), big_body, T0)
+    got = store.inline_contents([small.spid, big.spid, new_spid()])
+    # Only an inline message is read ahead (sqlite_files keeps none inline);
+    # the rest is read from its spool file as before.
+    want = {small.spid: body(1)} if len(body(1)) <= store.inline_max else {}
+    assert got == want
+    assert read(store, small.spid) == body(1) and read(store, big.spid) == big_body
+    assert store.inline_contents([]) == {}
 
 
 # -- submission --------------------------------------------------------------------------

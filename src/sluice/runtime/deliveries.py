@@ -28,6 +28,14 @@ STRATEGIES
     one commit after its reply.  Outcomes of deliveries without a
     transaction are recorded after, as before.
 
+    One read for a step's contents.  The inline contents of every
+    delivery started in one loop step are read with one statement at
+    the step's end (sluice.store.ReadsContentsAhead: SQLite, where each
+    read of its own meets a page cache that the committer's writes have
+    dropped; docs/benchmarks.md).  A delivery takes its own from them,
+    else reads it from the store; what no delivery took goes when the
+    delivery ends.
+
     Exactly one answer.  Every StartDelivery is answered by exactly one
     DeliveryFinished: at once when stopping or when the job is gone,
     with no outcomes when the task is cancelled (the entries stay
@@ -44,9 +52,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import io
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from sluice import faults
 from sluice.delivery.agent import DeliveryAgent, DeliveryRequest, DeliveryResult
@@ -59,6 +68,7 @@ from sluice.runtime.jobs import Job, Jobs
 from sluice.runtime.recorder import Recorder
 from sluice.scheduler import DeliveryFinished, DeliveryJob, Event
 from sluice.shaping.runtime import Shaper
+from sluice.store import ReadsContentsAhead
 
 __all__ = ["Deliveries"]
 
@@ -95,6 +105,8 @@ class Deliveries:
         self._stopping = stopping
         self._delivering: list[QueueEntry] = []
         self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
+        # Contents read ahead for this step's starts, until each delivery takes its own.
+        self._contents: dict[str, bytes] = {}
 
     def start(self, job: DeliveryJob, localip: str, qids: tuple[str, ...]) -> None:
         """Start delivering ``qids`` of ``job`` from ``localip`` (StartDelivery)."""
@@ -127,8 +139,29 @@ class Deliveries:
         if self._delivering:
             entries, marked = self._delivering, self._marked
             self._delivering, self._marked = [], None
+            self._read_ahead(entries)
             if marked is not None and self._spawn(self._mark(entries, marked)) is None:
                 marked.set_result(None)
+
+    def _read_ahead(self, entries: list[QueueEntry]) -> None:
+        """The inline contents of this step's starts, in one read (ReadsContentsAhead).
+
+        A failed read leaves each delivery to read its own, as without it.
+        """
+        store = self.queue.store
+        if isinstance(store, ReadsContentsAhead):
+            try:
+                self._contents.update(store.inline_contents(list({e.spid for e in entries})))
+            except Exception:
+                log.debug("reading contents ahead failed; each delivery reads its own",
+                          exc_info=True)
+
+    def _content(self, spid: str) -> IO[bytes]:
+        """A delivery's content: read ahead for it, else from the store."""
+        data = self._contents.pop(spid, None)
+        if data is not None:
+            return io.BytesIO(data)
+        return self.queue.store.open_content(spid)
 
     async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
         try:
@@ -158,7 +191,7 @@ class Deliveries:
         try:
             request = DeliveryRequest(
                 route=info.hop, entries=entries,
-                content=functools.partial(self.queue.store.open_content, entries[0].spid),
+                content=functools.partial(self._content, entries[0].spid),
                 localip=localip, smtputf8=entries[0].smtputf8, started=started, settle=settle)
             result = await self.agent.deliver(request)
             done = {r.entry.qid for r in settled}
@@ -191,6 +224,7 @@ class Deliveries:
                                         localip=localip))
         finally:
             self.jobs.pop(ref)
+            self._contents.pop(entries[0].spid, None)  # not taken: no transaction
         if rest:
             self.recorder.record(rest)
 

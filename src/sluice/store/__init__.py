@@ -64,6 +64,7 @@ __all__ = [
     "Change",
     "Counts",
     "ListsRows",
+    "ReadsContentsAhead",
     "SharedClaims",
     "StorageError",
     "Store",
@@ -168,6 +169,21 @@ class ListsRows(Protocol):
 
         Same order, selection and ``limit``; a chunk holds at least one row.
         """
+        ...
+
+
+@runtime_checkable
+class ReadsContentsAhead(Protocol):
+    """A store that reads the inline contents of several messages in one go (SQLite).
+
+    For SQLite each read of its own costs a cold page cache (in WAL mode a
+    reader drops its cache whenever another connection has written), so
+    the queue manager reads the contents of the deliveries it starts
+    together (sluice.runtime.deliveries).
+    """
+
+    def inline_contents(self, spids: Sequence[str]) -> dict[str, bytes]:
+        """The contents of those of ``spids`` kept inline; the others are absent."""
         ...
 
 
