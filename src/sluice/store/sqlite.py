@@ -505,10 +505,7 @@ class SqliteStore(ApplyByFuture, Database):
 
     def inline_contents(self, spids: Sequence[str]) -> dict[str, bytes]:
         """ReadsContentsAhead.inline_contents: one statement for all of ``spids``."""
-        try:
-            keys = {int(s, 16): s for s in spids}
-        except ValueError:
-            raise StorageError(f"not a SPID among {list(spids)!r}") from None
+        keys = {_content_key(s): s for s in spids}
         if not keys:
             return {}
         marks = ",".join("?" * len(keys))
@@ -519,10 +516,7 @@ class SqliteStore(ApplyByFuture, Database):
 
     def open_content(self, spid: str) -> IO[bytes]:
         """Store.open_content: the inline content, else the spool file."""
-        try:
-            key = int(spid, 16)
-        except ValueError:
-            raise StorageError(f"not a SPID: {spid!r}") from None
+        key = _content_key(spid)
         with self._reading() as conn:
             row = conn.execute("SELECT data FROM content WHERE id = ?", (key,)).fetchone()
         if row is not None:
@@ -556,3 +550,11 @@ class SqliteStore(ApplyByFuture, Database):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _content_key(spid: str) -> int:
+    """The content table's key of message ``spid`` (its 16 hex digits)."""
+    try:
+        return int(spid, 16)
+    except ValueError:
+        raise StorageError(f"not a SPID: {spid!r}") from None
