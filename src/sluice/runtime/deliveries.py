@@ -105,8 +105,12 @@ class Deliveries:
         self._stopping = stopping
         self._delivering: list[QueueEntry] = []
         self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
-        # Contents read ahead for this step's starts, until each delivery takes its own.
+        # Contents read ahead for this step's starts, until each delivery takes its own;
+        # the store is the queue's for good, so whether it can is decided once.
         self._contents: dict[str, bytes] = {}
+        store = queue.store
+        self._inline_contents = (store.inline_contents
+                                 if isinstance(store, ReadsContentsAhead) else None)
 
     def start(self, job: DeliveryJob, localip: str, qids: tuple[str, ...]) -> None:
         """Start delivering ``qids`` of ``job`` from ``localip`` (StartDelivery)."""
@@ -148,10 +152,9 @@ class Deliveries:
 
         A failed read leaves each delivery to read its own, as without it.
         """
-        store = self.queue.store
-        if isinstance(store, ReadsContentsAhead):
+        if self._inline_contents is not None:
             try:
-                self._contents.update(store.inline_contents(list({e.spid for e in entries})))
+                self._contents.update(self._inline_contents(list({e.spid for e in entries})))
             except Exception:
                 log.debug("reading contents ahead failed; each delivery reads its own",
                           exc_info=True)
