@@ -49,7 +49,6 @@ def open_flavour(flavour: str, tmp: Path, **sections: dict[str, Any]) -> Store:
     return open_store(flavour_config(flavour, tmp, **sections))
 
 
-
 def spy_dirs(monkeypatch: Any, module: Any, name: str) -> list[str]:
     """The names of the directories ``module.name`` (a listing function) is called on.
 
@@ -64,6 +63,7 @@ def spy_dirs(monkeypatch: Any, module: Any, name: str) -> list[str]:
 
     monkeypatch.setattr(module, name, spy)
     return seen
+
 
 # --------------------------------------------------------------------------
 # A full disk, in a child process inside a private mount namespace.
