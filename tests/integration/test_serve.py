@@ -74,6 +74,35 @@ def test_byte_exact_round_trip(tmp_path: Path, sink: tuple[Sink, int]) -> None:
     assert msg.data[header_end:] == body[body.index(b"\r\n\r\n"):] + b"\r\n"
 
 
+def test_each_delivery_sends_its_own_message_when_many_start_together(tmp_path: Path) -> None:
+    """Deliveries started in one loop step share one read of their contents (SQLite).
+
+    Greylisting sends every first attempt back, so the retries come due
+    together; each message goes to two domains, i.e. two deliveries of one
+    content.  Every recipient must get the body made for it, byte for byte.
+    """
+    s = Sink({"a.example": Behaviour("greylist"), "b.example": Behaviour("greylist")},
+             keep=True)
+    sport = s.start_in_thread()
+    n = 24
+    try:
+        with serving(tmp_path, delivery=relay_to(sport)) as srv:
+            def one(i: int) -> None:
+                body = f"Subject: m{i}\r\n\r\nfor u{i} only: {'x' * (i * 37)}\r\n".encode()
+                send(srv.port, "s@sender.example", [f"u{i}@a.example", f"u{i}@b.example"], body)
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                list(pool.map(one, range(n)))
+            assert wait_until(lambda: s.snapshot().total_delivered == 2 * n, 60)
+    finally:
+        s.stop_thread()
+    got = {r: m.data for m in s.messages for r in m.recipients}
+    assert sorted(got) == sorted(f"u{i}@{d}.example" for i in range(n) for d in "ab")
+    for rcpt, data in got.items():
+        i = int(rcpt[1:rcpt.index("@")])
+        assert data.endswith(f"\r\n\r\nfor u{i} only: {'x' * (i * 37)}\r\n".encode()), rcpt
+
+
 @contextlib.contextmanager
 def recording_sink(smtputf8: bool) -> Iterator[tuple[SinkHandler, int]]:
     """An aiosmtpd next hop that offers SMTPUTF8 or not and records each MAIL's options."""

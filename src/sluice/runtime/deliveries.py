@@ -32,9 +32,10 @@ STRATEGIES
     delivery started in one loop step are read with one statement at
     the step's end (sluice.store.ReadsContentsAhead: SQLite, where each
     read of its own meets a page cache that the committer's writes have
-    dropped; docs/benchmarks.md).  A delivery takes its own from them,
-    else reads it from the store; what no delivery took goes when the
-    delivery ends.
+    dropped; docs/benchmarks.md).  Each delivery holds its own in an
+    _Ahead, made when it is spawned, so the bytes go with the delivery
+    and nothing is kept for one that never ran; without them (another
+    flavour, a failed read) it reads its content from the store.
 
     Exactly one answer.  Every StartDelivery is answered by exactly one
     DeliveryFinished: at once when stopping or when the job is gone,
@@ -83,6 +84,16 @@ class DeliveryCounters(Protocol):
     deliveries: int
 
 
+class _Ahead:
+    """One delivery's content, read ahead at the end of the step that started it."""
+
+    __slots__ = ("data", "spid")
+
+    def __init__(self, spid: str) -> None:
+        self.spid = spid
+        self.data: bytes | None = None  # None: not read ahead, read from the store
+
+
 class Deliveries:
     """Starts deliveries, records their outcomes and answers the scheduler."""
 
@@ -105,9 +116,9 @@ class Deliveries:
         self._stopping = stopping
         self._delivering: list[QueueEntry] = []
         self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
-        # Contents read ahead for this step's starts, until each delivery takes its own;
-        # the store is the queue's for good, so whether it can is decided once.
-        self._contents: dict[str, bytes] = {}
+        # The contents to read ahead for this step's starts; the store is the
+        # queue's for good, so whether it can is decided once.
+        self._ahead: list[_Ahead] = []
         store = queue.store
         self._inline_contents = (store.inline_contents
                                  if isinstance(store, ReadsContentsAhead) else None)
@@ -130,41 +141,50 @@ class Deliveries:
         if self._marked is None:
             self._marked = asyncio.get_running_loop().create_future()
         self.stats.deliveries += 1
+        ahead = _Ahead(entries[0].spid)
         if self._spawn_delivery(self._deliver(info, tuple(entries), localip,
-                                              self._marked)) is None:
+                                              self._marked, ahead)) is None:
             self._post(DeliveryFinished(job.ref, (), connection_failed=False,
                                         new_connection=False, localip=localip))
+        elif self._inline_contents is not None:
+            self._ahead.append(ahead)
 
     def mark_started(self) -> None:
         """Mark the attempts started in this step "delivering", as one store operation.
 
         Each of them waits for it after the server's 354.
         """
+        if self._ahead:
+            ahead, self._ahead = self._ahead, []
+            self._read_ahead(ahead)
         if self._delivering:
             entries, marked = self._delivering, self._marked
             self._delivering, self._marked = [], None
-            self._read_ahead(entries)
             if marked is not None and self._spawn(self._mark(entries, marked)) is None:
                 marked.set_result(None)
 
-    def _read_ahead(self, entries: list[QueueEntry]) -> None:
+    def _read_ahead(self, ahead: list[_Ahead]) -> None:
         """The inline contents of this step's starts, in one read (ReadsContentsAhead).
 
         A failed read leaves each delivery to read its own, as without it.
         """
-        if self._inline_contents is not None:
-            try:
-                self._contents.update(self._inline_contents(list({e.spid for e in entries})))
-            except Exception:
-                log.debug("reading contents ahead failed; each delivery reads its own",
-                          exc_info=True)
+        read = self._inline_contents
+        if read is None:  # start() keeps no _Ahead then
+            return
+        try:
+            contents = read(list({a.spid for a in ahead}))
+        except Exception:
+            log.debug("reading contents ahead failed; each delivery reads its own",
+                      exc_info=True)
+            return
+        for one in ahead:
+            one.data = contents.get(one.spid)
 
-    def _content(self, spid: str) -> IO[bytes]:
+    def _content(self, ahead: _Ahead) -> IO[bytes]:
         """A delivery's content: read ahead for it, else from the store."""
-        data = self._contents.pop(spid, None)
-        if data is not None:
-            return io.BytesIO(data)
-        return self.queue.store.open_content(spid)
+        if ahead.data is not None:
+            return io.BytesIO(ahead.data)
+        return self.queue.store.open_content(ahead.spid)
 
     async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
         try:
@@ -176,7 +196,7 @@ class Deliveries:
                 marked.set_result(None)
 
     async def _deliver(self, info: Job, entries: tuple[QueueEntry, ...], localip: str,
-                       marked: asyncio.Future[None]) -> None:
+                       marked: asyncio.Future[None], ahead: _Ahead) -> None:
         ref = info.job.ref
         # Outcomes made durable while the agent still held the connection.
         settled: list[AttemptResult] = []
@@ -194,7 +214,7 @@ class Deliveries:
         try:
             request = DeliveryRequest(
                 route=info.hop, entries=entries,
-                content=functools.partial(self._content, entries[0].spid),
+                content=functools.partial(self._content, ahead),
                 localip=localip, smtputf8=entries[0].smtputf8, started=started, settle=settle)
             result = await self.agent.deliver(request)
             done = {r.entry.qid for r in settled}
@@ -227,7 +247,6 @@ class Deliveries:
                                         localip=localip))
         finally:
             self.jobs.pop(ref)
-            self._contents.pop(entries[0].spid, None)  # not taken: no transaction
         if rest:
             self.recorder.record(rest)
 
