@@ -207,10 +207,10 @@ class Session:
         reader = ReplyReader(loop)
         local_addr = (localip, 0) if localip else None
         try:
-            transport, _ = await asyncio.wait_for(
-                loop.create_connection(lambda: reader, host.ip, host.port,
-                                       local_addr=local_addr),
-                timeouts.connect)
+            # asyncio.timeout, not wait_for: no task of its own for each connection.
+            async with asyncio.timeout(timeouts.connect):
+                transport, _ = await loop.create_connection(lambda: reader, host.ip, host.port,
+                                                            local_addr=local_addr)
         except TimeoutError:
             raise SessionError(Reply(451, "4.4.1", f"connect to {host}: timed out after "
                                      f"{timeouts.connect:g}s", phase="connect"),
