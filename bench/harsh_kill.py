@@ -1,10 +1,12 @@
 """Harsh kill: SIGKILL `sluice serve` every 1-3 s while it delivers; count and explain duplicates.
 
 A loopback sink (sluice.sink, every message slowed to --slow seconds
-before its reply) receives --messages numbered messages that clients
-inject into `sluice serve`.  Every 1-3 s (a seeded random pick) the whole
-serve process group is killed with SIGKILL and started again on the same
-queue, --kills times; the clients send again what was not answered 250.
+before its reply, in a process of its own so that neither the clients'
+threads nor the killing one share its interpreter) receives --messages
+numbered messages that clients inject into `sluice serve`.  Every 1-3 s
+(a seeded random pick) the whole serve process group is killed with
+SIGKILL and started again on the same queue, --kills times; the clients
+send again what was not answered 250.
 Then the queue drains, and every message answered 250 must have reached
 the sink (none lost).  The queue is counted (`sluice qcount`) only with
 serve stopped gracefully, since the kv store (LevelDB) lets one process
@@ -63,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -346,9 +349,11 @@ class Watch:
     stayed open.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, delivered: Any = None) -> None:
         self.dots: list[float] = []  # the sink had a message's final dot
         self.closed: dict[int, float] = {}  # connection: when the sink first saw EOF
+        self.ids: set[int] = set()  # the numbers the sink accepted
+        self.delivered = delivered  # a shared int: len(ids), read by the killing process
         smtp = sink_module._SinkSMTP
         eof, lost, on_data = smtp.eof_received, smtp.connection_lost, Sink._on_data
         watch = self
@@ -363,25 +368,62 @@ class Watch:
 
         async def note_data(sink: Sink, server: Any, session: Any, envelope: Any) -> str:
             watch.dots.append(time.time())
-            return await on_data(sink, server, session, envelope)
+            reply = await on_data(sink, server, session, envelope)
+            if reply.startswith("250"):
+                data = envelope.original_content or envelope.content or b""
+                watch.ids.update(int(m) for m in ID_RE.findall(data))
+                if watch.delivered is not None:
+                    watch.delivered.value = len(watch.ids)
+            return reply
 
         smtp.eof_received = note_eof  # type: ignore[method-assign,assignment]
         smtp.connection_lost = note_lost  # type: ignore[method-assign,assignment]
         Sink._on_data = note_data  # type: ignore[method-assign,assignment]
 
-    def per_kill(self, kills: list[float], ready: list[float], slow: float
-                 ) -> list[tuple[float, int, int]]:
-        """Each kill: (connections open for, dots awaiting an answer, answers due meanwhile)."""
-        out = []
-        closes = sorted(self.closed.values())
-        for i, k in enumerate(kills):
-            end = ready[i + 1] if i + 1 < len(ready) else k + 1.0
-            seen = [t - k for t in closes if k <= t < end]
-            open_for = max(seen) if seen else float("nan")
-            waiting = [t for t in self.dots if k - slow <= t < k]
-            due = sum(1 for t in waiting if t + slow <= k + open_for)
-            out.append((open_for, len(waiting), due))
-        return out
+
+def per_kill(dots: list[float], closes: list[float], kills: list[float], ready: list[float],
+             slow: float) -> list[tuple[float, int, int]]:
+    """Each kill: (connections open for, dots awaiting an answer, answers due meanwhile)."""
+    out = []
+    closes = sorted(closes)
+    for i, k in enumerate(kills):
+        end = ready[i + 1] if i + 1 < len(ready) else k + 1.0
+        seen = [t - k for t in closes if k <= t < end]
+        open_for = max(seen) if seen else float("nan")
+        waiting = [t for t in dots if k - slow <= t < k]
+        due = sum(1 for t in waiting if t + slow <= k + open_for)
+        out.append((open_for, len(waiting), due))
+    return out
+
+
+def sink_process(conn: Any, slow: float, delivered: Any) -> None:
+    """The sink's process: serve, and answer the harness's requests on ``conn``.
+
+    "state": (numbers accepted, time of the last acceptance); "dump": the
+    dots, the connections' close times and each accepted message as
+    (number, SPID, time); "stop".
+    """
+    watch = Watch(delivered)
+    sink = Sink(default=Behaviour("slow", seconds=slow), keep=True)
+    conn.send(sink.start_in_thread())
+    try:
+        while True:
+            what = conn.recv()
+            if what == "state":
+                msgs = list(sink.messages)
+                conn.send((set(watch.ids), max((m.at for m in msgs), default=0.0)))
+            elif what == "dump":
+                rows = []
+                for msg in list(sink.messages):
+                    num, qspid = ID_RE.search(msg.data), SPID_RE.search(msg.data)
+                    assert num is not None
+                    assert qspid is not None
+                    rows.append((int(num.group(1)), qspid.group(1).decode(), msg.at))
+                conn.send((list(watch.dots), list(watch.closed.values()), rows))
+            else:
+                break
+    finally:
+        sink.stop_thread()
 
 
 def main() -> int:
@@ -401,9 +443,13 @@ def main() -> int:
 
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="harsh-kill-", dir=args.dir))
-    sink = Sink(default=Behaviour("slow", seconds=args.slow), keep=True)
-    watch = Watch()
-    sink_port = sink.start_in_thread()
+    ctx = multiprocessing.get_context("spawn")
+    delivered_n = ctx.Value("i", 0, lock=False)
+    sink_conn, child_conn = ctx.Pipe()
+    sink_proc = ctx.Process(target=sink_process, args=(child_conn, args.slow, delivered_n),
+                            daemon=True)
+    sink_proc.start()
+    sink_port = sink_conn.recv()
     port = free_port()
     config = write_config(work, port, sink_port, args.concurrency, args.store)
     rng = random.Random(args.seed)
@@ -423,8 +469,7 @@ def main() -> int:
             t.start()
         while len(kills) < args.kills:
             time.sleep(rng.uniform(1.0, 3.0))
-            delivered = {int(m) for msg in list(sink.messages) for m in ID_RE.findall(msg.data)}
-            if len(delivered) >= args.messages:
+            if delivered_n.value >= args.messages:  # read without the sink's interpreter
                 print(f"  everything delivered after {len(kills)} kills", flush=True)
                 break
             kills.append(serve.kill())
@@ -436,9 +481,9 @@ def main() -> int:
         # (counted with serve stopped) is empty.
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            msgs = list(sink.messages)
-            delivered = {int(m) for msg in msgs for m in ID_RE.findall(msg.data)}
-            quiet = time.time() - max((msg.at for msg in msgs), default=0.0)
+            sink_conn.send("state")
+            delivered, last = sink_conn.recv()
+            quiet = time.time() - last
             if delivered >= inj.acked and quiet >= QUIET_S and serve.left() == 0:
                 break
             time.sleep(0.5)
@@ -446,18 +491,18 @@ def main() -> int:
     finally:
         inj.stop.set()
         serve.stop()
-        sink.stop_thread()
+        sink_conn.send("dump")
+        dots, closes, rows = sink_conn.recv()
+        sink_conn.send("stop")
+        sink_proc.join(30)
     # Copies per queued message: the SPID is in the Received header Sluice
     # added.  A number queued twice (the client saw no 250 and sent it
     # again) is a duplicate of the receiving side, counted apart.
     copies: dict[str, list[float]] = defaultdict(list)
     spids: dict[int, set[str]] = defaultdict(set)
-    for msg in sink.messages:
-        num, qspid = ID_RE.search(msg.data), SPID_RE.search(msg.data)
-        assert num is not None
-        assert qspid is not None
-        copies[qspid.group(1).decode()].append(msg.at)
-        spids[int(num.group(1))].add(qspid.group(1).decode())
+    for num, qspid, at in rows:
+        copies[qspid].append(at)
+        spids[num].add(qspid)
     lost = inj.acked - set(spids)
     resent = sum(len(s) - 1 for s in spids.values())
     events = accounting(work / "log")
@@ -482,7 +527,7 @@ def main() -> int:
         print(f"  SIGKILL to serve reaped (its connections closed): median "
               f"{statistics.median(serve.dying) * 1000:.1f} ms, max "
               f"{max(serve.dying) * 1000:.1f} ms")
-    kill_view = watch.per_kill(kills, serve.ready, args.slow)
+    kill_view = per_kill(dots, closes, kills, serve.ready, args.slow)
     delays = [d for d, _, _ in kill_view]
     known = sorted(d for d in delays if d == d)
     if known:
