@@ -2,7 +2,8 @@
 
 SUMMARY
     QLIST_FIELDS, listing_rows(store, selector, limit), entry_rows(entries),
-    qlist_blocks(chunks), write_qlist(out, store, selector, limit).
+    qlist_blocks(chunks), write_qlist(out, store, selector, limit, jobs),
+    listing_jobs().
 
 DESCRIPTION
     qlist follows Mailismus: semicolon-separated fields (QLIST_FIELDS),
@@ -34,6 +35,13 @@ STRATEGIES
     is what csv.writer would write; otherwise its lines are checked one by
     one and those that need it go through csv.writer, from the same fields.
 
+    Pieces in other processes.  Listing a million control files of the
+    filesystem flavour is mostly opening, reading and parsing them, each
+    file on its own (sluice.store.ListsInPieces).  `sluice qlist` has as
+    many processes as it may use CPUs read and format the pages while this
+    one walks the tree in SPID order and writes their bytes in that order;
+    a short listing (under PIECES_ALONE pages) starts none.
+
 SEE ALSO
     sluice.cli.queue_cmds (the command), sluice.store.ListsRows,
     sluice.store._sql.SqlQueue.rows.
@@ -45,15 +53,20 @@ import csv
 import gc
 import io
 import itertools
+import multiprocessing
+import os
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from sluice.model import QueueEntry, Reply, Selector, format_qid, recipient_domain
-from sluice.store import ListsRows, Store
+from sluice.store import ListsInPieces, ListsRows, Store
 
-__all__ = ["QLIST_FIELDS", "entry_rows", "listing_rows", "qlist_blocks", "write_qlist"]
+__all__ = ["QLIST_FIELDS", "entry_rows", "listing_jobs", "listing_rows", "qlist_blocks",
+           "write_qlist"]
 
 QLIST_FIELDS = (
     "QueueID", "SPID", "State", "Sender", "Recipient", "Domain", "Arrival", "NextAttempt",
@@ -68,6 +81,9 @@ CHUNK = 5000
 #: characters (csv's QUOTE_MINIMAL quotes a field that has one).
 _SEPARATORS = len(QLIST_FIELDS) - 1
 _NEEDS_QUOTES = re.compile(r'["\r\n]')
+
+#: A listing in pieces of fewer than this many is formatted in this process only.
+PIECES_ALONE = 8
 
 #: Distinct times a listing keeps formatted (the cache is emptied when full).
 _TIMES_MAX = 65536
@@ -153,6 +169,20 @@ def _csv_lines(rows: Iterable[Sequence[str]]) -> str:
     return out.getvalue()
 
 
+def _block(fields: Callable[[Sequence[Any]], tuple[str, ...]], rows: Sequence[Sequence[Any]]
+           ) -> str:
+    """The qlist lines of ``rows``, each ending in a line break."""
+    lines = list(map(";".join, map(fields, rows)))
+    block = "\n".join(lines) + "\n"
+    if (block.count(";") == _SEPARATORS * len(lines) and block.count("\n") == len(lines)
+            and '"' not in block and "\r" not in block):
+        return block
+    # Some field has a separator, a quote or a line break: csv for its line.
+    return "".join(
+        line + "\n" if line.count(";") == _SEPARATORS and not _NEEDS_QUOTES.search(line)
+        else _csv_lines([fields(row)]) for row, line in zip(rows, lines, strict=True))
+
+
 def qlist_blocks(chunks: Iterable[Sequence[Sequence[Any]]]) -> Iterator[str]:
     """The qlist text: the header line, then the lines of each chunk of listing rows.
 
@@ -161,34 +191,81 @@ def qlist_blocks(chunks: Iterable[Sequence[Sequence[Any]]]) -> Iterator[str]:
     yield _csv_lines([QLIST_FIELDS])
     fields = _fields_of(_Times())
     for rows in chunks:
-        if not rows:
-            continue
-        lines = list(map(";".join, map(fields, rows)))
-        block = "\n".join(lines) + "\n"
-        if (block.count(";") == _SEPARATORS * len(lines) and block.count("\n") == len(lines)
-                and '"' not in block and "\r" not in block):
-            yield block
-            continue
-        # Some field has a separator, a quote or a line break: csv for its line.
-        yield "".join(
-            line + "\n" if line.count(";") == _SEPARATORS and not _NEEDS_QUOTES.search(line)
-            else _csv_lines([fields(row)]) for row, line in zip(rows, lines, strict=True))
+        if rows:
+            yield _block(fields, rows)
 
 
-def write_qlist(out: TextIO, store: Store, selector: Selector, limit: int | None = None
-                ) -> None:
+#: A worker process's formatter (its times are kept from one piece to the next).
+_worker_fields: Callable[[Sequence[Any]], tuple[str, ...]] | None = None
+
+
+def _piece_bytes(rows_of: Callable[[Any], list[tuple[Any, ...]]], piece: Any, encoding: str,
+                 errors: str) -> bytes:
+    """In a worker process: the qlist lines of one piece, encoded."""
+    global _worker_fields
+    if _worker_fields is None:
+        _worker_fields = _fields_of(_Times())
+    rows = rows_of(piece)
+    return _block(_worker_fields, rows).encode(encoding, errors) if rows else b""
+
+
+def _pieces_in_order(rows_of: Callable[[Any], list[tuple[Any, ...]]], pieces: Iterator[Any],
+                     jobs: int, encoding: str, errors: str) -> Iterator[bytes]:
+    """Each piece's lines, in order: the first ones here, the rest from ``jobs`` processes.
+
+    A listing of fewer than PIECES_ALONE pieces starts no process.  Spawned,
+    not forked: the store's committer thread is running.  At most
+    2 × ``jobs`` pieces are out at once, so memory stays bounded and the
+    lines come as the walk goes; a piece's error is raised here, in order.
+    """
+    first = list(itertools.islice(pieces, PIECES_ALONE))
+    if len(first) < PIECES_ALONE:
+        yield from (_piece_bytes(rows_of, piece, encoding, errors) for piece in first)
+        return
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        out: deque[Future[bytes]] = deque()
+        for piece in itertools.chain(first, pieces):
+            out.append(pool.submit(_piece_bytes, rows_of, piece, encoding, errors))
+            if len(out) >= 2 * jobs:
+                yield out.popleft().result()
+        while out:
+            yield out.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def listing_jobs() -> int:
+    """Processes a listing may share its pieces among: the CPUs this process may use."""
+    return len(os.sched_getaffinity(0))
+
+
+def write_qlist(out: TextIO, store: Store, selector: Selector, limit: int | None = None,
+                jobs: int = 1) -> None:
     """Write the qlist lines of the selected entries to ``out`` (without the totals).
 
     Each block goes to ``out``'s binary buffer in one write, encoded as
     ``out`` would encode it; a stream without one gets the text.  The cycle
     collector rests meanwhile: a page of rows makes no cycle, and it would
-    walk each page several times.
+    walk each page several times.  With ``jobs`` above 1, no limit and a
+    store that lists in pieces (ListsInPieces), that many other processes
+    read and format the pieces while this one walks and writes.
     """
-    blocks = qlist_blocks(listing_rows(store, selector, limit))
     raw = getattr(out, "buffer", None)
     collecting = gc.isenabled()
     gc.disable()
     try:
+        split = None
+        if jobs > 1 and limit is None and raw is not None and isinstance(store, ListsInPieces):
+            split = store.listing_pieces(selector)
+        if split is not None:
+            assert raw is not None
+            out.write(_csv_lines([QLIST_FIELDS]))
+            out.flush()
+            for data in _pieces_in_order(*split, jobs, out.encoding, out.errors or "strict"):
+                raw.write(data)
+            return
+        blocks = qlist_blocks(listing_rows(store, selector, limit))
         if raw is None:
             for block in blocks:
                 out.write(block)

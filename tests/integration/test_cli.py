@@ -353,3 +353,32 @@ def test_qcount_imports_only_the_command_modules_up_to_its_own(cfg: Path) -> Non
     assert "auth" in run(cfg, "--help").stdout
     bad = run(cfg, "nosuch", check=False)
     assert bad.returncode == 2 and "'auth'" in bad.stderr
+
+
+def test_qlist_of_a_filesystem_queue_shares_its_files_among_processes(tmp_path: Path) -> None:
+    from sluice.config import load_config
+    from sluice.listing import PIECES_ALONE
+    from sluice.model import Submission
+    from sluice.store import open_store
+    from sluice.store._fs_reading import LIST_PAGE
+
+    cfg = write_config(tmp_path, queue={"store": "fs"})
+    n = (PIECES_ALONE + 2) * LIST_PAGE  # enough pages for worker processes
+    store = open_store(load_config(cfg))
+    try:
+        futures = [store.submit_future(Submission(f"s{i}@example.org", (f"r{i}@d{i % 7}.example",)),
+                                       b"x", 1_800_000_000.0 + i / 100) for i in range(n)]
+        for f in futures:
+            f.result()
+    finally:
+        store.close()
+    alone = run(cfg, "qlist", "--jobs", "1").stdout
+    shared = run(cfg, "qlist", "--jobs", "2").stdout
+    assert shared == alone
+    lines = alone.splitlines()
+    assert len(lines) == 1 + n + 1 and lines[-1].startswith(f"Total: {n} messages")
+    assert [line.split(";")[4] for line in lines[1:-1]] == [f"r{i}@d{i % 7}.example"
+                                                           for i in range(n)]
+    bad = run(cfg, "qlist", "--jobs", "0", check=False)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().endswith("qlist --jobs: must be 1 or more, not 0")

@@ -13,15 +13,17 @@ import csv
 import gc
 import io
 import re
+from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sluice import listing
 from sluice.listing import QLIST_FIELDS, listing_rows, qlist_blocks, write_qlist
 from sluice.model import QueueEntry, QueueState, Reply, Selector, Submission
-from sluice.store import Action, ListsRows, StorageError, Store, Transition
+from sluice.store import Action, ListsInPieces, ListsRows, StorageError, Store, Transition
 from sluice.store import _fs_reading as fs_reading
 from sluice.store import _sql as sql
 from sluice.store._fs_files import parse_name
@@ -158,5 +160,54 @@ def test_fs_rows_name_a_broken_control_file_and_skip_one_that_went(tmp_path: Pat
                 list(store.list_rows(Selector()))
         files[1].write_bytes(whole)
         assert [r for chunk in store.list_rows(Selector()) for r in chunk] == rows
+    finally:
+        store.close()
+
+
+def test_fs_qlist_in_pieces_read_by_other_processes_is_the_same_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A page a message and a pool from the second page on, so that this
+    # small queue goes through the worker processes as a million would.
+    monkeypatch.setattr(fs_reading, "LIST_PAGE", 1)
+    monkeypatch.setattr(listing, "PIECES_ALONE", 2)
+    pools: list[int] = []
+
+    class Pool(ProcessPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            pools.append(id(self))
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(listing, "ProcessPoolExecutor", Pool)
+    store = open_flavour("fs", tmp_path)
+    try:
+        fill(store)
+        assert isinstance(store, ListsInPieces)
+        for selector in (Selector(), Selector(states=(QueueState.HOLD, QueueState.INCOMING)),
+                         Selector(domain="example.net")):
+            want = expected(list(store.entries(selector)))
+            raw = io.BytesIO()
+            out = io.TextIOWrapper(raw, encoding="ascii", errors="backslashreplace")
+            out.write("before\n")
+            pools.clear()
+            write_qlist(out, store, selector, jobs=2)
+            out.write("after\n")
+            out.flush()
+            assert raw.getvalue() == f"before\n{want}after\n".encode("ascii", "backslashreplace")
+            assert len(set(pools)) == 1 and len(pools) == len({e.spid for e in
+                                                                 store.entries(selector)})
+        # One process, a limit, or a selection the names do not answer: no pool.
+        pools.clear()
+        for kwargs, selector in (({"jobs": 1}, Selector()), ({"jobs": 2, "limit": 3}, Selector()),
+                                 ({"jobs": 2}, Selector(sender="c@example.org"))):
+            text = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+            write_qlist(text, store, selector, **kwargs)
+        assert pools == []
+        # A broken file is named by the worker that read it, and nothing after it is written.
+        files = sorted((tmp_path / "queue").rglob("*.mmq"))
+        files[-1].write_bytes(b"{not json")
+        raw = io.BytesIO()
+        with pytest.raises(StorageError, match=re.escape(str(files[-1]))):
+            write_qlist(io.TextIOWrapper(raw, encoding="utf-8"), store, Selector(), jobs=2)
+        assert pools
     finally:
         store.close()

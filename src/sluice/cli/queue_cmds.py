@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from sluice.cli import CommandError, load
-from sluice.listing import write_qlist
+from sluice.listing import listing_jobs, write_qlist
 from sluice.model import QueueState, Selector
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
@@ -93,6 +93,9 @@ def register(sub: Any) -> None:
     _add_selector_args(p, with_ids=False)
     p.add_argument("--json", action="store_true", help="JSON instead of semicolon CSV")
     p.add_argument("--limit", type=int, default=None, help="at most this many entries")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes that read a filesystem queue's files (default: one per CPU;"
+                        " 1: none)")
     p.set_defaults(func=cmd_qlist)
 
     p = sub.add_parser("qcount", help="the queue's totals")
@@ -140,6 +143,9 @@ def _user() -> str:
 def cmd_qlist(args: argparse.Namespace) -> int:
     """`sluice qlist`: the selected entries, semicolon-separated or as JSON with totals."""
     selector = selector_from_args(args)
+    jobs = listing_jobs() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise CommandError(f"qlist --jobs: must be 1 or more, not {jobs}", status=2)
     out = sys.stdout
     with _open(args) as queue:
         store = queue.store
@@ -150,7 +156,7 @@ def cmd_qlist(args: argparse.Namespace) -> int:
             counts = store.count(selector)
             out.write('\n], "totals": ' + json.dumps(counts_json(counts)) + "}\n")
             return 0
-        write_qlist(out, store, selector, args.limit)
+        write_qlist(out, store, selector, args.limit, jobs)
         counts = store.count(selector)
     out.write(totals_line(counts) + "\n")
     return 0

@@ -33,7 +33,9 @@ DESCRIPTION
     that can read plain rows cheaply also offers ListsRows.list_rows():
     tuples of LISTING_FIELDS in chunks, formatted by the one qlist
     formatter (sluice.listing); for the others sluice.listing adapts
-    entries() to the same rows.
+    entries() to the same rows.  The filesystem flavour also offers
+    ListsInPieces: the listing split into pieces that other processes read
+    and format while this one walks the tree.
 
 INVARIANTS
     Every entry is in exactly one state.  Content is deleted after the
@@ -43,7 +45,7 @@ INVARIANTS
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -63,6 +65,7 @@ __all__ = [
     "ApplyByFuture",
     "Change",
     "Counts",
+    "ListsInPieces",
     "ListsRows",
     "ReadsContentsAhead",
     "SharedClaims",
@@ -168,6 +171,25 @@ class ListsRows(Protocol):
         """The entries entries() would give, as chunks of LISTING_FIELDS tuples.
 
         Same order, selection and ``limit``; a chunk holds at least one row.
+        """
+        ...
+
+
+@runtime_checkable
+class ListsInPieces(Protocol):
+    """A store whose listing splits into pieces other processes can read (fs).
+
+    qlist of a million control files is mostly reading and parsing them,
+    work two processes can share (sluice.listing.write_qlist).
+    """
+
+    def listing_pieces(self, selector: Selector
+                       ) -> tuple[Callable[[Any], list[tuple[Any, ...]]], Iterator[Any]] | None:
+        """A module-level function and the pieces, in listing order; None: not this selection.
+
+        ``function(piece)`` gives the piece's listing rows (LISTING_FIELDS)
+        in any process; the pieces are picklable and, listed in order,
+        make the rows list_rows(selector) would give.
         """
         ...
 

@@ -279,6 +279,18 @@ def message_rows(root: str, files: Iterable[tuple[str, QueueState, bytes]]
     return [rows[i] for i in sorted(rows)]
 
 
+def page_rows(piece: tuple[str, tuple[QueueState, ...], list[list[str]]]
+              ) -> list[tuple[Any, ...]]:
+    """The listing rows of a page of messages: (root, states, each message's paths).
+
+    What a listing's worker process runs (sluice.store.ListsInPieces); the
+    page's messages in order, each as read_message() and message_rows().
+    """
+    root, states, page = piece
+    selector = Selector(states=states)
+    return [row for rels in page for row in message_rows(root, read_message(root, rels, selector))]
+
+
 def read_small(path: str) -> bytes:
     """A small file's bytes: one open, reads until the end, one close."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -320,8 +332,6 @@ def unlink(path: Path) -> None:
         os.unlink(path)
 
 
-
-
 class NameFilter:
     """Whether a file of a given name may hold entries a selector picks.
 
@@ -357,7 +367,6 @@ def names_suffice(selector: Selector) -> bool:
             and selector.tenantid is None and selector.jobid is None
             and selector.transportid is None
             and (selector.domain is None or len(enc_domain(selector.domain)) < DOMAIN_MAX))
-
 
 
 def write_file(path: Path, data: bytes) -> None:

@@ -13,7 +13,8 @@ DESCRIPTION
     directory, the recipient count is in the name); selections by sender,
     tenant, job or transport, qshape and expiry read the files.  The
     listing qlist prints (list_rows) makes its rows from each file's JSON
-    with no entry objects.
+    with no entry objects, in pages that `sluice qlist` may have other
+    processes read (listing_pieces).
 
 SEE ALSO
     sluice.store.fs, sluice.store._fs_files
@@ -27,7 +28,7 @@ import itertools
 import operator
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -46,11 +47,10 @@ from sluice.store._fs_files import (
     Name,
     NameFilter,
     listdir,
-    message_rows,
     names_suffice,
+    page_rows,
     parse_name,
     read_control,
-    read_message,
     scandir,
     spid_of_name,
     state_of,
@@ -265,27 +265,45 @@ class Reading:
         state or domain); any other goes through entries() and
         Selector.matches, the reference.  (A thread reading the next page's
         files while this one made rows was tried: 6 % slower at a million,
-        as both need the GIL between the system calls.)
+        as both need the GIL between the system calls; other processes
+        can share that work: listing_pieces.)
         """
         if not names_suffice(selector):
             yield from entry_rows(self.entries(selector, limit=limit))
             return
-        states = selector.states or tuple(QueueState)
-        walk = self._in_spid_order(states, selector, None)
-        root = str(self.root)
         remaining = -1 if limit is None else limit
-        while remaining:
-            page = list(itertools.islice(walk, LIST_PAGE))
-            if not page:
+        for piece in self._pages(selector):
+            if not remaining:
                 return
             with self._rw.reading():
-                files = [read_message(root, rels, selector) for _, rels in page]
-            out = [row for one in files for row in message_rows(root, one)]
+                out = page_rows(piece)
             if remaining > 0:
                 out = out[:remaining]
                 remaining -= len(out)
             if out:
                 yield out
+
+    def listing_pieces(self, selector: Selector
+                       ) -> tuple[Callable[[Any], list[tuple[Any, ...]]], Iterator[Any]] | None:
+        """ListsInPieces.listing_pieces: the pages list_rows reads, for other processes.
+
+        A page is the queue's directory, the selected states and the
+        paths of LIST_PAGE messages; page_rows() reads it anywhere.  (A
+        reader in another process does not take this process's read lock:
+        it may see a file between two directories while a batch of this
+        process is applied, as `sluice qlist` beside `sluice serve` may.)
+        """
+        if not names_suffice(selector):
+            return None
+        return page_rows, self._pages(selector)
+
+    def _pages(self, selector: Selector
+               ) -> Iterator[tuple[str, tuple[QueueState, ...], list[list[str]]]]:
+        states = selector.states or tuple(QueueState)
+        walk = self._in_spid_order(states, selector, None)
+        root = str(self.root)
+        while page := list(itertools.islice(walk, LIST_PAGE)):
+            yield root, selector.states, [rels for _, rels in page]
 
     def oldest(self) -> dict[QueueState, float]:
         """The oldest entry of each state, by its SPID's time (see Store.oldest).
