@@ -199,14 +199,21 @@ def qlist_blocks(chunks: Iterable[Sequence[Sequence[Any]]]) -> Iterator[str]:
 _worker_fields: Callable[[Sequence[Any]], tuple[str, ...]] | None = None
 
 
-def _piece_bytes(rows_of: Callable[[Any], list[tuple[Any, ...]]], piece: Any, encoding: str,
-                 errors: str) -> bytes:
-    """In a worker process: the qlist lines of one piece, encoded."""
+def _worker_start() -> None:
+    """A worker process's start: its formatter, and no cycle collector (as write_qlist)."""
     global _worker_fields
-    if _worker_fields is None:
-        _worker_fields = _fields_of(_Times())
+    gc.disable()
+    _worker_fields = _fields_of(_Times())
+
+
+def _piece_bytes(rows_of: Callable[[Any], list[tuple[Any, ...]]], piece: Any, encoding: str,
+                 errors: str, fields: Callable[[Sequence[Any]], tuple[str, ...]] | None = None
+                 ) -> bytes:
+    """The qlist lines of one piece, encoded; ``fields`` None: a worker's own."""
+    fields = fields or _worker_fields
+    assert fields is not None
     rows = rows_of(piece)
-    return _block(_worker_fields, rows).encode(encoding, errors) if rows else b""
+    return _block(fields, rows).encode(encoding, errors) if rows else b""
 
 
 def _pieces_in_order(rows_of: Callable[[Any], list[tuple[Any, ...]]], pieces: Iterator[Any],
@@ -220,9 +227,11 @@ def _pieces_in_order(rows_of: Callable[[Any], list[tuple[Any, ...]]], pieces: It
     """
     first = list(itertools.islice(pieces, PIECES_ALONE))
     if len(first) < PIECES_ALONE:
-        yield from (_piece_bytes(rows_of, piece, encoding, errors) for piece in first)
+        fields = _fields_of(_Times())
+        yield from (_piece_bytes(rows_of, piece, encoding, errors, fields) for piece in first)
         return
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_start)
     try:
         out: deque[Future[bytes]] = deque()
         for piece in itertools.chain(first, pieces):

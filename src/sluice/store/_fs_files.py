@@ -20,6 +20,10 @@ STRATEGIES
     names goes around the cache, and a walk that only sorts by SPID
     builds no Name (spid_of_name).
 
+    Files are read with orjson: half of what the standard library's
+    decoder costs on a control file, which is most of a listing of a
+    million (it takes bytes and refuses data after the object itself).
+
 SEE ALSO
     sluice.store.fs (the store), sluice.store._fs_batch (a batch's view)
 """
@@ -38,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
+
+import orjson
 
 from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid, reply_fields
 from sluice.store import StorageError
@@ -180,7 +186,7 @@ class Control:
 
     @classmethod
     def load(cls, data: bytes, state: QueueState, path: str) -> Control:
-        doc = json.loads(data)
+        doc = orjson.loads(data)
         meta = Meta(doc["sender"], doc["arrival_at"], doc["tenantid"], doc["jobid"],
                      doc["transportid"], tuple(doc["localip"]), doc["is_report"], doc["size"],
                      # Absent from files written before Sluice kept the flag.
@@ -213,12 +219,6 @@ def read_control(root: Path, rel: str) -> Control | None:
         return Control.load(data, state_of(rel), rel)
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise StorageError(f"{root / rel} is not a control file: {exc}") from exc
-
-
-#: Decodes a control file's JSON from text, without json.loads's guess of
-#: the encoding and decode()'s check of trailing space (a file is one
-#: object and a line break): together a third of the cost on a small file.
-_raw_decode = json.JSONDecoder().raw_decode
 
 
 def read_message(root: str, rels: Iterable[str], selector: Selector
@@ -256,10 +256,7 @@ def message_rows(root: str, files: Iterable[tuple[str, QueueState, bytes]]
     rows: dict[int, tuple[Any, ...]] = {}
     for rel, state, data in files:
         try:
-            text = data.decode()
-            doc, end = _raw_decode(text)
-            if end < len(text) and not text[end:].isspace():
-                raise ValueError(f"extra data at character {end}")
+            doc = orjson.loads(data)  # a ValueError for anything after the object
             spid, sender, domain = doc["spid"], doc["sender"], doc["domain"]
             arrival, next_at, priority = doc["arrival_at"], doc["next_at"], doc["priority"]
             tenant, job, transport = doc["tenantid"], doc["jobid"], doc["transportid"]
