@@ -162,3 +162,35 @@ def test_server_replies_become_replies(code: int, lines: list[str], reply: Reply
 def test_ehlo_keywords() -> None:
     assert _extensions(["PIPELINING", "size 35882577", "8BITMIME", "AUTH PLAIN LOGIN", ""]) == {
         "PIPELINING": "", "SIZE": "35882577", "8BITMIME": "", "AUTH": "PLAIN LOGIN"}
+
+
+def test_every_value_of_a_large_map_is_routed_once_and_hooks_are_bounded() -> None:
+    import asyncio
+
+    from sluice.config import config_from_dict
+    from sluice.delivery.router import HOOK_NEXTHOPS, Router
+
+    # Each domain its own loopback address, as bench/e2e.py's many config
+    # routes 10,000: more values than the hooks' room.
+    n = HOOK_NEXTHOPS * 3
+    addr = [f"127.10.{k >> 8}.{k & 255}" for k in range(n)]
+    cfg = config_from_dict({"delivery": {"transport": {
+        f"d{k}.test": f"smtp:[{addr[k]}]:2526" for k in range(n)}}}, source="<test>")
+    router = Router(cfg.delivery)
+
+    async def routes() -> list[object]:
+        return [await router.route(f"d{k}.test") for k in range(n)]
+
+    first, second = asyncio.run(routes()), asyncio.run(routes())
+    assert [hop.hosts[0].ip for hop in first] == addr  # type: ignore[attr-defined]
+    assert all(a is b for a, b in zip(first, second, strict=True))  # built once each
+
+    async def hooks(start: int) -> list[object]:
+        return [await router.route("x.test", nexthop=f"smtp:[127.20.{k >> 8}.{k & 255}]:25")
+                for k in range(start, start + HOOK_NEXTHOPS)]
+
+    # Hooks' next hops: the first HOOK_NEXTHOPS are kept, any more are built each time.
+    kept, again = asyncio.run(hooks(0)), asyncio.run(hooks(0))
+    assert all(a is b for a, b in zip(kept, again, strict=True))
+    more, more_again = asyncio.run(hooks(HOOK_NEXTHOPS)), asyncio.run(hooks(HOOK_NEXTHOPS))
+    assert more == more_again and not any(a is b for a, b in zip(more, more_again, strict=True))

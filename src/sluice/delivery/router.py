@@ -120,6 +120,10 @@ class NextHop:
 Routing = NextHop | TempFail | PermFail
 
 
+#: Next hops given by hooks (not in the map) that a router keeps built, at most.
+HOOK_NEXTHOPS = 1024
+
+
 class Router:
     """Routes domains to next hops; one per process, shared by all deliveries."""
 
@@ -144,7 +148,11 @@ class Router:
         self._rng = rng or random.Random()
         # Values whose hosts are all IP literals need no DNS: each NextHop is
         # built once, for the map's values and the hooks' nexthops alike.
+        # Room for every value of the map (a map of 10,000 domains each to
+        # its own address rebuilt most routes with room for 1,024) and for
+        # HOOK_NEXTHOPS more.
         self._static: dict[TransportEntry, NextHop] = {}
+        self._static_max = len(set(self.transport_map.entries.values())) + HOOK_NEXTHOPS
         self._parsed: dict[str, TransportEntry] = {}
         self._cache = _HostCache(config.resolver.cache_size)
 
@@ -160,7 +168,7 @@ class Router:
             entry = self._parsed.get(nexthop)
             if entry is None:
                 entry = TransportEntry.parse(nexthop)
-                if len(self._parsed) < 1024:  # hooks tend to reuse a few values
+                if len(self._parsed) < HOOK_NEXTHOPS:  # hooks tend to reuse a few values
                     self._parsed[nexthop] = entry
         else:
             found = self.transport_map.lookup(domain, transportid)
@@ -186,7 +194,7 @@ class Router:
         if all(g.is_ip for g in entry.gateways):
             hop = NextHop(transport, tuple(Host(g.host, g.host, g.port or self.port)
                                            for g in entry.gateways), destination)
-            if len(self._static) < 1024:  # the map's values and the few a hook uses
+            if len(self._static) < self._static_max:
                 self._static[entry] = hop
             return hop
         hosts: list[Host] = []
