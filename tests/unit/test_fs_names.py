@@ -34,9 +34,10 @@ def test_both_readers_take_and_refuse_the_same_names(spid, idx0, n, prio, domain
     parsed = parse_name.__wrapped__(name)
     assert spid_of_name(name) == (None if parsed is None else parsed.spid)
     if parsed is not None:
-        # What was taken is what the name says, field by field.
-        assert (parsed.spid, str(parsed.idx0), str(parsed.n), str(parsed.priority),
-                parsed.domain) == (spid, idx0, n, prio, domain + suffix[:-4])
+        # What was taken is what the name says, field by field (the numbers
+        # by value: "00" is 0).
+        assert (parsed.spid, parsed.idx0, parsed.n, parsed.priority, parsed.domain) == (
+            spid, int(idx0), int(n), int(prio), domain + suffix[:-4])
 
 
 @given(st.text(HEX, min_size=16, max_size=16), st.integers(0, 999_999),
