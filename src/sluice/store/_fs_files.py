@@ -283,9 +283,21 @@ def page_rows(piece: tuple[str, tuple[QueueState, ...], list[list[str]]]
     What a listing's worker process runs (sluice.store.ListsInPieces); the
     page's messages in order, each as read_message() and message_rows().
     """
+    return rows_of_page(piece[0], read_page(piece))
+
+
+def rows_of_page(root: str, page: list[list[tuple[str, QueueState, bytes]]]
+                 ) -> list[tuple[Any, ...]]:
+    """The listing rows of a page read_page() read, message by message."""
+    return [row for files in page for row in message_rows(root, files)]
+
+
+def read_page(piece: tuple[str, tuple[QueueState, ...], list[list[str]]]
+              ) -> list[list[tuple[str, QueueState, bytes]]]:
+    """The control files of a page's messages, as read_message() reads them, in order."""
     root, states, page = piece
     selector = Selector(states=states)
-    return [row for rels in page for row in message_rows(root, read_message(root, rels, selector))]
+    return [read_message(root, rels, selector) for rels in page]
 
 
 def read_small(path: str) -> bytes:

@@ -51,6 +51,8 @@ from sluice.store._fs_files import (
     page_rows,
     parse_name,
     read_control,
+    read_page,
+    rows_of_page,
     scandir,
     spid_of_name,
     state_of,
@@ -275,8 +277,9 @@ class Reading:
         for piece in self._pages(selector):
             if not remaining:
                 return
-            with self._rw.reading():
-                out = page_rows(piece)
+            with self._rw.reading():  # the reads only; the rows are made after
+                files = read_page(piece)
+            out = rows_of_page(piece[0], files)
             if remaining > 0:
                 out = out[:remaining]
                 remaining -= len(out)
