@@ -210,6 +210,26 @@ def test_quota_zero_still_takes_deferred_when_incoming_is_empty(store: Store) ->
     assert len(store.claim(10, T0, 0)) == 3
 
 
+def test_a_refill_smaller_than_the_due_backlog_takes_priority_then_the_earliest_due(
+        store: Store) -> None:
+    early = [store.submit(sub(), body(i), T0 + i) for i in range(4)]
+    late = [store.submit(sub(), body(10 + i), T0 + 10 + i) for i in range(4)]
+    urgent = store.submit(sub(priority=1), body(20), T0 + 20)
+    claimed = {e.spid: e for e in store.claim(1000, T0 + 30, 0)}
+    assert len(claimed) == 9
+    # Two due times far apart (their own directories in the fs flavour), the
+    # urgent one due last, and the later ones deferred first.
+    due = {**{a.spid: T0 + 50_000 for a in [*late, urgent]}, **{a.spid: T0 + 100 for a in early}}
+    for spid in [a.spid for a in [*late, urgent, *early]]:
+        store.apply([Transition(claimed[spid].qid, S.DEFERRED, next_attempt_at=due[spid],
+                                attempted=True)])
+    first = store.claim(3, T0 + 100_000, 10)
+    assert [e.spid for e in first] == [urgent.spid, early[0].spid, early[1].spid]
+    rest = store.claim(4, T0 + 100_000, 10)
+    assert [e.spid for e in rest] == [early[2].spid, early[3].spid, late[0].spid, late[1].spid]
+    assert [e.spid for e in store.claim(10, T0 + 100_000, 10)] == [a.spid for a in late[2:]]
+
+
 def test_due_at_is_the_earliest_deferred_time(store: Store) -> None:
     assert store.due_at() is None
     a = store.submit(sub(delay_s=500), body(1), T0)
