@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+import sluice.store._fs_batch as fs_batch
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, Transition
 from sluice.store._fs_files import Control, Name
+from sluice.store._refill import TenantWeights
 from sluice.store.fs import FsStore
 from tests.conftest import ROOT, subprocess_env
 from tests.integration.stores import flavour_config, open_flavour, run_diskfull, spy_dirs
@@ -73,6 +75,36 @@ def test_control_files_per_message_and_domain_named_by_spid_and_domain(tmp_path:
         # qcount answers from names alone.
         assert store.count().by_state[S.INCOMING] == 3 and store.count().messages == 1
         assert store.count(Selector(domain="one.example")).recipients == 2
+    finally:
+        store.close()
+
+
+def test_recovered_entries_go_to_a_directory_already_due(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_fs(tmp_path)  # retry_granularity 15m
+    try:
+        accs = [store.submit(Submission("a@example.org", (f"x{i}@d.example",)), b"body", T0)
+                for i in range(3)]
+        assert len(store.claim(10, T0, 10)) == 3
+        now = T0 + 1000  # between two grid lines
+        assert store.recover(now) == 3
+        # The grid line before now: not the one after it, whose files every
+        # refill would read for their exact times until it came.
+        assert tree(store) == {
+            f"deferred/{int(T0 + 900)}": sorted(f"{a.spid}-0+1p0@d.example.mmq" for a in accs)}
+        loads: list[str] = []
+        real = fs_batch.Batch.load
+
+        def load(self: fs_batch.Batch, path: str) -> Control | None:
+            loads.append(path)
+            return real(self, path)
+
+        monkeypatch.setattr(fs_batch.Batch, "load", load)
+        store.tenant_weights = TenantWeights(fair=False)
+        claimed = store.claim(10, now, 10)
+        assert sorted(e.spid for e in claimed) == sorted(a.spid for a in accs)
+        assert all(e.next_attempt_at <= now for e in claimed)
+        assert len(loads) == 3  # each file once, to move it: none for its due time
     finally:
         store.close()
 

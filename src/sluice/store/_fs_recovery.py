@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from sluice.model import QueueState
 from sluice.store import CHANGES_KEEP_S
@@ -41,13 +42,21 @@ RECOVER_BATCH = 256
 class Recovering(Checking):
     """FsStore's recover() (a mixin over the commit machinery)."""
 
+    if TYPE_CHECKING:  # Layout's
+        def due_now(self, now: float) -> float: ...
+
     def recover(self, now: float) -> int:
         """Store.recover: active and delivering control files back to deferred, due now.
+
+        Due at the retry grid line at or before ``now`` (due_now), in a
+        directory a refill takes by name.
 
         Then prunes the change feed, cleans tmp/ and removes orphaned content.
         """
         # In commits of RECOVER_BATCH files: a receiver's commit waits for
         # one of them, not for the whole active queue to be rewritten.
+        due = self.due_now(now)  # a directory already due: no file read for its time
+
         def work(view: Batch) -> tuple[int, bool]:
             moved = files = 0
             for state in (QueueState.ACTIVE, QueueState.DELIVERING):
@@ -57,8 +66,8 @@ class Recovering(Checking):
                     ctrl = view.load(f"{STATE_DIRS[state]}/{name}")
                     if ctrl is None:
                         continue
-                    new = replace(copy_control(ctrl), state=QueueState.DEFERRED, next_at=now,
-                                  gen="", path="")
+                    new = replace(copy_control(ctrl), state=QueueState.DEFERRED,
+                                  next_at=due, gen="", path="")
                     view.swap([ctrl], [new])
                     moved += len(ctrl.rcpts)
                     files += 1
