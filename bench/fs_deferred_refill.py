@@ -13,6 +13,11 @@ alike), interleaved, ``--runs`` times each; after each claim the entries go
 back to the same deferred directory.  Prints the median and the extremes
 of each, their ratio, the peak memory of the process, and the machine's
 load.
+
+``--window``: the files are due 300 s after the claims instead, in the
+directory whose window holds the claims' time, so no file is due and
+each claim must know every file's exact due time: the cost of a refill
+during a deferral wave.
 """
 
 from __future__ import annotations
@@ -52,12 +57,14 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--window", action="store_true",
+                    help="nothing due: every file in the directory due next")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="fs-deferred-", dir=args.dir))
     store: Any = open_flavour("fs", work)
-    print(f"fs deferred refill: {args.n} due files, claim({args.limit}); load {loadavg()}",
-          flush=True)
+    print(f"fs deferred refill: {args.n} files {'due next' if args.window else 'due'}, "
+          f"claim({args.limit}); load {loadavg()}", flush=True)
     t0 = time.monotonic()
     window: list[Future[Any]] = []
     for i in range(args.n):
@@ -70,7 +77,8 @@ def main() -> int:
             window.clear()
     for f in window:
         f.result()
-    due = T0 + 100
+    # Claims run at T0 + 1000: due before it, or in the window after it.
+    due = T0 + 1300 if args.window else T0 + 100
 
     def defer(entries: list[Any]) -> None:
         store.apply([Transition(e.qid, QueueState.DEFERRED, next_attempt_at=due,
@@ -88,7 +96,7 @@ def main() -> int:
             started = time.perf_counter()
             claimed = store.claim(args.limit, T0 + 1000, args.limit)
             times[mode].append(time.perf_counter() - started)
-            assert len(claimed) == args.limit, len(claimed)
+            assert len(claimed) == (0 if args.window else args.limit), len(claimed)
             defer(claimed)
     store.close()
     for mode, ts in times.items():

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import sluice.store._fs_batch as fs_batch
+import sluice.store._fs_reading as fs_reading
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, Transition
 from sluice.store._fs_files import Control, Name
@@ -105,6 +106,55 @@ def test_recovered_entries_go_to_a_directory_already_due(
         assert sorted(e.spid for e in claimed) == sorted(a.spid for a in accs)
         assert all(e.next_attempt_at <= now for e in claimed)
         assert len(loads) == 3  # each file once, to move it: none for its due time
+    finally:
+        store.close()
+
+
+def test_a_refill_reads_a_file_in_the_due_window_once_until_it_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_fs(tmp_path)  # retry_granularity 15m
+    try:
+        accs = [store.submit(Submission("a@example.org", (f"x{i}@d.example",)), b"body", T0)
+                for i in range(4)]
+        claimed = {e.spid: e for e in store.claim(10, T0, 10)}
+        # All four in deferred/T0+900; due at T0+100, +200, +300 and +400.
+        store.apply([Transition(claimed[a.spid].qid, S.DEFERRED, next_attempt_at=T0 + 100 * (i + 1),
+                                attempted=True) for i, a in enumerate(accs)])
+        assert list(tree(store)) == [f"deferred/{int(T0 + 900)}"]
+        loads: list[str] = []
+        real = fs_batch.Batch.load
+
+        def load(self: fs_batch.Batch, path: str) -> Control | None:
+            loads.append(path.rsplit("/", 1)[1].split("-")[0])
+            return real(self, path)
+
+        monkeypatch.setattr(fs_batch.Batch, "load", load)
+        store.tenant_weights = TenantWeights(fair=False)
+        assert store.claim(10, T0 + 50, 10) == []  # none due: each read for its time
+        assert sorted(loads) == sorted(a.spid for a in accs)
+        loads.clear()
+        assert store.claim(10, T0 + 60, 10) == []
+        assert loads == []  # known by their stamps: none read again
+        reads: list[str] = []
+        real_read = fs_reading.read_control
+
+        def read_control(root: Path, rel: str) -> Control | None:
+            reads.append(rel)
+            return real_read(root, rel)
+
+        monkeypatch.setattr(fs_reading, "read_control", read_control)
+        assert store.due_at() == T0 + 100
+        assert len(reads) == 4
+        assert store.due_at() == T0 + 100 and len(reads) == 4  # the same files: none read
+        # The first one's time changes (a new file under the same name): read again.
+        store.apply([Transition(claimed[accs[0].spid].qid, S.DEFERRED,
+                                next_attempt_at=T0 + 500)], wait=True)
+        [first] = [store.get(claimed[accs[0].spid].qid)]
+        assert first is not None and first.next_attempt_at == T0 + 500
+        loads.clear()
+        got = store.claim(10, T0 + 300, 10)
+        assert [e.spid for e in got] == [accs[1].spid, accs[2].spid]
+        assert loads.count(accs[0].spid) == 1 and accs[3].spid not in loads
     finally:
         store.close()
 

@@ -43,6 +43,7 @@ from sluice.store._fs_buckets import (
     bucket_tenant,
     sorted_buckets,
 )
+from sluice.store._fs_due import Stamp, stamped
 from sluice.store._fs_files import (
     STATE_DIRS,
     Control,
@@ -312,6 +313,17 @@ class Batch:
                 parsed = parse_name(name)
                 if parsed is not None:
                     yield name, parsed
+
+    def stamped(self, rel_dir: str) -> Iterator[tuple[str, Stamp]]:
+        """A directory's control file names as _streamed() has them, with their stamps.
+
+        Unparsed; a file of this batch has no stamp (sluice.store._fs_due).
+        """
+        prefix = rel_dir + "/"
+        yield from stamped(self.root / rel_dir, lambda name: prefix + name in self.files)
+        for p, ctrl in list(self.files.items()):
+            if ctrl is not None and p.startswith(prefix) and "/" not in p[len(prefix):]:
+                yield p[len(prefix):], None
 
     def deferred_dirs(self) -> list[int]:
         """Due times of deferred/<T> directories, ascending."""

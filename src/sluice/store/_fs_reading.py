@@ -40,9 +40,9 @@ from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._commit import RWLock
 from sluice.store._fs_buckets import BUCKET_DIGITS, sorted_buckets
 from sluice.store._fs_counts import CountsFile
+from sluice.store._fs_due import DueTimes, stamped
 from sluice.store._fs_files import (
     STATE_DIRS,
-    SUFFIX,
     Control,
     Name,
     NameFilter,
@@ -72,6 +72,7 @@ class Reading:
     _rw: RWLock
     _counts: CountsFile
     _feed_cursor: tuple[tuple[int, int], int, int]
+    _next_times: DueTimes  # due_at's
 
     if TYPE_CHECKING:  # Checking's, through FsStore
         def wait_check(self, timeout: float | None = None) -> bool: ...
@@ -88,16 +89,24 @@ class Reading:
         return out
 
     def due_at(self) -> float | None:
+        """The earliest due time: of the first deferred directory with a file in it.
+
+        Each file's time is read once and kept by its stamp (_fs_due): a
+        queue manager asks after every refill that found too little.
+        """
         with self._rw.reading():
             for t in sorted(int(d) for d in listdir(self.root / "deferred") if d.isdigit()):
-                times = []
-                for name in listdir(self.root / "deferred" / str(t)):
-                    if name.endswith(SUFFIX):
-                        ctrl = read_control(self.root, f"deferred/{t}/{name}")
-                        if ctrl is not None:
-                            times.append(ctrl.next_at)
+                rel_dir = f"deferred/{t}"
+
+                def read(name: str, rel_dir: str = rel_dir) -> float | None:
+                    ctrl = read_control(self.root, f"{rel_dir}/{name}")
+                    return None if ctrl is None else ctrl.next_at
+
+                times = self._next_times.of(rel_dir, stamped(self.root / rel_dir), read)
                 if times:
-                    return min(times)
+                    self._next_times.keep_only({rel_dir})
+                    return min(at for _, at in times)
+        self._next_times.keep_only(set())
         return None
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:
