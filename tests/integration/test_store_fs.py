@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import pytest
 import sluice.store._fs_batch as fs_batch
 import sluice.store._fs_reading as fs_reading
 from sluice.model import QueueState, Reply, Selector, Submission
-from sluice.store import Action, Transition
+from sluice.store import Accepted, Action, Transition
 from sluice.store._fs_files import Control, Name
 from sluice.store._refill import TenantWeights
 from sluice.store.fs import FsStore
@@ -80,12 +81,30 @@ def test_control_files_per_message_and_domain_named_by_spid_and_domain(tmp_path:
         store.close()
 
 
+def one_recipient_messages(store: FsStore, n: int) -> list[Accepted]:
+    """``n`` messages to x0@d.example ... queued at T0."""
+    return [store.submit(Submission("a@example.org", (f"x{i}@d.example",)), b"body", T0)
+            for i in range(n)]
+
+
+def spy_loads(monkeypatch: pytest.MonkeyPatch, name: Callable[[str], str] = str) -> list[str]:
+    """What Batch.load is called on (through ``name``), as the calls come."""
+    loads: list[str] = []
+    real = fs_batch.Batch.load
+
+    def load(self: fs_batch.Batch, path: str) -> Control | None:
+        loads.append(name(path))
+        return real(self, path)
+
+    monkeypatch.setattr(fs_batch.Batch, "load", load)
+    return loads
+
+
 def test_recovered_entries_go_to_a_directory_already_due(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = open_fs(tmp_path)  # retry_granularity 15m
     try:
-        accs = [store.submit(Submission("a@example.org", (f"x{i}@d.example",)), b"body", T0)
-                for i in range(3)]
+        accs = one_recipient_messages(store, 3)
         assert len(store.claim(10, T0, 10)) == 3
         now = T0 + 1000  # between two grid lines
         assert store.recover(now) == 3
@@ -93,14 +112,7 @@ def test_recovered_entries_go_to_a_directory_already_due(
         # refill would read for their exact times until it came.
         assert tree(store) == {
             f"deferred/{int(T0 + 900)}": sorted(f"{a.spid}-0+1p0@d.example.mmq" for a in accs)}
-        loads: list[str] = []
-        real = fs_batch.Batch.load
-
-        def load(self: fs_batch.Batch, path: str) -> Control | None:
-            loads.append(path)
-            return real(self, path)
-
-        monkeypatch.setattr(fs_batch.Batch, "load", load)
+        loads = spy_loads(monkeypatch)
         store.tenant_weights = TenantWeights(fair=False)
         claimed = store.claim(10, now, 10)
         assert sorted(e.spid for e in claimed) == sorted(a.spid for a in accs)
@@ -114,21 +126,13 @@ def test_a_refill_reads_a_file_in_the_due_window_once_until_it_changes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = open_fs(tmp_path)  # retry_granularity 15m
     try:
-        accs = [store.submit(Submission("a@example.org", (f"x{i}@d.example",)), b"body", T0)
-                for i in range(4)]
+        accs = one_recipient_messages(store, 4)
         claimed = {e.spid: e for e in store.claim(10, T0, 10)}
         # All four in deferred/T0+900; due at T0+100, +200, +300 and +400.
         store.apply([Transition(claimed[a.spid].qid, S.DEFERRED, next_attempt_at=T0 + 100 * (i + 1),
                                 attempted=True) for i, a in enumerate(accs)])
         assert list(tree(store)) == [f"deferred/{int(T0 + 900)}"]
-        loads: list[str] = []
-        real = fs_batch.Batch.load
-
-        def load(self: fs_batch.Batch, path: str) -> Control | None:
-            loads.append(path.rsplit("/", 1)[1].split("-")[0])
-            return real(self, path)
-
-        monkeypatch.setattr(fs_batch.Batch, "load", load)
+        loads = spy_loads(monkeypatch, lambda path: path.rsplit("/", 1)[1].split("-")[0])
         store.tenant_weights = TenantWeights(fair=False)
         assert store.claim(10, T0 + 50, 10) == []  # none due: each read for its time
         assert sorted(loads) == sorted(a.spid for a in accs)
