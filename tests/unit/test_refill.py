@@ -13,6 +13,7 @@ from sluice.store._refill import (
     TenantWeights,
     fair_pick,
     first_reads,
+    firsts_by_group,
     interleave,
     split_quota,
 )
@@ -131,3 +132,17 @@ def test_a_tenant_is_read_once_per_message_and_the_memo_starts_over_when_full() 
     assert memo.get("S3", reader("S3", "c")) == "c"  # full: starts over
     assert memo.get("S1", reader("S1", "a")) == "a"
     assert reads == ["S1", "S2", "S3", "S1"]
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.sampled_from("abcd")), max_size=300),
+       st.integers(1, 12))
+def test_firsts_by_group_are_each_group_s_smallest_in_order(
+        items: list[tuple[int, str]], k: int) -> None:
+    cands = [((n, g), f"{g}/{i}") for i, (n, g) in enumerate(items)]
+
+    def group(c: tuple[tuple[int, str], str]) -> str:
+        return c[0][1]
+
+    got = firsts_by_group(cands, k, group)
+    want = sorted(c for g in "abcd" for c in sorted(x for x in cands if group(x) == g)[:k])
+    assert got == want

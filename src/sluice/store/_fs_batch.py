@@ -229,20 +229,29 @@ class Batch:
         holds in all.  A directory this batch has not listed is read as a stream, so a
         refill from a million files holds ``k`` of them, not all.
         """
+        total = 0
+
+        def counted() -> Iterator[tuple[tuple[Any, ...], str]]:
+            nonlocal total
+            for parsed, item in self.keyed(rel_dir, key):
+                total += parsed.n
+                yield item
+
+        best = heapq.nsmallest(k, counted())
+        return best, total
+
+    def keyed(self, rel_dir: str, key: Callable[[Name], tuple[Any, ...]]
+              ) -> Iterator[tuple[Name, tuple[tuple[Any, ...], str]]]:
+        """Each control file of a directory as (parsed name, (key, path)), one at a time.
+
+        A directory this batch has not listed is read as a stream.
+        """
         if rel_dir in self._cur:
             found: Iterable[tuple[str, Name]] = self._dir(rel_dir).items()
         else:
             found = self._streamed(rel_dir)
-        total = 0
-
-        def keyed() -> Iterator[tuple[tuple[Any, ...], str]]:
-            nonlocal total
-            for name, parsed in found:
-                total += parsed.n
-                yield key(parsed), f"{rel_dir}/{name}"
-
-        best = heapq.nsmallest(k, keyed())
-        return best, total
+        for name, parsed in found:
+            yield parsed, (key(parsed), f"{rel_dir}/{name}")
 
     def first_incoming(self, k: int, key: Callable[[Name], tuple[Any, ...]], *,
                        by_tenant: bool = False) -> list[tuple[tuple[Any, ...], str]]:

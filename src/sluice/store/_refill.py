@@ -41,19 +41,22 @@ SEE ALSO
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice.fairshare import fair_pick
 
 if TYPE_CHECKING:
     from sluice.config.sections import TenantsConfig
 
-__all__ = ["EQUAL", "TenantMemo", "TenantWeights", "fair_pick", "first_reads", "interleave",
-           "split_quota"]
+__all__ = ["EQUAL", "Candidate", "TenantMemo", "TenantWeights", "fair_pick", "first_reads",
+           "firsts_by_group", "interleave", "split_quota"]
 
 T = TypeVar("T")
+
+#: A refill's candidate: its order (a sort key) and the file or row it names.
+Candidate = tuple[tuple[Any, ...], str]
 
 
 def split_quota(limit: int, n_incoming: int, n_deferred: int, quota_deferred: int
@@ -137,6 +140,26 @@ class TenantMemo:
                 self._of.clear()
             self._of[spid] = tenant
         return tenant
+
+
+def firsts_by_group(items: Iterable[Candidate], k: int, group: Callable[[Candidate], str]
+                    ) -> list[Candidate]:
+    """The ``k`` smallest items of each group, all of them in order.
+
+    One pass holding at most ``2 k`` items a group: a refill shared by
+    tenants needs each tenant's first ``k`` candidates, not all of them
+    in a list.
+    """
+    lines: dict[str, list[Candidate]] = {}
+    for item in items:
+        line = lines.setdefault(group(item), [])
+        line.append(item)
+        if len(line) >= 2 * k:
+            line.sort()
+            del line[k:]
+    out = [item for line in lines.values() for item in sorted(line)[:k]]
+    out.sort()
+    return out
 
 
 #: Every tenant alike: the weights of a store nobody told otherwise.
