@@ -96,6 +96,7 @@ def test_a_fair_refill_takes_each_tenant_s_first_buckets_without_reading_a_file(
     # the whole of incoming/ listed and a file of each message read.  The
     # tenant is in the bucket's name, so each tenant's first buckets do.
     import sluice.store._fs_batch as fs_batch
+    import sluice.store._fs_refill as fs_refill
     import sluice.store.fs as fs
 
     store = open_fs(tmp_path)
@@ -112,10 +113,10 @@ def test_a_fair_refill_takes_each_tenant_s_first_buckets_without_reading_a_file(
         read = spy_dirs(monkeypatch, fs_batch, "scandir")
         monkeypatch.setattr(fs.Batch, "load", lambda *a: pytest.fail("read a file"))
         monkeypatch.setattr(store, "_tenants", fs.TenantMemo())
-        real_pick = fs.fair_pick
+        real_pick = fs_refill.fair_pick
         lines: list[dict[str, list[str]]] = []
-        monkeypatch.setattr(fs, "fair_pick", lambda by, w, n: (lines.append(by),
-                                                                real_pick(by, w, n))[1])
+        monkeypatch.setattr(fs_refill, "fair_pick", lambda by, w, n: (lines.append(by),
+                                                                       real_pick(by, w, n))[1])
         monkeypatch.setattr(fs.FsStore, "claim", lambda self, *a: self._call(
             lambda view: self._fair_slots(
                 view, view.first_incoming(2, lambda p: (-p.priority, 0, p.spid, p.idx0, p.n),

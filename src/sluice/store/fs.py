@@ -100,8 +100,10 @@ PARTS
     _fs_files (a control file: name, format, read, write), _fs_layout (the
     directory of a file, layout.json), _fs_batch (the overlay one batch
     works on), _fs_commit (group commit, journals, content links, the
-    change feed), _fs_recovery (what a restart puts back) and _fs_reading
-    (listing, counting, qshape, expiry, the feed's reader).
+    change feed), _fs_refill (which files a claim takes), _fs_due (due
+    times in the window, kept by stamp), _fs_recovery (what a restart puts
+    back) and _fs_reading (listing, counting, qshape, expiry, the feed's
+    reader).
 
 SEE ALSO
     sluice.store (the interface), sluice.store._actions (operator
@@ -112,17 +114,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
-import heapq
 import itertools
 import os
 import threading
 import uuid
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sluice.model import (
     IN_FLIGHT_STATES,
@@ -143,37 +143,26 @@ from sluice.store import Action, ApplyByFuture, StorageError, Transition, applie
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock, fsync_paths
 from sluice.store._fs_batch import Batch, copy_control, recs_of, regroup
-from sluice.store._fs_buckets import bucket_tenant, sorted_buckets
 from sluice.store._fs_check import Watch
 from sluice.store._fs_counts import CountsFile, Tally
 from sluice.store._fs_due import DueTimes
 from sluice.store._fs_files import (
     STATE_DIRS,
-    SUFFIX,
     Control,
     Meta,
-    Name,
     NameFilter,
     Rcpt,
-    listdir,
     new_gen,
-    parse_name,
-    scandir,
     unlink,
     write_file,
 )
 from sluice.store._fs_layout import Layout
 from sluice.store._fs_reading import Reading
 from sluice.store._fs_recovery import Recovering
+from sluice.store._fs_refill import Refilling
 from sluice.store._refill import (
-    EQUAL,
-    Candidate,
     TenantMemo,
     TenantWeights,
-    fair_pick,
-    firsts_by_group,
-    interleave,
-    split_quota,
 )
 
 if TYPE_CHECKING:
@@ -182,20 +171,12 @@ if TYPE_CHECKING:
 __all__ = ["FsStore"]
 
 
-def _due_key(t: int, parsed: Name) -> tuple[Any, ...]:
-    """A due deferred file's place in a refill: priority, due time, SPID, recipients."""
-    return (-parsed.priority, t, parsed.spid, parsed.idx0, parsed.n)
-
-
-class FsStore(ApplyByFuture, Layout, Recovering, Reading):
+class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
     """Mailismus-style control files with a filesystem spool; see the module doc."""
 
     flavour = "fs"
     shared_access = True
     inline_max = 0  # content always goes to a spool file
-    #: Tenants' weights for sharing a refill (from_config: scheduler.tenants).
-    tenant_weights: TenantWeights = EQUAL
-
     def __init__(self, path: str | os.PathLike[str], spool: FsSpool, *,
                  granularity_s: float = 900.0, node_id: str = "local",
                  max_batch: int = 2000) -> None:
@@ -320,132 +301,6 @@ class FsStore(ApplyByFuture, Layout, Recovering, Reading):
         return result
 
     # -- the queue manager's side ---------------------------------------------------------
-
-    def _claimable(self, now: float) -> bool:
-        if any(any(n.endswith(SUFFIX) for n in scandir(self.root / "incoming" / b))
-               for b in sorted_buckets(listdir(self.root / "incoming"))):
-            return True
-        return any(
-            d.isdigit() and int(d) - self._window_s < now
-            and any(n.endswith(SUFFIX) for n in listdir(self.root / "deferred" / d))
-            for d in listdir(self.root / "deferred"))
-
-    def _due_candidates(self, view: Batch, now: float, k: int,
-                        group: Callable[[Candidate], str] | None = None) -> list[Candidate]:
-        """The first ``k`` due deferred files in refill order (of each ``group``, if given).
-
-        The directories are read as streams and only the first ``k`` (of
-        each group) kept: no list and sort of the whole backlog.  A claim of
-        1,000 from 50,000 due files took 39 % less time that way without
-        tenants (bench/fs_deferred_refill.py); shared by tenant, a group is
-        a tenant and its memory is k files a tenant.
-        """
-        streams: list[Iterable[Candidate]] = []
-        boundary: set[str] = set()
-        for t in view.deferred_dirs():
-            if t - self._window_s >= now:
-                break
-            rel_dir = f"deferred/{t}"
-            if t > now:  # in the directory's window: look at the exact times
-                boundary.add(rel_dir)
-                streams.append(self._due_in_window(view, rel_dir, t, now))
-            else:
-                streams.append(item for _, item in
-                               view.keyed(rel_dir, functools.partial(_due_key, t)))
-        self._due_times.keep_only(boundary)
-        items = itertools.chain.from_iterable(streams)
-        if group is not None:
-            return firsts_by_group(items, k, group)
-        return heapq.nsmallest(k, items)
-
-    def _due_in_window(self, view: Batch, rel_dir: str, t: int, now: float
-                       ) -> list[tuple[tuple[Any, ...], str]]:
-        """The due files of a directory not wholly due yet (its times kept: _fs_due).
-
-        20,000 files not due yet cost a refill 370 ms read each time, 145
-        ms stat'ed (bench/fs_deferred_refill.py --window).
-        """
-        def read(name: str) -> float | None:
-            ctrl = view.load(f"{rel_dir}/{name}")
-            return None if ctrl is None else ctrl.next_at
-
-        out = []
-        for name, next_at in self._due_times.of(rel_dir, view.stamped(rel_dir), read):
-            if next_at <= now and (parsed := parse_name(name)) is not None:
-                out.append((_due_key(t, parsed), f"{rel_dir}/{name}"))
-        return out
-
-    def claim(self, limit: int, now: float, quota_deferred: int) -> list[QueueEntry]:
-        """Store.claim over the incoming and due deferred directories.
-
-        A queue manager polls often: "nothing" is answered without the lock.
-        """
-        if limit <= 0:
-            return []
-        # A queue manager polls often; answer "nothing" without the lock.
-        if not self._claimable(now):
-            return []
-
-        def take(view: Batch, slots: list[str]) -> list[QueueEntry]:
-            # ``slots``: one path per recipient to take, a file's in a row
-            # of its own order; a file of which fewer are wanted is split.
-            want = Counter(slots)
-            got: dict[str, list[QueueEntry]] = {}
-            for path, k in want.items():
-                ctrl = view.load(path)
-                if ctrl is None:
-                    continue
-                if len(ctrl.rcpts) <= k:
-                    got[path] = view.move(ctrl, QueueState.ACTIVE).entries()
-                else:
-                    part = replace(ctrl, state=QueueState.ACTIVE, rcpts=ctrl.rcpts[:k])
-                    view.swap([ctrl], [part, replace(ctrl, rcpts=ctrl.rcpts[k:])])
-                    got[path] = part.entries()
-            out: list[QueueEntry] = []
-            for path in slots:
-                entries = got.get(path)
-                if entries:
-                    out.append(entries.pop(0))
-            return out
-
-        def work(view: Batch) -> list[QueueEntry]:
-            # Every file holds at least one recipient: the first ``limit``
-            # files (of each tenant) are all a refill can need.
-            inc = view.first_incoming(limit, lambda p: (-p.priority, 0, p.spid, p.idx0, p.n),
-                                      by_tenant=weights.fair)
-            dfr = self._due_candidates(view, now, limit, (lambda c: weights.key(
-                self._tenant_of(view, c[0][2], c[1]))) if weights.fair else None)
-            fair_inc = self._fair_slots(view, inc, limit, weights)
-            fair_dfr = self._fair_slots(view, dfr, limit, weights)
-            take_d, take_i = split_quota(limit, len(fair_inc), len(fair_dfr), quota_deferred)
-            return interleave(take(view, fair_inc[:take_i]), take(view, fair_dfr[:take_d]))
-
-        weights = self.tenant_weights
-        result: list[QueueEntry] = self._call(work)
-        return result
-
-    def _fair_slots(self, view: Batch, cands: list[tuple[tuple[Any, ...], str]], limit: int,
-                    weights: TenantWeights) -> list[str]:
-        """A refill's recipients from ``cands`` (files in order), by tenant: a path each."""
-        by_tenant: dict[str, list[str]] = {}
-        for key, path in cands:
-            tenant = weights.key(self._tenant_of(view, key[2], path)) if weights.fair else ""
-            line = by_tenant.setdefault(tenant, [])
-            line += [path] * min(key[-1], limit - len(line))
-        return fair_pick(by_tenant, weights, limit)
-
-    def _tenant_of(self, view: Batch, spid: str, path: str) -> str:
-        """The tenant of message ``spid``: its bucket's, or read from ``path`` once."""
-        if path.startswith("incoming/"):
-            tenant = bucket_tenant(path.split("/")[1])
-            if tenant is not None:
-                return tenant
-
-        def read() -> str:
-            ctrl = view.load(path)
-            return ctrl.meta.tenantid if ctrl is not None else ""
-
-        return self._tenants.get(spid, read)
 
     def _states_of(self, transitions: Sequence[Transition]) -> tuple[QueueState, ...]:
         states: dict[QueueState, None] = {}
