@@ -316,12 +316,16 @@ class Batch:
             parsed = parse_name.__wrapped__(entry)
             if parsed is not None:
                 yield entry, parsed
-        for path, ctrl in list(self.files.items()):
-            if ctrl is not None and path.startswith(prefix) and "/" not in path[len(prefix):]:
-                name = path[len(prefix):]
-                parsed = parse_name(name)
-                if parsed is not None:
-                    yield name, parsed
+        for name in self._own_names(prefix):
+            parsed = parse_name(name)
+            if parsed is not None:
+                yield name, parsed
+
+    def _own_names(self, prefix: str) -> list[str]:
+        """Names of the control files this batch keeps in the directory ``prefix`` names."""
+        return [path[len(prefix):] for path, ctrl in self.files.items()
+                if ctrl is not None and path.startswith(prefix)
+                and "/" not in path[len(prefix):]]
 
     def stamped(self, rel_dir: str) -> Iterator[tuple[str, Stamp]]:
         """A directory's control file names as _streamed() has them, with their stamps.
@@ -330,9 +334,8 @@ class Batch:
         """
         prefix = rel_dir + "/"
         yield from stamped(self.root / rel_dir, lambda name: prefix + name in self.files)
-        for p, ctrl in list(self.files.items()):
-            if ctrl is not None and p.startswith(prefix) and "/" not in p[len(prefix):]:
-                yield p[len(prefix):], None
+        for name in self._own_names(prefix):
+            yield name, None
 
     def deferred_dirs(self) -> list[int]:
         """Due times of deferred/<T> directories, ascending."""
