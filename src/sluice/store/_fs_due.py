@@ -2,7 +2,7 @@
 
 SUMMARY
     DueTimes().of(rel_dir, files, read) -> [(name, next_at)];
-    DueTimes.keep_only(rel_dirs); stamped(path) -> (name, stamp) of a directory.
+    DueTimes.forget_due(now); stamped(path) -> (name, stamp) of a directory.
 
 DESCRIPTION
     A deferred file lives in ``deferred/<T>``, T its due time rounded up
@@ -20,9 +20,14 @@ STRATEGIES
     uncommitted batch has no stamp and is read each time.
 
     Only what was seen last.  Each look at a directory keeps the times of
-    the files it saw there and drops the rest, and keep_only() drops the
-    directories that left the window: memory follows the directories in
-    the window, not the queue.
+    the files it saw there and drops the rest, and forget_due() drops the
+    directories whose time has come, which are due by name: memory follows
+    the directories not wholly due that someone looked at, not the queue.
+
+    One memo for both readers.  A refill looks at the directory whose
+    window holds now, due_at() at the first directory with a file in it;
+    often the same one.  Sharing the memo reads each file once, not once
+    for each.
 
 SEE ALSO
     sluice.store.fs (the refill), sluice.store._fs_reading (due_at),
@@ -31,13 +36,12 @@ SEE ALSO
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from sluice.store import StorageError
-from sluice.store._fs_files import SUFFIX
+from sluice.store._fs_files import SUFFIX, scandir_entries
 
 __all__ = ["DueTimes", "Stamp", "stamped"]
 
@@ -48,21 +52,17 @@ Stamp = tuple[int, int] | None
 def stamped(path: Path, skip: Callable[[str], bool] = lambda name: False
             ) -> Iterator[tuple[str, tuple[int, int]]]:
     """The control files of a directory with their stamps, unparsed (none if it is gone)."""
-    try:
-        with os.scandir(path) as it:
-            for entry in it:
-                name = entry.name
-                if not name.endswith(SUFFIX) or skip(name):
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                yield name, (st.st_ino, st.st_mtime_ns)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise StorageError(f"cannot list {path}: {exc}") from exc
+    for entry in scandir_entries(path):
+        name = entry.name
+        if not name.endswith(SUFFIX) or skip(name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StorageError(f"cannot stat {path / name}: {exc}") from exc
+        yield name, (st.st_ino, st.st_mtime_ns)
 
 
 class DueTimes:
@@ -95,8 +95,8 @@ class DueTimes:
             self._known[rel_dir] = kept
         return out
 
-    def keep_only(self, rel_dirs: set[str]) -> None:
-        """Forget the directories not in ``rel_dirs``."""
+    def forget_due(self, now: float) -> None:
+        """Forget the directories ``deferred/<T>`` with T <= ``now``: due by their name."""
         with self._lock:
-            for gone in self._known.keys() - rel_dirs:
-                del self._known[gone]
+            for rel_dir in [d for d in self._known if int(d.rsplit("/", 1)[1]) <= now]:
+                del self._known[rel_dir]

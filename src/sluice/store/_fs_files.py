@@ -315,16 +315,21 @@ def read_small(path: str) -> bytes:
         os.close(fd)
 
 
-def scandir(path: Path) -> Iterator[str]:
-    """The names in a directory, one at a time (none if it is missing)."""
+def scandir_entries(path: Path) -> Iterator[os.DirEntry[str]]:
+    """The entries of a directory, one at a time (none if it is missing)."""
     try:
         with os.scandir(path) as it:
-            for entry in it:
-                yield entry.name
+            yield from it
     except FileNotFoundError:
         return
     except OSError as exc:
         raise StorageError(f"cannot list {path}: {exc}") from exc
+
+
+def scandir(path: Path) -> Iterator[str]:
+    """The names in a directory, one at a time (none if it is missing)."""
+    for entry in scandir_entries(path):
+        yield entry.name
 
 
 def listdir(path: Path) -> list[str]:

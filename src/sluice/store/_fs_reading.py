@@ -72,7 +72,7 @@ class Reading:
     _rw: RWLock
     _counts: CountsFile
     _feed_cursor: tuple[tuple[int, int], int, int]
-    _next_times: DueTimes  # due_at's
+    _due_times: DueTimes  # of directories not wholly due (shared with the refill)
 
     if TYPE_CHECKING:  # Checking's, through FsStore
         def wait_check(self, timeout: float | None = None) -> bool: ...
@@ -102,11 +102,9 @@ class Reading:
                     ctrl = read_control(self.root, f"{rel_dir}/{name}")
                     return None if ctrl is None else ctrl.next_at
 
-                times = self._next_times.of(rel_dir, stamped(self.root / rel_dir), read)
+                times = self._due_times.of(rel_dir, stamped(self.root / rel_dir), read)
                 if times:
-                    self._next_times.keep_only({rel_dir})
                     return min(at for _, at in times)
-        self._next_times.keep_only(set())
         return None
 
     def changes_since(self, seq: int) -> tuple[int, list[Change]]:

@@ -99,18 +99,16 @@ class Refilling:
         a tenant and its memory is k files a tenant.
         """
         streams: list[Iterable[Candidate]] = []
-        boundary: set[str] = set()
         for t in view.deferred_dirs():
             if t - self._window_s >= now:
                 break
             rel_dir = f"deferred/{t}"
             if t > now:  # in the directory's window: look at the exact times
-                boundary.add(rel_dir)
                 streams.append(self._due_in_window(view, rel_dir, t, now))
             else:
                 streams.append(item for _, item in
                                view.keyed(rel_dir, functools.partial(_due_key, t)))
-        self._due_times.keep_only(boundary)
+        self._due_times.forget_due(now)
         items = itertools.chain.from_iterable(streams)
         if group is not None:
             return firsts_by_group(items, k, group)

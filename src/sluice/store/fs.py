@@ -197,8 +197,7 @@ class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
         self._batch_no = itertools.count()
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
         self._tenants = TenantMemo()  # SPID -> tenant, for refills
-        self._due_times = DueTimes()  # of directories not wholly due, for refills
-        self._next_times = DueTimes()  # for due_at()
+        self._due_times = DueTimes()  # of directories not wholly due: refills, due_at()
         # Where the last changes_since() answer ended: (file, seq, offset).
         self._feed_cursor: tuple[tuple[int, int], int, int] = ((0, 0), -1, 0)
         try:
