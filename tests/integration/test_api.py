@@ -190,6 +190,7 @@ def test_counts_and_shape(srv: ApiServer) -> None:
     assert shape["total"]["total"] == 6
     assert shape["rows"] == [{"domain": domain, "total": 6,
                               "buckets": [6, 0, 0, 0, 0, 0, 0, 0, 0, 0]}]
+    srv.hold("s@sender.example", [f"c@{unique('count-other')}"])
     everything = srv.ok("GET", "/api/v1/queue/shape", params={"top": 1})
     assert len(everything["rows"]) == 1 and everything["domains"] >= 2
 
