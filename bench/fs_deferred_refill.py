@@ -14,6 +14,12 @@ back to the same deferred directory.  Prints the median and the extremes
 of each, their ratio, the peak memory of the process, and the machine's
 load.
 
+While each claim runs, another thread submits messages one after another
+(held, so that no claim takes them) and times each: a submission waits
+for the committer, so this shows how long a claim holds up the mail being
+accepted.  Printed as the median and the longest submission that
+overlapped a claim.
+
 ``--window``: the files are due 300 s after the claims instead, in the
 directory whose window holds the claims' time, so no file is due and
 each claim must know every file's exact due time: the cost of a refill
@@ -28,6 +34,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -49,6 +56,18 @@ BODY = b"Subject: backlog\r\n\r\n" + b"x" * 1000 + b"\r\n"
 
 def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def submit_meanwhile(store: Any, stop: threading.Event, waits: list[float]) -> None:
+    """Submit held messages one after another until ``stop``; each one's time into ``waits``."""
+    i = 0
+    while True:
+        started = time.perf_counter()
+        store.submit(Submission("b@example.org", (f"w{i}@e.example",), hold=True), BODY, T0)
+        waits.append(time.perf_counter() - started)
+        i += 1
+        if stop.is_set():
+            return
 
 
 def main() -> int:
@@ -90,18 +109,27 @@ def main() -> int:
 
     modes = {"fair": EQUAL, "plain": TenantWeights(fair=False)}
     times: dict[str, list[float]] = {m: [] for m in modes}
+    waits: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.runs):
         for mode, weights in modes.items():
             store.tenant_weights = weights
+            stop = threading.Event()
+            submitter = threading.Thread(target=submit_meanwhile,
+                                         args=(store, stop, waits[mode]))
+            submitter.start()
             started = time.perf_counter()
             claimed = store.claim(args.limit, T0 + 1000, args.limit)
             times[mode].append(time.perf_counter() - started)
+            stop.set()
+            submitter.join()
             assert len(claimed) == (0 if args.window else args.limit), len(claimed)
             defer(claimed)
     store.close()
     for mode, ts in times.items():
         print(f"  {mode:5}: claim median {statistics.median(ts) * 1000:.0f} ms "
-              f"(min {min(ts) * 1000:.0f}, max {max(ts) * 1000:.0f})")
+              f"(min {min(ts) * 1000:.0f}, max {max(ts) * 1000:.0f}); a submission "
+              f"meanwhile: median {statistics.median(waits[mode]) * 1000:.0f} ms, "
+              f"longest {max(waits[mode]) * 1000:.0f} ms ({len(waits[mode])} in all)")
     ratio = statistics.median(times["fair"]) / statistics.median(times["plain"])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  fair/plain {ratio:.2f}; peak RSS {peak:.0f} MB; load {loadavg()}")

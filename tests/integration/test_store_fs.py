@@ -168,6 +168,44 @@ def test_a_refill_reads_a_file_in_the_due_window_once_until_it_changes(
         store.close()
 
 
+def test_a_claim_chooses_from_the_deferred_backlog_without_holding_the_committer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sluice.store._fs_refill as fs_refill
+
+    store = open_fs(tmp_path)  # retry_granularity 15m
+    try:
+        accs = one_recipient_messages(store, 3)
+        claimed = store.claim(10, T0, 10)
+        store.apply([Transition(e.qid, S.DEFERRED, next_attempt_at=T0 + 100, attempted=True)
+                     for e in claimed], wait=True)
+        real = fs_refill.Refilling._due_candidates
+        during: list[str] = []
+
+        def scan(self: FsStore, *args: object, **kw: object) -> object:
+            found = real(self, *args, **kw)  # type: ignore[arg-type]
+            # While the claim has its choice, a submission and a delete
+            # commit: the committer is not waiting on this pass.
+            box: list[object] = []
+            worker = threading.Thread(target=lambda: box.append((
+                store.submit(Submission("b@example.org", ("y@e.example",)), b"body", T0),
+                store.modify(Selector(qids=(accs[0].spid,)), Action.DELETE, T0 + 1000))))
+            worker.start()
+            worker.join(timeout=10)
+            during.append("committed" if box else "held up")
+            return found
+
+        monkeypatch.setattr(fs_refill.Refilling, "_due_candidates", scan)
+        got = store.claim(10, T0 + 1000, 10)
+        assert during == ["committed"]
+        # The deleted one was chosen, then found gone and skipped; the new
+        # submission comes first (incoming is chosen inside the batch).
+        assert [e.spid for e in got if e.state is S.ACTIVE] == [
+            got[0].spid, accs[1].spid, accs[2].spid]
+        assert got[0].recipient == "y@e.example"
+    finally:
+        store.close()
+
+
 def test_deferred_directories_are_named_by_the_rounded_due_time(tmp_path: Path) -> None:
     store = open_fs(tmp_path)  # retry_granularity 15m
     try:

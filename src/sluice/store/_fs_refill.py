@@ -25,6 +25,14 @@ STRATEGIES
     "Nothing" without the lock.  A queue manager polls often; an empty
     queue is answered from directory listings alone.
 
+    The backlog outside the batch.  The due deferred files are chosen
+    before the claim enters the committer, with no lock held: the pass
+    over every due name is the long part of a claim (seconds at 100,000),
+    and the committer would hold every submission and outcome behind it.
+    Inside the batch, each chosen file is read again; one gone or changed
+    since is skipped or taken as it now is.  Incoming is chosen inside:
+    its buckets are read only as far as the claim needs.
+
 SEE ALSO
     sluice.store.fs (the store), sluice.store._fs_batch (the batch's view
     of a directory), sluice.store._refill (shares and quotas)
@@ -45,7 +53,7 @@ from sluice.model import QueueEntry, QueueState
 from sluice.store._fs_batch import Batch
 from sluice.store._fs_buckets import bucket_tenant, sorted_buckets
 from sluice.store._fs_due import DueTimes
-from sluice.store._fs_files import SUFFIX, Name, listdir, parse_name, scandir
+from sluice.store._fs_files import SUFFIX, Control, Name, listdir, parse_name, scandir
 from sluice.store._refill import (
     EQUAL,
     Candidate,
@@ -78,6 +86,7 @@ class Refilling:
         @property
         def _window_s(self) -> float: ...
         def _call(self, work: Callable[[Batch], Any]) -> Any: ...
+        def dir_for(self, ctrl: Control) -> str: ...
 
     def _claimable(self, now: float) -> bool:
         if any(any(n.endswith(SUFFIX) for n in scandir(self.root / "incoming" / b))
@@ -164,19 +173,25 @@ class Refilling:
                     out.append(entries.pop(0))
             return out
 
+        weights = self.tenant_weights
+        # Every file holds at least one recipient: the first ``limit`` files
+        # (of each tenant) are all a refill can need.  The deferred backlog
+        # is read here, before the batch and without a lock: a pass over
+        # every due name costs seconds at 100,000 of them, and in the batch
+        # it held up every submission and outcome behind it.  What changed
+        # since is sorted out by take(), which reads each chosen file again.
+        scan = Batch(self)
+        dfr = self._due_candidates(scan, now, limit, (lambda c: weights.key(
+            self._tenant_of(scan, c[0][2], c[1]))) if weights.fair else None)
+        fair_dfr = self._fair_slots(scan, dfr, limit, weights)
+
         def work(view: Batch) -> list[QueueEntry]:
-            # Every file holds at least one recipient: the first ``limit``
-            # files (of each tenant) are all a refill can need.
             inc = view.first_incoming(limit, functools.partial(_due_key, 0),
                                       by_tenant=weights.fair)
-            dfr = self._due_candidates(view, now, limit, (lambda c: weights.key(
-                self._tenant_of(view, c[0][2], c[1]))) if weights.fair else None)
             fair_inc = self._fair_slots(view, inc, limit, weights)
-            fair_dfr = self._fair_slots(view, dfr, limit, weights)
             take_d, take_i = split_quota(limit, len(fair_inc), len(fair_dfr), quota_deferred)
             return interleave(take(view, fair_inc[:take_i]), take(view, fair_dfr[:take_d]))
 
-        weights = self.tenant_weights
         result: list[QueueEntry] = self._call(work)
         return result
 
@@ -197,8 +212,8 @@ class Refilling:
             if tenant is not None:
                 return tenant
 
-        def read() -> str:
+        def read() -> str | None:
             ctrl = view.load(path)
-            return ctrl.meta.tenantid if ctrl is not None else ""
+            return ctrl.meta.tenantid if ctrl is not None else None
 
         return self._tenants.get(spid, read)

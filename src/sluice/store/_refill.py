@@ -131,11 +131,17 @@ class TenantMemo:
         self._of: dict[str, str] = {}
         self.kept = kept
 
-    def get(self, spid: str, read: Callable[[], str]) -> str:
-        """The tenant of message ``spid``; ``read()`` finds it the first time."""
+    def get(self, spid: str, read: Callable[[], str | None]) -> str:
+        """The tenant of message ``spid``; ``read()`` finds it the first time.
+
+        ``read()`` gives None for a message it could not read (gone since it
+        was listed): "" this time, and nothing remembered.
+        """
         tenant = self._of.get(spid)
         if tenant is None:
             tenant = read()
+            if tenant is None:
+                return ""
             if len(self._of) >= self.kept:
                 self._of.clear()
             self._of[spid] = tenant
