@@ -206,6 +206,47 @@ def test_a_claim_chooses_from_the_deferred_backlog_without_holding_the_committer
         store.close()
 
 
+def test_oldest_lists_a_directory_again_only_once_it_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sluice.store._fs_oldest as fs_oldest
+    from sluice.spool import new_spid, spid_time
+
+    store = open_fs(tmp_path)
+    try:
+        accs = [store.submit(Submission("a@example.org", (f"x{i}@d.example",),
+                                        spid=new_spid(int((T0 + i) * 1000)), hold=i < 2),
+                             b"body", T0 + i) for i in range(4)]
+        listed: list[str] = []
+        real = fs_oldest.scandir
+
+        def scandir(path: Path) -> object:
+            listed.append(str(path.relative_to(store.root)))
+            return real(path)
+
+        monkeypatch.setattr(fs_oldest, "scandir", scandir)
+        want = {S.HOLD: T0, S.INCOMING: T0 + 2}
+        assert store.oldest() == pytest.approx(want)
+        assert "hold" in listed
+        # Just changed: listed each time, as a change in the same clock tick
+        # as the listing would not change the stamp.
+        listed.clear()
+        assert store.oldest() == pytest.approx(want) and "hold" in listed
+        # Settled (last changed 10 s ago): listed once, then known.
+        for d in [*store.root.iterdir(), *(store.root / "incoming").iterdir()]:
+            if d.is_dir():
+                os.utime(d, ns=(time.time_ns() - 10**10,) * 2)
+        assert store.oldest() == pytest.approx(want)
+        listed.clear()
+        assert store.oldest() == pytest.approx(want) and listed == []
+        # A change (the oldest held message goes) is seen at once.
+        store.modify(Selector(qids=(accs[0].spid,)), Action.DELETE, T0 + 10)
+        assert store.oldest() == pytest.approx({S.HOLD: spid_time(accs[1].spid),
+                                                S.INCOMING: T0 + 2})
+        assert listed == ["hold"]
+    finally:
+        store.close()
+
+
 def test_deferred_directories_are_named_by_the_rounded_due_time(tmp_path: Path) -> None:
     store = open_fs(tmp_path)  # retry_granularity 15m
     try:

@@ -57,6 +57,7 @@ from sluice.store._fs_files import (
     spid_of_name,
     state_of,
 )
+from sluice.store._fs_oldest import OldestSpids
 
 #: Messages entries() reads under one hold of the read lock.
 LIST_PAGE = 200
@@ -73,6 +74,7 @@ class Reading:
     _counts: CountsFile
     _feed_cursor: tuple[tuple[int, int], int, int]
     _due_times: DueTimes  # of directories not wholly due (shared with the refill)
+    _oldest: OldestSpids  # oldest()'s, by directory
 
     if TYPE_CHECKING:  # Checking's, through FsStore
         def wait_check(self, timeout: float | None = None) -> bool: ...
@@ -152,17 +154,24 @@ class Reading:
                 out.append(STATE_DIRS[state])
         return out
 
-    def _names(self, states: Iterable[QueueState], selector: Selector | None = None
-               ) -> list[tuple[Name, str]]:
-        """(parsed name, relative path) of every control file in ``states``."""
-        out = []
+    def _walk(self, states: Iterable[QueueState], selector: Selector | None = None
+              ) -> Iterator[tuple[Name, str]]:
+        """(parsed name, relative path) of every control file in ``states``, a directory at a time.
+
+        Each directory is listed under the read lock; its names are parsed
+        without parse_name's cache, which a walk of a million names would
+        only churn, and only one directory's names are held at a time.
+        """
         may_match = NameFilter(selector)
-        for rel_dir in self._dirs(states):
-            for name in listdir(self.root / rel_dir):
-                parsed = parse_name(name)
+        with self._rw.reading():
+            rel_dirs = self._dirs(states)
+        for rel_dir in rel_dirs:
+            with self._rw.reading():
+                names = listdir(self.root / rel_dir)
+            for name in names:
+                parsed = parse_name.__wrapped__(name)
                 if parsed is not None and may_match(parsed):
-                    out.append((parsed, f"{rel_dir}/{name}"))
-        return out
+                    yield parsed, f"{rel_dir}/{name}"
 
     def _controls(self, states: Iterable[QueueState], selector: Selector | None = None
                   ) -> Iterator[Control]:
@@ -170,12 +179,13 @@ class Reading:
 
         The read lock is held per piece, never while the caller has the
         generator suspended, so a caller may write to the store meanwhile.
+        Expiry reads every deferred file this way: its memory is a piece
+        and a directory's names, not a list of the whole backlog.
         """
-        with self._rw.reading():
-            found = self._names(states, selector)
-        for start in range(0, len(found), 500):
+        walk = self._walk(states, selector)
+        while found := list(itertools.islice(walk, 500)):
             with self._rw.reading():
-                piece = [read_control(self.root, rel) for _, rel in found[start:start + 500]]
+                piece = [read_control(self.root, rel) for _, rel in found]
             yield from (c for c in piece if c is not None)
 
     def get(self, qid: str) -> QueueEntry | None:
@@ -318,15 +328,26 @@ class Reading:
     def oldest(self) -> dict[QueueState, float]:
         """The oldest entry of each state, by its SPID's time (see Store.oldest).
 
-        The state is the directory and the SPID is in the name: the names
-        a count lists, no file read.
+        The state is the directory and the SPID is in the name: no file
+        read, and a directory listed again only once it changed
+        (sluice.store._fs_oldest).
         """
         out: dict[QueueState, float] = {}
-        with self._rw.reading():
-            for state in QueueState:
-                spids = [parsed.spid for parsed, _ in self._names((state,))]
-                if spids:
-                    out[state] = spid_time(min(spids))
+        seen: set[Path] = set()
+        for state in QueueState:
+            with self._rw.reading():
+                rel_dirs = self._dirs((state,))
+            firsts = []
+            for rel_dir in rel_dirs:
+                path = self.root / rel_dir
+                seen.add(path)
+                with self._rw.reading():
+                    first = self._oldest.of(path)
+                if first is not None:
+                    firsts.append(first)
+            if firsts:
+                out[state] = spid_time(min(firsts))
+        self._oldest.keep_only(seen)
         return out
 
     def count(self, selector: Selector | None = None) -> Counts:

@@ -157,6 +157,7 @@ from sluice.store._fs_files import (
     write_file,
 )
 from sluice.store._fs_layout import Layout
+from sluice.store._fs_oldest import OldestSpids
 from sluice.store._fs_reading import Reading
 from sluice.store._fs_recovery import Recovering
 from sluice.store._fs_refill import Refilling
@@ -198,6 +199,7 @@ class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
         self._tenants = TenantMemo()  # SPID -> tenant, for refills
         self._due_times = DueTimes()  # of directories not wholly due: refills, due_at()
+        self._oldest = OldestSpids()  # the smallest SPID of each directory, for oldest()
         # Where the last changes_since() answer ended: (file, seq, offset).
         self._feed_cursor: tuple[tuple[int, int], int, int] = ((0, 0), -1, 0)
         try:
