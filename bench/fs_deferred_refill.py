@@ -18,7 +18,7 @@ While each claim runs, another thread submits messages one after another
 (held, so that no claim takes them) and times each: a submission waits
 for the committer, so this shows how long a claim holds up the mail being
 accepted.  Printed as the median and the longest submission that
-overlapped a claim.
+overlapped a claim.  ``--alone``: no submissions, the claim's own time.
 
 ``--window``: the files are due 300 s after the claims instead, in the
 directory whose window holds the claims' time, so no file is due and
@@ -76,6 +76,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--alone", action="store_true",
+                    help="no submissions during the claims")
     ap.add_argument("--window", action="store_true",
                     help="nothing due: every file in the directory due next")
     args = ap.parse_args()
@@ -116,20 +118,23 @@ def main() -> int:
             stop = threading.Event()
             submitter = threading.Thread(target=submit_meanwhile,
                                          args=(store, stop, waits[mode]))
-            submitter.start()
+            if not args.alone:
+                submitter.start()
             started = time.perf_counter()
             claimed = store.claim(args.limit, T0 + 1000, args.limit)
             times[mode].append(time.perf_counter() - started)
             stop.set()
-            submitter.join()
+            if not args.alone:
+                submitter.join()
             assert len(claimed) == (0 if args.window else args.limit), len(claimed)
             defer(claimed)
     store.close()
     for mode, ts in times.items():
+        meanwhile = "" if args.alone else (
+            f"; a submission meanwhile: median {statistics.median(waits[mode]) * 1000:.0f} ms, "
+            f"longest {max(waits[mode]) * 1000:.0f} ms ({len(waits[mode])} in all)")
         print(f"  {mode:5}: claim median {statistics.median(ts) * 1000:.0f} ms "
-              f"(min {min(ts) * 1000:.0f}, max {max(ts) * 1000:.0f}); a submission "
-              f"meanwhile: median {statistics.median(waits[mode]) * 1000:.0f} ms, "
-              f"longest {max(waits[mode]) * 1000:.0f} ms ({len(waits[mode])} in all)")
+              f"(min {min(ts) * 1000:.0f}, max {max(ts) * 1000:.0f}){meanwhile}")
     ratio = statistics.median(times["fair"]) / statistics.median(times["plain"])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  fair/plain {ratio:.2f}; peak RSS {peak:.0f} MB; load {loadavg()}")
