@@ -31,7 +31,10 @@ STRATEGIES
     and the committer would hold every submission and outcome behind it.
     Inside the batch, each chosen file is read again; one gone or changed
     since is skipped or taken as it now is.  Incoming is chosen inside:
-    its buckets are read only as far as the claim needs.
+    its buckets are read only as far as the claim needs.  Two processes
+    sharing a queue may choose the same files; the second to commit takes
+    fewer than it chose, and its queue manager refills again after its
+    refill interval.
 
 SEE ALSO
     sluice.store.fs (the store), sluice.store._fs_batch (the batch's view
