@@ -20,7 +20,7 @@ import pytest
 
 import sluice.store._fs_batch as fs_batch
 import sluice.store._fs_reading as fs_reading
-from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.model import QueueEntry, QueueState, Reply, Selector, Submission
 from sluice.store import Accepted, Action, Transition
 from sluice.store._fs_files import Control, Name
 from sluice.store._refill import TenantWeights
@@ -87,6 +87,18 @@ def one_recipient_messages(store: FsStore, n: int) -> list[Accepted]:
             for i in range(n)]
 
 
+def deferred_messages(store: FsStore, due: list[float]) -> list[QueueEntry]:
+    """One one-recipient message per ``due`` time, queued at T0, claimed and deferred to it.
+
+    The claimed entries, in the order the messages were queued.
+    """
+    accs = one_recipient_messages(store, len(due))
+    claimed = {e.spid: e for e in store.claim(len(due), T0, len(due))}
+    store.apply([Transition(claimed[a.spid].qid, S.DEFERRED, next_attempt_at=at, attempted=True)
+                 for a, at in zip(accs, due, strict=True)], wait=True)
+    return [claimed[a.spid] for a in accs]
+
+
 def spy_loads(monkeypatch: pytest.MonkeyPatch, name: Callable[[str], str] = str) -> list[str]:
     """What Batch.load is called on (through ``name``), as the calls come."""
     loads: list[str] = []
@@ -126,11 +138,8 @@ def test_a_refill_reads_a_file_in_the_due_window_once_until_it_changes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = open_fs(tmp_path)  # retry_granularity 15m
     try:
-        accs = one_recipient_messages(store, 4)
-        claimed = {e.spid: e for e in store.claim(10, T0, 10)}
         # All four in deferred/T0+900; due at T0+100, +200, +300 and +400.
-        store.apply([Transition(claimed[a.spid].qid, S.DEFERRED, next_attempt_at=T0 + 100 * (i + 1),
-                                attempted=True) for i, a in enumerate(accs)])
+        accs = deferred_messages(store, [T0 + 100 * (i + 1) for i in range(4)])
         assert list(tree(store)) == [f"deferred/{int(T0 + 900)}"]
         loads = spy_loads(monkeypatch, lambda path: path.rsplit("/", 1)[1].split("-")[0])
         store.tenant_weights = TenantWeights(fair=False)
@@ -151,9 +160,8 @@ def test_a_refill_reads_a_file_in_the_due_window_once_until_it_changes(
         assert reads == []  # the refill's memo serves due_at() too
         # The first one's time changes (a new file under the same name):
         # due_at() reads it, once, and the refill after it does not.
-        store.apply([Transition(claimed[accs[0].spid].qid, S.DEFERRED,
-                                next_attempt_at=T0 + 500)], wait=True)
-        [first] = [store.get(claimed[accs[0].spid].qid)]
+        store.apply([Transition(accs[0].qid, S.DEFERRED, next_attempt_at=T0 + 500)], wait=True)
+        [first] = [store.get(accs[0].qid)]
         assert first is not None and first.next_attempt_at == T0 + 500
         reads.clear()
         assert store.due_at() == T0 + 200 and store.due_at() == T0 + 200
@@ -174,10 +182,7 @@ def test_a_claim_chooses_from_the_deferred_backlog_without_holding_the_committer
 
     store = open_fs(tmp_path)  # retry_granularity 15m
     try:
-        accs = one_recipient_messages(store, 3)
-        claimed = store.claim(10, T0, 10)
-        store.apply([Transition(e.qid, S.DEFERRED, next_attempt_at=T0 + 100, attempted=True)
-                     for e in claimed], wait=True)
+        accs = deferred_messages(store, [T0 + 100] * 3)
         real = fs_refill.Refilling._due_candidates
         during: list[str] = []
 
