@@ -13,8 +13,12 @@ serve stopped gracefully, since the kv store (LevelDB) lets one process
 open it; serve starts again if anything is left.
 
 Each duplicate (a message the sink accepted more than once) is explained
-or not, from the sink's acceptance times, the kill times and the
-accounting log:
+or not, from the sink's acceptance times, the kill times, the accounting
+log, and what the killed process itself noted: serve runs with
+SLUICE_TRACE (sluice.faults), which appends a line when a delivery has
+read the replies to its final dot (after_reply) and when its outcome is
+durable in the store (after_commit), each with the time and the SPIDs.
+A crash keeps every line written before it.
 
     no reply     the first copy was accepted by the sink after a kill, less
                  than the sink's delay (plus 0.1 s) after it: the message
@@ -25,21 +29,29 @@ accounting log:
                  it answered before it saw the close count: a killed
                  process's sockets close when the kernel has torn it
                  down, printed as "SIGKILL to serve reaped".
-    recorded     the "delivered" line of the first copy was written before
-                 the kill that followed it: the outcome was in the store,
-                 and the message went again all the same.  A bug.
-    reply        the first copy was accepted less than one commit interval
-                 (--window, default: twice the median durable commit of a
-                 store of the same flavour in the same directory,
-                 measured first) before the kill: its reply had arrived
-                 or was on its way, and the outcome could not be durable
-                 yet.  The window at-least-once leaves.
-    late         accepted longer than that before the kill, outcome not
-                 recorded: it waited for the store longer than an idle
-                 commit.  Whether it was still within what outcomes took
-                 in this very run (the sink's acceptance to the
-                 "delivered" line of messages sent once, p99; a busy
-                 machine stretches commits) is printed beside.
+    reply unread the sink answered before the kill, and the killed process
+                 had not read the answer (no after_reply line): the
+                 process died before the reply arrived.  Unavoidable.
+    reply        the killed process had read the reply (after_reply) and
+                 its outcome was not durable yet (no after_commit), and no
+                 outcome whose reply it read at the same moment or later
+                 was durable before the kill: the kill fell inside the
+                 commit that was to carry it (the one under way when the
+                 reply came, and its own), that is less than one commit
+                 interval after the reply.  The window at-least-once
+                 leaves; its length is printed beside (reply to kill,
+                 against this run's reply to durable).
+    late         the reply was read, and an outcome read at the same moment
+                 or later was durable before the kill while this one was
+                 not: it waited longer than a commit interval.  Unexplained.
+    recorded     durable before the kill (an after_commit line, or a
+                 "delivered" line in the accounting log) and sent again all
+                 the same.  A bug.
+
+The earlier rule, which had no trace and took the window as twice the
+median durable commit on an idle store of the same flavour (--window
+overrides it), is printed beside for comparison: by it, a duplicate
+accepted at the sink longer than that before the kill is *late*.
 
 The no-reply window of each kill is measured at the sink: from the
 SIGKILL to the sink seeing the killed process's connections close (EOF),
@@ -191,8 +203,9 @@ def resident_kib(pid: int) -> int:
 class Serve:
     """`sluice serve` as a process group that can be killed and started again."""
 
-    def __init__(self, config: Path) -> None:
+    def __init__(self, config: Path, trace: Path) -> None:
         self.config = config
+        self.env = {**os.environ, "SLUICE_TRACE": str(trace)}
         self.proc: subprocess.Popen[bytes] | None = None
         self.dying: list[float] = []  # SIGKILL to reaped, each kill: its sockets close then
         self.ready: list[float] = []  # when each start was serving
@@ -202,7 +215,7 @@ class Serve:
     def start(self, timeout: float = 60) -> None:
         proc = subprocess.Popen([SLUICE, "-c", str(self.config), "serve", "--log-level",
                                  "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=self.env)
         assert proc.stdout is not None
         buf = b""
         deadline = time.monotonic() + timeout
@@ -317,6 +330,63 @@ def accounting(log_dir: Path) -> dict[str, list[tuple[str, float, str]]]:
                 at = datetime.fromisoformat(ev["time"].replace("Z", "+00:00")).timestamp()
                 out[ev["spid"]].append((ev["event"], at, ev.get("response") or ""))
     return out
+
+
+Life = tuple[dict[str, float], dict[str, float]]  # SPID: after_reply, after_commit time
+
+
+def read_trace(path: Path, kills: list[float]) -> list[Life]:
+    """Per kill, what the process it killed noted: (reply read, outcome durable) by SPID.
+
+    A life runs from the kill before (its predecessor was reaped before it
+    started) to its own kill; the last entry is the life that drained.
+    """
+    lives: list[Life] = [({}, {}) for _ in range(len(kills) + 1)]
+    if not path.exists():
+        return lives
+    for line in path.read_text().splitlines():
+        at_s, _pid, name, *spids = line.split(" ")
+        at = float(at_s)
+        life = lives[sum(1 for k in kills if k <= at)]
+        if name == "after_reply":
+            for sp in spids:
+                life[0][sp] = at
+        elif name == "after_commit":
+            for sp in spids:
+                life[1].setdefault(sp, at)
+    return lives
+
+
+def classify_traced(spid: str, first: float, kills: list[float], lives: list[Life],
+                    events: list[tuple[str, float, str]], slow: float) -> tuple[str, float]:
+    """Why the first copy went again, by the killed process's own trace: (class, seconds).
+
+    The seconds are from the reply read to the kill for "reply" and "late",
+    from the sink's acceptance to the kill otherwise.
+    """
+    before = [k for k in kills if k < first]
+    if before and first - before[-1] <= slow + 0.1:
+        return "no reply", before[-1] - first
+    after = [i for i, k in enumerate(kills) if k >= first]
+    if not after:
+        return "no kill after it", float("nan")
+    kill = kills[after[0]]
+    replies, durable = lives[after[0]]
+    if spid in durable or any(e == "delivered" and first - 0.002 <= at < kill
+                              for e, at, _ in events):
+        return "recorded", kill - first
+    if spid not in replies:
+        return "reply unread", kill - first
+    read = replies[spid]
+    overtaken = any(at >= read and other in durable for other, at in replies.items()
+                    if other != spid)
+    return ("late" if overtaken else "reply"), kill - read
+
+
+def reply_to_durable(lives: list[Life]) -> list[float]:
+    """This run's time from a reply read to its outcome durable, every outcome."""
+    return sorted(life[1][sp] - at for life in lives for sp, at in life[0].items()
+                  if sp in life[1] and life[1][sp] >= at)
 
 
 def classify(copies: list[float], kills: list[float], events: list[tuple[str, float, str]],
@@ -458,7 +528,8 @@ def main() -> int:
           f"{loadavg()}", flush=True)
     window = args.window or 2 * commit_interval(config)
     print(f"  commit interval window {window * 1000:.1f} ms", flush=True)
-    serve = Serve(config)
+    trace = work / "points.log"
+    serve = Serve(config, trace)
     inj = Injector(args.messages, port)
     kills: list[float] = []
     started = time.monotonic()
@@ -508,14 +579,17 @@ def main() -> int:
     events = accounting(work / "log")
     dupes = {n: sorted(c) for n, c in copies.items() if len(c) > 1}
     extra = sum(len(c) - 1 for c in dupes.values())
+    lives = read_trace(trace, kills)
     classes: Counter[str] = Counter()
     deltas: dict[str, list[float]] = defaultdict(list)
+    idle_rule: Counter[str] = Counter()  # the earlier classification, for comparison
     caught: Counter[int] = Counter()  # duplicates per kill (the nearest one)
     for n, c in sorted(dupes.items()):
         for i in range(len(c) - 1):
-            cls, delta = classify(c[i:], kills, events[n], window, args.slow)
+            cls, delta = classify_traced(n, c[i], kills, lives, events[n], args.slow)
             classes[cls] += 1
             deltas[cls].append(delta)
+            idle_rule[classify(c[i:], kills, events[n], window, args.slow)[0]] += 1
             if kills:
                 caught[min(range(len(kills)), key=lambda k: abs(kills[k] - c[i]))] += 1
     noted = sum(1 for n in dupes if any("may be a duplicate" in r for _, _, r in events[n]))
@@ -548,25 +622,31 @@ def main() -> int:
     print(f"  kills that found a thread in uninterruptible sleep: "
           f"{sum(1 for s in serve.stuck if s)} of {len(serve.stuck)} "
           + " ".join(f"{w} x{n}" for w, n in stuck.most_common()))
-    for cls in ("no reply", "reply", "late", "recorded", "no kill after it"):
+    for cls in ("no reply", "reply unread", "reply", "late", "recorded", "no kill after it"):
         if classes[cls]:
             d = deltas[cls]
-            print(f"    {cls:10s} {classes[cls]:4d}   acceptance to kill: median "
+            what = "reply read to kill" if cls in ("reply", "late") else "acceptance to kill"
+            print(f"    {cls:12s} {classes[cls]:4d}   {what}: median "
                   f"{statistics.median(d) * 1000:.1f} ms, max {max(d) * 1000:.1f} ms")
-    # How long outcomes took to be recorded in this run: the sink's
-    # acceptance to the "delivered" line (written when the store has it,
-    # stamped with the time its commit began: the commit itself is not in it).
+    print("  by the earlier rule (idle commit window, no trace): "
+          + ", ".join(f"{cls} {v}" for cls, v in idle_rule.most_common()))
+    # How long outcomes took to be durable in this run, by the killed
+    # processes' own clocks: the reply read to the outcome durable.
+    durable = reply_to_durable(lives)
+    if len(durable) > 1:
+        q = statistics.quantiles(durable, n=100)
+        print(f"  reply read to outcome durable (trace), {len(durable)} outcomes: median "
+              f"{statistics.median(durable) * 1000:.1f} ms, p90 {q[89] * 1000:.1f} ms, p99 "
+              f"{q[98] * 1000:.1f} ms, max {durable[-1] * 1000:.1f} ms")
+    # The same from the sink's side: its acceptance to the "delivered" line
+    # (stamped when the store's commit began: the commit is not in it).
     latency = sorted(at - copies[sp][0] for sp in copies if len(copies[sp]) == 1
                      for e, at, _ in events[sp] if e == "delivered")
     if latency:
         q = statistics.quantiles(latency, n=100)
-        print(f"  reply to recorded, single copies: median {statistics.median(latency) * 1000:.1f}"
-              f" ms, p90 {q[89] * 1000:.1f} ms, p99 {q[98] * 1000:.1f} ms, max "
-              f"{latency[-1] * 1000:.1f} ms")
-        if deltas["late"]:
-            within = sum(1 for d in deltas["late"] if d <= q[98])
-            print(f"  late ones within this run's p99 reply-to-recorded latency: {within} "
-                  f"of {len(deltas['late'])}")
+        print(f"  sink acceptance to recorded, single copies: median "
+              f"{statistics.median(latency) * 1000:.1f} ms, p90 {q[89] * 1000:.1f} ms, p99 "
+              f"{q[98] * 1000:.1f} ms, max {latency[-1] * 1000:.1f} ms")
     every = sorted(d for v in deltas.values() for d in v if d == d)
     print("  acceptance to kill (ms), every duplicate: "
           + " ".join(f"{d * 1000:.1f}" for d in every))

@@ -1,8 +1,9 @@
-"""Fault injection: die by SIGKILL at a named point of the code, for crash tests.
+"""Named points of a delivery: die there by SIGKILL (crash tests) or note when it passed.
 
 SUMMARY
     SLUICE_FAULT=after_reply:3 sluice serve ...
-    faults.point("after_reply")     (in the code, where a crash is to be tried)
+    SLUICE_TRACE=/tmp/points.log sluice serve ...
+    faults.point("after_reply", spids)  (in the code, where a crash is to be tried)
 
 DESCRIPTION
     The environment variable SLUICE_FAULT names one point and, after a
@@ -18,18 +19,31 @@ DESCRIPTION
     after_reply    the replies to the dot read; the outcome not yet in the store
     after_commit   the outcome in the store
 
+    SLUICE_TRACE names a file to which every pass through a point appends
+    one line: the wall-clock time, the process id, the point's name and
+    the SPIDs of the messages it concerns ("1764400000.123456 4242
+    after_reply 7b1q0c..."). A crash keeps every line written before it
+    (each is one write(2) to the page cache), so a harness can tell what a
+    killed process had done with a message when it died:
+    bench/harsh_kill.py classifies its duplicates from it.
+
 STRATEGIES
-    Read once, at import.  Unset (the normal case), point() is one
-    comparison against None: no cost worth measuring on any path.
+    Read once, at import.  Unset (the normal case), point() is two
+    comparisons against None: no cost worth measuring on any path.  A
+    caller passes the SPIDs as an iterable that is only walked when
+    tracing.
 
 LIMITATIONS
-    One point at a time, in every process that inherits the variable.
+    One fault point at a time, in every process that inherits the
+    variable.  The trace is not rotated: it is for a harness's run.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from collections.abc import Iterable
 
 __all__ = ["POINTS", "point"]
 
@@ -46,13 +60,24 @@ def _parse(text: str | None) -> tuple[str, int] | None:
     return name, int(nth or 1)
 
 
+def _open_trace(path: str | None) -> int | None:
+    if not path:
+        return None
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
 _armed = _parse(os.environ.get("SLUICE_FAULT"))
 _passes = 0
+_trace = _open_trace(os.environ.get("SLUICE_TRACE"))
 
 
-def point(name: str) -> None:
-    """Die here by SIGKILL if SLUICE_FAULT names this point and pass."""
+def point(name: str, spids: Iterable[str] = ()) -> None:
+    """Note the pass if SLUICE_TRACE is set; die here if SLUICE_FAULT names this point and pass."""
     global _passes
+    if _trace is not None:
+        # One write(2) a line: lines of concurrent threads never interleave.
+        os.write(_trace, f"{time.time():.6f} {os.getpid()} {name} {' '.join(spids)}\n"
+                 .encode())
     if _armed is None or _armed[0] != name:
         return
     _passes += 1

@@ -1,6 +1,8 @@
-"""sluice.faults: the SLUICE_FAULT setting and the unarmed point."""
+"""sluice.faults: the SLUICE_FAULT setting, the unarmed point, and the SLUICE_TRACE lines."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,29 @@ def test_an_armed_point_counts_passes_of_its_own_name(monkeypatch: pytest.Monkey
     assert kills == []
     faults.point("after_dot")
     assert kills == [faults.signal.SIGKILL]
+
+
+def test_a_trace_notes_each_pass_with_its_messages(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "points.log"
+    fd = faults._open_trace(str(path))
+    assert fd is not None
+    monkeypatch.setattr(faults, "_trace", fd)
+    monkeypatch.setattr(faults, "_armed", None)
+    try:
+        faults.point("after_reply", (s for s in ("spid1", "spid2")))
+        faults.point("after_commit", ["spid1"])
+        faults.point("after_dot")
+    finally:
+        faults.os.close(fd)
+    lines = [line.split(" ") for line in path.read_text().splitlines()]
+    assert [line[2:] for line in lines] == [["after_reply", "spid1", "spid2"],
+                                            ["after_commit", "spid1"], ["after_dot", ""]]
+    assert {line[1] for line in lines} == {str(faults.os.getpid())}
+    times = [float(line[0]) for line in lines]
+    assert times == sorted(times) and times[0] > 1.7e9  # wall-clock seconds
+
+
+def test_no_trace_without_the_setting() -> None:
+    assert faults._open_trace("") is None
+    assert faults._open_trace(None) is None

@@ -341,7 +341,7 @@ class DeliveryAgent:
                     self._pool.drop(session)
                     raise
                 self._transactions += 1
-                faults.point("after_reply")
+                faults.point("after_reply", (e.spid for e in request.entries))
                 outcomes = _peer_outcomes(replies, session.host)
                 result = self._result(request, outcomes, session.host, started, new=new,
                                       failed=False, tls=session.tls)

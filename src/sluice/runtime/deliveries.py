@@ -208,7 +208,7 @@ class Deliveries:
             results = await self.planner.finish(result)
             settled.extend(results)
             await asyncio.shield(self.recorder.record(results))
-            faults.point("after_commit")
+            faults.point("after_commit", (r.entry.spid for r in results))
 
         rest: list[AttemptResult] = []
         try:
