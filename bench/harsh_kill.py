@@ -203,9 +203,10 @@ def resident_kib(pid: int) -> int:
 class Serve:
     """`sluice serve` as a process group that can be killed and started again."""
 
-    def __init__(self, config: Path, trace: Path) -> None:
+    def __init__(self, config: Path, trace: Path | None = None) -> None:
         self.config = config
-        self.env = {**os.environ, "SLUICE_TRACE": str(trace)}
+        self.env = {**os.environ, "SLUICE_TRACE": str(trace)} if trace else None
+        self.pids: list[int] = []  # each start's process id, in order
         self.proc: subprocess.Popen[bytes] | None = None
         self.dying: list[float] = []  # SIGKILL to reaped, each kill: its sockets close then
         self.ready: list[float] = []  # when each start was serving
@@ -229,6 +230,7 @@ class Serve:
                 if b"serving SMTP on" in buf:
                     threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
                     self.proc = proc
+                    self.pids.append(proc.pid)
                     self.ready.append(time.time())
                     return
         with contextlib.suppress(ProcessLookupError):
@@ -332,29 +334,57 @@ def accounting(log_dir: Path) -> dict[str, list[tuple[str, float, str]]]:
     return out
 
 
-Life = tuple[dict[str, float], dict[str, float]]  # SPID: after_reply, after_commit time
+class Life:
+    """What one serve process noted in the trace: per SPID, when it read replies and committed."""
+
+    def __init__(self) -> None:
+        self.replies: dict[str, list[float]] = defaultdict(list)  # after_reply
+        self.commits: dict[str, list[float]] = defaultdict(list)  # after_commit
+
+    def commit_after(self, spid: str, at: float) -> float | None:
+        """The first commit of ``spid``'s outcome at or after ``at`` (None: none noted)."""
+        return next((c for c in self.commits.get(spid, ()) if c >= at), None)
+
+    def reply_after(self, spid: str, at: float) -> float | None:
+        """The first reply read for ``spid`` at or after ``at``."""
+        return next((r for r in self.replies.get(spid, ()) if r >= at), None)
 
 
-def read_trace(path: Path, kills: list[float]) -> list[Life]:
-    """Per kill, what the process it killed noted: (reply read, outcome durable) by SPID.
+def read_trace(path: Path, pids: list[int]) -> list[Life]:
+    """What each serve process noted, by its process id: lives[i] is the i-th start.
 
-    A life runs from the kill before (its predecessor was reaped before it
-    started) to its own kill; the last entry is the life that drained.
+    The manager writes the trace, and its process id is the serve
+    process's (the receivers note nothing).
     """
-    lives: list[Life] = [({}, {}) for _ in range(len(kills) + 1)]
+    lives = [Life() for _ in pids]
+    index = {pid: i for i, pid in enumerate(pids)}
     if not path.exists():
         return lives
     for line in path.read_text().splitlines():
-        at_s, _pid, name, *spids = line.split(" ")
-        at = float(at_s)
-        life = lives[sum(1 for k in kills if k <= at)]
-        if name == "after_reply":
+        at_s, pid, name, *spids = line.split(" ")
+        i = index.get(int(pid))
+        if i is None:
+            continue
+        where = (lives[i].replies if name == "after_reply"
+                 else lives[i].commits if name == "after_commit" else None)
+        if where is not None:
             for sp in spids:
-                life[0][sp] = at
-        elif name == "after_commit":
-            for sp in spids:
-                life[1].setdefault(sp, at)
+                where[sp].append(float(at_s))
     return lives
+
+
+def after_a_kill(first: float, kills: list[float], slow: float) -> float | None:
+    """The kill the sink accepted a copy after, within its delay (+0.1 s): no reply."""
+    before = [k for k in kills if k < first]
+    # A restarted serve needs far longer than that to deliver anything.
+    if before and first - before[-1] <= slow + 0.1:
+        return before[-1]
+    return None
+
+
+def logged_delivered(first: float, kill: float, events: list[tuple[str, float, str]]) -> bool:
+    """The accounting log had the copy's "delivered" line before the kill (ms precision)."""
+    return any(e == "delivered" and first - 0.002 <= at < kill for e, at, _ in events)
 
 
 def classify_traced(spid: str, first: float, kills: list[float], lives: list[Life],
@@ -362,49 +392,55 @@ def classify_traced(spid: str, first: float, kills: list[float], lives: list[Lif
     """Why the first copy went again, by the killed process's own trace: (class, seconds).
 
     The seconds are from the reply read to the kill for "reply" and "late",
-    from the sink's acceptance to the kill otherwise.
+    from the sink's acceptance to the kill otherwise.  The killed process
+    is the one started before the kill (lives[i] ends with kills[i]).
     """
-    before = [k for k in kills if k < first]
-    if before and first - before[-1] <= slow + 0.1:
-        return "no reply", before[-1] - first
+    kill_before = after_a_kill(first, kills, slow)
+    if kill_before is not None:
+        return "no reply", kill_before - first
     after = [i for i, k in enumerate(kills) if k >= first]
     if not after:
         return "no kill after it", float("nan")
-    kill = kills[after[0]]
-    replies, durable = lives[after[0]]
-    if spid in durable or any(e == "delivered" and first - 0.002 <= at < kill
-                              for e, at, _ in events):
+    kill, life = kills[after[0]], lives[after[0]]
+    # The sink stamps its acceptance just before it answers: the reply is
+    # read after that (same clock, one machine).
+    read = life.reply_after(spid, first - 0.001)
+    if (read is not None and life.commit_after(spid, read) is not None) \
+            or logged_delivered(first, kill, events):
         return "recorded", kill - first
-    if spid not in replies:
+    if read is None:
         return "reply unread", kill - first
-    read = replies[spid]
-    overtaken = any(at >= read and other in durable for other, at in replies.items()
-                    if other != spid)
+    overtaken = any(life.commit_after(other, r) is not None
+                    for other, times in life.replies.items() if other != spid
+                    for r in times if r >= read)
     return ("late" if overtaken else "reply"), kill - read
 
 
 def reply_to_durable(lives: list[Life]) -> list[float]:
-    """This run's time from a reply read to its outcome durable, every outcome."""
-    return sorted(life[1][sp] - at for life in lives for sp, at in life[0].items()
-                  if sp in life[1] and life[1][sp] >= at)
+    """This run's time from a reply read to its outcome durable, every outcome noted."""
+    out = []
+    for life in lives:
+        for sp, times in life.replies.items():
+            for r in times:
+                c = life.commit_after(sp, r)
+                if c is not None:
+                    out.append(c - r)
+    return sorted(out)
 
 
 def classify(copies: list[float], kills: list[float], events: list[tuple[str, float, str]],
              window: float, slow: float) -> tuple[str, float]:
-    """Why the first copy went again: (class, seconds from its acceptance to the kill)."""
+    """The earlier rule, without the trace: (class, seconds from acceptance to the kill)."""
     first = copies[0]
-    before = [k for k in kills if k < first]
-    if before and first - before[-1] <= slow + 0.1:
-        # A restarted serve needs far longer than that to deliver anything.
-        return "no reply", before[-1] - first
+    kill_before = after_a_kill(first, kills, slow)
+    if kill_before is not None:
+        return "no reply", kill_before - first
     after = [k for k in kills if k >= first]
     if not after:
         return "no kill after it", float("nan")
     kill = after[0]
-    # The accounting line's time has millisecond precision.
-    recorded = any(e == "delivered" and first - 0.002 <= at < kill for e, at, _ in events)
     delta = kill - first
-    if recorded:
+    if logged_delivered(first, kill, events):
         return "recorded", delta
     return ("reply" if delta <= window else "late"), delta
 
@@ -579,7 +615,7 @@ def main() -> int:
     events = accounting(work / "log")
     dupes = {n: sorted(c) for n, c in copies.items() if len(c) > 1}
     extra = sum(len(c) - 1 for c in dupes.values())
-    lives = read_trace(trace, kills)
+    lives = read_trace(trace, serve.pids)
     classes: Counter[str] = Counter()
     deltas: dict[str, list[float]] = defaultdict(list)
     idle_rule: Counter[str] = Counter()  # the earlier classification, for comparison
@@ -648,7 +684,8 @@ def main() -> int:
               f"{statistics.median(latency) * 1000:.1f} ms, p90 {q[89] * 1000:.1f} ms, p99 "
               f"{q[98] * 1000:.1f} ms, max {latency[-1] * 1000:.1f} ms")
     every = sorted(d for v in deltas.values() for d in v if d == d)
-    print("  acceptance to kill (ms), every duplicate: "
+    print("  to the kill (ms; from the reply read for reply and late, else from the sink's "
+          "acceptance), every duplicate: "
           + " ".join(f"{d * 1000:.1f}" for d in every))
     # Deliveries that start together after a restart stay in step, so a
     # kill catches all of them or none: the figure comes in lumps.

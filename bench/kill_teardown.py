@@ -12,9 +12,12 @@ sees them close.  --rounds times.
 
     sudo .venv/bin/python bench/kill_teardown.py [--store sqlite] [--rounds 6] [-v]
 
-Prints per round: the milliseconds from the SIGKILL to each process's last
-thread exiting (receivers and the resource tracker first, the manager
-last), and to the manager's first and last FIN; then the medians.
+Prints per round: the milliseconds from the SIGKILL to the manager's last
+thread beginning to exit, and to its first and last FIN; then the medians.
+With -v every traced event of the group, named by its process (the
+receiver and the resource tracker die beside the manager, on the same two
+cores).  The sink answering the deliveries is a thread of this process,
+idle while it waits: the times are the kernel's, not the sink's.
 """
 
 from __future__ import annotations
@@ -60,8 +63,13 @@ def tracing(on: bool) -> None:
 
 
 def one_round(serve: harsh_kill.Serve, port: int, n: int, verbose: bool
-              ) -> tuple[list[float], float, float]:
-    """(each process's last thread exiting, first FIN, last FIN), ms after the SIGKILL."""
+              ) -> tuple[float, float, float]:
+    """(the manager's last thread exiting, its first FIN, its last FIN), ms after the SIGKILL.
+
+    Only the serve group's processes count: their exits, and the FINs
+    their threads sent (a thread's pid is its own; ``group`` maps it to
+    its process through /proc before the kill).
+    """
     serve.start()
     for i in range(4):
         with smtplib.SMTP("127.0.0.1", port, timeout=10) as client:
@@ -69,34 +77,51 @@ def one_round(serve: harsh_kill.Serve, port: int, n: int, verbose: bool
     time.sleep(1.0)  # the four are at the sink, which answers after 3 s
     assert serve.proc is not None
     manager = serve.proc.pid
-    tracing(True)
-    time.sleep(0.05)
-    os.killpg(manager, signal.SIGKILL)
-    serve.proc.wait()
-    serve.proc = None
-    time.sleep(0.1)
-    tracing(False)
+    group = threads_of_group(manager)
+    try:
+        tracing(True)
+        time.sleep(0.05)
+        os.killpg(manager, signal.SIGKILL)
+        serve.proc.wait()
+        serve.proc = None
+        time.sleep(0.1)
+    finally:
+        tracing(False)
     start = None
-    dead: list[float] = []
-    fins: list[float] = []
+    last_thread = first_fin = last_fin = float("nan")
     for line in (TRACING / "trace").read_text().splitlines():
         m = LINE.match(line)
         if not m:
             continue
-        comm, pid, _cpu, ts_s, ev, rest = m.groups()
-        ts = float(ts_s)
+        comm, tid_s, _cpu, ts_s, ev, rest = m.groups()
+        ts, tid = float(ts_s), int(tid_s)
         if ev == "signal_generate" and "sig=9 " in rest and start is None:
             start = ts
-        if start is None:
+        if start is None or tid not in group:
             continue
         at = (ts - start) * 1000
-        if ev == "sched_process_exit" and "group_dead=true" in rest:
-            dead.append(at)
-        elif ev == "inet_sock_set_state" and rest.endswith("newstate=TCP_FIN_WAIT1"):
-            fins.append(at)
+        if ev == "sched_process_exit" and "group_dead=true" in rest and group[tid] == manager:
+            last_thread = at
+        elif (ev == "inet_sock_set_state" and rest.endswith("newstate=TCP_FIN_WAIT1")
+              and group[tid] == manager):
+            if first_fin != first_fin:  # NaN: the first one
+                first_fin = at
+            last_fin = at
         if verbose and ev != "signal_generate":
-            print(f"    {at:7.2f} ms {comm}-{pid} {ev} {rest.split(' saddr=')[0][:80]}")
-    return dead, min(fins, default=float("nan")), max(fins, default=float("nan"))
+            who = "manager" if group[tid] == manager else f"process {group[tid]}"
+            print(f"    {at:7.2f} ms {comm}-{tid} ({who}) {ev} {rest.split(' saddr=')[0][:80]}")
+    return last_thread, first_fin, last_fin
+
+
+def threads_of_group(leader: int) -> dict[int, int]:
+    """Every thread of the process group led by ``leader``: thread id -> process id."""
+    out: dict[int, int] = {}
+    pids = subprocess.run(["pgrep", "-g", str(leader)], capture_output=True, text=True).stdout
+    for pid in map(int, pids.split()):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                out[int(task.name)] = pid
+    return out
 
 
 def main() -> int:
@@ -113,25 +138,28 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kill-teardown-"))
     port = harsh_kill.free_port()
     config = harsh_kill.write_config(work, port, sink_port, 4, args.store)
-    serve = harsh_kill.Serve(config, work / "points.log")
+    serve = harsh_kill.Serve(config)
     print(f"kill teardown: store {args.store}, {args.rounds} rounds; load "
           f"{harsh_kill.loadavg()}")
-    lasts, firsts, ends = [], [], []
+    lasts: list[float] = []
+    firsts: list[float] = []
+    ends: list[float] = []
     try:
         for n in range(args.rounds):
-            dead, first, last = one_round(serve, port, n, args.v)
-            print(f"  round {n + 1}: last threads exit at "
-                  + ", ".join(f"{d:.2f}" for d in dead)
-                  + f" ms; manager's FIN {first:.2f}-{last:.2f} ms")
-            if dead:
-                lasts.append(dead[-1])
-            firsts.append(first)
-            ends.append(last)
+            last, first, end = one_round(serve, port, n, args.v)
+            print(f"  round {n + 1}: the manager's last thread exits at {last:.2f} ms, its "
+                  f"FINs at {first:.2f}-{end:.2f} ms")
+            for into, value in ((lasts, last), (firsts, first), (ends, end)):
+                if value == value:
+                    into.append(value)
     finally:
         if serve.proc is not None:
             serve.kill()
         sink.stop_thread()
-    print(f"  medians: the last process begins to exit {statistics.median(lasts):.2f} ms, "
+    if not firsts:
+        print("  no FIN of the manager was traced")
+        return 1
+    print(f"  medians: the manager's last thread exits {statistics.median(lasts):.2f} ms, "
           f"first FIN {statistics.median(firsts):.2f} ms, last FIN "
           f"{statistics.median(ends):.2f} ms after the SIGKILL; load {harsh_kill.loadavg()}")
     return 0

@@ -17,7 +17,7 @@ DESCRIPTION
     before_data    the server said 354; no byte of the message sent yet
     after_dot      the message and its final dot written; no reply read
     after_reply    the replies to the dot read; the outcome not yet in the store
-    after_commit   the outcome in the store
+    after_commit   the outcome applied in the store (sluice.runtime.recorder)
 
     SLUICE_TRACE names a file to which every pass through a point appends
     one line: the wall-clock time, the process id, the point's name and
@@ -30,8 +30,9 @@ DESCRIPTION
 STRATEGIES
     Read once, at import.  Unset (the normal case), point() is two
     comparisons against None: no cost worth measuring on any path.  A
-    caller passes the SPIDs as an iterable that is only walked when
-    tracing.
+    caller passes the SPIDs as a generator, only walked when tracing (its
+    creation is the one cost left).  A trace that cannot be opened stops
+    the start with one line; one that cannot be written is skipped.
 
 LIMITATIONS
     One fault point at a time, in every process that inherits the
@@ -40,6 +41,7 @@ LIMITATIONS
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -63,7 +65,10 @@ def _parse(text: str | None) -> tuple[str, int] | None:
 def _open_trace(path: str | None) -> int | None:
     if not path:
         return None
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ValueError(f"SLUICE_TRACE: cannot open {path}: {exc.strerror}") from None
 
 
 _armed = _parse(os.environ.get("SLUICE_FAULT"))
@@ -76,8 +81,10 @@ def point(name: str, spids: Iterable[str] = ()) -> None:
     global _passes
     if _trace is not None:
         # One write(2) a line: lines of concurrent threads never interleave.
-        os.write(_trace, f"{time.time():.6f} {os.getpid()} {name} {' '.join(spids)}\n"
-                 .encode())
+        # A trace that cannot be written (a full disk) must not fail a delivery.
+        with contextlib.suppress(OSError):
+            os.write(_trace, " ".join((f"{time.time():.6f}", str(os.getpid()), name, *spids))
+                     .encode() + b"\n")
     if _armed is None or _armed[0] != name:
         return
     _passes += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,39 @@ def test_a_trace_notes_each_pass_with_its_messages(tmp_path: Path,
         faults.os.close(fd)
     lines = [line.split(" ") for line in path.read_text().splitlines()]
     assert [line[2:] for line in lines] == [["after_reply", "spid1", "spid2"],
-                                            ["after_commit", "spid1"], ["after_dot", ""]]
+                                            ["after_commit", "spid1"], ["after_dot"]]
     assert {line[1] for line in lines} == {str(faults.os.getpid())}
     times = [float(line[0]) for line in lines]
     assert times == sorted(times) and times[0] > 1.7e9  # wall-clock seconds
 
 
-def test_no_trace_without_the_setting() -> None:
+def test_without_a_trace_the_messages_are_not_walked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(faults, "_trace", None)
+    monkeypatch.setattr(faults, "_armed", None)
+    walked: list[str] = []
+
+    def spids() -> Iterator[str]:
+        walked.append("walked")
+        yield "spid1"
+
+    faults.point("after_reply", spids())
+    assert walked == []
     assert faults._open_trace("") is None
-    assert faults._open_trace(None) is None
+
+
+def test_a_trace_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^SLUICE_TRACE: cannot open .*/no/such/dir/t\.log: "
+                                         r"No such file or directory$"):
+        faults._open_trace(str(tmp_path / "no" / "such" / "dir" / "t.log"))
+
+
+def test_a_trace_that_cannot_be_written_does_not_fail_the_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(faults, "_armed", None)
+    read_end, write_end = faults.os.pipe()
+    faults.os.close(read_end)
+    monkeypatch.setattr(faults, "_trace", write_end)  # writes fail: EPIPE (Python ignores SIGPIPE)
+    try:
+        faults.point("after_dot")  # still alive, no exception
+    finally:
+        faults.os.close(write_end)

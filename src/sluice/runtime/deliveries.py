@@ -58,7 +58,6 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import IO, Any, Protocol
 
-from sluice import faults
 from sluice.delivery.agent import DeliveryAgent, DeliveryRequest, DeliveryResult
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop
@@ -208,7 +207,6 @@ class Deliveries:
             results = await self.planner.finish(result)
             settled.extend(results)
             await asyncio.shield(self.recorder.record(results))
-            faults.point("after_commit", (r.entry.spid for r in results))
 
         rest: list[AttemptResult] = []
         try:

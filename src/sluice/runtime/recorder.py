@@ -50,6 +50,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from sluice import faults
 from sluice.model import PermFail, QueueEntry, QueueState, TempFail
 from sluice.queue import AttemptResult, Queue
 from sluice.runtime.parts import Health
@@ -162,6 +163,7 @@ class Recorder:
                 plan = self.queue.plan_record(batch)
                 applied = self.queue.finish_record(
                     plan, await asyncio.wrap_future(self.queue.apply_record(plan)))
+                faults.point("after_commit", (r.entry.spid for r in batch))
             except BaseException as exc:
                 # Failed (retried below) or cancelled: the deliveries
                 # waiting for this batch go on.
