@@ -93,6 +93,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -343,11 +344,16 @@ class Life:
 
     def commit_after(self, spid: str, at: float) -> float | None:
         """The first commit of ``spid``'s outcome at or after ``at`` (None: none noted)."""
-        return next((c for c in self.commits.get(spid, ()) if c >= at), None)
+        return first_from(self.commits.get(spid, ()), at)
 
     def reply_after(self, spid: str, at: float) -> float | None:
         """The first reply read for ``spid`` at or after ``at``."""
-        return next((r for r in self.replies.get(spid, ()) if r >= at), None)
+        return first_from(self.replies.get(spid, ()), at)
+
+
+def first_from(times: Iterable[float], at: float) -> float | None:
+    """The first of ``times`` (in order) at or after ``at``."""
+    return next((t for t in times if t >= at), None)
 
 
 def read_trace(path: Path, pids: list[int]) -> list[Life]:
@@ -532,6 +538,15 @@ def sink_process(conn: Any, slow: float, delivered: Any) -> None:
         sink.stop_thread()
 
 
+def print_spread(what: str, seconds: list[float]) -> None:
+    """One line: median, p90, p99 and max of sorted ``seconds``, in ms (needs two or more)."""
+    if len(seconds) < 2:
+        return
+    q = statistics.quantiles(seconds, n=100)
+    print(f"  {what}: median {statistics.median(seconds) * 1000:.1f} ms, p90 "
+          f"{q[89] * 1000:.1f} ms, p99 {q[98] * 1000:.1f} ms, max {seconds[-1] * 1000:.1f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--messages", type=int, default=1000)
@@ -669,20 +684,12 @@ def main() -> int:
     # How long outcomes took to be durable in this run, by the killed
     # processes' own clocks: the reply read to the outcome durable.
     durable = reply_to_durable(lives)
-    if len(durable) > 1:
-        q = statistics.quantiles(durable, n=100)
-        print(f"  reply read to outcome durable (trace), {len(durable)} outcomes: median "
-              f"{statistics.median(durable) * 1000:.1f} ms, p90 {q[89] * 1000:.1f} ms, p99 "
-              f"{q[98] * 1000:.1f} ms, max {durable[-1] * 1000:.1f} ms")
+    print_spread(f"reply read to outcome durable (trace), {len(durable)} outcomes", durable)
     # The same from the sink's side: its acceptance to the "delivered" line
     # (stamped when the store's commit began: the commit is not in it).
-    latency = sorted(at - copies[sp][0] for sp in copies if len(copies[sp]) == 1
-                     for e, at, _ in events[sp] if e == "delivered")
-    if latency:
-        q = statistics.quantiles(latency, n=100)
-        print(f"  sink acceptance to recorded, single copies: median "
-              f"{statistics.median(latency) * 1000:.1f} ms, p90 {q[89] * 1000:.1f} ms, p99 "
-              f"{q[98] * 1000:.1f} ms, max {latency[-1] * 1000:.1f} ms")
+    print_spread("sink acceptance to recorded, single copies", sorted(
+        at - copies[sp][0] for sp in copies if len(copies[sp]) == 1
+        for e, at, _ in events[sp] if e == "delivered"))
     every = sorted(d for v in deltas.values() for d in v if d == d)
     print("  to the kill (ms; from the reply read for reply and late, else from the sink's "
           "acceptance), every duplicate: "
