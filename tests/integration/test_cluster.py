@@ -235,7 +235,12 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
         # delays, which a loaded machine makes bunch.
         steady = max((sum(1 for u in began[i:] if u < t + 1.0) for i, t in enumerate(began)
                       if not outage[0] - 1.0 <= t <= outage[1] + 10.0), default=0)
-        assert len(began) >= N_RATE
+        # Every delivery to rate.example has its line, but for those the killed
+        # n2 had committed and not yet logged: the log is written after the
+        # commit (sluice.accounting, "Limitations"), so a SIGKILL can take the
+        # last lines.  Those deliveries reached the sink just before the kill.
+        at_kill = sum(1 for u in times if killed_wall - 2.0 <= u <= killed_wall)
+        assert len(began) >= N_RATE - at_kill, (len(began), at_kill)
         conc_steady = max((n for t, n in stats.rises_by_domain.get("conc.example", [])
                            if not outage[0] - 1.0 <= t <= outage[1] + 10.0), default=0)
         fell = {n.dir.name: sum("Redis unreachable" in line for line in n.output)
