@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from sluice.accounting import AccountingLog
+from sluice.accounting import AccountingLog, make_event
+from sluice.model import QueueEntry, QueueState, Reply
 
 HOUR = 1_800_000_000.0 - 1_800_000_000.0 % 3600  # 2027-01-15T08:00:00Z
 
@@ -30,3 +34,34 @@ def test_records_go_to_the_file_of_their_period(tmp_path: Path, rotate: str,
 def test_file_names_are_utc_hours_and_days(tmp_path: Path) -> None:
     assert AccountingLog(tmp_path).filename(HOUR + 59) == "sluice-acct-20270115T08.jsonl"
     assert AccountingLog(tmp_path, rotate="daily").filename(HOUR) == "sluice-acct-20270115.jsonl"
+
+
+# Text as SMTP and next hops give it: any Unicode but lone surrogates.
+_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sender=_text, recipient=_text, response=_text, tenant=_text,
+       age=st.floats(0, 1e9, allow_nan=False), duration=st.floats(0, 1e5, allow_nan=False),
+       code=st.integers(200, 599), attempt=st.integers(0, 1000))
+def test_a_line_is_the_standard_librarys_compact_json(
+        tmp_path: Path, sender: str, recipient: str, response: str, tenant: str,
+        age: float, duration: float, code: int, attempt: int) -> None:
+    # The lines are a contract (docs/accounting.md): the fast encoder must
+    # write exactly what json.dumps(separators=(",", ":"), ensure_ascii=False)
+    # writes, in UTF-8, one event a line.
+    now = HOUR + 1.5
+    entry = QueueEntry("0000018c3a2b1c4d5e6f", 3, sender, recipient + "@example.net",
+                       QueueState.ACTIVE, now - age, now, attempts=attempt, tenantid=tenant,
+                       domain="example.net", size=attempt * 7)
+    events = [make_event(kind, entry, now, node="n1", reply=Reply(code, "2.0.0", response),
+                         remotemx="mx.example.net", duration_s=duration)
+              for kind in ("delivered", "deferred")]
+    where = Path(tempfile.mkdtemp(dir=tmp_path))  # one directory an example
+    log = AccountingLog(where, node="n1")
+    assert log.record(events, now=now) == 2
+    data = (where / log.filename(now)).read_bytes()
+    compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+    assert data == b"".join(compact(e).encode("utf-8") + b"\n" for e in events)
+    assert [json.loads(line) for line in data.splitlines()] == events
