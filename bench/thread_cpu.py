@@ -1,0 +1,172 @@
+"""Where Sluice's CPU goes, thread by thread: one e2e run, CPU per message of each thread.
+
+    .venv/bin/python bench/thread_cpu.py [--configs base] [--n 20000] [--runs 3]
+
+STRATEGY
+    The same Sluice, configuration and driver as bench/e2e.py (smtp-source
+    -> sluice serve -> smtp-sink through the shared harness), but instead of
+    a profile, the kernel's own accounting: utime and stime of every thread
+    of serve and its receiving processes (/proc/PID/task/TID/stat) just
+    before the driver starts and just after it ends, with the voluntary and
+    involuntary context switches (/proc/PID/task/TID/status).  That is CPU
+    time, exact to the clock tick, where py-spy's --gil samples are wall
+    time of whoever holds the GIL: a thread the scheduler preempts while it
+    holds the GIL is charged to the line it stood on (a socket write, most
+    often, as the write wakes the peer), which made a send look like a
+    third of the receiver's work.
+
+    Threads are named by process (manager, receiver N) and by creation
+    order: the main thread runs the event loop; in each process the store
+    starts its committer and then its WAL syncer (sluice.store._sqlite_db),
+    and the executors' threads come later.  The table prints every thread
+    that used 1 µs a message or more.
+
+    Per run: e2e msg/s, the MTA's CPU per message in all, and per thread
+    user and system µs per message and context switches per message.  With
+    --runs above 1, the medians per thread.  Print the load beside it: the
+    figures are CPU, less noisy than rates, but a busy machine preempts
+    more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import e2e
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    """(pid, tid) -> (utime, stime, voluntary, involuntary switches) of every live thread."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            switches = {k: int(v) for k, _, v in (line.partition(":\t")
+                                                  for line in status.splitlines())
+                        if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")}
+            out[(pid, tid)] = (int(fields[11]), int(fields[12]),
+                               switches["voluntary_ctxt_switches"],
+                               switches["nonvoluntary_ctxt_switches"])
+    return out
+
+
+def labels(serve: int, keys: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """A name per thread: its process's role and its place among the process's threads."""
+    roles: dict[int, str] = {}
+    out = {}
+    for pid, tid in sorted(keys):
+        if pid not in roles:
+            roles[pid] = "manager" if pid == serve else f"receiver {len(roles)}"
+        n = sum(1 for p, _ in out if p == pid)
+        out[(pid, tid)] = f"{roles[pid]} {'loop' if tid == pid else f'thread {n}'}"
+    return out
+
+
+def one_run(name: str, n: int, sessions: int) -> tuple[float, dict[str, tuple[float, ...]]]:
+    """One run: (e2e msg/s, label -> (user, sys µs a message, switches a message))."""
+    cfg = e2e.CONFIGS[name]
+    work = Path(tempfile.mkdtemp(prefix="sluice-threads-", dir="/tmp"))
+    port, sink_port = 2528, 2526
+    config = work / "sluice.yaml"
+    config.write_text(e2e.sluice_config(work, port, sink_port, cfg))
+    e2e.wait_port_free(port)
+    proc = subprocess.Popen([e2e.SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "serving SMTP" not in line:
+            raise RuntimeError(f"sluice serve did not start: {line}{proc.stdout.read()}")
+        time.sleep(1.0)  # the receivers' start-up is not the run's
+        pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(proc.pid)], text=True,
+                                               capture_output=True).stdout.split()]
+        pids = [p for p in pids if "resource_tracker" not in
+                Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        before = threads_of(pids)
+        cmd = e2e.driver_cmd("sluice", port, sink_port, n, sessions, cfg, 1, work / "run")
+        cmd += ["--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool")]
+        (work / "run").mkdir()
+        out = subprocess.run(cmd, cwd=e2e.HARNESS, capture_output=True, text=True, timeout=1800)
+        after = threads_of(pids)
+        last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+        if out.returncode != 0 or not last.startswith("sluice "):
+            raise RuntimeError(f"sluice run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        rate = float(e2e.parse(last)["e2e_msgs_per_s"])
+        names = labels(proc.pid, list(after))
+        per: dict[str, tuple[float, ...]] = {}
+        for key, (u1, s1, v1, i1) in after.items():
+            u0, s0, v0, i0 = before.get(key, (0, 0, 0, 0))
+            per[names[key]] = (1e6 * (u1 - u0) / TICK / n, 1e6 * (s1 - s0) / TICK / n,
+                               (v1 - v0) / n, (i1 - i0) / n)
+        return rate, per
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="base", help="comma-separated, as bench/e2e.py")
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--sessions", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    for name in args.configs.split(","):
+        if name not in e2e.CONFIGS or e2e.CONFIGS[name].get("hops"):
+            raise SystemExit(f"--configs: {name!r} is not one of base, big, rcpt5")
+        rates: list[float] = []
+        runs: list[dict[str, tuple[float, ...]]] = []
+        for i in range(args.runs):
+            rate, per = one_run(name, args.n, args.sessions)
+            rates.append(rate)
+            runs.append(per)
+            total = sum(u + s for u, s, _, _ in per.values())
+            print(f"{name} run {i + 1}: {rate:.0f} msg/s e2e, Sluice {total:.0f} µs CPU a "
+                  f"message, load {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"\n{name}: medians of {len(runs)} runs, n={args.n}: {statistics.median(rates):.0f} "
+              "msg/s e2e\n")
+        print(f"{'thread':<22} {'user µs':>8} {'sys µs':>8} {'all µs':>8} "
+              f"{'vol. sw':>8} {'invol. sw':>9}   (a message)")
+        every = sorted({k for per in runs for k in per})
+        total = 0.0
+        for label in every:
+            cols = [statistics.median(per.get(label, (0.0, 0.0, 0.0, 0.0))[c] for per in runs)
+                    for c in range(4)]
+            if cols[0] + cols[1] < 1.0:
+                continue
+            total += cols[0] + cols[1]
+            print(f"{label:<22} {cols[0]:8.1f} {cols[1]:8.1f} {cols[0] + cols[1]:8.1f} "
+                  f"{cols[2]:8.2f} {cols[3]:9.2f}")
+        print(f"{'all':<22} {'':>8} {'':>8} {total:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
