@@ -16,16 +16,20 @@ STRATEGY
     third of the receiver's work.
 
     Threads are named by process (manager, receiver N) and by creation
-    order: the main thread runs the event loop; in each process the store
-    starts its committer and then its WAL syncer (sluice.store._sqlite_db),
-    and the executors' threads come later.  The table prints every thread
-    that used 1 µs a message or more.
+    order; the main thread runs the event loop.  Which thread is the
+    store's committer and which its WAL syncer is read from a py-spy
+    profile's thread roots (bench/e2e.py --profile): their CPU differs
+    several times over.  The table prints every thread that used 1 µs a
+    message or more.
 
     Per run: e2e msg/s, the MTA's CPU per message in all, and per thread
     user and system µs per message and context switches per message.  With
-    --runs above 1, the medians per thread.  Print the load beside it: the
-    figures are CPU, less noisy than rates, but a busy machine preempts
-    more.
+    --runs above 1, the medians per thread.  Each run also prints the load
+    and the machine's pace: the best of five timings of a fixed piece of
+    pure Python (a sum over a million ints).  On these virtual machines the
+    same code has taken 40 % more CPU an hour apart, with nothing else
+    running; the pace says when that happened, and figures of two versions
+    are only compared at the same pace, interleaved.
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ from pathlib import Path
 import e2e
 
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def pace_ms() -> float:
+    """The machine's pace now: the best of five sums over a million ints, in ms."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sum(range(1_000_000))
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
 
 
 def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[int, int, int, int]]:
@@ -145,12 +159,13 @@ def main() -> None:
         rates: list[float] = []
         runs: list[dict[str, tuple[float, ...]]] = []
         for i in range(args.runs):
+            pace = pace_ms()
             rate, per = one_run(name, args.n, args.sessions)
             rates.append(rate)
             runs.append(per)
             total = sum(u + s for u, s, _, _ in per.values())
             print(f"{name} run {i + 1}: {rate:.0f} msg/s e2e, Sluice {total:.0f} µs CPU a "
-                  f"message, load {os.getloadavg()[0]:.2f}", flush=True)
+                  f"message, load {os.getloadavg()[0]:.2f}, pace {pace:.1f} ms", flush=True)
         print(f"\n{name}: medians of {len(runs)} runs, n={args.n}: {statistics.median(rates):.0f} "
               "msg/s e2e\n")
         print(f"{'thread':<22} {'user µs':>8} {'sys µs':>8} {'all µs':>8} "
