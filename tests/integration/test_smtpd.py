@@ -29,6 +29,7 @@ from sluice.queue import Queue
 from sluice.smtpd import Receiver, hash_password
 from sluice.suppression import SuppressionEntry, write_suppression_list
 from tests.conftest import SLUICE, make_config, subprocess_env
+from tests.integration.serving import wait_until
 from tests.unit.test_smtpd_credentials import cheap
 
 pytestmark = pytest.mark.integration
@@ -872,3 +873,29 @@ def test_commands_pipelined_behind_starttls_are_thrown_away(
                 pass
             assert secure.readline().startswith(b"250 2.1.0")
             secure.close()
+
+
+def test_a_helo_that_is_not_utf8_keeps_its_accounting_lines(
+        serve: Callable[..., Running]) -> None:
+    # The command's bytes are kept as surrogate escapes; JSON text cannot
+    # carry those.  The received and session lines must still be written,
+    # with the bytes that are not UTF-8 as U+FFFD.
+    run = serve()
+    sock = Raw(run.port)
+    with sock:
+        sock.reply()
+        sock.sendall(b"EHLO bad\xff\xfe.client.test\r\n")
+        assert sock.reply().startswith("250-mx.sluice.test")
+        sock.sendall(b"MAIL FROM:<a@x.test>\r\nRCPT TO:<b@y.test>\r\nDATA\r\n")
+        assert [sock.reply()[:3] for _ in range(3)] == ["250", "250", "354"]
+        sock.sendall(b"Subject: 8-bit helo\r\n\r\nbody\r\n.\r\nQUIT\r\n")
+        assert sock.reply().startswith("250 2.0.0 Ok: queued as ")
+        assert sock.reply().startswith("221 2.0.0")
+    assert len(run.messages()) == 1
+
+    def lines() -> dict[str, dict[str, Any]]:
+        return {e["event"]: e for e in run.accounting()}
+
+    assert wait_until(lambda: {"received", "session"} <= set(lines()), 10), lines()
+    for kind in ("received", "session"):
+        assert lines()[kind]["helo"] == "bad\ufffd\ufffd.client.test", kind

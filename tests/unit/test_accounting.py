@@ -65,3 +65,16 @@ def test_a_line_is_the_standard_librarys_compact_json(
     compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
     assert data == b"".join(compact(e).encode("utf-8") + b"\n" for e in events)
     assert [json.loads(line) for line in data.splitlines()] == events
+
+
+def test_what_orjson_refuses_is_written_by_the_standard_library(tmp_path: Path) -> None:
+    # A HELO's bytes that were not UTF-8 arrive as surrogate escapes; an int
+    # key is past orjson.  Both lines are still written, as the standard
+    # library writes them, each undecodable byte as U+FFFD.
+    log = AccountingLog(tmp_path)
+    events = [{"event": "session", "helo": "bad\udcff\udcfe.test", "n": 1},
+              {"event": "x", "refused": {550: 2}}]
+    assert log.record(events, now=HOUR) == 2
+    lines = (tmp_path / log.filename(HOUR)).read_bytes().splitlines()
+    assert lines[0] == '{"event":"session","helo":"bad\ufffd\ufffd.test","n":1}'.encode()
+    assert lines[1] == b'{"event":"x","refused":{"550":2}}'
