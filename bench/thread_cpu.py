@@ -9,27 +9,33 @@ STRATEGY
     of serve and its receiving processes (/proc/PID/task/TID/stat) just
     before the driver starts and just after it ends, with the voluntary and
     involuntary context switches (/proc/PID/task/TID/status).  That is CPU
-    time, exact to the clock tick, where py-spy's --gil samples are wall
-    time of whoever holds the GIL: a thread the scheduler preempts while it
-    holds the GIL is charged to the line it stood on (a socket write, most
-    often, as the write wakes the peer), which made a send look like a
-    third of the receiver's work.
+    time (its split into user and system sampled per clock tick), where
+    py-spy's --gil samples are wall time of whoever holds the GIL: a
+    thread the scheduler preempts while it holds the GIL is charged to the
+    line it stood on (a socket write, most often, as the write wakes the
+    peer), which made a send look like a third of the receiver's work.
 
     Threads are named by process (manager, receiver N) and by creation
     order; the main thread runs the event loop.  Which thread is the
     store's committer and which its WAL syncer is read from a py-spy
     profile's thread roots (bench/e2e.py --profile): their CPU differs
-    several times over.  The table prints every thread that used 1 µs a
-    message or more.
+    several times over.  Runs whose threads differ are said to differ (the
+    medians would mix threads).  The table prints the median of each column
+    for every thread that used 1 µs a message or more; "all" adds those
+    medians up.  Each run line also gives the driver's own figures: the
+    CPU of smtp-source, smtp-sink and interrupts a message, how busy the
+    CPUs were, serve's CPU as the driver counts it (to check the threads'
+    sum against) and whether other processes used CPU meanwhile.
 
     Per run: e2e msg/s, the MTA's CPU per message in all, and per thread
     user and system µs per message and context switches per message.  With
     --runs above 1, the medians per thread.  Each run also prints the load
     and the machine's pace: the best of five timings of a fixed piece of
     pure Python (a sum over a million ints).  On these virtual machines the
-    same code has taken 40 % more CPU an hour apart, with nothing else
-    running; the pace says when that happened, and figures of two versions
-    are only compared at the same pace, interleaved.
+    same code has taken 20-50 % more CPU twenty minutes later, with nothing
+    else running; the pace says when that happened, and figures of two
+    versions are only compared at the same pace, interleaved.  The driver
+    waits --quiet-wait seconds (default 5) for an idle machine first.
 """
 
 from __future__ import annotations
@@ -86,17 +92,27 @@ def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[int, int, int, in
 def labels(serve: int, keys: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
     """A name per thread: its process's role and its place among the process's threads."""
     roles: dict[int, str] = {}
-    out = {}
+    seen: dict[int, int] = {}  # threads named so far, per process
+    out: dict[tuple[int, int], str] = {}
     for pid, tid in sorted(keys):
         if pid not in roles:
             roles[pid] = "manager" if pid == serve else f"receiver {len(roles)}"
-        n = sum(1 for p, _ in out if p == pid)
+        n = seen[pid] = seen.get(pid, -1) + 1
         out[(pid, tid)] = f"{roles[pid]} {'loop' if tid == pid else f'thread {n}'}"
     return out
 
 
-def one_run(name: str, n: int, sessions: int) -> tuple[float, dict[str, tuple[float, ...]]]:
-    """One run: (e2e msg/s, label -> (user, sys µs a message, switches a message))."""
+def cmdline(pid: int) -> str:
+    """A process's command line; empty once it has gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def one_run(name: str, n: int, sessions: int, quiet_wait: int
+            ) -> tuple[dict[str, str], dict[str, tuple[float, ...]]]:
+    """One run: (the driver's figures, label -> (user, sys µs, switches a message))."""
     cfg = e2e.CONFIGS[name]
     work = Path(tempfile.mkdtemp(prefix="sluice-threads-", dir="/tmp"))
     port, sink_port = 2528, 2526
@@ -114,10 +130,10 @@ def one_run(name: str, n: int, sessions: int) -> tuple[float, dict[str, tuple[fl
         time.sleep(1.0)  # the receivers' start-up is not the run's
         pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(proc.pid)], text=True,
                                                capture_output=True).stdout.split()]
-        pids = [p for p in pids if "resource_tracker" not in
-                Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        pids = [p for p in pids if "resource_tracker" not in cmdline(p)]
         before = threads_of(pids)
-        cmd = e2e.driver_cmd("sluice", port, sink_port, n, sessions, cfg, 1, work / "run")
+        cmd = e2e.driver_cmd("sluice", port, sink_port, n, sessions, cfg, quiet_wait,
+                             work / "run")
         cmd += ["--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool")]
         (work / "run").mkdir()
         out = subprocess.run(cmd, cwd=e2e.HARNESS, capture_output=True, text=True, timeout=1800)
@@ -125,14 +141,14 @@ def one_run(name: str, n: int, sessions: int) -> tuple[float, dict[str, tuple[fl
         last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
         if out.returncode != 0 or not last.startswith("sluice "):
             raise RuntimeError(f"sluice run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        rate = float(e2e.parse(last)["e2e_msgs_per_s"])
+        figures = e2e.parse(last)
         names = labels(proc.pid, list(after))
         per: dict[str, tuple[float, ...]] = {}
         for key, (u1, s1, v1, i1) in after.items():
             u0, s0, v0, i0 = before.get(key, (0, 0, 0, 0))
             per[names[key]] = (1e6 * (u1 - u0) / TICK / n, 1e6 * (s1 - s0) / TICK / n,
                                (v1 - v0) / n, (i1 - i0) / n)
-        return rate, per
+        return figures, per
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -152,6 +168,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--sessions", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quiet-wait", type=int, default=5,
+                    help="seconds the driver waits for an idle machine before each run")
     args = ap.parse_args()
     for name in args.configs.split(","):
         if name not in e2e.CONFIGS or e2e.CONFIGS[name].get("hops"):
@@ -160,12 +178,22 @@ def main() -> None:
         runs: list[dict[str, tuple[float, ...]]] = []
         for i in range(args.runs):
             pace = pace_ms()
-            rate, per = one_run(name, args.n, args.sessions)
+            figures, per = one_run(name, args.n, args.sessions, args.quiet_wait)
+            rate = float(figures["e2e_msgs_per_s"])
             rates.append(rate)
             runs.append(per)
             total = sum(u + s for u, s, _, _ in per.values())
+            harness = ", ".join(f"{what} {1e6 * float(figures[key]) / args.n:.0f} µs"
+                                for what, key in (("smtp-source", "source_cpu_s"),
+                                                  ("smtp-sink", "sink_cpu_s"),
+                                                  ("interrupts", "irq_cpu_s")))
             print(f"{name} run {i + 1}: {rate:.0f} msg/s e2e, Sluice {total:.0f} µs CPU a "
-                  f"message, load {os.getloadavg()[0]:.2f}, pace {pace:.1f} ms", flush=True)
+                  f"message by its threads ({1e6 * float(figures['mta_cpu_s']) / args.n:.0f} "
+                  f"by the driver's count); {harness} a message; CPUs "
+                  f"{figures['cpu_busy_pct']} % busy; contaminated={figures['contaminated']}; "
+                  f"load {os.getloadavg()[0]:.2f}, pace {pace:.1f} ms", flush=True)
+        if len({frozenset(per) for per in runs}) > 1:
+            print("note: the runs' threads differ; a row's medians may mix threads")
         print(f"\n{name}: medians of {len(runs)} runs, n={args.n}: {statistics.median(rates):.0f} "
               "msg/s e2e\n")
         print(f"{'thread':<22} {'user µs':>8} {'sys µs':>8} {'all µs':>8} "

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluice.accounting import AccountingLog, make_event
-from sluice.model import QueueEntry, QueueState, Reply
+from sluice.accounting import AccountingLog, make_event, session_event
+from sluice.model import ClientSession, QueueEntry, QueueState, Reply
 
 HOUR = 1_800_000_000.0 - 1_800_000_000.0 % 3600  # 2027-01-15T08:00:00Z
 
@@ -58,9 +58,15 @@ def test_a_line_is_the_standard_librarys_compact_json(
     events = [make_event(kind, entry, now, node="n1", reply=Reply(code, "2.0.0", response),
                          remotemx="mx.example.net", duration_s=duration)
               for kind in ("delivered", "deferred")]
+    events.append(session_event(
+        ClientSession("192.0.2.7", tenant, "TLSv1.3", None, sender or None), now, node="n1",
+        started_at=now - duration, refused={str(code): attempt}, auth_failures=attempt))
     where = Path(tempfile.mkdtemp(dir=tmp_path))  # one directory an example
     log = AccountingLog(where, node="n1")
-    assert log.record(events, now=now) == 2
+    try:
+        assert log.record(events, now=now) == 3
+    finally:
+        log.close()
     data = (where / log.filename(now)).read_bytes()
     compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
     assert data == b"".join(compact(e).encode("utf-8") + b"\n" for e in events)
@@ -75,6 +81,7 @@ def test_what_orjson_refuses_is_written_by_the_standard_library(tmp_path: Path) 
     events = [{"event": "session", "helo": "bad\udcff\udcfe.test", "n": 1},
               {"event": "x", "refused": {550: 2}}]
     assert log.record(events, now=HOUR) == 2
+    log.close()
     lines = (tmp_path / log.filename(HOUR)).read_bytes().splitlines()
     assert lines[0] == '{"event":"session","helo":"bad\ufffd\ufffd.test","n":1}'.encode()
     assert lines[1] == b'{"event":"x","refused":{"550":2}}'
