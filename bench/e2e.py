@@ -61,6 +61,7 @@ scheduler's share of Sluice's CPU -- and the busiest parts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -72,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import many_postfix
@@ -146,41 +148,32 @@ def driver_cmd(label: str, port: int, sink_port: int, n: int, sessions: int,
     return [sys.executable, str(HARNESS / "e2e_run.py"), *common, "--rcpts", str(cfg["rcpts"])]
 
 
-def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
-               profile: Path | None = None) -> dict[str, str]:
-    """One Sluice run; with `profile`, under py-spy writing raw stacks there."""
-    work = Path(tempfile.mkdtemp(prefix="sluice-e2e-", dir="/tmp"))
-    port, sink_port = 2528, 2526
+PORT, SINK_PORT = 2528, 2526  # Sluice's and the sink's, for every run
+
+
+@contextlib.contextmanager
+def serving(cfg: dict[str, int], prefix: str = "sluice-e2e-"
+            ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """A `sluice serve` of ``cfg`` on PORT, relaying to SINK_PORT, in a new work directory.
+
+    Yields the process (serving once this returns) and the directory; then
+    stops it (SIGTERM, its process group killed after 60 s) and removes
+    the directory.
+    """
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     config = work / "sluice.yaml"
-    config.write_text(sluice_config(work, port, sink_port, cfg))
-    wait_port_free(port)
+    config.write_text(sluice_config(work, PORT, SINK_PORT, cfg))
+    wait_port_free(PORT)
     proc = subprocess.Popen([SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
-    spy: subprocess.Popen[bytes] | None = None
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if "serving SMTP" not in line:
             raise RuntimeError(f"sluice serve did not start: {line}{proc.stdout.read()}")
-        if profile is not None:
-            # the driver's idle wait (5 s at least) lets py-spy attach before the clock starts
-            spy = subprocess.Popen([PY_SPY, "record", "--subprocesses", "--pid", str(proc.pid),
-                                    "--format", "flamegraph" if profile.suffix == ".svg" else "raw",
-                                    "--rate", str(PY_SPY_RATE), "--gil",
-                                    "--output", str(profile)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        cmd = driver_cmd("sluice", port, sink_port, n, sessions, cfg, quiet_wait, work / "run")
-        cmd += ["--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool")]
-        (work / "run").mkdir()
-        out = subprocess.run(cmd, cwd=HARNESS, capture_output=True, text=True, timeout=1800)
-        last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-        if out.returncode != 0 or not last.startswith("sluice "):
-            raise RuntimeError(f"sluice run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        return parse(last)
+        yield proc, work
     finally:
-        if spy is not None:
-            stop_py_spy(spy)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -191,6 +184,38 @@ def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
         if proc.stdout:
             proc.stdout.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def drive(proc: subprocess.Popen[str], work: Path, n: int, sessions: int,
+          cfg: dict[str, int], quiet_wait: int) -> dict[str, str]:
+    """One run of the driver against serving()'s Sluice; its result line's fields."""
+    cmd = driver_cmd("sluice", PORT, SINK_PORT, n, sessions, cfg, quiet_wait, work / "run")
+    cmd += ["--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool")]
+    (work / "run").mkdir()
+    out = subprocess.run(cmd, cwd=HARNESS, capture_output=True, text=True, timeout=1800)
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode != 0 or not last.startswith("sluice "):
+        raise RuntimeError(f"sluice run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return parse(last)
+
+
+def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
+               profile: Path | None = None) -> dict[str, str]:
+    """One Sluice run; with `profile`, under py-spy writing raw stacks there."""
+    with serving(cfg) as (proc, work):
+        spy: subprocess.Popen[bytes] | None = None
+        try:
+            if profile is not None:
+                # the driver's idle wait (5 s at least) lets py-spy attach before the clock starts
+                spy = subprocess.Popen(
+                    [PY_SPY, "record", "--subprocesses", "--pid", str(proc.pid),
+                     "--format", "flamegraph" if profile.suffix == ".svg" else "raw",
+                     "--rate", str(PY_SPY_RATE), "--gil", "--output", str(profile)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            return drive(proc, work, n, sessions, cfg, quiet_wait)
+        finally:
+            if spy is not None:
+                stop_py_spy(spy)
 
 
 def stop_py_spy(spy: subprocess.Popen[bytes]) -> None:

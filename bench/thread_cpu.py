@@ -42,11 +42,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,53 +110,21 @@ def cmdline(pid: int) -> str:
 def one_run(name: str, n: int, sessions: int, quiet_wait: int
             ) -> tuple[dict[str, str], dict[str, tuple[float, ...]]]:
     """One run: (the driver's figures, label -> (user, sys µs, switches a message))."""
-    cfg = e2e.CONFIGS[name]
-    work = Path(tempfile.mkdtemp(prefix="sluice-threads-", dir="/tmp"))
-    port, sink_port = 2528, 2526
-    config = work / "sluice.yaml"
-    config.write_text(e2e.sluice_config(work, port, sink_port, cfg))
-    e2e.wait_port_free(port)
-    proc = subprocess.Popen([e2e.SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "serving SMTP" not in line:
-            raise RuntimeError(f"sluice serve did not start: {line}{proc.stdout.read()}")
+    with e2e.serving(e2e.CONFIGS[name], prefix="sluice-threads-") as (proc, work):
         time.sleep(1.0)  # the receivers' start-up is not the run's
         pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(proc.pid)], text=True,
                                                capture_output=True).stdout.split()]
         pids = [p for p in pids if "resource_tracker" not in cmdline(p)]
         before = threads_of(pids)
-        cmd = e2e.driver_cmd("sluice", port, sink_port, n, sessions, cfg, quiet_wait,
-                             work / "run")
-        cmd += ["--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool")]
-        (work / "run").mkdir()
-        out = subprocess.run(cmd, cwd=e2e.HARNESS, capture_output=True, text=True, timeout=1800)
+        figures = e2e.drive(proc, work, n, sessions, e2e.CONFIGS[name], quiet_wait)
         after = threads_of(pids)
-        last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-        if out.returncode != 0 or not last.startswith("sluice "):
-            raise RuntimeError(f"sluice run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        figures = e2e.parse(last)
-        names = labels(proc.pid, list(after))
-        per: dict[str, tuple[float, ...]] = {}
-        for key, (u1, s1, v1, i1) in after.items():
-            u0, s0, v0, i0 = before.get(key, (0, 0, 0, 0))
-            per[names[key]] = (1e6 * (u1 - u0) / TICK / n, 1e6 * (s1 - s0) / TICK / n,
-                               (v1 - v0) / n, (i1 - i0) / n)
-        return figures, per
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
-        shutil.rmtree(work, ignore_errors=True)
+    names = labels(proc.pid, list(after))
+    per: dict[str, tuple[float, ...]] = {}
+    for key, (u1, s1, v1, i1) in after.items():
+        u0, s0, v0, i0 = before.get(key, (0, 0, 0, 0))
+        per[names[key]] = (1e6 * (u1 - u0) / TICK / n, 1e6 * (s1 - s0) / TICK / n,
+                           (v1 - v0) / n, (i1 - i0) / n)
+    return figures, per
 
 
 def main() -> None:
