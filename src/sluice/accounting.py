@@ -140,6 +140,7 @@ def _encode(event: Mapping[str, Any]) -> bytes:
     except TypeError:
         return _SURROGATE.sub("\ufffd", _compact(event)).encode("utf-8")
 
+
 _second: tuple[int, str] = (-1, "")  # the last whole second formatted, and its text
 
 
