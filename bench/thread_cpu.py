@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import e2e
+from procfs import stat_fields
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -72,11 +73,10 @@ def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[int, int, int, in
             continue
         for tid in tids:
             try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                fields = stat_fields(f"/proc/{pid}/task/{tid}/stat")
                 status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
             switches = {k: int(v) for k, _, v in (line.partition(":\t")
                                                   for line in status.splitlines())
                         if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")}
