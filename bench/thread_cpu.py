@@ -16,16 +16,19 @@ STRATEGY
     peer), which made a send look like a third of the receiver's work.
 
     Threads are named by process (manager, receiver N) and by creation
-    order; the main thread runs the event loop.  Which thread is the
-    store's committer and which its WAL syncer is read from a py-spy
-    profile's thread roots (bench/e2e.py --profile): their CPU differs
-    several times over.  Runs whose threads differ are said to differ (the
-    medians would mix threads).  The table prints the median of each column
-    for every thread that used 1 µs a message or more; "all" adds those
-    medians up.  Each run line also gives the driver's own figures: the
-    CPU of smtp-source, smtp-sink and interrupts a message, how busy the
-    CPUs were, serve's CPU as the driver counts it (to check the threads'
-    sum against) and whether other processes used CPU meanwhile.
+    order; the main thread runs the event loop.  Which thread is the store's
+    committer and which its WAL syncer is not in the name: a py-spy
+    profile's thread roots hint at it, but --gil undercounts the committer,
+    whose SQLite work runs without the GIL; moving work known to run on one
+    of them (the received lines run on the syncer) and seeing which thread's
+    CPU moves settles it (docs/benchmarks.md).  Runs whose threads differ
+    are said to differ (the medians would mix threads).  The table prints
+    the median of each column for every thread that used 1 µs a message or
+    more; "all" adds those medians up.  Each run line also gives the
+    driver's own figures: the CPU of smtp-source, smtp-sink and interrupts a
+    message, how busy the CPUs were, serve's CPU as the driver counts it (to
+    check the threads' sum against) and whether other processes used CPU
+    meanwhile.
 
     Per run: e2e msg/s, the MTA's CPU per message in all, and per thread
     user and system µs per message and context switches per message.  With
