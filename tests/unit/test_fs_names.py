@@ -3,15 +3,21 @@
 parse_name gives every field of a name, spid_of_name only its SPID (the
 listing's walk sorts a million names by it).  Both must take and refuse
 the same names, and a name Control.name() writes must read back.
+count_names counts a whole directory by its names at once; it must give
+what parse_name gives name by name.
 """
 
 from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.store._fs_files import Name, enc_domain, parse_name, spid_of_name
+from sluice.store._fs_files import Name, count_names, enc_domain, parse_name, spid_of_name
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +59,36 @@ def test_digits_are_ascii_only():
     # A superscript two is a digit to str.isdigit but not to int().
     assert parse_name.__wrapped__("0123456789ABCDEF-²+1p0@x.mmq") is None
     assert spid_of_name("0123456789ABCDEF-0+1p0@x.mmq") == "0123456789ABCDEF"
+
+
+# A name of a file as a directory could hold it: no "/" or NUL, under 256 bytes.
+stray_names = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\0"),
+                      min_size=1, max_size=40).filter(lambda n: n not in (".", ".."))
+our_names = st.builds(lambda spid, idx0, n, prio, domain: f"{spid}-{idx0}+{n}p{prio}@{domain}.mmq",
+                      st.text(HEX, min_size=8, max_size=32), st.integers(0, 999_999),
+                      st.integers(0, 999_999), st.sampled_from([0, 1]),
+                      st.sampled_from(["a.example", "b.example", "%C3%A9.example", "x\ny"]))
+
+
+@given(st.sets(st.one_of(our_names, our_names, stray_names), max_size=30), st.data())
+def test_a_directory_is_counted_as_its_names_one_by_one(names, data):
+    parsed = [p for p in map(parse_name.__wrapped__, names) if p is not None]
+    domain = data.draw(st.one_of(st.none(), st.sampled_from([p.domain for p in parsed] or
+                                                            ["a.example"])))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            Path(tmp, name).touch()
+        n, spids = count_names(Path(tmp), domain)
+    kept = [p for p in parsed if domain is None or p.domain == domain]
+    assert n == sum(p.n for p in kept)
+    assert sorted(s.decode() for s in spids) == sorted(p.spid for p in kept)
+
+
+def test_a_missing_directory_counts_nothing(tmp_path):
+    assert count_names(tmp_path / "gone") == (0, [])
+    (tmp_path / "0123456789ABCDEF-0+3p0@a.example.mmq").touch()
+    (tmp_path / "0123456789ABCDEF-3+2p1@b.example.mmq").touch()
+    (tmp_path / "0123456789ABCDEF-5+1p0@b.example.mmq.tmp").touch()
+    assert count_names(tmp_path) == (5, [b"0123456789ABCDEF"] * 2)
+    assert count_names(tmp_path, "b.example") == (2, [b"0123456789ABCDEF"])
+    assert os.listdir(tmp_path)  # the files are still there: counting touches nothing

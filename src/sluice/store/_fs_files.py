@@ -2,7 +2,8 @@
 
 SUMMARY
     Control, Meta, Rcpt (one control file and its parts), Name and
-    parse_name (what a file name tells), read_control, write_file,
+    parse_name (what a file name tells), count_names (a directory's
+    recipients and SPIDs from its names), read_control, write_file,
     NameFilter, STATE_DIRS.
 
 DESCRIPTION
@@ -18,7 +19,9 @@ STRATEGIES
     string operations it replaced cost) and cached: a refill lists the
     same names batch after batch.  A listing or a count of a million
     names goes around the cache, and a walk that only sorts by SPID
-    builds no Name (spid_of_name).
+    builds no Name (spid_of_name).  A count parses no name one by one:
+    count_names lists a directory as bytes and runs one pattern over its
+    names joined by line breaks (0.9 s for a million names against 3 s).
 
     Files are read with orjson: half of what the standard library's
     decoder costs on a control file, which is most of a listing of a
@@ -30,6 +33,7 @@ SEE ALSO
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -98,6 +102,42 @@ def parse_name(name: str) -> Name | None:
         return None
     spid, idx0, n, prio, domain = m.groups()
     return Name(spid, int(idx0), int(n), int(prio), domain)
+
+
+#: Control files' names one a line, as bytes: SPID and recipients (count_names).
+_NAME_LINES = rb"^([0-9A-F]{8,32})-[0-9]{1,6}\+([0-9]{1,6})p[01]@%s\.mmq$"
+
+
+@functools.lru_cache(maxsize=64)
+def _names_of_domain(domain: str | None) -> re.Pattern[bytes]:
+    """The pattern of count_names: any domain, or this encoded one."""
+    any_or_this = rb"[^\n]*" if domain is None else re.escape(domain.encode())
+    return re.compile(_NAME_LINES % any_or_this, re.M)
+
+
+def count_names(path: Path, domain: str | None = None) -> tuple[int, list[bytes]]:
+    """The recipients in a directory's control files and their SPIDs (as bytes), by name.
+
+    The answer parse_name gives name by name, with ``domain`` (encoded, as
+    NameFilter has it) only the files of that domain; a missing directory
+    has none.  One listing as bytes and one pass of a pattern over the
+    names joined by line breaks: no string or Name a file.  A directory
+    with a name holding a line break (none of ours) is parsed name by name.
+    """
+    try:
+        names = os.listdir(os.fsencode(path))
+    except FileNotFoundError:
+        return 0, []
+    except OSError as exc:
+        raise StorageError(f"cannot list {path}: {exc}") from exc
+    text = b"\n".join(names)
+    if text.count(b"\n") != max(len(names) - 1, 0):
+        parsed = [p for p in map(parse_name.__wrapped__, map(os.fsdecode, names))
+                  if p is not None and (domain is None or p.domain == domain)]
+        return sum(p.n for p in parsed), [p.spid.encode() for p in parsed]
+    found = _names_of_domain(domain).findall(text)
+    by_n = collections.Counter([n for _, n in found])
+    return sum(int(n) * k for n, k in by_n.items()), [spid for spid, _ in found]
 
 
 def spid_of_name(name: str) -> str | None:

@@ -46,6 +46,7 @@ from sluice.store._fs_files import (
     Control,
     Name,
     NameFilter,
+    count_names,
     listdir,
     names_suffice,
     page_rows,
@@ -53,7 +54,6 @@ from sluice.store._fs_files import (
     read_control,
     read_page,
     rows_of_page,
-    scandir,
     spid_of_name,
     state_of,
 )
@@ -366,25 +366,20 @@ class Reading:
             if tally is not None:
                 return Counts(by_state=dict(tally.by_state), messages=tally.messages)
         by_state = {s: 0 for s in QueueState}
-        spids: set[str] = set()
         if selector is None or selector.is_empty or names_suffice(selector):
             states = tuple(QueueState) if selector is None or not selector.states \
                 else selector.states
-            may_match = NameFilter(selector)
+            domain = NameFilter(selector).domain
             with self._rw.reading():
                 rel_dirs = self._dirs(states)
+            spid_bytes: set[bytes] = set()
             for rel_dir in rel_dirs:
-                state = state_of(rel_dir)
-                n = 0
                 with self._rw.reading():
-                    for name in scandir(self.root / rel_dir):
-                        # A million names: not through parse_name's cache.
-                        parsed = parse_name.__wrapped__(name)
-                        if parsed is not None and may_match(parsed):
-                            n += parsed.n
-                            spids.add(parsed.spid)
-                by_state[state] += n
-            return Counts(by_state=by_state, messages=len(spids))
+                    n, of = count_names(self.root / rel_dir, domain)
+                by_state[state_of(rel_dir)] += n
+                spid_bytes.update(of)
+            return Counts(by_state=by_state, messages=len(spid_bytes))
+        spids: set[str] = set()
         states = selector.states or tuple(QueueState)
         for ctrl in self._controls(states, selector):
             for e in ctrl.entries():
