@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/e2e.py [--runs 5] [--n 20000] [--sessions 20]
                                   [--configs base,big,rcpt5] [--no-postfix]
-                                  [--sync-method fsync|syncfs] [--profile DIR]
+                                  [--sync-method fsync|syncfs] [--store sqlite|fs|kv] [--profile DIR]
     .venv/bin/python bench/e2e.py --configs base,many      # 1 vs 10,000 destinations
 
 Both MTAs are measured with the shared harness in ../shared/bench (run from
@@ -118,6 +118,7 @@ def wait_port_free(port: int, timeout: float = 30) -> None:
 
 SYNC_METHOD = "fsync"  # queue.spool.sync_method for Sluice's runs (--sync-method)
 RECEIVERS = 0  # smtpd.processes for Sluice's runs (--receivers; 0 = the default)
+STORE = "sqlite"  # queue.store for Sluice's runs (--store)
 
 
 def sluice_config(work: Path, port: int, sink_port: int, cfg: dict[str, int]) -> str:
@@ -128,7 +129,7 @@ def sluice_config(work: Path, port: int, sink_port: int, cfg: dict[str, int]) ->
     else:
         transport = f"{{'*': 'smtp:[127.0.0.1]:{sink_port}'}}"
     return ("node: {hostname: mta.sluice.test, id: bench}\n"
-            f"queue: {{path: {work}/queue, spool: {{rootpath: {work}/spool, "
+            f"queue: {{path: {work}/queue, store: {STORE}, spool: {{rootpath: {work}/spool, "
             f"sync_method: {SYNC_METHOD}}}}}\n"
             f"accounting: {{path: {work}/log}}\n"
             f"smtpd: {{listen: ['127.0.0.1:{port}'], processes: {RECEIVERS}}}\n"
@@ -307,6 +308,8 @@ def main() -> None:
                     help="Sluice's queue.spool.sync_method (both keep fsync before 250)")
     ap.add_argument("--receivers", type=int, default=0,
                     help="Sluice's smtpd.processes (receiving processes; 0 = one per core but one)")
+    ap.add_argument("--store", choices=("sqlite", "fs", "kv"), default="sqlite",
+                    help="Sluice's queue.store (the flavour of its queue)")
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds the harness waits for an idle box before each run")
     ap.add_argument("--profile", type=Path, metavar="DIR",
@@ -333,9 +336,10 @@ def main() -> None:
               "many-destinations configs; every run of this sitting is inside", flush=True)
     results: dict[str, dict[str, list[dict[str, str]]]] = {}
     shares: dict[str, float] = {}
-    global SYNC_METHOD, RECEIVERS
+    global SYNC_METHOD, RECEIVERS, STORE
     SYNC_METHOD = args.sync_method
     RECEIVERS = args.receivers
+    STORE = args.store
     for name in names:
         cfg = CONFIGS[name]
         results[name] = {"sluice": [], "postfix": []}

@@ -138,7 +138,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quiet-wait", type=int, default=5,
                     help="seconds the driver waits for an idle machine before each run")
+    ap.add_argument("--store", choices=("sqlite", "fs", "kv"), default="sqlite",
+                    help="Sluice's queue.store, as bench/e2e.py --store")
     args = ap.parse_args()
+    e2e.STORE = args.store
     for name in args.configs.split(","):
         if name not in e2e.CONFIGS or e2e.CONFIGS[name].get("hops"):
             raise SystemExit(f"--configs: {name!r} is not one of base, big, rcpt5")
