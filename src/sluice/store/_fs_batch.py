@@ -381,6 +381,30 @@ class Batch:
                         out[spid].append(ctrl)
         return out
 
+    def locate_known(self, wanted: dict[str, set[int]], known: dict[str, set[str]],
+                     states: Iterable[QueueState]
+                     ) -> tuple[dict[str, list[Control]], set[str]]:
+        """Control files of ``wanted`` SPIDs read where ``known`` says; the rest to locate().
+
+        A SPID's files count as found when they hold every wanted index.
+        ``known`` is where this process last put each SPID's files in
+        ``states`` (FsStore notes it after each commit): reading those few
+        files answers without listing a directory of thousands.  A file
+        gone, moved or split by another process leaves an index unfound,
+        and that SPID is looked up by listing, as before.
+        """
+        dirs = set(self.state_dirs(states))
+        found: dict[str, list[Control]] = {}
+        rest: set[str] = set()
+        for spid, idxs in wanted.items():
+            ctrls = [ctrl for path in sorted(known.get(spid, ()))
+                     if path.rsplit("/", 1)[0] in dirs and (ctrl := self.load(path)) is not None]
+            if ctrls and idxs <= {r.idx for c in ctrls for r in c.rcpts}:
+                found[spid] = ctrls
+            else:
+                rest.add(spid)
+        return found, rest
+
     # -- changing -----------------------------------------------------------------------
 
     def _place(self, ctrl: Control) -> str:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sluice.model import QueueState
+from sluice.model import IN_FLIGHT_STATES, QueueState
 from sluice.spool import SpoolFile
 from sluice.spool.fs import FsSpool
 from sluice.store import ORPHAN_AGE_S, StorageError
@@ -50,6 +50,7 @@ from sluice.store._fs_files import (
     Control,
     listdir,
     read_control,
+    spid_of_name,
     unlink,
     write_file,
 )
@@ -63,6 +64,39 @@ log = logging.getLogger(__name__)
 def new_messages(view: Batch, fx: Effects) -> set[str]:
     """The batch's submissions that have a control file at its end (its content linked)."""
     return set(view.new_spids) & {spid for spid, _ in fx.ref_adds}
+
+
+#: The state directories of entries in flight, whose files note_in_flight keeps.
+IN_FLIGHT_DIRS = frozenset(STATE_DIRS[s] for s in IN_FLIGHT_STATES)
+#: Past this many SPIDs the notes are dropped (only another process's moves leave stale ones).
+IN_FLIGHT_NOTES_MAX = 100_000
+
+
+def note_in_flight(notes: dict[str, set[str]], fx: Effects) -> None:
+    """Keep ``notes`` (SPID -> its files in active/ and delivering/) up with a committed batch.
+
+    The queue manager's outcomes and marks name entries in flight; their
+    files are where this process's own claims and marks put them, so a
+    batch reads those (Batch.locate_known) instead of listing a directory
+    of up to ``maxmemoryqueue`` files.  A note is only a hint: a file
+    another process moved is looked for by listing.
+    """
+    if len(notes) > IN_FLIGHT_NOTES_MAX:
+        notes.clear()
+    for path in itertools.chain((src for src, _ in fx.moves), (rel for rel, _ in fx.unlinks)):
+        rel_dir, name = path.rsplit("/", 1)
+        spid = spid_of_name(name) if rel_dir in IN_FLIGHT_DIRS else None
+        if spid is not None and (paths := notes.get(spid)) is not None:
+            paths.discard(path)
+            if not paths:
+                del notes[spid]
+    for ctrl, path in fx.creates:
+        if path.rsplit("/", 1)[0] in IN_FLIGHT_DIRS:
+            notes.setdefault(ctrl.spid, set()).add(path)
+    for _, path in fx.moves:
+        rel_dir, name = path.rsplit("/", 1)
+        if rel_dir in IN_FLIGHT_DIRS and (spid := spid_of_name(name)) is not None:
+            notes.setdefault(spid, set()).add(path)
 
 
 class LateFailure(OSError):
@@ -82,6 +116,7 @@ class Committing:
     _seq_cache: tuple[int, int]
     _counts: CountsFile
     _watch: Watch | None  # while a check lists the tree (sluice.store._fs_check)
+    _in_flight: dict[str, set[str]]  # SPID -> paths in active/ and delivering/ (note_in_flight)
 
     if TYPE_CHECKING:  # Layout's, through FsStore
         def dir_for(self, ctrl: Control) -> str: ...
@@ -218,15 +253,18 @@ class Committing:
         except LateFailure as exc:
             # Some of the batch may be in place (or will be, by its journal):
             # keep every spool file; recover() removes the ones nobody uses.
+            self._in_flight.clear()
             err = StorageError(f"queue commit failed: {exc.__cause__ or exc}")
             for op in batch:
                 if not op.future.done():
                     op.future.set_exception(err)
             return
         except OSError as exc:
+            self._in_flight.clear()
             err = StorageError(f"queue commit failed: {exc.strerror or exc}")
             self._fail(batch, err)
             return
+        note_in_flight(self._in_flight, fx)
         for op in failed:
             for f in op.files:
                 self.spool.discard(f)

@@ -197,6 +197,8 @@ class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
         self._check_again = False
         self._batch_no = itertools.count()
         self._seq_cache: tuple[int, int] = (-1, 0)  # (changes.log size, last seq)
+        #: Where this process last put each SPID's files in flight (_commit_locked).
+        self._in_flight: dict[str, set[str]] = {}
         self._tenants = TenantMemo()  # SPID -> tenant, for refills
         self._due_times = DueTimes()  # of directories not wholly due: refills, due_at()
         self._oldest = OldestSpids()  # the smallest SPID of each directory, for oldest()
@@ -326,10 +328,16 @@ class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
 
         def work(view: Batch) -> set[str]:
             applied: set[str] = set()
-            # Most results are for entries in flight: look there first, and
-            # in the other directories only for what was not found.
+            # Most results are for entries in flight: look there first (where
+            # this process put them, else by listing), and in the other
+            # directories only for what was not found.
             first = [s for s in states if s in IN_FLIGHT_STATES]
-            found = view.locate(set(by_spid), first) if first else {}
+            found: dict[str, list[Control]] = {}
+            if first:
+                wanted = {spid: {idx for idx, _ in items} for spid, items in by_spid.items()}
+                found, unknown = view.locate_known(wanted, self._in_flight, first)
+                if unknown:
+                    found.update(view.locate(unknown, first))
             missing = {spid for spid, items in by_spid.items()
                        if {idx for idx, _ in items} - {r.idx for c in found.get(spid, ())
                                                        for r in c.rcpts}}
