@@ -17,19 +17,13 @@ import pytest
 import sluice.store._fs_batch as fs_batch
 from sluice.model import QueueState, Reply, Submission
 from sluice.store import Transition
-from sluice.store.fs import FsStore
-from tests.integration.stores import open_flavour, spy_dirs
+from tests.integration.stores import spy_dirs
+from tests.integration.test_store_fs import open_fs
 
 pytestmark = pytest.mark.integration
 
 T0 = 1_800_000_000.0
 S = QueueState
-
-
-def open_fs(tmp: Path) -> FsStore:
-    store = open_flavour("fs", tmp)
-    assert isinstance(store, FsStore)
-    return store
 
 
 def test_marks_and_outcomes_list_no_directory_in_flight(
