@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/e2e.py [--runs 5] [--n 20000] [--sessions 20]
                                   [--configs base,big,rcpt5] [--no-postfix]
-                                  [--sync-method fsync|syncfs] [--store sqlite|fs|kv] [--profile DIR]
+                                  [--sync-method fsync|syncfs] [--store sqlite|fs|kv]
+                                  [--profile DIR]
     .venv/bin/python bench/e2e.py --configs base,many      # 1 vs 10,000 destinations
 
 Both MTAs are measured with the shared harness in ../shared/bench (run from
