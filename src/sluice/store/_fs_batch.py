@@ -444,19 +444,31 @@ class Batch:
         return moved
 
     def swap(self, originals: Sequence[Control], news: Sequence[Control]) -> None:
-        """Turn the ``originals`` of one message into ``news`` with the fewest changes."""
+        """Turn the ``originals`` of one message into ``news`` with the fewest changes.
+
+        Every original that goes is removed before anything is placed: a
+        name tells the first recipient and how many, not which, so a new
+        file ({0, 1}) may take the name of one that goes ({0, 3}), and
+        removing that one afterwards would remove the new one.
+        """
         left = {frozenset(r.idx for r in o.rcpts): o for o in originals}
+        kept: list[tuple[Control, Control]] = []
+        written: list[Control] = []
         for new in news:
             match = left.pop(frozenset(r.idx for r in new.rcpts), None)
             if match is not None and match.same_content(new) and match.domain == new.domain:
-                if match.state is not new.state:
-                    self.move(match, new.state)
+                kept.append((match, new))
                 continue
             if match is not None:
                 self.remove(match)
-            self.write(new)
+            written.append(new)
         for orphan in left.values():
             self.remove(orphan)
+        for match, new in kept:
+            if match.state is not new.state:
+                self.move(match, new.state)
+        for new in written:
+            self.write(new)
 
     def add_message(self, spid: str) -> None:
         """A submission's message, for the totals."""
