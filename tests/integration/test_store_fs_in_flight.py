@@ -102,8 +102,7 @@ def test_an_outcome_keeps_the_recipients_still_being_delivered(tmp_path: Path) -
                             Transition(q[3], S.DELIVERING, expect=(S.ACTIVE,))], durable=False)
         assert store.apply([Transition(q[1], S.DELIVERING, expect=(S.ACTIVE,))], durable=False)
         assert store.apply([Transition(q[3], None, expect=(S.ACTIVE, S.DELIVERING))]) == {q[3]}
-        states = {e.qid: e.state for e in store.entries(Selector())}
-        assert states == {q[0]: S.DELIVERING, q[1]: S.DELIVERING, q[2]: S.ACTIVE}
+        assert states_of(store) == {q[0]: S.DELIVERING, q[1]: S.DELIVERING, q[2]: S.ACTIVE}
         check_tree(store)
     finally:
         store.close()

@@ -325,6 +325,7 @@ class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
                 raise ValueError(f"a transition needs a full queue id, not {t.qid!r}")
             by_spid[spid].append((idx, t))
         states = self._states_of(transitions)
+        wanted = {spid: {idx for idx, _ in items} for spid, items in by_spid.items()}
 
         def work(view: Batch) -> set[str]:
             applied: set[str] = set()
@@ -334,13 +335,11 @@ class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
             first = [s for s in states if s in IN_FLIGHT_STATES]
             found: dict[str, list[Control]] = {}
             if first:
-                wanted = {spid: {idx for idx, _ in items} for spid, items in by_spid.items()}
                 found, unknown = view.locate_known(wanted, self._in_flight, first)
                 if unknown:
                     found.update(view.locate(unknown, first))
-            missing = {spid for spid, items in by_spid.items()
-                       if {idx for idx, _ in items} - {r.idx for c in found.get(spid, ())
-                                                       for r in c.rcpts}}
+            missing = {spid for spid, idxs in wanted.items()
+                       if idxs - {r.idx for c in found.get(spid, ()) for r in c.rcpts}}
             rest = [s for s in states if s not in IN_FLIGHT_STATES]
             if missing and rest:
                 for spid, ctrls in view.locate(missing, rest).items():
