@@ -76,6 +76,45 @@ def test_two_processes_share_the_port_and_stop_on_sigterm(tmp_path: Path) -> Non
             assert f"SMTP id {entry.spid}".encode() in head
 
 
+POOL_CHILD = textwrap.dedent('''
+    """Starts a pool of two from a Config (by value) and prints its children."""
+    import json, os, sys
+    from pathlib import Path
+    from sluice.config import load_config
+    from sluice.smtpd import ReceiverPool
+
+    def children():
+        out = set()
+        for task in Path("/proc/self/task").iterdir():
+            out |= {int(p) for p in (task / "children").read_text().split()}
+        return out
+
+    pool = ReceiverPool(load_config(sys.argv[1]), 2)
+    pool.start()
+    try:
+        print(json.dumps({"pool": pool.pids, "children": sorted(children()),
+                          "alive": pool.alive()}))
+    finally:
+        codes = pool.stop(grace_s=10)
+    print(json.dumps({"codes": codes, "children": sorted(children())}))
+''')
+
+
+def test_the_pool_starts_its_receivers_and_no_other_process(tmp_path: Path) -> None:
+    # multiprocessing's spawn would add its resource tracker, one more
+    # process for a SIGKILL to tear down before the queue manager's
+    # connections close (the pool's module doc).
+    cfg_path = write_config(tmp_path, smtpd={"listen": [f"{HOST}:{free_port()}"]})
+    out = subprocess.run([sys.executable, "-c", POOL_CHILD, str(cfg_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    started, stopped = (json.loads(line) for line in out.stdout.splitlines())
+    assert len(set(started["pool"])) == 2
+    assert started["children"] == sorted(started["pool"])
+    assert started["alive"] == [True, True]
+    assert stopped == {"codes": [0, 0], "children": []}
+
+
 def cpu_ticks(pid: int) -> int:
     """User and system CPU time of a process, in clock ticks."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

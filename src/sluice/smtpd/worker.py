@@ -12,8 +12,7 @@ DESCRIPTION
     accepting from the same listening socket uses the second core.  The
     pool's owner binds the sockets once (sluice.smtpd.server.bind_listeners,
     without SO_REUSEPORT, so the port is this pool's alone) and every
-    process inherits them: multiprocessing passes a socket given as a
-    process argument as a file descriptor.  Each process opens
+    process inherits them as file descriptors.  Each process opens
     its own Queue on the configured store, which must allow several
     processes (Store.shared_access, true for SQLite and PostgreSQL).  A
     store that does not (LevelDB) is opened by one process only: then
@@ -25,12 +24,25 @@ DESCRIPTION
     SIGTERM or SIGINT, stops gracefully and closes the queue.  It uses
     uvloop when it is installed.
 
-    ReceiverPool starts and stops a set of them with multiprocessing's
-    "spawn" method: the parent may have threads (a store's committer, the
-    scheduler), and forking a process with threads copies locks in
-    whatever state they were.
+    ReceiverPool starts and stops a set of them as new interpreters
+    (subprocess, not fork: the parent may have threads -- a store's
+    committer, the scheduler -- and forking a process with threads copies
+    locks in whatever state they were).  A child reads its start on stdin:
+    the parent's sys.path as one JSON line, then a pickled _Start (the
+    configuration, its share, the parent's pid, the descriptors of its
+    sockets and of the pipe it reports on).  It reports one JSON line on
+    that pipe, ("ready", pid, addresses) or ("error", pid, message).
 
 STRATEGIES
+    No resource tracker.  multiprocessing's spawn starts one more Python
+    process beside the pool, multiprocessing's resource tracker, and a
+    SIGKILL of ``sluice serve``'s process group then tears it down beside
+    the queue manager on the same cores: on an idle machine the manager's
+    first connection closed 5.6-7.1 ms after the kill with it, 4.0-6.0 ms
+    without it (bench/kill_teardown.py, PostgreSQL).  A next hop's reply in
+    that time is a delivery sent again after the restart (docs/queue.md,
+    window 1), so the pool starts its processes itself.
+
     Die with the parent.  A receiver asks the kernel (PR_SET_PDEATHSIG) for
     SIGTERM when its parent dies, so a killed ``sluice serve`` does not
     leave receivers holding the port; they stop gracefully like on any
@@ -51,14 +63,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
+import pickle
+import select
 import signal
 import socket
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +126,18 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+class _ReadyPipe:
+    """A child's end of its report pipe: one JSON line a message."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+
 def _tell(ready: Any, message: tuple[Any, ...]) -> None:
     if ready is None:
         return
@@ -137,9 +164,9 @@ def run_receiver_process(config: Config | str | os.PathLike[str] | None = None,
                          sockets: list[socket.socket] | None = None) -> int:
     """Serve SMTP in this process until SIGTERM/SIGINT; returns the exit status.
 
-    ``ready`` is a multiprocessing Connection, which receives
-    ("ready", pid, [(host, port), ...]) or ("error", pid, message), or an
-    Event-like object that is set once listening.  ``share`` is the number
+    ``ready`` has ``send``, which receives ("ready", pid, [(host, port),
+    ...]) or ("error", pid, message), or is an Event-like object that is
+    set once listening.  ``share`` is the number
     of receiving processes (for the connection limits).  ``sockets`` are
     listening sockets to serve on; without them ``smtpd.listen`` is bound here.
     """
@@ -184,11 +211,35 @@ async def _serve(config: Config, ready: Any, share: int,
 
 def _process_main(config: Config | str, ready: Any, share: int, parent_pid: int,
                   sockets: list[socket.socket]) -> None:
-    # multiprocessing ignores a target's return value; the status is the exit code.
+    # The status is the exit code.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the loop installs its handler
     _gc.for_serving()
     sys.exit(run_receiver_process(config, ready, share=share, parent_pid=parent_pid,
                                   sockets=sockets))
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """What a receiving process is started with (pickled on its stdin)."""
+
+    config: Config | str
+    share: int
+    parent_pid: int
+    ready_fd: int
+    socket_fds: tuple[int, ...]
+
+
+#: A child's first line: the parent's sys.path, so that it imports what the parent did.
+_CHILD = ("import json, sys; sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
+          "from sluice.smtpd.worker import _child_main; _child_main()")
+
+
+def _child_main() -> None:
+    """The body of a process ReceiverPool started: read the start, then serve."""
+    start: _Start = pickle.load(sys.stdin.buffer)
+    sockets = [socket.socket(fileno=fd) for fd in start.socket_fds]
+    _process_main(start.config, _ReadyPipe(start.ready_fd), start.share, start.parent_pid,
+                  sockets)
 
 
 class ReceiverPool:
@@ -207,15 +258,14 @@ class ReceiverPool:
         self.config: Config | str = config if isinstance(config, Config) else str(Path(config))
         self.processes = processes
         self.start_timeout_s = start_timeout_s
-        self._ctx = multiprocessing.get_context("spawn")
-        self._procs: list[Any] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
         self._addresses: list[tuple[str, int]] = []
         self._sockets = sockets
 
     @property
     def pids(self) -> list[int]:
         """The process ids of the receiving processes started."""
-        return [p.pid for p in self._procs if p.pid is not None]
+        return [p.pid for p in self._procs]
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -224,7 +274,7 @@ class ReceiverPool:
 
     def alive(self) -> list[bool]:
         """Whether each receiving process is alive, in start order."""
-        return [p.is_alive() for p in self._procs]
+        return [p.poll() is None for p in self._procs]
 
     def start(self) -> list[tuple[str, int]]:
         """Start every process and wait until each listens; ReceiverError if one fails."""
@@ -234,18 +284,30 @@ class ReceiverPool:
         if sockets is None:
             cfg = self.config if isinstance(self.config, Config) else load_config(self.config)
             sockets = bind_listeners(listen_addresses(cfg), cfg.smtpd.backlog)
-        pipes = []
+        pipes: list[int] = []
         try:
-            for i in range(self.processes):
-                parent_end, child_end = self._ctx.Pipe(duplex=False)
-                proc = self._ctx.Process(
-                    target=_process_main, name=f"sluice-receiver-{i}",
-                    args=(self.config, child_end, self.processes, os.getpid(), sockets),
-                    daemon=False)
-                proc.start()
-                child_end.close()
+            fds = tuple(sock.fileno() for sock in sockets)
+            head = (json.dumps(sys.path) + "\n").encode()
+            for _ in range(self.processes):
+                read_fd, write_fd = os.pipe()
+                pipes.append(read_fd)
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                        pass_fds=(write_fd, *fds))
+                finally:
+                    os.close(write_fd)
                 self._procs.append(proc)
-                pipes.append(parent_end)
+                assert proc.stdin is not None
+                # A child that died at once says so below (its exit status).
+                with contextlib.suppress(BrokenPipeError), proc.stdin:
+                    proc.stdin.write(head + pickle.dumps(
+                        _Start(self.config, self.processes, os.getpid(), write_fd, fds)))
+        except BaseException:
+            for fd in pipes:
+                os.close(fd)
+            self.stop(grace_s=10.0)
+            raise
         finally:
             # Each process has its own descriptors now; the port stays open
             # while any of them listens.
@@ -255,7 +317,7 @@ class ReceiverPool:
         problem: str | None = None
         for proc, pipe in zip(self._procs, pipes, strict=True):
             message = self._wait_message(proc, pipe, deadline)
-            pipe.close()
+            os.close(pipe)
             if message[0] == "ready":
                 for addr in message[2]:
                     if tuple(addr) not in self._addresses:
@@ -268,23 +330,27 @@ class ReceiverPool:
             raise ReceiverError(problem)
         return self.addresses
 
-    def _wait_message(self, proc: Any, pipe: multiprocessing.connection.Connection,
-                      deadline: float) -> tuple[Any, ...]:
+    def _wait_message(self, proc: subprocess.Popen[bytes], pipe: int, deadline: float
+                      ) -> tuple[Any, ...]:
+        data = b""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return ("error", proc.pid, f"receiver {proc.pid} did not start in "
                         f"{self.start_timeout_s:.0f} s")
-            if pipe.poll(min(left, 0.2)):
-                try:
-                    message: tuple[Any, ...] = pipe.recv()
-                except EOFError:
-                    message = ("error", proc.pid, f"receiver {proc.pid} exited "
-                               f"(status {proc.exitcode}) before it was ready")
-                return message
-            if not proc.is_alive():
-                return ("error", proc.pid,
-                        f"receiver {proc.pid} exited (status {proc.exitcode}) before it was ready")
+            if select.select([pipe], [], [], min(left, 0.2))[0]:
+                chunk = os.read(pipe, 65536)
+                data += chunk
+                if b"\n" in data:
+                    return tuple(json.loads(data.split(b"\n", 1)[0]))
+                if not chunk:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(1.0)
+                    return ("error", proc.pid, f"receiver {proc.pid} exited "
+                            f"(status {proc.returncode}) before it was ready")
+            elif proc.poll() is not None:
+                return ("error", proc.pid, f"receiver {proc.pid} exited "
+                        f"(status {proc.returncode}) before it was ready")
 
     def stop(self, grace_s: float | None = None) -> list[int | None]:
         """SIGTERM every process and wait; SIGKILL what is left after the grace period.
@@ -296,20 +362,20 @@ class ReceiverPool:
             cfg = self.config if isinstance(self.config, Config) else None
             grace_s = (cfg.smtpd.shutdown_timeout if cfg else 30.0) + 10.0
         for proc in self._procs:
-            if proc.is_alive() and proc.pid is not None:
+            if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
+                    proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
-            if proc.is_alive():
+            if proc.poll() is None:
                 log.warning("receiver %s did not stop in time; killing it", proc.pid)
                 proc.kill()
-                proc.join(5.0)
-        codes = [proc.exitcode for proc in self._procs]
-        for proc in self._procs:
-            proc.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5.0)
+        codes = [proc.returncode for proc in self._procs]
         self._procs = []
         return codes
 
