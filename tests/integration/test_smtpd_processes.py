@@ -77,8 +77,13 @@ def test_two_processes_share_the_port_and_stop_on_sigterm(tmp_path: Path) -> Non
 
 
 POOL_CHILD = textwrap.dedent('''
-    """Starts a pool of two from a Config (by value) and prints its children."""
-    import json, os, sys
+    """Starts a pool of two from a Config (by value) and prints its children.
+
+    argv[2]: "plain"; "high-fds", with 1,100 descriptors open first (select()
+    fails above 1023); "no-stdin", with fd 0 closed, so that the pool's own
+    listening socket is fd 0.
+    """
+    import json, os, resource, sys
     from pathlib import Path
     from sluice.config import load_config
     from sluice.smtpd import ReceiverPool
@@ -89,29 +94,45 @@ POOL_CHILD = textwrap.dedent('''
             out |= {int(p) for p in (task / "children").read_text().split()}
         return out
 
+    held = []
+    if sys.argv[2] == "high-fds":
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < 2048 and (hard == resource.RLIM_INFINITY or hard >= 2048):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+        held = [os.dup(2) for _ in range(1100)]
+    elif sys.argv[2] == "no-stdin":
+        os.close(0)
     pool = ReceiverPool(load_config(sys.argv[1]), 2)
     pool.start()
     try:
         print(json.dumps({"pool": pool.pids, "children": sorted(children()),
-                          "alive": pool.alive()}))
+                          "alive": pool.alive(), "max_fd": max(held, default=0),
+                          "argv": [Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+                                   .split("\\0") for pid in pool.pids]}))
     finally:
         codes = pool.stop(grace_s=10)
     print(json.dumps({"codes": codes, "children": sorted(children())}))
 ''')
 
 
-def test_the_pool_starts_its_receivers_and_no_other_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["plain", "high-fds", "no-stdin"])
+def test_the_pool_starts_its_receivers_and_no_other_process(tmp_path: Path, case: str) -> None:
     # multiprocessing's spawn would add its resource tracker, one more
     # process for a SIGKILL to tear down before the queue manager's
     # connections close (the pool's module doc).
-    cfg_path = write_config(tmp_path, smtpd={"listen": [f"{HOST}:{free_port()}"]})
-    out = subprocess.run([sys.executable, "-c", POOL_CHILD, str(cfg_path)],
-                         capture_output=True, text=True, timeout=120)
+    port = free_port()
+    cfg_path = write_config(tmp_path, smtpd={"listen": [f"{HOST}:{port}"]})
+    out = subprocess.run([sys.executable, "-W", "ignore::FutureWarning", "-c", POOL_CHILD,
+                          str(cfg_path), case], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     started, stopped = (json.loads(line) for line in out.stdout.splitlines())
     assert len(set(started["pool"])) == 2
     assert started["children"] == sorted(started["pool"])
     assert started["alive"] == [True, True]
+    if case == "high-fds":
+        assert started["max_fd"] > 1100
+    for argv in started["argv"]:  # the interpreter's options go along, as with spawn
+        assert "-Wignore::FutureWarning" in argv, argv
     assert stopped == {"codes": [0, 0], "children": []}
 
 

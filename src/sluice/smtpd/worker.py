@@ -27,11 +27,12 @@ DESCRIPTION
     ReceiverPool starts and stops a set of them as new interpreters
     (subprocess, not fork: the parent may have threads -- a store's
     committer, the scheduler -- and forking a process with threads copies
-    locks in whatever state they were).  A child reads its start on stdin:
-    the parent's sys.path as one JSON line, then a pickled _Start (the
-    configuration, its share, the parent's pid, the descriptors of its
-    sockets and of the pipe it reports on).  It reports one JSON line on
-    that pipe, ("ready", pid, addresses) or ("error", pid, message).
+    locks in whatever state they were), with the parent's interpreter
+    options.  A child reads its start on a pipe of its own: the parent's
+    sys.path as one JSON line, then a pickled _Start (the configuration,
+    its share, the parent's pid, the descriptors of its sockets).  It
+    reports one JSON line on another pipe, ("ready", pid, addresses) or
+    ("error", pid, message).
 
 STRATEGIES
     No resource tracker.  multiprocessing's spawn starts one more Python
@@ -133,9 +134,13 @@ class _ReadyPipe:
         self.fd = fd
 
     def send(self, message: tuple[Any, ...]) -> None:
-        data = (json.dumps(message) + "\n").encode()
-        while data:
-            data = data[os.write(self.fd, data):]
+        _write_all(self.fd, (json.dumps(message) + "\n").encode())
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _tell(ready: Any, message: tuple[Any, ...]) -> None:
@@ -220,26 +225,63 @@ def _process_main(config: Config | str, ready: Any, share: int, parent_pid: int,
 
 @dataclass(frozen=True, slots=True)
 class _Start:
-    """What a receiving process is started with (pickled on its stdin)."""
+    """What a receiving process is started with (pickled on its start pipe)."""
 
     config: Config | str
     share: int
     parent_pid: int
-    ready_fd: int
     socket_fds: tuple[int, ...]
 
 
-#: A child's first line: the parent's sys.path, so that it imports what the parent did.
-_CHILD = ("import json, sys; sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
-          "from sluice.smtpd.worker import _child_main; _child_main()")
+#: A child's program, run with -P (no working directory on sys.path): its
+#: start pipe's first line is the parent's sys.path, so that it imports what
+#: the parent did; argv holds the start pipe's and the report pipe's fds.
+_CHILD = ("import json, os, sys; start = os.fdopen(int(sys.argv[1]), 'rb'); "
+          "sys.path[:] = json.loads(start.readline()); "
+          "from sluice.smtpd.worker import _child_main; _child_main(start, int(sys.argv[2]))")
 
 
-def _child_main() -> None:
+def _child_main(start_pipe: Any, report_fd: int) -> None:
     """The body of a process ReceiverPool started: read the start, then serve."""
-    start: _Start = pickle.load(sys.stdin.buffer)
+    with start_pipe:
+        start: _Start = pickle.load(start_pipe)
+    os.set_inheritable(report_fd, False)
     sockets = [socket.socket(fileno=fd) for fd in start.socket_fds]
-    _process_main(start.config, _ReadyPipe(start.ready_fd), start.share, start.parent_pid,
-                  sockets)
+    for sock in sockets:  # nothing the receiver runs holds the port
+        sock.set_inheritable(False)
+    _process_main(start.config, _ReadyPipe(report_fd), start.share, start.parent_pid, sockets)
+
+
+def _interpreter_flags() -> list[str]:
+    """This interpreter's options that a child shares (as multiprocessing's spawn passed them)."""
+    flags = sys.flags
+    out = ["-P"]
+    if flags.isolated:
+        out.append("-I")
+    else:
+        if flags.ignore_environment:
+            out.append("-E")
+        if flags.no_user_site:
+            out.append("-s")
+    if flags.dont_write_bytecode:
+        out.append("-B")
+    if flags.optimize:
+        out.append("-" + "O" * flags.optimize)
+    out += [f"-W{w}" for w in sys.warnoptions]
+    out += [f"-X{k}" if v is True else f"-X{k}={v}" for k, v in sys._xoptions.items()]
+    return out
+
+
+def _report(pid: int, line: bytes) -> tuple[Any, ...]:
+    """A child's report line as ("ready", pid, addresses) or ("error", pid, message)."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        message = None
+    if (isinstance(message, list) and len(message) == 3
+            and message[0] in ("ready", "error")):
+        return tuple(message)
+    return ("error", pid, f"receiver {pid} reported {line[:200]!r}")
 
 
 class ReceiverPool:
@@ -284,65 +326,82 @@ class ReceiverPool:
         if sockets is None:
             cfg = self.config if isinstance(self.config, Config) else load_config(self.config)
             sockets = bind_listeners(listen_addresses(cfg), cfg.smtpd.backlog)
-        pipes: list[int] = []
+        reports: list[int] = []
         try:
-            fds = tuple(sock.fileno() for sock in sockets)
-            head = (json.dumps(sys.path) + "\n").encode()
-            for _ in range(self.processes):
-                read_fd, write_fd = os.pipe()
-                pipes.append(read_fd)
-                try:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                        pass_fds=(write_fd, *fds))
-                finally:
-                    os.close(write_fd)
-                self._procs.append(proc)
-                assert proc.stdin is not None
-                # A child that died at once says so below (its exit status).
-                with contextlib.suppress(BrokenPipeError), proc.stdin:
-                    proc.stdin.write(head + pickle.dumps(
-                        _Start(self.config, self.processes, os.getpid(), write_fd, fds)))
+            try:
+                self._start_processes(sockets, reports)
+            finally:
+                # Each process has its own descriptors now; the port stays
+                # open while any of them listens.
+                for sock in sockets:
+                    sock.close()
+            problem = self._wait_ready(reports)
         except BaseException:
-            for fd in pipes:
-                os.close(fd)
             self.stop(grace_s=10.0)
             raise
         finally:
-            # Each process has its own descriptors now; the port stays open
-            # while any of them listens.
-            for sock in sockets:
-                sock.close()
-        deadline = time.monotonic() + self.start_timeout_s
-        problem: str | None = None
-        for proc, pipe in zip(self._procs, pipes, strict=True):
-            message = self._wait_message(proc, pipe, deadline)
-            os.close(pipe)
-            if message[0] == "ready":
-                for addr in message[2]:
-                    if tuple(addr) not in self._addresses:
-                        self._addresses.append((str(addr[0]), int(addr[1])))
-            elif problem is None:
-                problem = str(message[2])
+            for fd in reports:
+                os.close(fd)
         if problem is not None:
             # The others are starting or serving: they stop at once on SIGTERM.
             self.stop(grace_s=10.0)
             raise ReceiverError(problem)
         return self.addresses
 
+    def _start_processes(self, sockets: list[socket.socket], reports: list[int]) -> None:
+        """Start the processes; each one's report pipe goes to ``reports`` at once."""
+        fds = tuple(sock.fileno() for sock in sockets)
+        payload = (json.dumps(sys.path) + "\n").encode() + pickle.dumps(
+            _Start(self.config, self.processes, os.getpid(), fds))
+        command = [sys.executable, *_interpreter_flags(), "-c", _CHILD]
+        for _ in range(self.processes):
+            report_r, report_w = os.pipe()
+            reports.append(report_r)
+            start_r, start_w = os.pipe()
+            try:
+                try:
+                    # No stdin redirected: a socket that is fd 0 stays fd 0.
+                    proc = subprocess.Popen([*command, str(start_r), str(report_w)],
+                                            pass_fds=(start_r, report_w, *fds))
+                finally:
+                    os.close(start_r)
+                    os.close(report_w)
+                self._procs.append(proc)
+                # A child that died at once says so in _wait_ready (its exit status).
+                with contextlib.suppress(BrokenPipeError):
+                    _write_all(start_w, payload)
+            finally:
+                os.close(start_w)
+
+    def _wait_ready(self, reports: list[int]) -> str | None:
+        """Each process's report, in order; the first problem reported, if any."""
+        deadline = time.monotonic() + self.start_timeout_s
+        problem: str | None = None
+        for proc, pipe in zip(self._procs, reports, strict=True):
+            message = self._wait_message(proc, pipe, deadline)
+            if message[0] == "ready":
+                for addr in message[2]:
+                    if tuple(addr) not in self._addresses:
+                        self._addresses.append((str(addr[0]), int(addr[1])))
+            elif problem is None:
+                problem = str(message[2])
+        return problem
+
     def _wait_message(self, proc: subprocess.Popen[bytes], pipe: int, deadline: float
                       ) -> tuple[Any, ...]:
         data = b""
+        poller = select.poll()  # not select(): a descriptor may be above 1023
+        poller.register(pipe, select.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return ("error", proc.pid, f"receiver {proc.pid} did not start in "
                         f"{self.start_timeout_s:.0f} s")
-            if select.select([pipe], [], [], min(left, 0.2))[0]:
+            if poller.poll(min(left, 0.2) * 1000):
                 chunk = os.read(pipe, 65536)
                 data += chunk
                 if b"\n" in data:
-                    return tuple(json.loads(data.split(b"\n", 1)[0]))
+                    return _report(proc.pid, data.split(b"\n", 1)[0])
                 if not chunk:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(1.0)
