@@ -95,6 +95,7 @@ POOL_CHILD = textwrap.dedent('''
         return out
 
     held = []
+    sys.path.append(Path("/nowhere"))  # not a str: the import system skips it, so must the pool
     if sys.argv[2] == "high-fds":
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < 2048 and (hard == resource.RLIM_INFINITY or hard >= 2048):

@@ -351,7 +351,8 @@ class ReceiverPool:
     def _start_processes(self, sockets: list[socket.socket], reports: list[int]) -> None:
         """Start the processes; each one's report pipe goes to ``reports`` at once."""
         fds = tuple(sock.fileno() for sock in sockets)
-        payload = (json.dumps(sys.path) + "\n").encode() + pickle.dumps(
+        path = [p for p in sys.path if isinstance(p, str)]  # import ignores the others
+        payload = (json.dumps(path) + "\n").encode() + pickle.dumps(
             _Start(self.config, self.processes, os.getpid(), fds))
         command = [sys.executable, *_interpreter_flags(), "-c", _CHILD]
         for _ in range(self.processes):
