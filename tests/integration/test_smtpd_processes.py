@@ -108,6 +108,8 @@ POOL_CHILD = textwrap.dedent('''
     try:
         print(json.dumps({"pool": pool.pids, "children": sorted(children()),
                           "alive": pool.alive(), "max_fd": max(held, default=0),
+                          "comm": [Path(f"/proc/{pid}/comm").read_text().strip()
+                                   for pid in pool.pids],
                           "argv": [Path(f"/proc/{pid}/cmdline").read_bytes().decode()
                                    .split("\\0") for pid in pool.pids]}))
     finally:
@@ -130,6 +132,7 @@ def test_the_pool_starts_its_receivers_and_no_other_process(tmp_path: Path, case
     assert len(set(started["pool"])) == 2
     assert started["children"] == sorted(started["pool"])
     assert started["alive"] == [True, True]
+    assert started["comm"] == ["sluice-receiver"] * 2  # as ps -o comm, top and pgrep show it
     if case == "high-fds":
         assert started["max_fd"] > 1100
     for argv in started["argv"]:  # the interpreter's options go along, as with spawn

@@ -90,6 +90,10 @@ __all__ = ["ReceiverPool", "receiver_processes", "run_receiver_process"]
 log = logging.getLogger("sluice.smtpd")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+#: A receiving process's name for ps -o comm, top and pgrep (the kernel keeps 15 bytes).
+PROCESS_NAME = "sluice-receiver"
 
 
 def receiver_processes(config: Config, shared_access: bool) -> int:
@@ -116,6 +120,15 @@ def _die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _name_process(name: str) -> None:
+    """Name this process (its main thread, and the threads it starts later)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -243,6 +256,7 @@ _CHILD = ("import json, os, sys; start = os.fdopen(int(sys.argv[1]), 'rb'); "
 
 def _child_main(start_pipe: Any, report_fd: int) -> None:
     """The body of a process ReceiverPool started: read the start, then serve."""
+    _name_process(PROCESS_NAME)  # not "python" in ps and top
     with start_pipe:
         start: _Start = pickle.load(start_pipe)
     os.set_inheritable(report_fd, False)
