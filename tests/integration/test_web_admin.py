@@ -156,6 +156,55 @@ def shot(page: Any, name: str) -> Path:
     return path
 
 
+def test_an_earlier_search_answering_late_does_not_replace_the_latest(
+        tmp_path: Path, browser: Any) -> None:
+    """Opening the view searches everything; the operator's search right after wins.
+
+    The first answer is held back until the operator's has been shown: drawn
+    over it, it left the unfiltered page's cursor behind, and "Next page"
+    then skipped into the middle of the filtered list (a CI run showed
+    page 2 with 4 recipients of 53 instead of 3).
+    """
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=15_000)
+    with api_server(tmp_path) as srv:
+        for i in range(10):  # first in queue-id order: the unfiltered page differs
+            srv.hold(f"o{i}@sender.example", [f"r{i}@other.example"])
+        for i in range(53):
+            srv.hold(f"s{i}@sender.example", [f"r{i}@page.example"])
+        held: list[Any] = []
+
+        def hold_unfiltered(route: Any) -> None:
+            if "domain=" in route.request.url or held:
+                route.continue_()
+            else:
+                held.append(route)
+
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(15_000)
+        page.route("**/queue/entries?*", hold_unfiltered)
+        page.goto(srv.url + "/#messages")
+        page.fill("#token", ALICE)
+        page.click("#login-button")
+        page.wait_for_selector("#view-messages", state="visible")
+        page.fill("#find-domain", "page.example")
+        page.click("#find-button")
+        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+        assert len(held) == 1, "opening the view did not search"
+        with page.expect_response(lambda r: r.url == held[0].request.url):
+            held[0].continue_()
+        for _ in range(3):  # let the page handle that answer (fetch, then its JSON)
+            page.evaluate("() => new Promise(done => setTimeout(done, 0))")
+        recipients = page.eval_on_selector_all("#found tbody tr td:nth-child(4)",
+                                               "cells => cells.map(c => c.textContent)")
+        assert len(recipients) == 50
+        assert all(r.endswith("@page.example") for r in recipients), recipients
+        page.click("#find-next")
+        expect(page.locator("#find-info")).to_have_text(
+            "page 2: 3 recipient(s) (the last page)")
+
+
 def test_web_console_views(tmp_path: Path, browser: Any) -> None:
     """Find a message (paged), open it, act on it; the destinations; the charts."""
     from playwright.sync_api import expect

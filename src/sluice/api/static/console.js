@@ -14,6 +14,7 @@ const PAGE = 50;
 let view = "overview";
 let findAfter = [];          // the 'after' cursor of each page shown (keyset paging)
 let findNext = null;
+let findSeq = 0;             // the latest search: an answer to an older one is dropped
 let currentSpid = null;
 let destSort = { key: "state", desc: false };
 
@@ -73,11 +74,15 @@ function findParams() {
 }
 
 async function find(after) {
+  const seq = ++findSeq;
   const p = findParams();
   p.set("limit", String(PAGE));
   if (after) p.set("after", after);
   try {
     const page = await call("GET", "/queue/entries?" + p.toString());
+    // A search started while this one waited (the first, unfiltered page
+    // opening the view, then the operator's) wins: its cursor is not ours.
+    if (seq !== findSeq) return;
     if (!after) findAfter = [];
     findAfter.push(after || null);
     findNext = page.next;
@@ -96,7 +101,7 @@ async function find(after) {
       (findNext ? "" : " (the last page)") : "nothing matches";
     showError(null);
   } catch (err) {
-    if (err.status !== 401) showError(err);
+    if (seq === findSeq && err.status !== 401) showError(err);
   }
 }
 
