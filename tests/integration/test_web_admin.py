@@ -156,6 +156,20 @@ def shot(page: Any, name: str) -> Path:
     return path
 
 
+def find_page_example(page: Any, srv: ApiServer) -> None:
+    """Sign in on the messages view and search the domain page.example (50 a page)."""
+    from playwright.sync_api import expect
+
+    page.set_default_timeout(15_000)
+    page.goto(srv.url + "/#messages")
+    page.fill("#token", ALICE)
+    page.click("#login-button")
+    page.wait_for_selector("#view-messages", state="visible")
+    page.fill("#find-domain", "page.example")
+    page.click("#find-button")
+    expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+
+
 def test_an_earlier_search_answering_late_does_not_replace_the_latest(
         tmp_path: Path, browser: Any) -> None:
     """Opening the view searches everything; the operator's search right after wins.
@@ -182,15 +196,8 @@ def test_an_earlier_search_answering_late_does_not_replace_the_latest(
                 held.append(route)
 
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.set_default_timeout(15_000)
         page.route("**/queue/entries?*", hold_unfiltered)
-        page.goto(srv.url + "/#messages")
-        page.fill("#token", ALICE)
-        page.click("#login-button")
-        page.wait_for_selector("#view-messages", state="visible")
-        page.fill("#find-domain", "page.example")
-        page.click("#find-button")
-        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+        find_page_example(page, srv)
         assert len(held) == 1, "opening the view did not search"
         with page.expect_response(lambda r: r.url == held[0].request.url):
             held[0].continue_()
@@ -224,18 +231,10 @@ def test_web_console_views(tmp_path: Path, browser: Any) -> None:
                           b"Subject: find me\r\n\r\nthe body text\r\n").spid
 
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.set_default_timeout(15_000)
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(srv.url + "/#messages")
-        page.fill("#token", ALICE)
-        page.click("#login-button")
-        page.wait_for_selector("#view-messages", state="visible")
-
         # Search by domain: 53 recipients, two pages of 50 by queue id.
-        page.fill("#find-domain", "page.example")
-        page.click("#find-button")
-        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+        find_page_example(page, srv)
         first = page.eval_on_selector_all("#found tbody tr td:first-child",
                                           "cells => cells.map(c => c.textContent)")
         assert first == sorted(first) and len(set(first)) == 50
