@@ -110,13 +110,20 @@ def receiver_processes(config: Config, shared_access: bool) -> int:
     return config.smtpd.processes or max(1, (os.cpu_count() or 1) - 1)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _prctl(option: int, arg: Any) -> bool:
+    """Call prctl(2); False where it cannot be called (not Linux, no libc)."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(option, arg, 0, 0, 0)
     except (OSError, AttributeError):
+        return False
+    return True
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if not _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM):
         return
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
@@ -124,11 +131,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _name_process(name: str) -> None:
     """Name this process (its main thread, and the threads it starts later)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
