@@ -212,6 +212,60 @@ def test_an_earlier_search_answering_late_does_not_replace_the_latest(
             "page 2: 3 recipient(s) (the last page)")
 
 
+def test_paging_waits_for_the_search_it_belongs_to(tmp_path: Path, browser: Any) -> None:
+    """While the operator's search is on its way, the earlier page's cursor is not offered.
+
+    The unfiltered page opening the view has answered first; the operator's
+    search by domain is held back.  "Next page" then used the unfiltered
+    page's cursor with the domain's filter (a CI run showed page 2 with 4
+    recipients of 53 instead of 3); now it waits, and pages the search shown.
+    """
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=15_000)
+    with api_server(tmp_path) as srv:
+        for i in range(10):
+            srv.hold(f"o{i}@sender.example", [f"r{i}@other.example"])
+        for i in range(53):
+            srv.hold(f"s{i}@sender.example", [f"r{i}@page.example"])
+        held: list[Any] = []
+
+        def hold_filtered(route: Any) -> None:
+            if "domain=" in route.request.url and not held:
+                held.append(route)
+            else:
+                route.continue_()
+
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.route("**/queue/entries?*", hold_filtered)
+        page.set_default_timeout(15_000)
+        page.goto(srv.url + "/#messages")
+        page.fill("#token", ALICE)
+        page.click("#login-button")
+        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+        expect(page.locator("#find-next")).to_be_enabled()
+        page.fill("#find-domain", "page.example")
+        page.click("#find-button")
+        page.wait_for_function("() => document.querySelector('#find-next').disabled")
+        assert len(held) == 1
+        expect(page.locator("#find-info")).to_have_text("searching\u2026")
+        held[0].continue_()
+        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+        page.click("#find-next")
+        expect(page.locator("#find-info")).to_have_text(
+            "page 2: 3 recipient(s) (the last page)")
+        recipients = page.eval_on_selector_all("#found tbody tr td:nth-child(4)",
+                                               "cells => cells.map(c => c.textContent)")
+        assert recipients == [f"r{i}@page.example" for i in range(50, 53)]
+        # The form changed but not searched: paging stays with the search shown.
+        page.fill("#find-domain", "other.example")
+        page.click("#find-first")
+        expect(page.locator("#find-info")).to_have_text("page 1: 50 recipient(s)")
+        recipients = page.eval_on_selector_all("#found tbody tr td:nth-child(4)",
+                                               "cells => cells.map(c => c.textContent)")
+        assert all(r.endswith("@page.example") for r in recipients), recipients
+
+
 def test_web_console_views(tmp_path: Path, browser: Any) -> None:
     """Find a message (paged), open it, act on it; the destinations; the charts."""
     from playwright.sync_api import expect

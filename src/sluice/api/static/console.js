@@ -14,6 +14,7 @@ const PAGE = 50;
 let view = "overview";
 let findAfter = [];          // the 'after' cursor of each page shown (keyset paging)
 let findNext = null;
+let findQuery = "";          // the search of the page shown: its next and first pages repeat it
 let findSeq = 0;             // the latest search: an answer to an older one is dropped
 let currentSpid = null;
 let destSort = { key: "state", desc: false };
@@ -73,11 +74,23 @@ function findParams() {
   return p;
 }
 
-async function find(after) {
+async function find(after, query) {
+  // A page is asked for with the search it belongs to: the form's for a new
+  // search, the shown page's for its next and first pages.  Until the answer
+  // comes, the paging buttons are off: a cursor is only good for its own search.
   const seq = ++findSeq;
-  const p = findParams();
+  const search = query === undefined ? findParams().toString() : query;
+  const p = new URLSearchParams(search);
   p.set("limit", String(PAGE));
   if (after) p.set("after", after);
+  const shown = $("find-info").textContent;
+  $("find-next").disabled = true;
+  $("find-first").disabled = true;
+  $("find-info").textContent = "searching\u2026";
+  const settle = () => {
+    $("find-next").disabled = !findNext;
+    $("find-first").disabled = findAfter.length <= 1;
+  };
   try {
     const page = await call("GET", "/queue/entries?" + p.toString());
     // A search started while this one waited (the first, unfiltered page
@@ -86,6 +99,7 @@ async function find(after) {
     if (!after) findAfter = [];
     findAfter.push(after || null);
     findNext = page.next;
+    findQuery = search;
     fill($("found").tBodies[0], page.entries.map((e) => {
       const tr = row([link(e.qid, "message/" + e.spid), e.state, e.sender || "<>",
         e.recipient, [e.tenantid, e.jobid].filter(Boolean).join(" / "),
@@ -94,14 +108,16 @@ async function find(after) {
       tr.cells[5].className = "nowrap";
       return tr;
     }));
-    $("find-next").disabled = !findNext;
-    $("find-first").disabled = findAfter.length <= 1;
+    settle();
     const n = page.entries.length;
     $("find-info").textContent = n ? `page ${findAfter.length}: ${n} recipient(s)` +
       (findNext ? "" : " (the last page)") : "nothing matches";
     showError(null);
   } catch (err) {
-    if (seq === findSeq && err.status !== 401) showError(err);
+    if (seq !== findSeq) return;
+    settle();  // the page shown is still good, and so is its cursor
+    $("find-info").textContent = shown;
+    if (err.status !== 401) showError(err);
   }
 }
 
@@ -359,8 +375,8 @@ async function loadCharts() {
 document.addEventListener("DOMContentLoaded", () => {
   window.addEventListener("hashchange", route);
   $("find-form").addEventListener("submit", (e) => { e.preventDefault(); find(); });
-  $("find-next").addEventListener("click", () => { if (findNext) find(findNext); });
-  $("find-first").addEventListener("click", () => find());
+  $("find-next").addEventListener("click", () => { if (findNext) find(findNext, findQuery); });
+  $("find-first").addEventListener("click", () => find(undefined, findQuery));
   $("msg-actions").addEventListener("submit", messageAction);
   $("msg-body-button").addEventListener("click", showBody);
   $("dest-form").addEventListener("submit", (e) => { e.preventDefault(); loadDestinations(); });
