@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from sluice._fdio import write_all
 from sluice.logs import publish
 from sluice.model import ClientSession, QueueEntry, Reply
 
@@ -289,10 +290,7 @@ class AccountingLog:
         data = b"\n".join(lines)
         at = time.time() if now is None else now
         with self._lock:
-            fd = self._file_for(at)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(self._file_for(at), data)
         publish(written)  # the log lines and mail log (sluice.logs), once logging is set up
         return count
 

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from sluice._fdio import write_all
 from sluice.config import LoggingConfig
 
 __all__ = ["LOG_LEVEL_ENV", "JsonFormatter", "MailLog", "describe", "maillog_line", "publish",
@@ -272,10 +273,7 @@ class MailLog:
         data = ("\n".join(lines) + "\n").encode("utf-8", errors="replace")
         with self._lock:
             try:
-                fd = self._open()
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(self._open(), data)
             except OSError as exc:
                 logging.getLogger("sluice.logs").warning("mail log %s: %s", self.path, exc)
 

@@ -62,6 +62,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sluice._fdio import write_all
 from sluice.model import Selector
 from sluice.store import Action
 
@@ -352,9 +353,7 @@ class AuditLog:
                 size = os.fstat(fd).st_size
                 torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
                 data = (("\n" if torn else "") + line + "\n").encode("utf-8")
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data)
                 os.fsync(fd)
                 self._remember(record)
                 self._offset = size + len(data)

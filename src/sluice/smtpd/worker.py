@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice import _gc
+from sluice._fdio import write_all
 from sluice.config import Config, ConfigError, load_config
 from sluice.logs import LOG_LEVEL_ENV, setup_logging
 from sluice.queue import Queue
@@ -150,13 +151,7 @@ class _ReadyPipe:
         self.fd = fd
 
     def send(self, message: tuple[Any, ...]) -> None:
-        _write_all(self.fd, (json.dumps(message) + "\n").encode())
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+        write_all(self.fd, (json.dumps(message) + "\n").encode())
 
 
 def _tell(ready: Any, message: tuple[Any, ...]) -> None:
@@ -387,7 +382,7 @@ class ReceiverPool:
                 self._procs.append(proc)
                 # A child that died at once says so in _wait_ready (its exit status).
                 with contextlib.suppress(BrokenPipeError):
-                    _write_all(start_w, payload)
+                    write_all(start_w, payload)
             finally:
                 os.close(start_w)
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sluice._batches import take_queued
+from sluice._fdio import writev_all
 from sluice._fsync import fsync_fds, fsync_path, fsync_paths
 from sluice.spool import Content, SpoolFile, SpoolIOError, iter_chunks, spid_candidates
 
@@ -55,14 +56,9 @@ _WRITEV_BYTES = 1 << 20
 
 
 def _writev_all(fd: int, pieces: list[bytes | memoryview], total: int, path: str) -> int:
-    """Write ``pieces`` (``total`` bytes) to ``fd``, finishing a short writev."""
+    """Write ``pieces`` (``total`` bytes) to ``fd``; an error names the spool file."""
     try:
-        n = os.writev(fd, pieces)
-        if n < total:
-            rest = memoryview(b"".join(pieces))[n:]
-            while rest:
-                n = os.write(fd, rest)
-                rest = rest[n:]
+        writev_all(fd, pieces, total)
     except OSError as exc:
         raise SpoolIOError(exc.errno, exc.strerror, path) from exc
     return total

@@ -49,6 +49,7 @@ from urllib.parse import quote
 
 import orjson
 
+from sluice._fdio import write_all
 from sluice.model import QueueEntry, QueueState, Reply, Selector, parse_qid, reply_fields
 from sluice.store import StorageError
 
@@ -426,10 +427,7 @@ def names_suffice(selector: Selector) -> bool:
 def write_file(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        write_all(fd, data)
     except BaseException:
         os.close(fd)
         unlink(path)

@@ -1,0 +1,61 @@
+"""write_all and writev_all finish what a short write leaves (sluice._fdio)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sluice import _fdio
+
+
+@pytest.fixture
+def short_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """os.write and os.writev write at most 7 bytes a call, as under signals or quotas."""
+    calls: list[int] = []
+    real_write = os.write
+
+    def write(fd: int, data: bytes | memoryview) -> int:
+        n = real_write(fd, bytes(memoryview(data)[:7]))
+        calls.append(n)
+        return n
+
+    def writev(fd: int, pieces: list[bytes | memoryview]) -> int:
+        return write(fd, b"".join(pieces))
+
+    monkeypatch.setattr(_fdio.os, "write", write)
+    monkeypatch.setattr(_fdio.os, "writev", writev)
+    return calls
+
+
+def test_write_all_finishes_short_writes(tmp_path: Path, short_writes: list[int]) -> None:
+    data = bytes(range(256)) * 3
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        _fdio.write_all(fd, data)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data
+    assert len(short_writes) == -(-len(data) // 7)
+
+
+def test_writev_all_finishes_a_short_writev(tmp_path: Path, short_writes: list[int]) -> None:
+    pieces: list[bytes | memoryview] = [b"header\n", memoryview(b"x" * 50), b"end"]
+    total = sum(len(p) for p in pieces)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        _fdio.writev_all(fd, pieces, total)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"header\n" + b"x" * 50 + b"end"
+
+
+def test_a_full_writev_is_one_call(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        _fdio.writev_all(fd, [b"a", b"bc"], 3)
+        _fdio.write_all(fd, b"")
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"abc"
