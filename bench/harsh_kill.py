@@ -17,7 +17,8 @@ or not, from the sink's acceptance times, the kill times, the accounting
 log, and what the killed process itself noted: serve runs with
 SLUICE_TRACE (sluice.faults), which appends a line when a delivery has
 read the replies to its final dot (after_reply) and when its outcome is
-durable in the store (after_commit), each with the time and the SPIDs.
+durable: in the store (after_commit) or, for a success, in the success
+journal (after_journal, sluice.journal), each with the time and the SPIDs.
 A crash keeps every line written before it.
 
     no reply     the first copy was accepted by the sink after a kill, less
@@ -123,11 +124,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_config(work: Path, port: int, sink_port: int, concurrency: int, store: str) -> Path:
+def write_config(work: Path, port: int, sink_port: int, concurrency: int, store: str,
+                 journal: str = "auto") -> Path:
     data: dict[str, Any] = {
         "node": {"hostname": "mx.sluice.test", "id": "harsh"},
         "queue": {"path": str(work / "queue"), "spool": {"rootpath": str(work / "spool")},
-                  "retry_delays": "1s | 2s", "store": store},
+                  "retry_delays": "1s | 2s", "store": store, "success_journal": journal},
         "accounting": {"path": str(work / "log")},
         "smtpd": {"listen": [f"127.0.0.1:{port}"], "processes": 1},
         "api": {"enabled": False},
@@ -340,7 +342,7 @@ class Life:
 
     def __init__(self) -> None:
         self.replies: dict[str, list[float]] = defaultdict(list)  # after_reply
-        self.commits: dict[str, list[float]] = defaultdict(list)  # after_commit
+        self.commits: dict[str, list[float]] = defaultdict(list)  # after_commit/_journal
 
     def commit_after(self, spid: str, at: float) -> float | None:
         """The first commit of ``spid``'s outcome at or after ``at`` (None: none noted)."""
@@ -371,11 +373,15 @@ def read_trace(path: Path, pids: list[int]) -> list[Life]:
         i = index.get(int(pid))
         if i is None:
             continue
+        # Durable: in the store, or synced to the success journal (sluice.journal).
         where = (lives[i].replies if name == "after_reply"
-                 else lives[i].commits if name == "after_commit" else None)
+                 else lives[i].commits if name in ("after_commit", "after_journal") else None)
         if where is not None:
             for sp in spids:
                 where[sp].append(float(at_s))
+    for life in lives:  # two threads write durable points: in time order again
+        for times in life.commits.values():
+            times.sort()
     return lives
 
 
@@ -559,6 +565,8 @@ def main() -> int:
     ap.add_argument("--store", default="sqlite", choices=("sqlite", "fs", "kv", "postgres"),
                     help="queue store flavour (postgres: a throwaway server on loopback)")
     ap.add_argument("--seed", type=int, default=19)
+    ap.add_argument("--journal", default="auto", choices=("auto", "on", "off"),
+                    help="queue.success_journal (auto: on for postgres only)")
     ap.add_argument("--dir", default="/tmp", help="where the queue lives")
     args = ap.parse_args()
 
@@ -572,10 +580,11 @@ def main() -> int:
     sink_proc.start()
     sink_port = sink_conn.recv()
     port = free_port()
-    config = write_config(work, port, sink_port, args.concurrency, args.store)
+    config = write_config(work, port, sink_port, args.concurrency, args.store, args.journal)
     rng = random.Random(args.seed)
     print(f"harsh kill: {args.messages} messages, {args.kills} kills every 1-3 s, sink "
-          f"{args.slow}s a message, concurrency {args.concurrency}, store {args.store}; load "
+          f"{args.slow}s a message, concurrency {args.concurrency}, store {args.store}, "
+          f"success journal {args.journal}; load "
           f"{loadavg()}", flush=True)
     window = args.window or 2 * commit_interval(config)
     print(f"  commit interval window {window * 1000:.1f} ms", flush=True)

@@ -17,6 +17,8 @@ DESCRIPTION
     before_data    the server said 354; no byte of the message sent yet
     after_dot      the message and its final dot written; no reply read
     after_reply    the replies to the dot read; the outcome not yet in the store
+    after_journal  the successes synced to the success journal (sluice.journal),
+                   maybe not yet in the store
     after_commit   the outcome applied in the store (sluice.runtime.recorder)
 
     SLUICE_TRACE names a file to which every pass through a point appends
@@ -50,7 +52,7 @@ from collections.abc import Iterable
 __all__ = ["POINTS", "point"]
 
 #: The points the code passes, in the order of one delivery.
-POINTS = ("before_data", "after_dot", "after_reply", "after_commit")
+POINTS = ("before_data", "after_dot", "after_reply", "after_journal", "after_commit")
 
 
 def _parse(text: str | None) -> tuple[str, int] | None:

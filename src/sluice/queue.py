@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.accounting import AccountingLog, EventKind, make_event
 from sluice.bounce import FailedRecipient, build_ndr, read_header_block
@@ -67,7 +68,12 @@ from sluice.retry import RetryPolicy
 from sluice.spool import Content
 from sluice.store import Action, SharedClaims, StorageError, Store, Transition, open_store
 
+if TYPE_CHECKING:
+    from sluice.journal import JournaledSuccess
+
 __all__ = ["QSHAPE_EDGES_MIN", "AttemptResult", "Queue", "RecordPlan"]
+
+log = logging.getLogger("sluice.queue")
 
 #: Postfix qshape's age buckets, in minutes: T 5 10 20 40 80 160 320 640 1280 1280+
 QSHAPE_EDGES_MIN: tuple[int, ...] = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
@@ -455,20 +461,29 @@ class Queue:
                    for e in touched), now)
         return touched
 
-    def recover(self) -> int:
+    def recover(self, delivered: Mapping[str, JournaledSuccess] | None = None) -> int:
         """After a restart: in-flight entries return to the queue.
 
         Those whose attempt had started (state delivering: the server may
         have the message) are logged as "recovered" with the reply
         IN_FLIGHT_REPLY, "in flight at crash, may be a duplicate".  On a
         queue other nodes share (PostgreSQL), only this node's: the others'
-        attempts are in flight too.
+        attempts are in flight too.  Those ``delivered`` names (the success
+        journal, sluice.journal) are recorded as delivered first, with the
+        reply the journal kept, and are neither returned nor noted.
         """
         now = self.clock()
         if isinstance(self.store, SharedClaims):
             in_flight = self.store.own_in_flight()
         else:
             in_flight = list(self.store.entries(Selector(states=(QueueState.DELIVERING,))))
+        if delivered:
+            done = [delivered[e.qid].result(e) for e in in_flight if e.qid in delivered]
+            if done:
+                self.record(done)
+                log.info("recorded %d deliveries from the success journal", len(done))
+                replayed = {r.entry.qid for r in done}
+                in_flight = [e for e in in_flight if e.qid not in replayed]
         count = self.store.recover(now)
         self._log((self._event(EventKind.RECOVERED, e, now, reply=IN_FLIGHT_REPLY)
                    for e in in_flight), now)

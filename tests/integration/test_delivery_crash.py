@@ -11,6 +11,9 @@ queue, without the fault, and drains.  Then, per point:
     after_reply   the sink took it, the outcome was not committed: twice,
                   and the accounting log says "in flight at crash, may be
                   a duplicate"
+    after_journal the success was synced to the success journal, maybe not
+                  committed: exactly once, recorded as delivered at the
+                  restart (sluice.journal; kept by every store here)
     after_commit  the outcome was committed: exactly once
 """
 
@@ -91,6 +94,8 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
     queue: dict[str, object] = {"store": store}
     if store == "postgres":
         queue["postgres"] = {"dsn": dsn_for(tmp_path)}
+    if point == "after_journal":  # the journal's default is PostgreSQL's alone
+        queue["success_journal"] = "on"
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
     try:
@@ -109,7 +114,9 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
         monkeypatch.delenv("SLUICE_FAULT")
         srv = start_serve_with(config, tmp_path, port)
         try:
-            if store == "kv":  # one process at a time: counted once serve has stopped
+            if store == "kv" and point == "after_journal":
+                pass  # its line may be missing (below); the recovery ends before serve stops
+            elif store == "kv":  # one process at a time: counted once serve has stopped
                 assert wait_until(lambda: _copies(sink) >= 1 and any(
                     e["event"] == "delivered" for e in _accounting(tmp_path / "log")), 60)
             else:
@@ -121,7 +128,13 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
         events = [e for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT]
         noted = [e for e in events if e["event"] == "recovered" and e["response"] == NOTE]
         delivered = [e for e in events if e["event"] == "delivered"]
-        assert len(delivered) == 1, events
+        if point == "after_journal":
+            # The store's commit may have come first (it runs beside the
+            # journal's sync), and the process died before its line: then
+            # no line at all, a gap older than the journal (docs/queue.md).
+            assert len(delivered) <= 1, events
+        else:
+            assert len(delivered) == 1, events
     finally:
         sink.stop_thread()
 
@@ -136,6 +149,9 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
         case "after_reply":
             assert (before, after) == (1, 2)
             assert len(noted) == 1, events
-        case "after_commit":
+        case "after_journal" | "after_commit":
             assert (before, after) == (1, 1)
             assert not noted, events
+            # The reply and the connection's facts (kept by the journal for a replay).
+            assert all((e["code"], e["remoteip"]) == (250, "127.0.0.1") for e in delivered), \
+                delivered

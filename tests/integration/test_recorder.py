@@ -5,6 +5,7 @@ without losing or double-counting an outcome."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from sluice.journal import JOURNAL_NAME, SuccessJournal, read_journal
 from sluice.model import Delivered, QueueState, Reply, Selector, Submission
 from sluice.queue import AttemptResult, Queue
 from sluice.runtime.parts import Health
@@ -137,6 +139,76 @@ def test_a_failing_store_is_retried_after_a_back_off_and_counts_once(
         assert stats.delivered == 6 and _states(queue) == {}
         assert len(sleeps) == 2  # one back-off per failure
         assert len(tasks) <= 2 + 2  # a batch per turn of the loop, and the retries in them
+
+    try:
+        asyncio.run(main())
+    finally:
+        queue.close()
+
+
+def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store_has_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    queue, (first,) = _queue(tmp_path, 1)
+    store = queue.store
+    assert isinstance(store, SqliteStore)
+    in_flush, release = threading.Event(), threading.Event()
+    flush = store._flush_wal
+
+    def slow_flush() -> None:
+        in_flush.set()
+        release.wait(10)
+        flush()
+
+    path = tmp_path / JOURNAL_NAME
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        recorder.journal = journal = SuccessJournal.open(path, asyncio.get_running_loop())
+        monkeypatch.setattr(store, "_flush_wal", slow_flush)
+        try:
+            done = recorder.record([first])
+            await asyncio.wait_for(asyncio.shield(done), 10)
+            assert await asyncio.to_thread(in_flush.wait, 10)
+            assert stats.delivered == 0  # the store's batch is still held in its flush
+            kept = read_journal(path)
+            assert list(kept) == [first.entry.qid]
+            assert kept[first.entry.qid].reply == OK.reply
+            assert kept[first.entry.qid].remoteip == "127.0.0.1"
+        finally:
+            release.set()
+        for task in list(tasks):
+            await asyncio.wait_for(task, 10)
+        assert stats.delivered == 1 and _states(queue) == {}
+        assert not journal._outstanding  # the store has it: the line may go
+        await recorder.drain()
+        journal.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        queue.close()
+
+
+def test_a_journal_that_cannot_be_written_leaves_the_wait_to_the_store(
+        tmp_path: Path) -> None:
+    queue, (first,) = _queue(tmp_path, 1)
+    health = Health()
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        recorder._journaling = health.part("journaling successes")
+        recorder.journal = journal = SuccessJournal.open(tmp_path / JOURNAL_NAME,
+                                                         asyncio.get_running_loop())
+        os.close(journal._fd)  # every write now fails (EBADF)
+        journal._fd = os.open(os.devnull, os.O_RDONLY)
+        await asyncio.wait_for(recorder.record([first]), 10)
+        assert stats.delivered == 1 and _states(queue) == {}
+        assert health.part("journaling successes").failing
+        await recorder.drain()
+        journal.close()
 
     try:
         asyncio.run(main())

@@ -95,6 +95,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice import cluster
@@ -103,6 +104,7 @@ from sluice.delivery.agent import AgentStats, DeliveryAgent
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import Router
 from sluice.hooks import Hooks
+from sluice.journal import JOURNAL_NAME, SuccessJournal, read_journal
 from sluice.model import QueueState, Reply, Selector
 from sluice.queue import Queue
 from sluice.runtime.deliveries import Deliveries
@@ -321,9 +323,17 @@ class QueueManager:
         it started crashed; the claims held are given back first as far as
         the store allows.
         """
-        recovered = await self._io(self.queue.recover)
+        journal_path = Path(self.config.queue.path) / JOURNAL_NAME
+        # A journal an earlier run left is replayed even if this one keeps none.
+        delivered = await self._io(read_journal, journal_path)
+        recovered = await self._io(self.queue.recover, delivered)
         if recovered:
             log.info("returned %d entries left in flight by the last run", recovered)
+        if self.config.queue.journals_successes:
+            self.recorder.journal = await self._io(
+                SuccessJournal.open, journal_path, asyncio.get_running_loop())
+        elif delivered or journal_path.exists():
+            await self._io(journal_path.unlink, True)
         self.post(MailArrived())
         try:
             async with asyncio.TaskGroup() as group:
@@ -341,6 +351,9 @@ class QueueManager:
         finally:
             self._group = None
             await self.agent.close()
+            if self.recorder.journal is not None:
+                await self._io(self.recorder.journal.close)
+                self.recorder.journal = None
             self._pool.shutdown(wait=True)
 
     def _cluster_part(self, stop: asyncio.Event) -> Callable[[Trouble], Awaitable[None]]:

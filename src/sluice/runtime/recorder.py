@@ -51,7 +51,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from sluice import faults
-from sluice.model import PermFail, QueueEntry, QueueState, TempFail
+from sluice.journal import SuccessJournal, first_of
+from sluice.model import Delivered, PermFail, QueueEntry, QueueState, TempFail
 from sluice.queue import AttemptResult, Queue
 from sluice.runtime.parts import Health
 
@@ -98,6 +99,9 @@ class Recorder:
         self._stopping = False
         self._recording = health.part("recording outcomes")
         self._bouncing = health.part("queueing NDRs")
+        self._journaling = health.part("journaling successes")
+        #: The success journal (sluice.journal), when serve keeps one.
+        self.journal: SuccessJournal | None = None
         self._releasing = health.part("giving claims back")
 
     @property
@@ -110,13 +114,41 @@ class Recorder:
 
         The future resolves when the batch that holds them has been tried once:
         applied, or failed (they are then retried in the background); await it
-        through asyncio.shield.
+        through asyncio.shield.  With a success journal, successes are also
+        written there, and the future resolves as soon as they are synced
+        if that comes first.
         """
+        results = list(results)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        synced = self._journal(results)
         self._pending.extend(results)
         self._waiters.append(done)
         self._start()
-        return done
+        return done if synced is None else first_of(done, synced)
+
+    def _journal(self, results: Sequence[AttemptResult]) -> asyncio.Future[None] | None:
+        """The successes among ``results`` to the success journal; None: not journaled."""
+        if self.journal is None:
+            return None
+        delivered = [r for r in results if isinstance(r.outcome, Delivered)]
+        if not delivered:
+            return None
+        try:
+            synced = self.journal.append(delivered)
+        except OSError as exc:  # the deliveries wait for the store instead
+            self._journaling.failed(exc)
+            return None
+        synced.add_done_callback(self._journal_synced)
+        return synced
+
+    def _journal_synced(self, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._journaling.ok()
+        else:
+            self._journaling.failed(exc)
 
     def _start(self) -> None:
         """A new batch for what is pending, unless one is about to take it.
@@ -181,6 +213,9 @@ class Recorder:
                 continue
             self._wake(waiters)
             self._recording.ok()
+            if self.journal is not None:
+                self.journal.committed(r.entry.qid for r in batch
+                                       if isinstance(r.outcome, Delivered))
             self._count(applied)
 
     def _count(self, applied: Sequence[tuple[AttemptResult, QueueState | None]]) -> None:
