@@ -129,7 +129,8 @@ def write_config(work: Path, port: int, sink_port: int, concurrency: int, store:
     data: dict[str, Any] = {
         "node": {"hostname": "mx.sluice.test", "id": "harsh"},
         "queue": {"path": str(work / "queue"), "spool": {"rootpath": str(work / "spool")},
-                  "retry_delays": "1s | 2s", "store": store, "success_journal": journal},
+                  "retry_delays": "1s | 2s", "store": store,
+                  "success_journal": {"on": True, "off": False}.get(journal, journal)},
         "accounting": {"path": str(work / "log")},
         "smtpd": {"listen": [f"127.0.0.1:{port}"], "processes": 1},
         "api": {"enabled": False},

@@ -1,50 +1,60 @@
 """The success journal: a delivery's success made durable on this node before the store has it.
 
 SUMMARY
-    journal = SuccessJournal.open(path, loop) (after replay: starts empty)
+    paths = journal_paths(queue_path, node_id)
+    kept = read_journal(paths)                (at start, before recovery)
+    journal = SuccessJournal.open(paths, loop)  (after the replay: starts empty)
     done = journal.append(results)            (asyncio future: set once synced)
     journal.committed(qids); journal.close()
-    read_journal(path) -> {qid: JournaledSuccess}     (at start, before recovery)
 
 DESCRIPTION
     A success that has been read from the next hop but is not yet in the
     store is sent again after a crash (docs/queue.md, "What is promised",
     window 2).  With a store across the network (PostgreSQL) an outcome is
     durable only after a transaction's round trips to a server that may
-    share the machine's cores: about 3 ms, against well under a
-    millisecond for a line appended and synced to a local file.  So each
-    success is first written here, one line a recipient, and the delivery
-    goes on once the line is synced or the store has the outcome, whichever
-    comes first.  The store's group commit still follows, as before.
+    share the machine's cores: a few milliseconds, against well under one
+    for a line appended and synced to a local file.  So each success is
+    first written here, one line a recipient, and the delivery goes on once
+    the line is synced or the store has the outcome, whichever comes first.
+    The store's group commit still follows, as before.
 
     At the next start, before in-flight entries are returned to the queue,
     the journal is read (read_journal) and every entry it names that is
-    still in flight on this node is recorded as delivered, with the reply
-    and the connection's facts the journal kept (Queue.recover).  An entry
-    the store already has as delivered is gone and its line is ignored:
-    queue ids are never reused, so a stale line can only name an entry
-    that no longer exists.
+    still in flight on this node, with the arrival time the line kept, is
+    recorded as delivered with the reply and the connection's facts the
+    journal kept (Queue.recover).  An entry the store already has as
+    delivered is gone and its line is ignored.
 
 STRATEGIES
-    Group commit.  Lines are written from the event loop (page cache,
-    microseconds); one thread of the journal's own runs fdatasync for
-    everything written before it began, so concurrent batches share a sync.
-    The file is emptied (ftruncate) once it has grown past TRUNCATE_AT and
-    every success it holds is in the store; a truncation a crash undoes
-    only brings back stale lines.
+    Group commit.  Lines are written from the event loop (a write(2) of a
+    few hundred bytes to the page cache, as the accounting log's); one
+    thread of the journal's own runs fdatasync for everything written
+    before it began, so concurrent batches share a sync.
+
+    Two files, in turn.  Successes are appended to one file until it has
+    grown past ROTATE_AT; then, if the other is empty, appends go there,
+    and the first is emptied (ftruncate, on the journal's thread) as soon
+    as every success it holds is in the store.  So the journal stays small
+    under a steady load, when some success is always on its way to the
+    store.  A truncation a crash undoes only brings back lines of entries
+    that are gone.  The files are named by node id: nodes that share a
+    queue.path never touch each other's.
 
     A journal that cannot be written or synced (a full disk) is not an
-    error for the delivery: its future fails, the delivery waits for the
-    store as it would without a journal, and the failure is the caller's
-    to report.
+    error for the delivery: append() raises or its future fails, the
+    delivery waits for the store as it would without a journal, and the
+    caller reports the failure.  A write that failed part-way is cut off
+    again, so the next line starts clean; if even that fails the journal
+    refuses further appends until the next start.
 
 LIMITATIONS
     An entry whose "delivering" mark had not reached the store when the
     process died is not in flight as such, and is returned and sent again
     as without a journal (the mark is nearly always there, see
     sluice.delivery.agent).  On a queue shared by nodes only this node's
-    in-flight entries are replayed; a node that stays down past its claims'
-    lease has its entries taken by others first.
+    in-flight entries are replayed, and only while its claims are its own:
+    a node that stays down past its lease (cluster.node_lease) has its
+    entries taken by the others first.
 """
 
 from __future__ import annotations
@@ -64,18 +74,26 @@ import orjson
 
 from sluice import faults
 from sluice._fdio import write_all
+from sluice._fsync import fsync_path
 from sluice.model import Delivered, QueueEntry, Reply
 from sluice.queue import AttemptResult
 
-__all__ = ["JOURNAL_NAME", "TRUNCATE_AT", "JournaledSuccess", "SuccessJournal", "read_journal"]
+__all__ = ["ROTATE_AT", "JournaledSuccess", "SuccessJournal", "first_of", "journal_paths",
+           "read_journal"]
 
 log = logging.getLogger("sluice.journal")
 
-#: The journal's file name under queue.path.
-JOURNAL_NAME = "success.journal"
+#: The size past which appends go to the other file, once it is empty.
+ROTATE_AT = 1 << 20
 
-#: The size past which the journal is emptied once all it holds is in the store.
-TRUNCATE_AT = 1 << 20
+#: Arrival times kept in a line and read from the store agree to this (seconds).
+_SAME_ARRIVAL_S = 1e-3
+
+
+def journal_paths(queue_path: str | os.PathLike[str], node_id: str) -> tuple[Path, Path]:
+    """This node's two journal files under queue.path."""
+    stem = Path(queue_path) / (f"success-{node_id}" if node_id else "success")
+    return stem.with_name(stem.name + ".0.journal"), stem.with_name(stem.name + ".1.journal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +101,15 @@ class JournaledSuccess:
     """What the journal keeps of one recipient's success: enough to record it again."""
 
     reply: Reply
+    arrival_at: float | None = None
     localip: str | None = None
     remotemx: str | None = None
     remoteip: str | None = None
     duration_s: float | None = None
+
+    def concerns(self, entry: QueueEntry) -> bool:
+        """Whether ``entry`` is the one this success was for (its arrival time agrees)."""
+        return self.arrival_at is None or abs(entry.arrival_at - self.arrival_at) < _SAME_ARRIVAL_S
 
     def result(self, entry: QueueEntry) -> AttemptResult:
         """The attempt's outcome, for Queue.record."""
@@ -96,52 +119,67 @@ class JournaledSuccess:
 
 
 def _line(res: AttemptResult) -> bytes:
-    return orjson.dumps({"q": res.entry.qid, "r": res.outcome.reply.to_record(),
-                         "l": res.localip, "m": res.remotemx, "i": res.remoteip,
-                         "d": res.duration_s}) + b"\n"
+    return orjson.dumps({"q": res.entry.qid, "a": res.entry.arrival_at,
+                         "r": res.outcome.reply.to_record(), "l": res.localip,
+                         "m": res.remotemx, "i": res.remoteip, "d": res.duration_s}) + b"\n"
 
 
-def read_journal(path: str | os.PathLike[str]) -> dict[str, JournaledSuccess]:
-    """The successes ``path`` holds by queue id; none when it does not exist.
+def read_journal(paths: Iterable[str | os.PathLike[str]]) -> dict[str, JournaledSuccess]:
+    """The successes the files hold by queue id; none from a file that does not exist.
 
     A line that does not parse (the last one, torn by a crash while it was
     written, before anyone was told it was durable) is skipped with a warning.
     """
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return {}
     out: dict[str, JournaledSuccess] = {}
-    bad = 0
-    for raw in data.splitlines():
-        if not raw.strip():
-            continue
+    for path in paths:
         try:
-            item = orjson.loads(raw)
-            out[str(item["q"])] = JournaledSuccess(
-                Reply.from_record(item["r"]), localip=item.get("l"), remotemx=item.get("m"),
-                remoteip=item.get("i"), duration_s=item.get("d"))
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
-            bad += 1
-    if bad:
-        log.warning("%s: %d line(s) that do not parse were skipped (a torn last write)",
-                    path, bad)
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            continue
+        bad = 0
+        for raw in data.splitlines():
+            if not raw.strip():
+                continue
+            try:
+                item = orjson.loads(raw)
+                at = item.get("a")
+                out[str(item["q"])] = JournaledSuccess(
+                    Reply.from_record(item["r"]), arrival_at=None if at is None else float(at),
+                    localip=item.get("l"), remotemx=item.get("m"), remoteip=item.get("i"),
+                    duration_s=item.get("d"))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError,
+                    AttributeError):
+                bad += 1
+        if bad:
+            log.warning("%s: %d line(s) that do not parse were skipped (a torn last write)",
+                        path, bad)
     return out
 
 
-class SuccessJournal:
-    """Successes appended and synced in groups; emptied when the store has them all."""
+class _File:
+    """One of the journal's two files, as the loop sees it."""
 
-    def __init__(self, path: str | os.PathLike[str], fd: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.path = str(path)
-        self._fd = fd
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.size = 0
+        self.held: set[str] = set()  # successes written here, not yet in the store
+        self.emptying = False
+
+
+class SuccessJournal:
+    """Successes appended and synced in groups, in two files emptied in turn."""
+
+    def __init__(self, files: Sequence[_File], loop: asyncio.AbstractEventLoop) -> None:
+        self._files = list(files)
+        self._cur = 0
         self._loop = loop
-        self._size = 0
-        self._outstanding: set[str] = set()  # written here, not yet committed in the store
+        self._broken: OSError | None = None
         self._cond = threading.Condition()
-        self._wanted = 0       # writes made (a sequence number)
-        self._synced = 0       # writes covered by a finished fdatasync
+        self._wanted = 0             # writes made (a sequence number)
+        self._synced = 0             # writes covered by a finished sync
+        self._dirty: set[int] = set()  # files written since their last sync
+        self._empty: list[int] = []  # files to truncate
         self._spids: list[str] = []
         self._closing = False
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = \
@@ -150,84 +188,129 @@ class SuccessJournal:
         self._thread.start()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], loop: asyncio.AbstractEventLoop
-             ) -> SuccessJournal:
-        """Open ``path`` empty (its lines replayed already); futures are ``loop``'s."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
-                     0o640)
+    def open(cls, paths: Sequence[Path], loop: asyncio.AbstractEventLoop) -> SuccessJournal:
+        """Open ``paths`` empty (their lines replayed already); futures are ``loop``'s."""
+        files: list[_File] = []
         try:
-            os.fsync(fd)  # the emptying is durable: a crash never replays old lines twice
+            for path in paths:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                             | os.O_CLOEXEC, 0o640)
+                files.append(_File(path, fd))
+                os.fsync(fd)  # emptied for good: a crash never replays old lines twice
+            for directory in {str(p.parent) for p in paths}:
+                fsync_path(directory)  # and the files' names are there after a power cut
         except OSError:
-            os.close(fd)
+            for f in files:
+                os.close(f.fd)
             raise
-        return cls(path, fd, loop)
+        return cls(files, loop)
 
     def append(self, results: Sequence[AttemptResult]) -> asyncio.Future[None]:
-        """Write the successes among ``results``; the future is set once they are synced.
+        """Write these successes; the future is set once they are synced.
 
-        Raises OSError when they cannot be written; the future fails when
-        they cannot be synced.  The caller reports each success through
+        Raises OSError when they cannot be written (the future fails when
+        they cannot be synced).  The caller reports each success through
         committed() once the store has it.
         """
+        if self._broken is not None:
+            raise OSError(self._broken.errno, f"success journal off until the next start: "
+                          f"{self._broken.strerror or self._broken}")
         data = b"".join(_line(r) for r in results)
-        write_all(self._fd, data)
-        self._size += len(data)
-        self._outstanding.update(r.entry.qid for r in results)
+        f = self._files[self._cur]
+        if f.size >= ROTATE_AT:
+            other = self._files[1 - self._cur]
+            if other.size == 0 and not other.emptying:
+                self._cur = 1 - self._cur
+                f = other
+        try:
+            write_all(f.fd, data)
+        except OSError as exc:
+            try:
+                os.ftruncate(f.fd, f.size)  # no torn line before the next one
+            except OSError:
+                self._broken = exc
+            raise
+        f.size += len(data)
+        f.held.update(r.entry.qid for r in results)
         fut = self._loop.create_future()
         with self._cond:
             self._wanted += 1
             self._waiters.append((self._wanted, fut))
+            self._dirty.add(self._cur)
             self._spids.extend(r.entry.spid for r in results)
             self._cond.notify()
         return fut
 
     def committed(self, qids: Iterable[str]) -> None:
-        """These entries' successes are in the store now; empty the file if it may."""
-        self._outstanding.difference_update(qids)
-        if not self._outstanding and self._size >= TRUNCATE_AT:
-            try:
-                os.ftruncate(self._fd, 0)
-            except OSError as exc:
-                log.warning("%s: cannot empty the journal: %s", self.path, exc)
-                return
-            self._size = 0
+        """These entries' successes are in the store now; a file not in use may be emptied."""
+        done = list(qids)
+        for i, f in enumerate(self._files):
+            f.held.difference_update(done)
+            if i != self._cur and f.size and not f.held and not f.emptying:
+                f.emptying = True
+                with self._cond:
+                    self._empty.append(i)
+                    self._cond.notify()
 
     def close(self) -> None:
-        """Stop the sync thread after its last sync, and close the file."""
+        """Stop the thread after its last sync, and close the files."""
         with self._cond:
             self._closing = True
             self._cond.notify()
         self._thread.join()
-        os.close(self._fd)
+        for f in self._files:
+            os.close(f.fd)
 
-    # -- the sync thread -------------------------------------------------------------
+    # -- the journal's thread ----------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            self._sync_until_closed()
-        except BaseException:  # never silently: the deliveries fall back on the store
-            log.exception("%s: the journal's sync thread failed", self.path)
+            self._work_until_closed()
+        except BaseException as exc:  # never silently: the deliveries fall back on the store
+            log.exception("the success journal's thread failed")
+            self._broken = OSError(0, f"its thread failed: {exc!r}")
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._resolve, self._wanted, self._broken)
             raise
 
-    def _sync_until_closed(self) -> None:
+    def _work_until_closed(self) -> None:
         while True:
             with self._cond:
-                while self._wanted == self._synced and not self._closing:
+                while (self._wanted == self._synced and not self._empty
+                       and not self._closing):
                     self._cond.wait()
-                if self._wanted == self._synced:
+                if self._wanted == self._synced and not self._empty:
                     return
                 target, spids, self._spids = self._wanted, self._spids, []
+                dirty, self._dirty = self._dirty, set()
+                empty, self._empty = self._empty, []
             error: OSError | None = None
             try:
-                os.fdatasync(self._fd)
+                for i in sorted(dirty):
+                    os.fdatasync(self._files[i].fd)
             except OSError as exc:
                 error = exc
             else:
-                faults.point("after_journal", spids)
+                if dirty:
+                    faults.point("after_journal", spids)
+            for i in empty:
+                try:
+                    os.ftruncate(self._files[i].fd, 0)
+                except OSError as exc:
+                    log.warning("%s: cannot empty it: %s", self._files[i].path, exc)
+                    i = -1 - i  # left as it is: tried again at its next commit
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._emptied, i)
             with self._cond:
                 self._synced = target
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
                 self._loop.call_soon_threadsafe(self._resolve, target, error)
+
+    def _emptied(self, i: int) -> None:
+        f = self._files[i if i >= 0 else -1 - i]
+        f.emptying = False
+        if i >= 0:
+            f.size = 0
 
     def _resolve(self, target: int, error: OSError | None) -> None:
         while self._waiters and self._waiters[0][0] <= target:

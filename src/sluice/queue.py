@@ -317,11 +317,12 @@ class Queue:
                             e.qid, QueueState.DEFERRED, next_attempt_at=at, reply=reply,
                             attempted=True, expect=IN_FLIGHT_STATES))
                         planned.append((res, QueueState.DEFERRED, EventKind.DEFERRED, reply))
-        # A success is made durable in the store's group commit before the
-        # queue manager reuses the connection (docs/queue.md, "What is
-        # promised"): a crash then sends it again only if it came in the
-        # last commit interval.  Failures alone are not flushed: lost in a
-        # power cut, a deferral is only redone, never a lost message.
+        # A success is made durable in the store's group commit (or first in
+        # the success journal, sluice.journal) before the queue manager
+        # reuses the connection (docs/queue.md, "What is promised"): a
+        # crash then sends it again only if it came in the last interval.
+        # Failures alone are not flushed: lost in a power cut, a deferral
+        # is only redone, never a lost message.
         delivered = any(isinstance(res.outcome, Delivered) for res in results)
         return RecordPlan(now, transitions, planned, durable=delivered)
 
@@ -478,7 +479,8 @@ class Queue:
         else:
             in_flight = list(self.store.entries(Selector(states=(QueueState.DELIVERING,))))
         if delivered:
-            done = [delivered[e.qid].result(e) for e in in_flight if e.qid in delivered]
+            done = [delivered[e.qid].result(e) for e in in_flight
+                    if e.qid in delivered and delivered[e.qid].concerns(e)]
             if done:
                 self.record(done)
                 log.info("recorded %d deliveries from the success journal", len(done))

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from sluice.faults import POINTS
+from sluice.journal import journal_paths
 from sluice.sink import Sink
 from tests.integration.pg import dsn_for
 from tests.integration.serving import (
@@ -95,7 +96,7 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
     if store == "postgres":
         queue["postgres"] = {"dsn": dsn_for(tmp_path)}
     if point == "after_journal":  # the journal's default is PostgreSQL's alone
-        queue["success_journal"] = "on"
+        queue["success_journal"] = True
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
     try:
@@ -155,3 +156,54 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
             # The reply and the connection's facts (kept by the journal for a replay).
             assert all((e["code"], e["remoteip"]) == (250, "127.0.0.1") for e in delivered), \
                 delivered
+
+
+@pytest.mark.parametrize("journal", ["on", "off"])
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_a_restart_records_the_successes_the_journal_kept(
+        store: str, journal: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed after the reply; the journal says the sink took it: not sent again.
+
+    The line is written by the test, as the journal's thread would have
+    synced it, so the replay is certain to be what is tested (a kill at
+    after_journal races the store's own commit).  A journal left by a run
+    that kept one is replayed by a run that does not, and then removed.
+    """
+    queue: dict[str, object] = {"store": store, "success_journal": journal == "on"}
+    if store == "postgres":
+        queue["postgres"] = {"dsn": dsn_for(tmp_path)}
+    sink = Sink(keep=True)
+    sport = sink.start_in_thread()
+    try:
+        port = free_port()
+        config = write_serve_config(tmp_path, port, queue=queue,
+                                    delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"}})
+        monkeypatch.setenv("SLUICE_FAULT", "after_reply")
+        srv = start_serve_with(config, tmp_path, port)
+        try:
+            _send(port)
+        finally:
+            code = _died(srv)
+        assert code == -signal.SIGKILL and _copies(sink) == 1
+        (qid,) = {e["qid"] for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT}
+        paths = journal_paths(tmp_path / "queue", "test-node")
+        paths[1].write_text(json.dumps({"q": qid, "r": [250, "2.0.0", "kept by the journal"],
+                                        "l": None, "m": "sink.test", "i": "127.0.0.1",
+                                        "d": 0.25}) + "\n")
+
+        monkeypatch.delenv("SLUICE_FAULT")
+        srv = start_serve_with(config, tmp_path, port)
+        try:
+            assert wait_until(lambda: srv.recipients_left() == 0, 60)
+        finally:
+            assert srv.stop() == 0
+        assert _copies(sink) == 1
+        assert all(p.exists() for p in paths) == (journal == "on")
+        if journal == "on":
+            assert all(p.stat().st_size == 0 for p in paths)
+    finally:
+        sink.stop_thread()
+    events = [e for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT]
+    assert [e["event"] for e in events] == ["received", "delivered"], events
+    assert (events[1]["response"], events[1]["remotemx"], events[1]["duration_s"]) == \
+        ("kept by the journal", "sink.test", 0.25)

@@ -21,7 +21,7 @@ import pytest
 
 from sluice.accounting import EVENT_FIELDS
 from sluice.config import Config
-from sluice.journal import JOURNAL_NAME, SuccessJournal, read_journal
+from sluice.journal import SuccessJournal, journal_paths, read_journal
 from sluice.model import (
     Delivered,
     PermFail,
@@ -358,35 +358,41 @@ def test_recovery_after_restart_returns_claimed_mail(cfg: Config, clock: Clock) 
 
 def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Clock,
                                                         tmp_path: Path) -> None:
-    """bob's success was journaled only; carol's journaled and committed; dave's neither."""
-    path = tmp_path / JOURNAL_NAME
+    """bob's success was journaled only; carol's journaled and committed; dave's neither;
+    erin's line names her queue id with another arrival time (not her entry)."""
+    paths = journal_paths(tmp_path / "journal", "n1")
+    paths[0].parent.mkdir()
     q = Queue.open(cfg, clock=clock)
     acc = q.submit(Submission("alice@example.org", ("bob@example.net", "carol@example.net",
-                                                    "dave@example.net")), message())
+                                                    "dave@example.net", "erin@example.net")),
+                   message())
     claimed = q.claim(10)
     q.mark_delivering(claimed)
     result = {e.recipient: AttemptResult(e, OK, remotemx="mx.test", remoteip="127.0.0.2",
                                          localip="127.0.0.1", duration_s=0.5) for e in claimed}
+    erin = result["erin@example.net"]
+    erin = dataclasses.replace(erin, entry=dataclasses.replace(
+        erin.entry, arrival_at=erin.entry.arrival_at - 60))
 
     async def journal_them() -> None:
-        journal = SuccessJournal.open(path, asyncio.get_running_loop())
-        await journal.append([result["bob@example.net"], result["carol@example.net"]])
+        journal = SuccessJournal.open(paths, asyncio.get_running_loop())
+        await journal.append([result["bob@example.net"], result["carol@example.net"], erin])
         journal.close()
 
     asyncio.run(journal_them())
     q.record([result["carol@example.net"]])
-    q.close()  # the crash: bob's and dave's attempts were in flight
+    q.close()  # the crash: bob's, dave's and erin's attempts were in flight
 
     q = Queue.open(cfg, clock=clock)
     try:
-        assert q.recover(read_journal(path)) == 1
-        (again,) = q.claim(10)
-        assert again.recipient == "dave@example.net"
+        assert q.recover(read_journal(paths)) == 2
+        assert sorted(e.recipient for e in q.claim(10)) == ["dave@example.net",
+                                                           "erin@example.net"]
     finally:
         q.close()
     events = [(x["event"], x["recipient"]) for x in log_lines(cfg) if x["event"] != "received"]
     assert sorted(events) == [("delivered", "bob@example.net"), ("delivered", "carol@example.net"),
-                              ("recovered", "dave@example.net")]
+                              ("recovered", "dave@example.net"), ("recovered", "erin@example.net")]
     bob = next(x for x in log_lines(cfg) if x["recipient"] == "bob@example.net"
                and x["event"] == "delivered")
     assert (bob["code"], bob["remotemx"], bob["remoteip"], bob["duration_s"], bob["spid"]) == \
@@ -394,9 +400,9 @@ def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Cloc
 
 
 def test_a_torn_last_line_of_the_journal_is_skipped(tmp_path: Path) -> None:
-    path = tmp_path / JOURNAL_NAME
-    path.write_bytes(b'{"q":"AB12-0","r":[250,"2.0.0","ok"],"l":null,"m":null,"i":null,'
-                     b'"d":null}\n{"q":"AB12-1","r":[250')
-    kept = read_journal(path)
+    first, second = journal_paths(tmp_path, "n1")
+    first.write_bytes(b'{"q":"AB12-0","r":[250,"2.0.0","ok"],"l":null,"m":null,"i":null,'
+                      b'"d":null}\n{"q":"AB12-1","r":[250')
+    kept = read_journal([first, second])
     assert list(kept) == ["AB12-0"] and kept["AB12-0"].reply == Reply(250, "2.0.0", "ok")
-    assert read_journal(tmp_path / "absent") == {}
+    assert read_journal([tmp_path / "absent"]) == {}

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sluice.journal import JOURNAL_NAME, SuccessJournal, read_journal
+from sluice.journal import SuccessJournal, journal_paths, read_journal
 from sluice.model import Delivered, QueueState, Reply, Selector, Submission
 from sluice.queue import AttemptResult, Queue
 from sluice.runtime.parts import Health
@@ -159,19 +159,19 @@ def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store
         release.wait(10)
         flush()
 
-    path = tmp_path / JOURNAL_NAME
+    paths = journal_paths(tmp_path, "n1")
 
     async def main() -> None:
         tasks: list[asyncio.Task[None]] = []
         recorder, stats = _recorder(queue, tasks)
-        recorder.journal = journal = SuccessJournal.open(path, asyncio.get_running_loop())
+        recorder.journal = journal = SuccessJournal.open(paths, asyncio.get_running_loop())
         monkeypatch.setattr(store, "_flush_wal", slow_flush)
         try:
             done = recorder.record([first])
             await asyncio.wait_for(asyncio.shield(done), 10)
             assert await asyncio.to_thread(in_flush.wait, 10)
             assert stats.delivered == 0  # the store's batch is still held in its flush
-            kept = read_journal(path)
+            kept = read_journal(paths)
             assert list(kept) == [first.entry.qid]
             assert kept[first.entry.qid].reply == OK.reply
             assert kept[first.entry.qid].remoteip == "127.0.0.1"
@@ -180,7 +180,7 @@ def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store
         for task in list(tasks):
             await asyncio.wait_for(task, 10)
         assert stats.delivered == 1 and _states(queue) == {}
-        assert not journal._outstanding  # the store has it: the line may go
+        assert not any(f.held for f in journal._files)  # the store has it: the line may go
         await recorder.drain()
         journal.close()
 
@@ -200,10 +200,11 @@ def test_a_journal_that_cannot_be_written_leaves_the_wait_to_the_store(
         tasks: list[asyncio.Task[None]] = []
         recorder, stats = _recorder(queue, tasks)
         recorder._journaling = health.part("journaling successes")
-        recorder.journal = journal = SuccessJournal.open(tmp_path / JOURNAL_NAME,
+        recorder.journal = journal = SuccessJournal.open(journal_paths(tmp_path, "n1"),
                                                          asyncio.get_running_loop())
-        os.close(journal._fd)  # every write now fails (EBADF)
-        journal._fd = os.open(os.devnull, os.O_RDONLY)
+        for f in journal._files:  # every write now fails (EBADF)
+            os.close(f.fd)
+            f.fd = os.open(os.devnull, os.O_RDONLY)
         await asyncio.wait_for(recorder.record([first]), 10)
         assert stats.delivered == 1 and _states(queue) == {}
         assert health.part("journaling successes").failing

@@ -80,6 +80,20 @@ def test_relative_paths_are_taken_from_the_config_files_directory(tmp_path: Path
     assert cfg.queue.spool.rootpath == str(tmp_path / "spool")
 
 
+@pytest.mark.parametrize(("text", "journals"), [
+    ("queue:\n  store: postgres\n", True),          # auto: PostgreSQL's commits cross a network
+    ("queue:\n  store: sqlite\n", False),
+    ("queue:\n  store: sqlite\n  success_journal: on\n", True),  # YAML's on, as written
+    ("queue:\n  store: postgres\n  success_journal: off\n", False),
+    ("queue:\n  store: fs\n  success_journal: true\n", True),
+])
+def test_the_success_journal_by_store_and_setting(tmp_path: Path, text: str,
+                                                  journals: bool) -> None:
+    f = tmp_path / "sluice.yaml"
+    f.write_text(text)
+    assert load_config(f).queue.journals_successes is journals
+
+
 @pytest.mark.parametrize(
     ("text", "keypath", "fragment"),
     [
@@ -88,6 +102,7 @@ def test_relative_paths_are_taken_from_the_config_files_directory(tmp_path: Path
          "not of type 'integer'"),
         ("queue:\n  maxmemoryqueue: 0\n", "queue.maxmemoryqueue", "less than the minimum"),
         ("queue:\n  store: mysql\n", "queue.store", "is not one of"),
+        ("queue:\n  success_journal: always\n", "queue.success_journal", "is not one of"),
         ("queue:\n  bogus: 1\n", "queue", "unknown key"),
         ("qeueu:\n  path: x\n", "", "unknown key"),
         ("queue:\n  retry_delays: '30m | soon'\n", "queue.retry_delays", "not a duration"),

@@ -103,9 +103,9 @@ class QueueConfig:
     retry_granularity: float = _dur("15m")
     bounces_interval: float = _dur("10m")
     commit_max_batch: int = 2000
-    #: Successes synced to <path>/success.journal before the store has them
-    #: (sluice.journal): "auto" (PostgreSQL only), "on" or "off".
-    success_journal: str = "auto"
+    #: Successes synced to a journal under path before the store has them
+    #: (sluice.journal): "auto" (PostgreSQL only), true or false.
+    success_journal: str | bool = "auto"
     spool: SpoolConfig = field(default_factory=SpoolConfig)
     postgres: PostgresConfig = field(default_factory=PostgresConfig)
 
@@ -114,7 +114,7 @@ class QueueConfig:
         """Whether serve keeps the success journal (success_journal, "auto" by store)."""
         if self.success_journal == "auto":
             return self.store == "postgres"
-        return self.success_journal == "on"
+        return self.success_journal is True
 
 
 @dataclass(frozen=True, slots=True)

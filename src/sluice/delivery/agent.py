@@ -45,7 +45,8 @@ STRATEGIES
 
     Durable before reuse.  Once the replies to a message are in, the
     request's ``settle`` runs (the queue manager records the outcomes and
-    waits for the store's group commit) before the session goes back to
+    waits for the store's group commit, or the success journal's sync if
+    that comes first: sluice.journal) before the session goes back to
     the pool: a connection never carries the next message while the
     previous one's success could still be forgotten by a crash.  Its
     ``started`` runs after 354, before the first byte of the message, so

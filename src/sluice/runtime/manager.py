@@ -67,7 +67,8 @@ STRATEGIES
     start as "in flight at crash, may be a duplicate".  Once the replies
     are in, the agent calls back (DeliveryRequest.settle): the outcomes
     go to the recorder's next group commit and the connection waits for
-    it, so a success is durable one commit after its reply.  Outcomes of
+    it (or for the success journal's sync, sluice.journal, if that is
+    first), so a success is durable one commit after its reply.  Outcomes of
     deliveries without a transaction are recorded after, as before.
 
     A failing store backs off.  A refill that cannot claim (a full disk)
@@ -95,7 +96,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice import cluster
@@ -104,7 +104,7 @@ from sluice.delivery.agent import AgentStats, DeliveryAgent
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import Router
 from sluice.hooks import Hooks
-from sluice.journal import JOURNAL_NAME, SuccessJournal, read_journal
+from sluice.journal import SuccessJournal, journal_paths, read_journal
 from sluice.model import QueueState, Reply, Selector
 from sluice.queue import Queue
 from sluice.runtime.deliveries import Deliveries
@@ -323,17 +323,18 @@ class QueueManager:
         it started crashed; the claims held are given back first as far as
         the store allows.
         """
-        journal_path = Path(self.config.queue.path) / JOURNAL_NAME
+        journal = journal_paths(self.config.queue.path, self.config.node.id)
         # A journal an earlier run left is replayed even if this one keeps none.
-        delivered = await self._io(read_journal, journal_path)
+        delivered = await self._io(read_journal, journal)
         recovered = await self._io(self.queue.recover, delivered)
         if recovered:
             log.info("returned %d entries left in flight by the last run", recovered)
         if self.config.queue.journals_successes:
             self.recorder.journal = await self._io(
-                SuccessJournal.open, journal_path, asyncio.get_running_loop())
-        elif delivered or journal_path.exists():
-            await self._io(journal_path.unlink, True)
+                SuccessJournal.open, journal, asyncio.get_running_loop())
+        else:
+            for path in journal:
+                await self._io(path.unlink, True)
         self.post(MailArrived())
         try:
             async with asyncio.TaskGroup() as group:

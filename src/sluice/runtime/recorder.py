@@ -25,11 +25,15 @@ STRATEGIES
     batch that holds its outcomes before its connection takes another
     message (record()'s future; sluice.delivery.agent, "Durable before
     reuse"), so a success is durable one commit after its reply, not
-    whenever the loop gets to it.  The batch goes from the loop straight
-    to the store's committer (Queue.plan_record, apply_record,
-    finish_record): no pool thread sits between them only to wait, which
-    cost about 0.9 ms of each delivery's wait.  NDR runs wait a moment (BOUNCE_GATHER_S) so a
-    burst of bounces makes few runs.
+    whenever the loop gets to it.  With a success journal
+    (sluice.journal; PostgreSQL's default) the successes are appended
+    there too, and the wait ends at the journal's sync when that comes
+    first; the journal hears from _flush when the store has them.  The
+    batch goes from the loop straight to the store's committer
+    (Queue.plan_record, apply_record, finish_record): no pool thread sits
+    between them only to wait, which cost about 0.9 ms of each delivery's
+    wait.  NDR runs wait a moment (BOUNCE_GATHER_S) so a burst of bounces
+    makes few runs.
 
     A failing store is retried, not dropped.  A batch of outcomes that
     cannot be applied (a full disk) is kept and tried again after the
@@ -37,7 +41,8 @@ STRATEGIES
     reminder now and then, then one line when it works.  Only when the
     manager stops are outcomes left unrecorded; their entries are still
     claimed in the store and return at the next start (and may be
-    delivered twice, never lost).
+    delivered twice, never lost), except the successes a journal kept,
+    which the next start records.
 
 SEE ALSO
     sluice.runtime.manager, sluice.queue, sluice.runtime.parts
@@ -135,7 +140,7 @@ class Recorder:
             return None
         try:
             synced = self.journal.append(delivered)
-        except OSError as exc:  # the deliveries wait for the store instead
+        except Exception as exc:  # the deliveries wait for the store instead
             self._journaling.failed(exc)
             return None
         synced.add_done_callback(self._journal_synced)
