@@ -15,8 +15,10 @@ DESCRIPTION
     share the machine's cores: a few milliseconds, against well under one
     for a line appended and synced to a local file.  So each success is
     first written here, one line a recipient, and the delivery goes on once
-    the line is synced or the store has the outcome, whichever comes first.
-    The store's group commit still follows, as before.
+    the line is synced; the outcomes then go to the store's group commit
+    (sluice.runtime.recorder), so the store never has a success the
+    journal lacks.  If the journal fails, the delivery waits for the store
+    as it would without one.
 
     At the next start, before in-flight entries are returned to the queue,
     the journal is read (read_journal) and every entry it names that is
@@ -44,8 +46,9 @@ STRATEGIES
     error for the delivery: append() raises or its future fails, the
     delivery waits for the store as it would without a journal, and the
     caller reports the failure.  A write that failed part-way is cut off
-    again, so the next line starts clean; if even that fails the journal
-    refuses further appends until the next start.
+    again, so the next line starts clean; if even that fails, or a file
+    cannot be emptied, or the thread fails, the journal refuses further
+    appends until the next start (one error in the log).
 
 LIMITATIONS
     An entry whose "delivering" mark had not reached the store when the
@@ -212,9 +215,7 @@ class SuccessJournal:
         they cannot be synced).  The caller reports each success through
         committed() once the store has it.
         """
-        if self._broken is not None:
-            raise OSError(self._broken.errno, f"success journal off until the next start: "
-                          f"{self._broken.strerror or self._broken}")
+        self._check()
         data = b"".join(_line(r) for r in results)
         f = self._files[self._cur]
         if f.size >= ROTATE_AT:
@@ -234,12 +235,20 @@ class SuccessJournal:
         f.held.update(r.entry.qid for r in results)
         fut = self._loop.create_future()
         with self._cond:
+            self._check()  # the thread may have stopped meanwhile: nobody would sync it
             self._wanted += 1
             self._waiters.append((self._wanted, fut))
             self._dirty.add(self._cur)
             self._spids.extend(r.entry.spid for r in results)
             self._cond.notify()
         return fut
+
+    def _check(self) -> None:
+        if self._closing:
+            raise OSError(0, "the success journal is closed")
+        if self._broken is not None:
+            raise OSError(self._broken.errno, "the success journal is off until the next "
+                          f"start: {self._broken.strerror or self._broken}")
 
     def committed(self, qids: Iterable[str]) -> None:
         """These entries' successes are in the store now; a file not in use may be emptied."""
@@ -268,9 +277,11 @@ class SuccessJournal:
             self._work_until_closed()
         except BaseException as exc:  # never silently: the deliveries fall back on the store
             log.exception("the success journal's thread failed")
-            self._broken = OSError(0, f"its thread failed: {exc!r}")
+            with self._cond:
+                self._broken = OSError(0, f"its thread failed: {exc!r}")
+                wanted = self._wanted
             with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._resolve, self._wanted, self._broken)
+                self._loop.call_soon_threadsafe(self._resolve, wanted, self._broken)
             raise
 
     def _work_until_closed(self) -> None:
@@ -285,20 +296,22 @@ class SuccessJournal:
                 dirty, self._dirty = self._dirty, set()
                 empty, self._empty = self._empty, []
             error: OSError | None = None
-            try:
-                for i in sorted(dirty):
+            for i in sorted(dirty):
+                try:
                     os.fdatasync(self._files[i].fd)
-            except OSError as exc:
-                error = exc
-            else:
-                if dirty:
-                    faults.point("after_journal", spids)
+                except OSError as exc:
+                    error = error or exc
+            if dirty and error is None:
+                faults.point("after_journal", spids)
             for i in empty:
                 try:
                     os.ftruncate(self._files[i].fd, 0)
                 except OSError as exc:
-                    log.warning("%s: cannot empty it: %s", self._files[i].path, exc)
-                    i = -1 - i  # left as it is: tried again at its next commit
+                    log.error("%s: cannot empty it (%s): the success journal is off until "
+                              "the next start", self._files[i].path, exc)
+                    with self._cond:
+                        self._broken = exc
+                    continue
                 with contextlib.suppress(RuntimeError):
                     self._loop.call_soon_threadsafe(self._emptied, i)
             with self._cond:
@@ -307,10 +320,9 @@ class SuccessJournal:
                 self._loop.call_soon_threadsafe(self._resolve, target, error)
 
     def _emptied(self, i: int) -> None:
-        f = self._files[i if i >= 0 else -1 - i]
+        f = self._files[i]
         f.emptying = False
-        if i >= 0:
-            f.size = 0
+        f.size = 0
 
     def _resolve(self, target: int, error: OSError | None) -> None:
         while self._waiters and self._waiters[0][0] <= target:

@@ -29,9 +29,11 @@ from pathlib import Path
 
 import pytest
 
+from sluice.config import load_config
 from sluice.faults import POINTS
 from sluice.journal import journal_paths
 from sluice.sink import Sink
+from sluice.store import open_store
 from tests.integration.pg import dsn_for
 from tests.integration.serving import (
     Serving,
@@ -115,9 +117,7 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
         monkeypatch.delenv("SLUICE_FAULT")
         srv = start_serve_with(config, tmp_path, port)
         try:
-            if store == "kv" and point == "after_journal":
-                pass  # its line may be missing (below); the recovery ends before serve stops
-            elif store == "kv":  # one process at a time: counted once serve has stopped
+            if store == "kv":  # one process at a time: counted once serve has stopped
                 assert wait_until(lambda: _copies(sink) >= 1 and any(
                     e["event"] == "delivered" for e in _accounting(tmp_path / "log")), 60)
             else:
@@ -129,13 +129,7 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
         events = [e for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT]
         noted = [e for e in events if e["event"] == "recovered" and e["response"] == NOTE]
         delivered = [e for e in events if e["event"] == "delivered"]
-        if point == "after_journal":
-            # The store's commit may have come first (it runs beside the
-            # journal's sync), and the process died before its line: then
-            # no line at all, a gap older than the journal (docs/queue.md).
-            assert len(delivered) <= 1, events
-        else:
-            assert len(delivered) == 1, events
+        assert len(delivered) == 1, events
     finally:
         sink.stop_thread()
 
@@ -153,8 +147,9 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
         case "after_journal" | "after_commit":
             assert (before, after) == (1, 1)
             assert not noted, events
-            # The reply and the connection's facts (kept by the journal for a replay).
-            assert all((e["code"], e["remoteip"]) == (250, "127.0.0.1") for e in delivered), \
+            # The reply and the connection's facts (kept by the journal for the replay:
+            # the store has a journaled success only after the journal's sync).
+            assert (delivered[0]["code"], delivered[0]["remoteip"]) == (250, "127.0.0.1"), \
                 delivered
 
 
@@ -165,9 +160,9 @@ def test_a_restart_records_the_successes_the_journal_kept(
     """Killed after the reply; the journal says the sink took it: not sent again.
 
     The line is written by the test, as the journal's thread would have
-    synced it, so the replay is certain to be what is tested (a kill at
-    after_journal races the store's own commit).  A journal left by a run
-    that kept one is replayed by a run that does not, and then removed.
+    synced it, with the reply and facts of the test's choosing.  A journal
+    left by a run that kept one is replayed by a run that does not, and
+    then removed.
     """
     queue: dict[str, object] = {"store": store, "success_journal": journal == "on"}
     if store == "postgres":
@@ -186,8 +181,15 @@ def test_a_restart_records_the_successes_the_journal_kept(
             code = _died(srv)
         assert code == -signal.SIGKILL and _copies(sink) == 1
         (qid,) = {e["qid"] for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT}
+        store = open_store(load_config(config))
+        try:
+            entry = store.get(qid)
+        finally:
+            store.close()
+        assert entry is not None
         paths = journal_paths(tmp_path / "queue", "test-node")
-        paths[1].write_text(json.dumps({"q": qid, "r": [250, "2.0.0", "kept by the journal"],
+        paths[1].write_text(json.dumps({"q": qid, "a": entry.arrival_at,
+                                        "r": [250, "2.0.0", "kept by the journal"],
                                         "l": None, "m": "sink.test", "i": "127.0.0.1",
                                         "d": 0.25}) + "\n")
 
@@ -198,9 +200,10 @@ def test_a_restart_records_the_successes_the_journal_kept(
         finally:
             assert srv.stop() == 0
         assert _copies(sink) == 1
-        assert all(p.exists() for p in paths) == (journal == "on")
         if journal == "on":
-            assert all(p.stat().st_size == 0 for p in paths)
+            assert [p.stat().st_size for p in paths] == [0, 0]
+        else:
+            assert not any(p.exists() for p in paths)
     finally:
         sink.stop_thread()
     events = [e for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT]

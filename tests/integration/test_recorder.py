@@ -215,3 +215,28 @@ def test_a_journal_that_cannot_be_written_leaves_the_wait_to_the_store(
         asyncio.run(main())
     finally:
         queue.close()
+
+
+def test_a_journal_whose_sync_fails_leaves_the_wait_to_the_store(tmp_path: Path) -> None:
+    queue, (first,) = _queue(tmp_path, 1)
+    health = Health()
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        recorder._journaling = health.part("journaling successes")
+        recorder.journal = journal = SuccessJournal.open(journal_paths(tmp_path, "n1"),
+                                                         asyncio.get_running_loop())
+        for f in journal._files:  # writes go, fdatasync fails (EINVAL): /dev/null
+            os.close(f.fd)
+            f.fd = os.open(os.devnull, os.O_WRONLY | os.O_APPEND)
+        await asyncio.wait_for(recorder.record([first]), 10)
+        assert stats.delivered == 1 and _states(queue) == {}  # answered by the store
+        assert health.part("journaling successes").failing
+        await recorder.drain()
+        journal.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        queue.close()

@@ -105,3 +105,82 @@ def test_closing_syncs_what_was_written_and_answers_it(tmp_path: Path) -> None:
     asyncio.run(main())
     assert len(read_journal(paths)) == 20
     assert [p.name for p in paths] == ["success.0.journal", "success.1.journal"]
+
+
+def _null_files(journal: SuccessJournal, *which: int) -> None:
+    """Files that take writes but fail fdatasync and ftruncate (EINVAL): /dev/null."""
+    for i in which:
+        f = journal._files[i]
+        os.close(f.fd)
+        f.fd = os.open(os.devnull, os.O_WRONLY | os.O_APPEND)
+
+
+def test_a_sync_that_fails_fails_the_future_and_the_next_sync_of_the_other_file_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_mod, "ROTATE_AT", 300)
+    paths = journal_paths(tmp_path, "n1")
+
+    async def body(journal: SuccessJournal) -> None:
+        _null_files(journal, 0)
+        with pytest.raises(OSError) as caught:
+            await journal.append([_result(i) for i in range(3)])
+        assert caught.value.errno == 22
+        await journal.append([_result(3)])  # the second file, a real one: synced
+        assert set(read_journal([paths[1]])) == {_result(3).entry.qid}
+
+    _run(paths, body)
+
+
+def test_a_file_that_cannot_be_emptied_turns_the_journal_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_mod, "ROTATE_AT", 300)
+    paths = journal_paths(tmp_path, "n1")
+
+    async def body(journal: SuccessJournal) -> None:
+        await journal.append([_result(i) for i in range(3)])
+        await journal.append([_result(3)])  # to the second file
+        _null_files(journal, 0)
+        journal.committed([_result(i).entry.qid for i in range(3)])
+        await _until(lambda: journal._broken is not None)
+        with pytest.raises(OSError, match="off until the next start"):
+            journal.append([_result(4)])
+
+    _run(paths, body)
+
+
+def test_no_append_after_close(tmp_path: Path) -> None:
+    paths = journal_paths(tmp_path, "n1")
+
+    async def main() -> None:
+        journal = SuccessJournal.open(paths, asyncio.get_running_loop())
+        journal.close()
+        with pytest.raises(OSError, match="closed"):
+            journal.append([_result(1)])
+
+    asyncio.run(main())
+
+
+def test_first_of_waits_past_a_failure_for_a_success_or_the_last() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = loop.create_future(), loop.create_future()
+        out = journal_mod.first_of(a, b)
+        a.set_exception(OSError(22, "sync failed"))
+        await asyncio.sleep(0)
+        assert not out.done()  # a failure is not the end of the wait
+        b.set_result(None)
+        await asyncio.wait_for(out, 1)
+
+        c, d = loop.create_future(), loop.create_future()
+        out = journal_mod.first_of(c, d)
+        d.set_result(None)
+        await asyncio.wait_for(out, 1)  # the first success, the other still open
+        assert not c.done()
+
+        e, f = loop.create_future(), loop.create_future()
+        out = journal_mod.first_of(e, f)
+        e.set_exception(OSError(5, "x"))
+        f.set_exception(OSError(5, "y"))
+        await asyncio.wait_for(out, 1)  # both failed: the wait ends all the same
+
+    asyncio.run(main())

@@ -104,7 +104,7 @@ from sluice.delivery.agent import AgentStats, DeliveryAgent
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import Router
 from sluice.hooks import Hooks
-from sluice.journal import SuccessJournal, journal_paths, read_journal
+from sluice.journal import JournaledSuccess, SuccessJournal, journal_paths, read_journal
 from sluice.model import QueueState, Reply, Selector
 from sluice.queue import Queue
 from sluice.runtime.deliveries import Deliveries
@@ -325,14 +325,22 @@ class QueueManager:
         """
         journal = journal_paths(self.config.queue.path, self.config.node.id)
         # A journal an earlier run left is replayed even if this one keeps none.
-        delivered = await self._io(read_journal, journal)
+        try:
+            delivered: dict[str, JournaledSuccess] | None = await self._io(read_journal, journal)
+        except OSError as exc:  # its successes may go twice: never a reason not to start
+            log.error("cannot read the success journal (%s); it is left as it is and this "
+                      "run keeps none", exc)
+            delivered = None
         recovered = await self._io(self.queue.recover, delivered)
         if recovered:
             log.info("returned %d entries left in flight by the last run", recovered)
-        if self.config.queue.journals_successes:
-            self.recorder.journal = await self._io(
-                SuccessJournal.open, journal, asyncio.get_running_loop())
-        else:
+        if delivered is not None and self.config.queue.journals_successes:
+            try:
+                self.recorder.journal = await self._io(
+                    SuccessJournal.open, journal, asyncio.get_running_loop())
+            except OSError as exc:
+                log.error("cannot open the success journal (%s); this run keeps none", exc)
+        elif delivered is not None:
             for path in journal:
                 await self._io(path.unlink, True)
         self.post(MailArrived())
@@ -352,9 +360,9 @@ class QueueManager:
         finally:
             self._group = None
             await self.agent.close()
-            if self.recorder.journal is not None:
-                await self._io(self.recorder.journal.close)
-                self.recorder.journal = None
+            journal_open, self.recorder.journal = self.recorder.journal, None
+            if journal_open is not None:
+                await self._io(journal_open.close)
             self._pool.shutdown(wait=True)
 
     def _cluster_part(self, stop: asyncio.Event) -> Callable[[Trouble], Awaitable[None]]:

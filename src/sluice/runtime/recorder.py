@@ -27,8 +27,10 @@ STRATEGIES
     reuse"), so a success is durable one commit after its reply, not
     whenever the loop gets to it.  With a success journal
     (sluice.journal; PostgreSQL's default) the successes are appended
-    there too, and the wait ends at the journal's sync when that comes
-    first; the journal hears from _flush when the store has them.  The
+    there first, and the wait ends at the journal's sync when that comes
+    first (the batch goes to the store after that sync, so the store
+    never has a success the journal lacks); the journal hears from
+    _flush when the store has them.  The
     batch goes from the loop straight to the store's committer
     (Queue.plan_record, apply_record, finish_record): no pool thread sits
     between them only to wait, which cost about 0.9 ms of each delivery's
@@ -70,6 +72,9 @@ T = TypeVar("T")
 #: Batches of outcomes in the store's hands at once, at most.
 MAX_IN_FLIGHT = 4
 
+#: How long a stop waits for the success journal's syncs under way.
+JOURNAL_WAIT_S = 5.0
+
 #: How long an NDR run waits for more bounces to gather.
 BOUNCE_GATHER_S = 0.2
 
@@ -105,6 +110,7 @@ class Recorder:
         self._recording = health.part("recording outcomes")
         self._bouncing = health.part("queueing NDRs")
         self._journaling = health.part("journaling successes")
+        self._syncing: set[asyncio.Future[None]] = set()  # journal syncs not yet ended
         #: The success journal (sluice.journal), when serve keeps one.
         self.journal: SuccessJournal | None = None
         self._releasing = health.part("giving claims back")
@@ -119,17 +125,32 @@ class Recorder:
 
         The future resolves when the batch that holds them has been tried once:
         applied, or failed (they are then retried in the background); await it
-        through asyncio.shield.  With a success journal, successes are also
-        written there, and the future resolves as soon as they are synced
-        if that comes first.
+        through asyncio.shield.  With a success journal, outcomes that hold
+        a success are written there first and go to the store once they are
+        synced; the future then resolves at that sync (or, if the journal
+        fails, when the store has tried them).  So the store never has a
+        journaled success before the journal does: a crash in between
+        leaves it to the journal's replay.
         """
         results = list(results)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         synced = self._journal(results)
+        if synced is None:
+            self._queue(results, done)
+            return done
+        self._syncing.add(synced)
+
+        def to_store(fut: asyncio.Future[None]) -> None:
+            self._syncing.discard(fut)
+            self._queue(results, done)
+
+        synced.add_done_callback(to_store)
+        return first_of(synced, done)
+
+    def _queue(self, results: list[AttemptResult], done: asyncio.Future[None]) -> None:
         self._pending.extend(results)
         self._waiters.append(done)
         self._start()
-        return done if synced is None else first_of(done, synced)
 
     def _journal(self, results: Sequence[AttemptResult]) -> asyncio.Future[None] | None:
         """The successes among ``results`` to the success journal; None: not journaled."""
@@ -275,6 +296,9 @@ class Recorder:
     async def drain(self) -> None:
         """The manager stops: record what is pending, once, without retrying."""
         self._stopping = True
+        if self._syncing:  # journaled successes join the pending ones after their sync
+            await asyncio.wait(set(self._syncing), timeout=JOURNAL_WAIT_S)
+            await asyncio.sleep(0)
         tasks = list(self._tasks)
         if self._recording.failing:
             for task in tasks:
