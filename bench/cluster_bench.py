@@ -16,6 +16,8 @@ message at the sink.  CPU per message is the CPU time of every process of
 every node (receivers included), from /proc, divided by N.
 
     local1   one node, limits its own (no cluster.redis)
+    local1-nojournal  the same with queue.success_journal false (the
+             success journal's price or gain on PostgreSQL's default)
     redis1   one node, limits in Redis
     redis3   three nodes, limits in Redis, on the same 2-core machine
 
@@ -73,15 +75,16 @@ def cpu_of_groups(pgids: set[int]) -> float:
     return total / CLK
 
 
-def start_node(work: Path, name: str, dsn: str, redis_url: str | None, sink_port: int
-               ) -> tuple[subprocess.Popen[bytes], int]:
+def start_node(work: Path, name: str, dsn: str, redis_url: str | None, sink_port: int,
+               journal: object = "auto") -> tuple[subprocess.Popen[bytes], int]:
     home = work / name
     home.mkdir()
     (home / "policy.yaml").write_text(POLICY)
     port = free_port()
     data: dict[str, object] = {
         "node": {"id": name, "hostname": f"{name}.bench.test"},
-        "queue": {"path": str(home / "queue"), "store": "postgres", "postgres": {"dsn": dsn}},
+        "queue": {"path": str(home / "queue"), "store": "postgres", "postgres": {"dsn": dsn},
+                  "success_journal": journal},
         "accounting": {"path": str(home / "log")},
         "smtpd": {"listen": [f"127.0.0.1:{port}"], "processes": 1},
         "scheduler": {"policy": str(home / "policy.yaml")},
@@ -104,7 +107,7 @@ def start_node(work: Path, name: str, dsn: str, redis_url: str | None, sink_port
 def one_run(kind: str, n: int, sessions: int, pg: PgServer, redis: RedisServer, run: int
             ) -> dict[str, float]:
     nodes = 3 if kind == "redis3" else 1
-    db = f"bench_{kind}_{run}"
+    db = f"bench_{kind.replace('-', '_')}_{run}"
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {db}")
         conn.execute(f"CREATE DATABASE {db}")
@@ -116,8 +119,9 @@ def one_run(kind: str, n: int, sessions: int, pg: PgServer, redis: RedisServer, 
     try:
         ports = []
         for i in range(nodes):
-            proc, port = start_node(work, f"n{i}", dsn, None if kind == "local1" else redis.url,
-                                    sink_port)
+            proc, port = start_node(work, f"n{i}", dsn,
+                                    None if kind.startswith("local1") else redis.url, sink_port,
+                                    journal=False if kind == "local1-nojournal" else "auto")
             procs.append(proc)
             ports.append(port)
         pgids = {p.pid for p in procs}
@@ -207,7 +211,7 @@ def main() -> None:
         for kind in kinds:
             rs = results[kind]
             msg = statistics.median(r["msg_s"] for r in rs)
-            print(f"  {kind:7s} {msg:7.0f} msg/s ({msg / base:.2f}x {kinds[0]}), "
+            print(f"  {kind:16s} {msg:7.0f} msg/s ({msg / base:.2f}x {kinds[0]}), "
                   f"{statistics.median(r['cpu_ms'] for r in rs):.2f} ms CPU/msg, "
                   f"peak {max(r['peak'] for r in rs):.0f}, "
                   f"load {statistics.median(r['load'] for r in rs):.2f}")
