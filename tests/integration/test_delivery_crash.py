@@ -87,6 +87,25 @@ def _died(srv: Serving) -> int | None:
     return code
 
 
+def _killed_at(point: str, tmp_path: Path, queue: dict[str, object], sink_port: int,
+               monkeypatch: pytest.MonkeyPatch) -> tuple[Path, int]:
+    """serve on ``queue`` killed by the fault at ``point`` with one message: its config, port."""
+    if queue["store"] == "postgres":
+        queue["postgres"] = {"dsn": dsn_for(tmp_path)}
+    port = free_port()
+    config = write_serve_config(tmp_path, port, queue=queue,
+                                delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sink_port}"}})
+    monkeypatch.setenv("SLUICE_FAULT", point)
+    srv = start_serve_with(config, tmp_path, port)
+    try:
+        _send(port)
+    finally:
+        code = _died(srv)
+    monkeypatch.delenv("SLUICE_FAULT")
+    assert code == -signal.SIGKILL, "the fault point was not reached"
+    return config, port
+
+
 @pytest.mark.parametrize("store", ["sqlite", "postgres", "kv"])
 @pytest.mark.parametrize("point", POINTS)
 def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
@@ -95,26 +114,13 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
     # attempts only, found by the claim's owner.  kv: outcomes synced on their
     # own, claims and marks not synced (sluice.store._kv_db).
     queue: dict[str, object] = {"store": store}
-    if store == "postgres":
-        queue["postgres"] = {"dsn": dsn_for(tmp_path)}
     if point == "after_journal":  # the journal's default is PostgreSQL's alone
         queue["success_journal"] = True
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
     try:
-        port = free_port()
-        config = write_serve_config(tmp_path, port, queue=queue,
-                                    delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"}})
-        monkeypatch.setenv("SLUICE_FAULT", point)
-        srv = start_serve_with(config, tmp_path, port)
-        try:
-            _send(port)
-        finally:
-            code = _died(srv)
-        assert code == -signal.SIGKILL, "the fault point was not reached"
+        config, port = _killed_at(point, tmp_path, queue, sport, monkeypatch)
         before = _copies(sink)
-
-        monkeypatch.delenv("SLUICE_FAULT")
         srv = start_serve_with(config, tmp_path, port)
         try:
             if store == "kv":  # one process at a time: counted once serve has stopped
@@ -165,21 +171,11 @@ def test_a_restart_records_the_successes_the_journal_kept(
     then removed.
     """
     queue: dict[str, object] = {"store": store, "success_journal": journal == "on"}
-    if store == "postgres":
-        queue["postgres"] = {"dsn": dsn_for(tmp_path)}
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
     try:
-        port = free_port()
-        config = write_serve_config(tmp_path, port, queue=queue,
-                                    delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sport}"}})
-        monkeypatch.setenv("SLUICE_FAULT", "after_reply")
-        srv = start_serve_with(config, tmp_path, port)
-        try:
-            _send(port)
-        finally:
-            code = _died(srv)
-        assert code == -signal.SIGKILL and _copies(sink) == 1
+        config, port = _killed_at("after_reply", tmp_path, queue, sport, monkeypatch)
+        assert _copies(sink) == 1
         (qid,) = {e["qid"] for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT}
         store = open_store(load_config(config))
         try:
@@ -193,7 +189,6 @@ def test_a_restart_records_the_successes_the_journal_kept(
                                         "l": None, "m": "sink.test", "i": "127.0.0.1",
                                         "d": 0.25}) + "\n")
 
-        monkeypatch.delenv("SLUICE_FAULT")
         srv = start_serve_with(config, tmp_path, port)
         try:
             assert wait_until(lambda: srv.recipients_left() == 0, 60)

@@ -67,11 +67,9 @@ def _states(queue: Queue) -> dict[str, QueueState]:
     return {e.qid: e.state for e in queue.store.entries(Selector())}
 
 
-def test_a_batch_goes_to_the_store_while_the_last_one_is_still_being_flushed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # One batch at a time: an outcome that arrived during a commit waited
-    # for that commit's fsync before its own commit began.
-    queue, (first, second) = _queue(tmp_path, 2)
+def _hold_flushes(queue: Queue, monkeypatch: pytest.MonkeyPatch
+                  ) -> tuple[threading.Event, threading.Event]:
+    """The store's WAL flushes wait for ``release`` (10 s at most); ``in_flush``: one began."""
     store = queue.store
     assert isinstance(store, SqliteStore)
     in_flush, release = threading.Event(), threading.Event()
@@ -82,10 +80,20 @@ def test_a_batch_goes_to_the_store_while_the_last_one_is_still_being_flushed(
         release.wait(10)
         flush()
 
+    monkeypatch.setattr(store, "_flush_wal", slow_flush)
+    return in_flush, release
+
+
+def test_a_batch_goes_to_the_store_while_the_last_one_is_still_being_flushed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One batch at a time: an outcome that arrived during a commit waited
+    # for that commit's fsync before its own commit began.
+    queue, (first, second) = _queue(tmp_path, 2)
+    in_flush, release = _hold_flushes(queue, monkeypatch)
+
     async def main() -> None:
         tasks: list[asyncio.Task[None]] = []
         recorder, stats = _recorder(queue, tasks)
-        monkeypatch.setattr(store, "_flush_wal", slow_flush)
         one = recorder.record([first])
         assert await asyncio.to_thread(in_flush.wait, 10)
         two = recorder.record([second])
@@ -149,23 +157,13 @@ def test_a_failing_store_is_retried_after_a_back_off_and_counts_once(
 def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store_has_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     queue, (first,) = _queue(tmp_path, 1)
-    store = queue.store
-    assert isinstance(store, SqliteStore)
-    in_flush, release = threading.Event(), threading.Event()
-    flush = store._flush_wal
-
-    def slow_flush() -> None:
-        in_flush.set()
-        release.wait(10)
-        flush()
-
+    in_flush, release = _hold_flushes(queue, monkeypatch)
     paths = journal_paths(tmp_path, "n1")
 
     async def main() -> None:
         tasks: list[asyncio.Task[None]] = []
         recorder, stats = _recorder(queue, tasks)
         recorder.journal = journal = SuccessJournal.open(paths, asyncio.get_running_loop())
-        monkeypatch.setattr(store, "_flush_wal", slow_flush)
         try:
             done = recorder.record([first])
             await asyncio.wait_for(asyncio.shield(done), 10)
@@ -191,8 +189,10 @@ def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store
         queue.close()
 
 
-def test_a_journal_that_cannot_be_written_leaves_the_wait_to_the_store(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [os.O_RDONLY, os.O_WRONLY | os.O_APPEND],
+                         ids=["the write fails", "the sync fails"])
+def test_a_journal_that_fails_leaves_the_wait_to_the_store(tmp_path: Path, flags: int) -> None:
+    """/dev/null for the files: read-only, a write fails (EBADF); else fdatasync (EINVAL)."""
     queue, (first,) = _queue(tmp_path, 1)
     health = Health()
 
@@ -202,34 +202,9 @@ def test_a_journal_that_cannot_be_written_leaves_the_wait_to_the_store(
         recorder._journaling = health.part("journaling successes")
         recorder.journal = journal = SuccessJournal.open(journal_paths(tmp_path, "n1"),
                                                          asyncio.get_running_loop())
-        for f in journal._files:  # every write now fails (EBADF)
+        for f in journal._files:
             os.close(f.fd)
-            f.fd = os.open(os.devnull, os.O_RDONLY)
-        await asyncio.wait_for(recorder.record([first]), 10)
-        assert stats.delivered == 1 and _states(queue) == {}
-        assert health.part("journaling successes").failing
-        await recorder.drain()
-        journal.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        queue.close()
-
-
-def test_a_journal_whose_sync_fails_leaves_the_wait_to_the_store(tmp_path: Path) -> None:
-    queue, (first,) = _queue(tmp_path, 1)
-    health = Health()
-
-    async def main() -> None:
-        tasks: list[asyncio.Task[None]] = []
-        recorder, stats = _recorder(queue, tasks)
-        recorder._journaling = health.part("journaling successes")
-        recorder.journal = journal = SuccessJournal.open(journal_paths(tmp_path, "n1"),
-                                                         asyncio.get_running_loop())
-        for f in journal._files:  # writes go, fdatasync fails (EINVAL): /dev/null
-            os.close(f.fd)
-            f.fd = os.open(os.devnull, os.O_WRONLY | os.O_APPEND)
+            f.fd = os.open(os.devnull, flags)
         await asyncio.wait_for(recorder.record([first]), 10)
         assert stats.delivered == 1 and _states(queue) == {}  # answered by the store
         assert health.part("journaling successes").failing
