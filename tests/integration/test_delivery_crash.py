@@ -87,9 +87,13 @@ def _died(srv: Serving) -> int | None:
     return code
 
 
-def _killed_at(point: str, tmp_path: Path, queue: dict[str, object], sink_port: int,
-               monkeypatch: pytest.MonkeyPatch) -> tuple[Path, int]:
-    """serve on ``queue`` killed by the fault at ``point`` with one message: its config, port."""
+def _killed_at(point: str, tmp_path: Path, queue: dict[str, object], sink: Sink,
+               sink_port: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, int]:
+    """serve on ``queue`` killed by the fault at ``point`` with one message: its config, port.
+
+    Returns once the sink has seen the killed connection close: a message
+    whose final dot it had is counted (or not) by then, for good.
+    """
     if queue["store"] == "postgres":
         queue["postgres"] = {"dsn": dsn_for(tmp_path)}
     port = free_port()
@@ -103,6 +107,9 @@ def _killed_at(point: str, tmp_path: Path, queue: dict[str, object], sink_port: 
         code = _died(srv)
     monkeypatch.delenv("SLUICE_FAULT")
     assert code == -signal.SIGKILL, "the fault point was not reached"
+    # A CI run read the copies before the sink had handled the final dot
+    # it already held (after_dot: 0, then 2 after the restart).
+    assert wait_until(lambda: sink.snapshot().current_connections == 0, 30)
     return config, port
 
 
@@ -119,7 +126,7 @@ def test_crash_at_a_point_of_delivery(point: str, store: str, tmp_path: Path,
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
     try:
-        config, port = _killed_at(point, tmp_path, queue, sport, monkeypatch)
+        config, port = _killed_at(point, tmp_path, queue, sink, sport, monkeypatch)
         before = _copies(sink)
         srv = start_serve_with(config, tmp_path, port)
         try:
@@ -174,7 +181,7 @@ def test_a_restart_records_the_successes_the_journal_kept(
     sink = Sink(keep=True)
     sport = sink.start_in_thread()
     try:
-        config, port = _killed_at("after_reply", tmp_path, queue, sport, monkeypatch)
+        config, port = _killed_at("after_reply", tmp_path, queue, sink, sport, monkeypatch)
         assert _copies(sink) == 1
         (qid,) = {e["qid"] for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT}
         store = open_store(load_config(config))
