@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sluice._fdio import write_all
 from sluice.model import IN_FLIGHT_STATES, QueueState
 from sluice.spool import SpoolFile
 from sluice.spool.fs import FsSpool
@@ -463,7 +464,7 @@ class Committing:
                     if f.read(1) != b"\n":
                         prefix = "\n"  # a torn last line from a crash
             data = (prefix + "".join(lines)).encode()
-            os.write(fd, data)
+            write_all(fd, data)
             self._seq_cache = (size + len(data), seq)
         finally:
             os.close(fd)
