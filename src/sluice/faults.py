@@ -18,7 +18,7 @@ DESCRIPTION
     after_dot      the message and its final dot written; no reply read
     after_reply    the replies to the dot read; the outcome not yet in the store
     after_journal  the successes synced to the success journal (sluice.journal),
-                   maybe not yet in the store
+                   not yet handed to the store
     after_commit   the outcome applied in the store (sluice.runtime.recorder)
 
     SLUICE_TRACE names a file to which every pass through a point appends

@@ -95,8 +95,8 @@ _SAME_ARRIVAL_S = 1e-3
 
 def journal_paths(queue_path: str | os.PathLike[str], node_id: str) -> tuple[Path, Path]:
     """This node's two journal files under queue.path."""
-    stem = Path(queue_path) / (f"success-{node_id}" if node_id else "success")
-    return stem.with_name(stem.name + ".0.journal"), stem.with_name(stem.name + ".1.journal")
+    base, stem = Path(queue_path), f"success-{node_id}" if node_id else "success"
+    return base / f"{stem}.0.journal", base / f"{stem}.1.journal"
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,9 +45,9 @@ STRATEGIES
 
     Durable before reuse.  Once the replies to a message are in, the
     request's ``settle`` runs (the queue manager records the outcomes and
-    waits for the store's group commit, or the success journal's sync if
-    that comes first: sluice.journal) before the session goes back to
-    the pool: a connection never carries the next message while the
+    waits for the store's group commit, or with a success journal for
+    its sync, which precedes the store's: sluice.journal) before the
+    session goes back to the pool: a connection never carries the next message while the
     previous one's success could still be forgotten by a crash.  Its
     ``started`` runs after 354, before the first byte of the message, so
     an attempt that may have delivered is always known to the store as

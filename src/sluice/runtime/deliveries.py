@@ -24,9 +24,9 @@ STRATEGIES
     crash after that point is logged at the next start as "in flight at
     crash, may be a duplicate".  Once the replies are in, the agent calls
     back (DeliveryRequest.settle): the outcomes go to the recorder's next
-    group commit and the connection waits for it (or for the success
-    journal's sync if that is first), so a success is durable one commit
-    after its reply.  Outcomes of deliveries without a
+    group commit and the connection waits for it (or, with a success
+    journal, for its sync, which precedes the store's), so a success is
+    durable one commit after its reply.  Outcomes of deliveries without a
     transaction are recorded after, as before.
 
     One read for a step's contents.  The inline contents of every

@@ -67,8 +67,9 @@ STRATEGIES
     start as "in flight at crash, may be a duplicate".  Once the replies
     are in, the agent calls back (DeliveryRequest.settle): the outcomes
     go to the recorder's next group commit and the connection waits for
-    it (or for the success journal's sync, sluice.journal, if that is
-    first), so a success is durable one commit after its reply.  Outcomes of
+    it (or, with a success journal, for its sync, which precedes the
+    store's: sluice.journal), so a success is durable one commit after its
+    reply.  Outcomes of
     deliveries without a transaction are recorded after, as before.
 
     A failing store backs off.  A refill that cannot claim (a full disk)

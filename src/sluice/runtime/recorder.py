@@ -27,10 +27,10 @@ STRATEGIES
     reuse"), so a success is durable one commit after its reply, not
     whenever the loop gets to it.  With a success journal
     (sluice.journal; PostgreSQL's default) the successes are appended
-    there first, and the wait ends at the journal's sync when that comes
-    first (the batch goes to the store after that sync, so the store
-    never has a success the journal lacks); the journal hears from
-    _flush when the store has them.  The
+    there first, the wait ends at the journal's sync, and the batch goes
+    to the store only after that sync (so the store never has a success
+    the journal lacks; if the journal fails, the wait is the store's);
+    the journal hears from _flush when the store has them.  The
     batch goes from the loop straight to the store's committer
     (Queue.plan_record, apply_record, finish_record): no pool thread sits
     between them only to wait, which cost about 0.9 ms of each delivery's
