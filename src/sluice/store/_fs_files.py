@@ -107,13 +107,15 @@ def parse_name(name: str) -> Name | None:
 
 #: Control files' names one a line, as bytes: SPID and recipients (count_names).
 _NAME_LINES = rb"^([0-9A-F]{8,32})-[0-9]{1,6}\+([0-9]{1,6})p[01]@%s\.mmq$"
+#: The same names, the SPID alone: the usual queue, where each name holds one recipient.
+_SPID_LINES = rb"^([0-9A-F]{8,32})-[0-9]{1,6}\+[0-9]{1,6}p[01]@%s\.mmq$"
 
 
-@functools.lru_cache(maxsize=64)
-def _names_of_domain(domain: str | None) -> re.Pattern[bytes]:
+@functools.lru_cache(maxsize=128)
+def _names_of_domain(domain: str | None, spids_only: bool = False) -> re.Pattern[bytes]:
     """The pattern of count_names: any domain, or this encoded one."""
     any_or_this = rb"[^\n]*" if domain is None else re.escape(domain.encode())
-    return re.compile(_NAME_LINES % any_or_this, re.M)
+    return re.compile((_SPID_LINES if spids_only else _NAME_LINES) % any_or_this, re.M)
 
 
 def count_names(path: Path, domain: str | None = None) -> tuple[int, list[bytes]]:
@@ -124,6 +126,12 @@ def count_names(path: Path, domain: str | None = None) -> tuple[int, list[bytes]
     has none.  One listing as bytes and one pass of a pattern over the
     names joined by line breaks: no string or Name a file.  A directory
     with a name holding a line break (none of ours) is parsed name by name.
+
+    Most control files hold one recipient (``+1``).  Over every domain, a
+    first pass takes the SPIDs alone, and two counts of bytes show whether
+    every ``+`` of the listing is a matched name's ``+1p`` (a name has one
+    ``+``: an encoded domain has none); only otherwise does a second pass
+    read each ``+N``.
     """
     try:
         names = os.listdir(os.fsencode(path))
@@ -136,6 +144,10 @@ def count_names(path: Path, domain: str | None = None) -> tuple[int, list[bytes]
         parsed = [p for p in map(parse_name.__wrapped__, map(os.fsdecode, names))
                   if p is not None and (domain is None or p.domain == domain)]
         return sum(p.n for p in parsed), [p.spid.encode() for p in parsed]
+    if domain is None:
+        spids: list[bytes] = _names_of_domain(None, True).findall(text)
+        if text.count(b"+") == len(spids) == text.count(b"+1p"):
+            return len(spids), spids
     found = _names_of_domain(domain).findall(text)
     by_n = collections.Counter([n for _, n in found])
     return sum(int(n) * k for n, k in by_n.items()), [spid for spid, _ in found]
