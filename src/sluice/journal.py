@@ -23,8 +23,9 @@ DESCRIPTION
     At the next start, before in-flight entries are returned to the queue,
     the journal is read (read_journal) and every entry it names that is
     still in flight on this node, with the arrival time the line kept, is
-    recorded as delivered with the reply and the connection's facts the
-    journal kept (Queue.recover).  An entry the store already has as
+    recorded as delivered with the reply, the connection's facts and the
+    time the journal kept (Queue.recover): its ``delivered`` line carries
+    the time of the reply, not of the restart.  An entry the store already has as
     delivered is gone and its line is ignored.
 
 STRATEGIES
@@ -68,6 +69,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +111,8 @@ class JournaledSuccess:
     remotemx: str | None = None
     remoteip: str | None = None
     duration_s: float | None = None
+    #: When the reply came (the append's time); None in a line written without it.
+    at: float | None = None
 
     def concerns(self, entry: QueueEntry) -> bool:
         """Whether ``entry`` is the one this success was for (its arrival time agrees)."""
@@ -118,11 +122,11 @@ class JournaledSuccess:
         """The attempt's outcome, for Queue.record."""
         return AttemptResult(entry, Delivered(self.reply), localip=self.localip,
                              remotemx=self.remotemx, remoteip=self.remoteip,
-                             duration_s=self.duration_s)
+                             duration_s=self.duration_s, at=self.at)
 
 
-def _line(res: AttemptResult) -> bytes:
-    return orjson.dumps({"q": res.entry.qid, "a": res.entry.arrival_at,
+def _line(res: AttemptResult, at: float) -> bytes:
+    return orjson.dumps({"q": res.entry.qid, "a": res.entry.arrival_at, "t": at,
                          "r": res.outcome.reply.to_record(), "l": res.localip,
                          "m": res.remotemx, "i": res.remoteip, "d": res.duration_s}) + b"\n"
 
@@ -145,11 +149,12 @@ def read_journal(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Journaled
                 continue
             try:
                 item = orjson.loads(raw)
-                at = item.get("a")
+                arrival, at = item.get("a"), item.get("t")
                 out[str(item["q"])] = JournaledSuccess(
-                    Reply.from_record(item["r"]), arrival_at=None if at is None else float(at),
+                    Reply.from_record(item["r"]),
+                    arrival_at=None if arrival is None else float(arrival),
                     localip=item.get("l"), remotemx=item.get("m"), remoteip=item.get("i"),
-                    duration_s=item.get("d"))
+                    duration_s=item.get("d"), at=None if at is None else float(at))
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError,
                     AttributeError):
                 bad += 1
@@ -208,15 +213,17 @@ class SuccessJournal:
             raise
         return cls(files, loop)
 
-    def append(self, results: Sequence[AttemptResult]) -> asyncio.Future[None]:
-        """Write these successes; the future is set once they are synced.
+    def append(self, results: Sequence[AttemptResult], at: float | None = None
+               ) -> asyncio.Future[None]:
+        """Write these successes, got at ``at`` (default: now); the future is set once synced.
 
         Raises OSError when they cannot be written (the future fails when
         they cannot be synced).  The caller reports each success through
         committed() once the store has it.
         """
         self._check()
-        data = b"".join(_line(r) for r in results)
+        when = time.time() if at is None else at
+        data = b"".join(_line(r, when) for r in results)
         f = self._files[self._cur]
         if f.size >= ROTATE_AT:
             other = self._files[1 - self._cur]

@@ -113,6 +113,9 @@ class AttemptResult:
     remotemx: str | None = None
     remoteip: str | None = None
     duration_s: float | None = None
+    #: When the reply came, for an outcome recorded later than that (a
+    #: success replayed from the journal after a restart); None: now.
+    at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +296,8 @@ class Queue:
                 # The reply says when it was got: the NDR's Last-Attempt-Date.
                 got = stamped.get(id(reply))
                 if got is None:
-                    got = stamped[id(reply)] = dataclasses.replace(reply, attempt_at=now)
+                    got = stamped[id(reply)] = dataclasses.replace(
+                        reply, attempt_at=now if res.at is None else res.at)
                 reply = got
             match res.outcome:
                 case Delivered():
@@ -343,7 +347,8 @@ class Queue:
             attempts = res.entry.attempts + (1 if res.attempted or kind is EventKind.DEFERRED
                                              else 0)
             events.append(self._event(
-                kind, res.entry, now, reply=reply, attempt=attempts, localip=res.localip,
+                kind, res.entry, now if res.at is None else res.at, reply=reply,
+                attempt=attempts, localip=res.localip,
                 remotemx=res.remotemx, remoteip=res.remoteip, duration_s=res.duration_s))
         self._log(events, now)
         return out

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.accounting import EVENT_FIELDS
+from sluice.accounting import EVENT_FIELDS, iso_time
 from sluice.config import Config
 from sluice.journal import SuccessJournal, journal_paths, read_journal
 from sluice.model import (
@@ -374,15 +374,19 @@ def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Cloc
     erin = dataclasses.replace(erin, entry=dataclasses.replace(
         erin.entry, arrival_at=erin.entry.arrival_at - 60))
 
+    replied = clock()
+
     async def journal_them() -> None:
         journal = SuccessJournal.open(paths, asyncio.get_running_loop())
-        await journal.append([result["bob@example.net"], result["carol@example.net"], erin])
+        await journal.append([result["bob@example.net"], result["carol@example.net"], erin],
+                             replied)
         journal.close()
 
     asyncio.run(journal_them())
     q.record([result["carol@example.net"]])
     q.close()  # the crash: bob's, dave's and erin's attempts were in flight
 
+    clock.advance(600.0)  # the restart, ten minutes later
     q = Queue.open(cfg, clock=clock)
     try:
         assert q.recover(read_journal(paths)) == 2
@@ -397,6 +401,10 @@ def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Cloc
                and x["event"] == "delivered")
     assert (bob["code"], bob["remotemx"], bob["remoteip"], bob["duration_s"], bob["spid"]) == \
         (250, "mx.test", "127.0.0.2", 0.5, acc.spid)
+    # bob's line has the time of his reply, dave's the restart's.
+    dave = next(x for x in log_lines(cfg) if x["recipient"] == "dave@example.net"
+                and x["event"] == "recovered")
+    assert (bob["time"], dave["time"]) == (iso_time(replied), iso_time(replied + 600.0))
 
 
 def test_a_torn_last_line_of_the_journal_is_skipped(tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ class Recorder:
         if not delivered:
             return None
         try:
-            synced = self.journal.append(delivered)
+            synced = self.journal.append(delivered, self.queue.clock())
         except Exception as exc:  # the deliveries wait for the store instead
             self._journaling.failed(exc)
             return None
