@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sluice.store import _fs_files
 from sluice.store._fs_files import Name, count_names, enc_domain, parse_name, spid_of_name
 
 pytestmark = pytest.mark.unit
@@ -85,6 +86,31 @@ def test_a_directory_is_counted_as_its_names_one_by_one(names, data):
     kept = [p for p in parsed if domain is None or p.domain == domain]
     assert n == sum(p.n for p in kept)
     assert sorted(s.decode() for s in spids) == sorted(p.spid for p in kept)
+
+
+def test_a_directory_of_single_recipients_is_counted_in_one_pass(tmp_path, monkeypatch):
+    for i in range(5):
+        (tmp_path / f"0123456789ABCDE{i}-0+1p0@a.example.mmq").touch()
+    (tmp_path / "0123456789ABCDEF-1+1p1@b.example.mmq").touch()
+    passes = []
+    patterns = _fs_files._names_of_domain
+
+    def counted(domain, spids_only=False):
+        passes.append(spids_only)
+        return patterns(domain, spids_only)
+
+    monkeypatch.setattr(_fs_files, "_names_of_domain", counted)
+    n, spids = count_names(tmp_path)
+    assert (n, sorted(spids)) == (6, sorted(f"0123456789ABCDE{c}".encode() for c in "01234F"))
+    assert passes == [True]
+    # A '+' that is not a name's own (a stray file) takes the second pass, and the same count.
+    (tmp_path / "notes+1p.txt").touch()
+    passes.clear()
+    assert count_names(tmp_path)[0] == 6 and passes == [True, False]
+    # As does a name of more than one recipient.
+    (tmp_path / "0123456789ABCDEF-2+3p1@b.example.mmq").touch()
+    passes.clear()
+    assert count_names(tmp_path)[0] == 9 and passes == [True, False]
 
 
 def test_a_missing_directory_counts_nothing(tmp_path):
