@@ -145,9 +145,11 @@ class Reply:
                     a SIZE the server announced, an expiry, a hook, an
                     operator).  ``text`` is then the server's text alone:
                     "host X said:" is for people, see describe().
-    ``attempt_at``  when the queue recorded the attempt that got it; None
-                    for a reply no attempt got (an operator's bounce, a
-                    dead destination's deferral).
+    ``attempt_at``  when the queue recorded the attempt that got it (for a
+                    success replayed from the journal after a restart,
+                    when the journal wrote it); None for a reply no
+                    attempt got (an operator's bounce, a dead
+                    destination's deferral).
     ``phase``       the SMTP phase the delivery client was in when the
                     reply came (sluice.shaping.rules.PHASES: connect,
                     helo, mail, rcpt, data, end-of-data); empty when

@@ -337,20 +337,22 @@ class Queue:
     def finish_record(self, plan: RecordPlan, applied: set[str]
                       ) -> list[tuple[AttemptResult, QueueState | None]]:
         """Log what the store applied of ``plan``; record()'s answer."""
-        now = plan.now
         out: list[tuple[AttemptResult, QueueState | None]] = []
-        events = []
+        # By the time of each line (a replayed success's is its reply's): the
+        # log's files are named by the time of their events.
+        events: dict[float, list[dict[str, Any]]] = {}
         for res, state, kind, reply in plan.planned:
             if res.entry.qid not in applied:
                 continue
             out.append((res, state))
             attempts = res.entry.attempts + (1 if res.attempted or kind is EventKind.DEFERRED
                                              else 0)
-            events.append(self._event(
-                kind, res.entry, now if res.at is None else res.at, reply=reply,
-                attempt=attempts, localip=res.localip,
+            at = plan.now if res.at is None else res.at
+            events.setdefault(at, []).append(self._event(
+                kind, res.entry, at, reply=reply, attempt=attempts, localip=res.localip,
                 remotemx=res.remotemx, remoteip=res.remoteip, duration_s=res.duration_s))
-        self._log(events, now)
+        for at, lines in events.items():
+            self._log(lines, at)
         return out
 
     def expire(self, limit: int = 10000) -> int:

@@ -15,6 +15,7 @@ import email.utils
 import json
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -386,7 +387,7 @@ def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Cloc
     q.record([result["carol@example.net"]])
     q.close()  # the crash: bob's, dave's and erin's attempts were in flight
 
-    clock.advance(600.0)  # the restart, ten minutes later
+    clock.advance(7200.0)  # the restart, two hours later
     q = Queue.open(cfg, clock=clock)
     try:
         assert q.recover(read_journal(paths)) == 2
@@ -401,10 +402,17 @@ def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Cloc
                and x["event"] == "delivered")
     assert (bob["code"], bob["remotemx"], bob["remoteip"], bob["duration_s"], bob["spid"]) == \
         (250, "mx.test", "127.0.0.2", 0.5, acc.spid)
-    # bob's line has the time of his reply, dave's the restart's.
+    # bob's line has the time of his reply, dave's the restart's, each in
+    # the file of its hour.
     dave = next(x for x in log_lines(cfg) if x["recipient"] == "dave@example.net"
                 and x["event"] == "recovered")
-    assert (bob["time"], dave["time"]) == (iso_time(replied), iso_time(replied + 600.0))
+    assert (bob["time"], dave["time"]) == (iso_time(replied), iso_time(replied + 7200.0))
+    for who, event, at in (("bob@example.net", "delivered", replied),
+                           ("dave@example.net", "recovered", replied + 7200.0)):
+        hour = datetime.fromtimestamp(at, UTC).strftime("%Y%m%dT%H")
+        lines = (Path(cfg.accounting.path) / f"sluice-acct-{hour}.jsonl").read_text()
+        assert any(x["recipient"] == who and x["event"] == event
+                   for x in map(json.loads, lines.splitlines()))
 
 
 def test_a_torn_last_line_of_the_journal_is_skipped(tmp_path: Path) -> None:
