@@ -211,3 +211,10 @@ def test_fs_qlist_in_pieces_read_by_other_processes_is_the_same_text(
         assert pools
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(("cpus", "jobs"), [(1, 2), (2, 4), (3, 6), (4, 8), (6, 8), (16, 16)])
+def test_a_listing_shares_its_pieces_among_two_processes_a_cpu_up_to_eight(
+        monkeypatch: pytest.MonkeyPatch, cpus: int, jobs: int) -> None:
+    monkeypatch.setattr(listing.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert listing.listing_jobs() == jobs

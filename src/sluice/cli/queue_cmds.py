@@ -94,8 +94,8 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="JSON instead of semicolon CSV")
     p.add_argument("--limit", type=int, default=None, help="at most this many entries")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="processes that read a filesystem queue's files (default: one per CPU;"
-                        " 1: none)")
+                   help="processes that read a filesystem queue's files (default: two per CPU,"
+                        " up to 8; 1: none)")
     p.set_defaults(func=cmd_qlist)
 
     p = sub.add_parser("qcount", help="the queue's totals")
