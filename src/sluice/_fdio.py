@@ -1,22 +1,27 @@
 """Writes that finish: every byte handed to the kernel, however short each write.
 
 SUMMARY
-    write_all(fd, data); writev_all(fd, pieces, total)
+    write_all(fd, data); writev_all(fd, pieces, total);
+    write_all_by(fd, data, deadline)
 
 DESCRIPTION
     os.write and os.writev may write less than they are given (a signal, a
     full pipe, a file system near its quota).  Every file, pipe and log the
     project writes through a raw descriptor goes through these two, so the
     rule "write until done" is kept in one place.  Errors are the callers'
-    to name (OSError as raised).
+    to name (OSError as raised).  write_all_by is for a pipe whose reader
+    may never read (a child process that hangs before it does): it gives
+    up at a deadline instead of blocking for good.
 """
 
 from __future__ import annotations
 
 import os
+import select
+import time
 from collections.abc import Sequence
 
-__all__ = ["write_all", "writev_all"]
+__all__ = ["write_all", "write_all_by", "writev_all"]
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -31,3 +36,27 @@ def writev_all(fd: int, pieces: Sequence[bytes | memoryview], total: int) -> Non
     n = os.writev(fd, pieces)
     if n < total:
         write_all(fd, memoryview(b"".join(pieces))[n:])
+
+
+def write_all_by(fd: int, data: bytes | memoryview, deadline: float) -> bool:
+    """Write all of ``data`` to ``fd`` before ``deadline`` (time.monotonic()); False if not.
+
+    ``fd`` (a pipe or a socket) is made non-blocking.  What the reader
+    took by the deadline stays written; a reader that has gone raises
+    BrokenPipeError, as os.write does.
+    """
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    poller = select.poll()  # not select(): a descriptor may be above 1023
+    poller.register(fd, select.POLLOUT)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+            continue
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        poller.poll(left * 1000)
+    return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import smtplib
 import socket
@@ -165,6 +166,27 @@ def test_a_receiver_that_cannot_start_says_why(tmp_path: Path) -> None:
     with pytest.raises(ReceiverError, match=r"smtpd\.tls\.cert: cannot load"):
         ReceiverPool(bad, 1).start()
 
+
+
+def test_a_receiver_that_never_reads_its_start_fails_the_start_in_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start larger than a pipe holds, to a child that hangs before it reads:
+    the pool's write gives up at the start's deadline, and start() says so."""
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "sitecustomize.py").write_text("import time\ntime.sleep(600)\n")
+    paths = [str(hang), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    transport = {f"d{i}.example": "smtp:[127.0.0.1]:2525" for i in range(5000)}
+    cfg_path = write_config(tmp_path, smtpd={"listen": [f"{HOST}:{free_port()}"]},
+                            delivery={"transport": transport})
+    cfg = load_config(cfg_path)  # given as a Config, the start carries all of it
+    assert len(pickle.dumps(cfg)) > 1 << 17  # twice a pipe's buffer
+    with pytest.raises(ReceiverError, match=r"receiver \d+ did not start in 2 s") as failed:
+        ReceiverPool(cfg, 1, start_timeout_s=2.0).start()
+    pid = int(str(failed.value).split()[1])
+    with pytest.raises(ProcessLookupError):  # stopped and reaped, not left sleeping
+        os.kill(pid, 0)
 
 FULL_DISK_CHILD = textwrap.dedent('''
     """Runs in a private mount namespace with the queue on a small tmpfs."""

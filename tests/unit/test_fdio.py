@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,46 @@ def test_a_full_writev_is_one_call(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"abc"
+
+
+def test_write_all_by_gives_up_at_the_deadline_on_a_pipe_nobody_reads() -> None:
+    r, w = os.pipe()
+    try:
+        data = b"x" * (4 << 20)  # more than any pipe holds
+        # The deadline has passed: what the pipe takes is written, then False, at once.
+        assert _fdio.write_all_by(w, data, time.monotonic() - 1.0) is False
+        taken = len(os.read(r, len(data)))
+        assert 0 < taken < len(data)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_write_all_by_writes_everything_to_a_reader_that_reads() -> None:
+    r, w = os.pipe()
+    data = bytes(range(256)) * 8192  # 2 MB: many times a pipe's buffer
+    got: list[bytes] = []
+
+    def read_all() -> None:
+        while chunk := os.read(r, 65536):
+            got.append(chunk)
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    try:
+        assert _fdio.write_all_by(w, data, time.monotonic() + 60.0) is True
+    finally:
+        os.close(w)
+        reader.join()
+        os.close(r)
+    assert b"".join(got) == data
+
+
+def test_write_all_by_to_a_reader_that_has_gone_raises() -> None:
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        with pytest.raises(BrokenPipeError):
+            _fdio.write_all_by(w, b"start", time.monotonic() + 60.0)
+    finally:
+        os.close(w)

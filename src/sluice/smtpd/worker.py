@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice import _gc
-from sluice._fdio import write_all
+from sluice._fdio import write_all, write_all_by
 from sluice.config import Config, ConfigError, load_config
 from sluice.logs import LOG_LEVEL_ENV, setup_logging
 from sluice.queue import Queue
@@ -339,15 +339,16 @@ class ReceiverPool:
             cfg = self.config if isinstance(self.config, Config) else load_config(self.config)
             sockets = bind_listeners(listen_addresses(cfg), cfg.smtpd.backlog)
         reports: list[int] = []
+        deadline = time.monotonic() + self.start_timeout_s
         try:
             try:
-                self._start_processes(sockets, reports)
+                self._start_processes(sockets, reports, deadline)
             finally:
                 # Each process has its own descriptors now; the port stays
                 # open while any of them listens.
                 for sock in sockets:
                     sock.close()
-            problem = self._wait_ready(reports)
+            problem = self._wait_ready(reports, deadline)
         except BaseException:
             self.stop(grace_s=10.0)
             raise
@@ -360,8 +361,13 @@ class ReceiverPool:
             raise ReceiverError(problem)
         return self.addresses
 
-    def _start_processes(self, sockets: list[socket.socket], reports: list[int]) -> None:
-        """Start the processes; each one's report pipe goes to ``reports`` at once."""
+    def _start_processes(self, sockets: list[socket.socket], reports: list[int],
+                         deadline: float) -> None:
+        """Start the processes; each one's report pipe goes to ``reports`` at once.
+
+        A process that has not read its start by ``deadline`` gets no more
+        of it: it fails to start, or _wait_ready reports that it did not.
+        """
         fds = tuple(sock.fileno() for sock in sockets)
         path = [p for p in sys.path if isinstance(p, str)]  # import ignores the others
         payload = (json.dumps(path) + "\n").encode() + pickle.dumps(
@@ -382,13 +388,14 @@ class ReceiverPool:
                 self._procs.append(proc)
                 # A child that died at once says so in _wait_ready (its exit status).
                 with contextlib.suppress(BrokenPipeError):
-                    write_all(start_w, payload)
+                    if not write_all_by(start_w, payload, deadline):
+                        log.error("receiver %d did not read its start in %.0f s",
+                                  proc.pid, self.start_timeout_s)
             finally:
                 os.close(start_w)
 
-    def _wait_ready(self, reports: list[int]) -> str | None:
-        """Each process's report, in order; the first problem reported, if any."""
-        deadline = time.monotonic() + self.start_timeout_s
+    def _wait_ready(self, reports: list[int], deadline: float) -> str | None:
+        """Each process's report, in order, by ``deadline``; the first problem reported, if any."""
         problem: str | None = None
         for proc, pipe in zip(self._procs, reports, strict=True):
             message = self._wait_message(proc, pipe, deadline)
