@@ -7,7 +7,7 @@ SUMMARY
 DESCRIPTION
     os.write and os.writev may write less than they are given (a signal, a
     full pipe, a file system near its quota).  Every file, pipe and log the
-    project writes through a raw descriptor goes through these two, so the
+    project writes through a raw descriptor goes through these, so the
     rule "write until done" is kept in one place.  Errors are the callers'
     to name (OSError as raised).  write_all_by is for a pipe whose reader
     may never read (a child process that hangs before it does): it gives
@@ -58,5 +58,5 @@ def write_all_by(fd: int, data: bytes | memoryview, deadline: float) -> bool:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        poller.poll(left * 1000)
+        poller.poll(min(left, 1.0) * 1000)  # (an infinite deadline too)
     return True

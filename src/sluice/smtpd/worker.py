@@ -32,7 +32,9 @@ DESCRIPTION
     sys.path as one JSON line, then a pickled _Start (the configuration,
     its share, the parent's pid, the descriptors of its sockets).  It
     reports one JSON line on another pipe, ("ready", pid, addresses) or
-    ("error", pid, message).
+    ("error", pid, message).  Both the parent's write of the start and
+    its wait for the reports end at one deadline (start_timeout_s): a
+    child that hangs before it reads cannot hold the parent for good.
 
 STRATEGIES
     No resource tracker.  multiprocessing's spawn starts one more Python
@@ -365,8 +367,8 @@ class ReceiverPool:
                          deadline: float) -> None:
         """Start the processes; each one's report pipe goes to ``reports`` at once.
 
-        A process that has not read its start by ``deadline`` gets no more
-        of it: it fails to start, or _wait_ready reports that it did not.
+        A process that has not read its start by ``deadline`` is a
+        ReceiverError (start() then stops those it started).
         """
         fds = tuple(sock.fileno() for sock in sockets)
         path = [p for p in sys.path if isinstance(p, str)]  # import ignores the others
@@ -389,8 +391,9 @@ class ReceiverPool:
                 # A child that died at once says so in _wait_ready (its exit status).
                 with contextlib.suppress(BrokenPipeError):
                     if not write_all_by(start_w, payload, deadline):
-                        log.error("receiver %d did not read its start in %.0f s",
-                                  proc.pid, self.start_timeout_s)
+                        # No use starting more: start() stops them all.
+                        raise ReceiverError(f"receiver {proc.pid} did not read its start in "
+                                            f"{self.start_timeout_s:.0f} s")
             finally:
                 os.close(start_w)
 
