@@ -117,6 +117,10 @@ class AttemptResult:
     #: success replayed from the journal after a restart); None: now.
     at: float | None = None
 
+    def at_or(self, now: float) -> float:
+        """When this outcome came: ``at``, or ``now`` for one recorded as it came."""
+        return now if self.at is None else self.at
+
 
 @dataclass(frozen=True, slots=True)
 class RecordPlan:
@@ -297,7 +301,7 @@ class Queue:
                 got = stamped.get(id(reply))
                 if got is None:
                     got = stamped[id(reply)] = dataclasses.replace(
-                        reply, attempt_at=now if res.at is None else res.at)
+                        reply, attempt_at=res.at_or(now))
                 reply = got
             match res.outcome:
                 case Delivered():
@@ -347,7 +351,7 @@ class Queue:
             out.append((res, state))
             attempts = res.entry.attempts + (1 if res.attempted or kind is EventKind.DEFERRED
                                              else 0)
-            at = plan.now if res.at is None else res.at
+            at = res.at_or(plan.now)
             events.setdefault(at, []).append(self._event(
                 kind, res.entry, at, reply=reply, attempt=attempts, localip=res.localip,
                 remotemx=res.remotemx, remoteip=res.remoteip, duration_s=res.duration_s))
