@@ -107,17 +107,16 @@ def parse_name(name: str) -> Name | None:
     return Name(spid, int(idx0), int(n), int(prio), domain)
 
 
-#: Control files' names one a line, as bytes: SPID and recipients (count_names).
-_NAME_LINES = rb"^([0-9A-F]{8,32})-[0-9]{1,6}\+([0-9]{1,6})p[01]@%s\.mmq$"
-#: The same names, the SPID alone: the usual queue, where each name holds one recipient.
-_SPID_LINES = rb"^([0-9A-F]{8,32})-[0-9]{1,6}\+[0-9]{1,6}p[01]@%s\.mmq$"
+#: Control files' names one a line, as bytes (count_names): the SPID, and the
+#: recipients unless their group is made non-capturing ("?:").
+_NAME_LINES = rb"^([0-9A-F]{8,32})-[0-9]{1,6}\+(%s[0-9]{1,6})p[01]@%s\.mmq$"
 
 
 @functools.lru_cache(maxsize=128)
 def _names_of_domain(domain: str | None, spids_only: bool = False) -> re.Pattern[bytes]:
-    """The pattern of count_names: any domain, or this encoded one."""
+    """The pattern of count_names: any domain, or this encoded one; the SPIDs alone or with +N."""
     any_or_this = rb"[^\n]*" if domain is None else re.escape(domain.encode())
-    return re.compile((_SPID_LINES if spids_only else _NAME_LINES) % any_or_this, re.M)
+    return re.compile(_NAME_LINES % (b"?:" if spids_only else b"", any_or_this), re.M)
 
 
 def count_names(path: Path, domain: str | None = None) -> tuple[int, list[bytes]]:
