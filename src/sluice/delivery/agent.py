@@ -47,8 +47,9 @@ STRATEGIES
     request's ``settle`` runs (the queue manager records the outcomes and
     waits for the store's group commit, or with a success journal for
     its sync, which precedes the store's: sluice.journal) before the
-    session goes back to the pool: a connection never carries the next message while the
-    previous one's success could still be forgotten by a crash.  Its
+    session goes back to the pool: a connection never carries the next
+    message while the previous one's success could still be forgotten by
+    a crash.  Its
     ``started`` runs after 354, before the first byte of the message, so
     an attempt that may have delivered is always known to the store as
     one in flight.

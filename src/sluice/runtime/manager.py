@@ -69,8 +69,8 @@ STRATEGIES
     go to the recorder's next group commit and the connection waits for
     it (or, with a success journal, for its sync, which precedes the
     store's: sluice.journal), so a success is durable one commit after its
-    reply.  Outcomes of
-    deliveries without a transaction are recorded after, as before.
+    reply.  Outcomes of deliveries without a transaction are recorded
+    after, as before.
 
     A failing store backs off.  A refill that cannot claim (a full disk)
     waits before the scheduler may ask again -- 50 ms, doubling, at most
