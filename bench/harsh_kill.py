@@ -45,9 +45,11 @@ A crash keeps every line written before it.
     late         the reply was read, and an outcome read at the same moment
                  or later was durable before the kill while this one was
                  not: it waited longer than a commit interval.  Unexplained.
-    recorded     durable before the kill (an after_commit line, or a
-                 "delivered" line in the accounting log) and sent again all
-                 the same.  A bug.
+    recorded     durable before the kill (an after_commit or after_journal
+                 line) and sent again all the same.  A bug.  (A "delivered"
+                 line in the accounting log says nothing here: it is
+                 written when the reply is read, before the outcome is
+                 durable.)
 
 The earlier rule, which had no trace and took the window as twice the
 median durable commit on an idle store of the same flavour (--window
@@ -395,13 +397,8 @@ def after_a_kill(first: float, kills: list[float], slow: float) -> float | None:
     return None
 
 
-def logged_delivered(first: float, kill: float, events: list[tuple[str, float, str]]) -> bool:
-    """The accounting log had the copy's "delivered" line before the kill (ms precision)."""
-    return any(e == "delivered" and first - 0.002 <= at < kill for e, at, _ in events)
-
-
 def classify_traced(spid: str, first: float, kills: list[float], lives: list[Life],
-                    events: list[tuple[str, float, str]], slow: float) -> tuple[str, float]:
+                    slow: float) -> tuple[str, float]:
     """Why the first copy went again, by the killed process's own trace: (class, seconds).
 
     The seconds are from the reply read to the kill for "reply" and "late",
@@ -418,8 +415,7 @@ def classify_traced(spid: str, first: float, kills: list[float], lives: list[Lif
     # The sink stamps its acceptance just before it answers: the reply is
     # read after that (same clock, one machine).
     read = life.reply_after(spid, first - 0.001)
-    if (read is not None and life.commit_after(spid, read) is not None) \
-            or logged_delivered(first, kill, events):
+    if read is not None and life.commit_after(spid, read) is not None:
         return "recorded", kill - first
     if read is None:
         return "reply unread", kill - first
@@ -441,8 +437,8 @@ def reply_to_durable(lives: list[Life]) -> list[float]:
     return sorted(out)
 
 
-def classify(copies: list[float], kills: list[float], events: list[tuple[str, float, str]],
-             window: float, slow: float) -> tuple[str, float]:
+def classify(copies: list[float], kills: list[float], window: float, slow: float
+             ) -> tuple[str, float]:
     """The earlier rule, without the trace: (class, seconds from acceptance to the kill)."""
     first = copies[0]
     kill_before = after_a_kill(first, kills, slow)
@@ -453,8 +449,6 @@ def classify(copies: list[float], kills: list[float], events: list[tuple[str, fl
         return "no kill after it", float("nan")
     kill = after[0]
     delta = kill - first
-    if logged_delivered(first, kill, events):
-        return "recorded", delta
     return ("reply" if delta <= window else "late"), delta
 
 
@@ -647,10 +641,10 @@ def main() -> int:
     caught: Counter[int] = Counter()  # duplicates per kill (the nearest one)
     for n, c in sorted(dupes.items()):
         for i in range(len(c) - 1):
-            cls, delta = classify_traced(n, c[i], kills, lives, events[n], args.slow)
+            cls, delta = classify_traced(n, c[i], kills, lives, args.slow)
             classes[cls] += 1
             deltas[cls].append(delta)
-            idle_rule[classify(c[i:], kills, events[n], window, args.slow)[0]] += 1
+            idle_rule[classify(c[i:], kills, window, args.slow)[0]] += 1
             if kills:
                 caught[min(range(len(kills)), key=lambda k: abs(kills[k] - c[i]))] += 1
     noted = sum(1 for n in dupes if any("may be a duplicate" in r for _, _, r in events[n]))

@@ -23,8 +23,10 @@ STRATEGIES
     write(2).  Files older than ``keep`` are removed when a new one opens.
 
 LIMITATIONS
-    Lines are written after the queue change is committed and are not
-    fsynced one by one: a crash can lose the last lines, never a message.
+    Lines are written after the queue change is committed (a ``delivered``
+    line before: sluice.queue, "A success is logged before the store has
+    it") and are not fsynced one by one: a power cut can lose the last
+    lines, never a message.
 """
 
 from __future__ import annotations

@@ -24,9 +24,12 @@ DESCRIPTION
     the journal is read (read_journal) and every entry it names that is
     still in flight on this node, with the arrival time the line kept, is
     recorded as delivered with the reply, the connection's facts and the
-    time the journal kept (Queue.recover): its ``delivered`` line carries
-    the time of the reply, not of the restart.  An entry the store already has as
-    delivered is gone and its line is ignored.
+    time the journal kept (Queue.recover).  Its ``delivered`` line was
+    written before the journal's (Queue.log_successes), and a line here
+    says so ("w"); only a success whose accounting line could not be
+    written is logged at the replay, with the time of the reply, not of
+    the restart.  An entry the store already has as delivered is gone and
+    its line is ignored.
 
 STRATEGIES
     Group commit.  Lines are written from the event loop (a write(2) of a
@@ -113,6 +116,9 @@ class JournaledSuccess:
     duration_s: float | None = None
     #: When the reply came (the append's time); None in a line written without it.
     at: float | None = None
+    #: Its ``delivered`` line was written before the journal had it (not
+    #: again at the replay); False in a line written without the mark.
+    logged: bool = False
 
     def concerns(self, entry: QueueEntry) -> bool:
         """Whether ``entry`` is the one this success was for (its arrival time agrees)."""
@@ -122,13 +128,14 @@ class JournaledSuccess:
         """The attempt's outcome, for Queue.record."""
         return AttemptResult(entry, Delivered(self.reply), localip=self.localip,
                              remotemx=self.remotemx, remoteip=self.remoteip,
-                             duration_s=self.duration_s, at=self.at)
+                             duration_s=self.duration_s, at=self.at, logged=self.logged)
 
 
 def _line(res: AttemptResult, at: float) -> bytes:
-    return orjson.dumps({"q": res.entry.qid, "a": res.entry.arrival_at, "t": at,
+    return orjson.dumps({"q": res.entry.qid, "a": res.entry.arrival_at, "t": res.at_or(at),
                          "r": res.outcome.reply.to_record(), "l": res.localip,
-                         "m": res.remotemx, "i": res.remoteip, "d": res.duration_s}) + b"\n"
+                         "m": res.remotemx, "i": res.remoteip, "d": res.duration_s,
+                         "w": 1 if res.logged else 0}) + b"\n"
 
 
 def read_journal(paths: Iterable[str | os.PathLike[str]]) -> dict[str, JournaledSuccess]:
@@ -154,7 +161,8 @@ def read_journal(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Journaled
                     Reply.from_record(item["r"]),
                     arrival_at=None if arrival is None else float(arrival),
                     localip=item.get("l"), remotemx=item.get("m"), remoteip=item.get("i"),
-                    duration_s=item.get("d"), at=None if at is None else float(at))
+                    duration_s=item.get("d"), at=None if at is None else float(at),
+                    logged=bool(item.get("w")))
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError,
                     AttributeError):
                 bad += 1
@@ -215,7 +223,9 @@ class SuccessJournal:
 
     def append(self, results: Sequence[AttemptResult], at: float | None = None
                ) -> asyncio.Future[None]:
-        """Write these successes, got at ``at`` (default: now); the future is set once synced.
+        """Write these successes, got at their own ``at`` or this one (default: now).
+
+        The future is set once they are synced.
 
         Raises OSError when they cannot be written (the future fails when
         they cannot be synced).  The caller reports each success through

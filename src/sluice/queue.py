@@ -32,6 +32,15 @@ STRATEGIES
     At least once.  Between queueing an NDR and removing the bounce entries
     a crash may leave both: the NDR is then sent twice, never lost.
 
+    A success is logged before the store has it.  The next hop has the
+    message whatever the store hears afterwards, so its ``delivered`` line
+    is written when the reply is read (log_successes), before the success
+    journal and the store's commit: a crash after the commit can no longer
+    leave a delivery without its line.  A crash before the commit sends
+    the message again, and the log then has both deliveries, as happened.
+    Failures are logged after the commit, as every other transition: they
+    apply only while the entry is in flight (above).
+
 SEE ALSO
     sluice.store, sluice.retry, sluice.bounce, sluice.accounting
 """
@@ -114,8 +123,11 @@ class AttemptResult:
     remoteip: str | None = None
     duration_s: float | None = None
     #: When the reply came, for an outcome recorded later than that (a
-    #: success replayed from the journal after a restart); None: now.
+    #: success logged first, or replayed from the journal after a restart);
+    #: None: now.
     at: float | None = None
+    #: Its accounting line is written already (Queue.log_successes).
+    logged: bool = False
 
     def at_or(self, now: float) -> float:
         """When this outcome came: ``at``, or ``now`` for one recorded as it came."""
@@ -284,8 +296,47 @@ class Queue:
         caller on an event loop runs the three itself, waiting for the
         store's future rather than in a thread.
         """
+        try:
+            results = self.log_successes(results)
+        except OSError as exc:
+            log.warning("accounting log: %s; the delivered lines are tried again after the "
+                        "commit", exc)
         plan = self.plan_record(results)
         return self.finish_record(plan, self.apply_record(plan).result())
+
+    def log_successes(self, results: Sequence[AttemptResult]) -> list[AttemptResult]:
+        """Write the ``delivered`` lines of the successes among ``results``, now.
+
+        Returns ``results`` with those successes marked logged and their
+        time fixed, for plan_record and finish_record (which then skip
+        their lines) and for the success journal.  Called before anything
+        is durable: see "A success is logged before the store has it".
+        Raises OSError when the log cannot be written; nothing is marked
+        then, and finish_record tries the lines again after the commit.
+        """
+        if self.accounting is None:
+            return list(results)
+        now = self.clock()
+        out: list[AttemptResult] = []
+        events: dict[float, list[dict[str, Any]]] = {}
+        for res in results:
+            if not res.logged and isinstance(res.outcome, Delivered):
+                at = res.at_or(now)
+                res = dataclasses.replace(res, at=at, logged=True)
+                events.setdefault(at, []).append(
+                    self._outcome_event(res, EventKind.DELIVERED, res.outcome.reply, at))
+            out.append(res)
+        for at, lines in events.items():
+            self._log(lines, at)
+        return out
+
+    def _outcome_event(self, res: AttemptResult, kind: EventKind, reply: Reply, at: float
+                       ) -> dict[str, Any]:
+        attempts = res.entry.attempts + (1 if res.attempted or kind is EventKind.DEFERRED
+                                         else 0)
+        return self._event(kind, res.entry, at, reply=reply, attempt=attempts,
+                           localip=res.localip, remotemx=res.remotemx,
+                           remoteip=res.remoteip, duration_s=res.duration_s)
 
     def plan_record(self, results: Sequence[AttemptResult]) -> RecordPlan:
         """The store changes that record these outcomes (see record())."""
@@ -338,9 +389,14 @@ class Queue:
         """Give ``plan``'s changes to the store; the future holds the qids applied."""
         return self.store.apply_future(plan.transitions, durable=plan.durable)
 
-    def finish_record(self, plan: RecordPlan, applied: set[str]
+    def finish_record(self, plan: RecordPlan, applied: set[str],
+                      log_failed: Callable[[OSError], object] | None = None
                       ) -> list[tuple[AttemptResult, QueueState | None]]:
-        """Log what the store applied of ``plan``; record()'s answer."""
+        """Log what the store applied of ``plan`` (unless logged first); record()'s answer.
+
+        A log that cannot be written raises OSError, or goes to
+        ``log_failed``: the outcomes are in the store all the same.
+        """
         out: list[tuple[AttemptResult, QueueState | None]] = []
         # By the time of each line (a replayed success's is its reply's): the
         # log's files are named by the time of their events.
@@ -349,14 +405,17 @@ class Queue:
             if res.entry.qid not in applied:
                 continue
             out.append((res, state))
-            attempts = res.entry.attempts + (1 if res.attempted or kind is EventKind.DEFERRED
-                                             else 0)
+            if res.logged:
+                continue
             at = res.at_or(plan.now)
-            events.setdefault(at, []).append(self._event(
-                kind, res.entry, at, reply=reply, attempt=attempts, localip=res.localip,
-                remotemx=res.remotemx, remoteip=res.remoteip, duration_s=res.duration_s))
-        for at, lines in events.items():
-            self._log(lines, at)
+            events.setdefault(at, []).append(self._outcome_event(res, kind, reply, at))
+        try:
+            for at, lines in events.items():
+                self._log(lines, at)
+        except OSError as exc:
+            if log_failed is None:
+                raise
+            log_failed(exc)
         return out
 
     def expire(self, limit: int = 10000) -> int:
@@ -482,7 +541,9 @@ class Queue:
         queue other nodes share (PostgreSQL), only this node's: the others'
         attempts are in flight too.  Those ``delivered`` names (the success
         journal, sluice.journal) are recorded as delivered first, with the
-        reply the journal kept, and are neither returned nor noted.
+        reply the journal kept, and are neither returned nor noted; their
+        ``delivered`` line was written before the journal had them, unless
+        the journal says it could not be.
         """
         now = self.clock()
         if isinstance(self.store, SharedClaims):

@@ -360,12 +360,14 @@ def test_recovery_after_restart_returns_claimed_mail(cfg: Config, clock: Clock) 
 def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Clock,
                                                         tmp_path: Path) -> None:
     """bob's success was journaled only; carol's journaled and committed; dave's neither;
-    erin's line names her queue id with another arrival time (not her entry)."""
+    erin's line names her queue id with another arrival time (not her entry); frank's
+    was logged, then journaled, as the recorder does (no second line at the replay)."""
     paths = journal_paths(tmp_path / "journal", "n1")
     paths[0].parent.mkdir()
     q = Queue.open(cfg, clock=clock)
     acc = q.submit(Submission("alice@example.org", ("bob@example.net", "carol@example.net",
-                                                    "dave@example.net", "erin@example.net")),
+                                                    "dave@example.net", "erin@example.net",
+                                                    "frank@example.net")),
                    message())
     claimed = q.claim(10)
     q.mark_delivering(claimed)
@@ -376,11 +378,13 @@ def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Cloc
         erin.entry, arrival_at=erin.entry.arrival_at - 60))
 
     replied = clock()
+    (frank,) = q.log_successes([result["frank@example.net"]])
+    assert frank.logged
 
     async def journal_them() -> None:
         journal = SuccessJournal.open(paths, asyncio.get_running_loop())
-        await journal.append([result["bob@example.net"], result["carol@example.net"], erin],
-                             replied)
+        await journal.append([result["bob@example.net"], result["carol@example.net"], erin,
+                              frank], replied)
         journal.close()
 
     asyncio.run(journal_them())
@@ -397,7 +401,10 @@ def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Cloc
         q.close()
     events = [(x["event"], x["recipient"]) for x in log_lines(cfg) if x["event"] != "received"]
     assert sorted(events) == [("delivered", "bob@example.net"), ("delivered", "carol@example.net"),
+                              ("delivered", "frank@example.net"),
                               ("recovered", "dave@example.net"), ("recovered", "erin@example.net")]
+    assert read_journal(paths)[frank.entry.qid].logged
+    assert not read_journal(paths)[result["bob@example.net"].entry.qid].logged
     bob = next(x for x in log_lines(cfg) if x["recipient"] == "bob@example.net"
                and x["event"] == "delivered")
     assert (bob["code"], bob["remotemx"], bob["remoteip"], bob["duration_s"], bob["spid"]) == \

@@ -5,6 +5,7 @@ without losing or double-counting an outcome."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import Coroutine
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from sluice.journal import SuccessJournal, journal_paths, read_journal
-from sluice.model import Delivered, QueueState, Reply, Selector, Submission
+from sluice.model import Delivered, QueueState, Reply, Selector, Submission, TempFail
 from sluice.queue import AttemptResult, Queue
 from sluice.runtime.parts import Health
 from sluice.runtime.recorder import Recorder
@@ -173,6 +174,9 @@ def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store
             assert list(kept) == [first.entry.qid]
             assert kept[first.entry.qid].reply == OK.reply
             assert kept[first.entry.qid].remoteip == "127.0.0.1"
+            # Its line was written before the journal's: the replay writes none.
+            assert kept[first.entry.qid].logged
+            assert ("delivered", first.entry.qid) in _logged(queue)
         finally:
             release.set()
         for task in list(tasks):
@@ -215,3 +219,78 @@ def test_a_journal_that_fails_leaves_the_wait_to_the_store(tmp_path: Path, flags
         asyncio.run(main())
     finally:
         queue.close()
+
+
+def _logged(queue: Queue) -> list[tuple[str, str]]:
+    """(event, qid) of every line of the accounting log, in order."""
+    assert queue.accounting is not None
+    out = []
+    for path in sorted(queue.accounting.path.glob("sluice-acct-*.jsonl")):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            out.append((event["event"], event["qid"]))
+    return out
+
+
+def test_a_success_is_logged_before_the_store_commits_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Logged after the commit, a crash between the two left a delivery
+    # that went out with no line at all.
+    queue, results = _queue(tmp_path, 3)
+    results[2] = AttemptResult(results[2].entry, TempFail(Reply(451, "4.3.0", "later")))
+    apply_record = queue.apply_record
+    at_commit: list[list[tuple[str, str]]] = []
+
+    def looking(plan: Any) -> Any:
+        at_commit.append(_logged(queue))
+        return apply_record(plan)
+
+    monkeypatch.setattr(queue, "apply_record", looking)
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        await asyncio.wait_for(recorder.record(results), 10)
+        await recorder.drain()
+        assert (stats.delivered, stats.deferred) == (2, 1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        queue.close()
+    ok, deferred = {r.entry.qid for r in results[:2]}, results[2].entry.qid
+    # The successes were in the log when the store was given them; the
+    # deferral, a queue transition like any other, is logged once applied.
+    assert {q for e, q in at_commit[0] if e == "delivered"} == ok
+    assert ("deferred", deferred) not in at_commit[0]
+    lines = _logged(queue)
+    assert sorted(q for e, q in lines if e == "delivered") == sorted(ok)  # once each
+    assert [q for e, q in lines if e == "deferred"] == [deferred]
+
+
+def test_a_log_that_cannot_be_written_does_not_stop_the_outcomes(tmp_path: Path) -> None:
+    """The hour's file is /dev/full: every write of a line fails with ENOSPC."""
+    queue, results = _queue(tmp_path, 2)
+    assert queue.accounting is not None
+    hour = queue.accounting.path / queue.accounting.filename(T0)
+    hour.unlink(missing_ok=True)
+    hour.symlink_to("/dev/full")
+    queue.accounting.close()  # the next line opens the hour's file again
+    health = Health()
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        recorder._logging = health.part("logging deliveries")
+        recorder._recording = health.part("recording outcomes")
+        await asyncio.wait_for(recorder.record(results), 10)
+        await recorder.drain()
+        assert stats.delivered == 2 and _states(queue) == {}
+
+    try:
+        asyncio.run(main())
+    finally:
+        queue.close()
+    assert health.part("logging deliveries").failing
+    assert health.part("logging deliveries").errors_total == 2  # before and after the commit
+    assert health.part("recording outcomes").errors_total == 0

@@ -62,14 +62,10 @@ def test_missing_trace_gives_empty_lives(tmp_path: Path) -> None:
 ])
 def test_classes(tmp_path: Path, lines: tuple[str, ...], first: float, expected: str) -> None:
     lives = trace(tmp_path, *lines)
-    cls, _ = harsh_kill.classify_traced("m", first, KILLS, lives, [], SLOW)
+    cls, _ = harsh_kill.classify_traced("m", first, KILLS, lives, SLOW)
     assert cls == expected
 
 
-def test_a_delivered_line_before_the_kill_is_recorded(tmp_path: Path) -> None:
-    lives = trace(tmp_path)
-    events = [("delivered", 99.995, "250 ok")]
-    assert harsh_kill.classify_traced("m", 99.99, KILLS, lives, events, SLOW)[0] == "recorded"
 
 
 def test_reply_to_durable_pairs_each_reply_with_the_commit_after_it(tmp_path: Path) -> None:

@@ -6,7 +6,9 @@ SUMMARY
     await recorder.drain()          (when the manager stops)
 
 DESCRIPTION
-    Deliveries end with outcomes; the recorder applies them to the store
+    Deliveries end with outcomes; the recorder logs the successes at once
+    (Queue.log_successes: before anything is durable, so that no crash
+    leaves a delivery without its line), applies the outcomes to the store
     (sluice.queue.Queue.record: delivered entries leave, failures are
     deferred or bounced) and counts them.  When some bounced, it runs the
     NDR generation soon after (Queue.run_bounces) and tells the manager of
@@ -110,6 +112,7 @@ class Recorder:
         self._recording = health.part("recording outcomes")
         self._bouncing = health.part("queueing NDRs")
         self._journaling = health.part("journaling successes")
+        self._logging = health.part("logging deliveries")
         self._syncing: set[asyncio.Future[None]] = set()  # journal syncs not yet ended
         #: The success journal (sluice.journal), when serve keeps one.
         self.journal: SuccessJournal | None = None
@@ -133,6 +136,11 @@ class Recorder:
         leaves it to the journal's replay.
         """
         results = list(results)
+        if self.journal is not None:
+            # The successes' lines before the journal has them; without
+            # one, _flush writes a batch's lines at once, before the store
+            # has it.
+            results = self._log_successes(results)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         synced = self._journal(results)
         if synced is None:
@@ -151,6 +159,16 @@ class Recorder:
         self._pending.extend(results)
         self._waiters.append(done)
         self._start()
+
+    def _log_successes(self, results: list[AttemptResult]) -> list[AttemptResult]:
+        """Queue.log_successes: the successes' lines now, or after the commit if it fails."""
+        try:
+            logged = self.queue.log_successes(results)
+        except Exception as exc:  # finish_record tries them again
+            self._logging.failed(exc)
+            return results
+        self._logging.ok()
+        return logged
 
     def _journal(self, results: Sequence[AttemptResult]) -> asyncio.Future[None] | None:
         """The successes among ``results`` to the success journal; None: not journaled."""
@@ -216,11 +234,15 @@ class Recorder:
             batch, self._pending = self._pending, []
             waiters, self._waiters = self._waiters, []
             try:
+                # The successes' lines before the store has them (those
+                # journaled are logged already).
+                batch = self._log_successes(batch)
                 # The store's own thread does the work; the loop waits for
                 # its future, not for a thread of the pool that waits for it.
                 plan = self.queue.plan_record(batch)
                 applied = self.queue.finish_record(
-                    plan, await asyncio.wrap_future(self.queue.apply_record(plan)))
+                    plan, await asyncio.wrap_future(self.queue.apply_record(plan)),
+                    log_failed=self._logging.failed)
                 faults.point("after_commit", (r.entry.spid for r in batch))
             except BaseException as exc:
                 # Failed (retried below) or cancelled: the deliveries
