@@ -314,3 +314,53 @@ def test_an_outcome_whose_log_sync_failed_is_not_reported_recorded(
         assert store.count().messages == 0
     finally:
         store.close()
+
+
+def test_the_deferred_are_indexed_by_arrival_and_an_older_queue_gets_the_index(
+        tmp_path: Path) -> None:
+    """oldest() and expiry read the aged keys; a queue without them is scanned, then indexed."""
+    store = open_kv(tmp_path)
+    try:
+        for age in (500, 3000, 100, 2000):  # deferred, due in the reverse order of arrival
+            store.submit(Submission("a@x.org", (f"r{age}@y.org", f"s{age}@y.org"),
+                                    delay_s=10_000 - age), b"x\r\n", T0 - age)
+        store.submit(Submission("a@x.org", ("new@y.org",)), b"x\r\n", T0)  # incoming
+        want_oldest = store.oldest()
+        want_expired = sorted(e.qid for e in store.expired(T0 - 1000, T0 - 1000))
+    finally:
+        store.close()
+    assert want_oldest[S.DEFERRED] == T0 - 3000
+    assert len(want_expired) == 4  # the two recipients of each of the two oldest
+    aged = {k: v for k, v in keys(tmp_path).items() if k.startswith(b"sluice aged ")}
+    assert len(aged) == 8 and sorted(aged)[0].split(b" ")[2] == b"%017.6f" % (T0 - 3000)
+
+    # As a version without the index left it: no aged keys, no marker.
+    db = plyvel.DB(str(tmp_path / "queue"))
+    for key in [*aged, b"sluice layout aged"]:
+        db.delete(key)
+    db.close()
+    store = open_kv(tmp_path)
+    try:
+        assert store.oldest() == want_oldest  # by the scan
+        assert sorted(e.qid for e in store.expired(T0 - 1000, T0 - 1000)) == want_expired
+        store.recover(T0)  # serve's start builds the index
+        assert store.oldest() == want_oldest
+        assert sorted(e.qid for e in store.expired(T0 - 1000, T0 - 1000)) == want_expired
+    finally:
+        store.close()
+    after = keys(tmp_path)
+    assert {k for k in after if k.startswith(b"sluice aged ")} == set(aged)
+    assert after[b"sluice layout aged"] == b"1"
+
+    # An older version deferred one more entry afterwards (no aged key for
+    # it; the marker stays): the count tells recover() to build it again.
+    db = plyvel.DB(str(tmp_path / "queue"))
+    db.delete(sorted(aged)[0])
+    db.close()
+    store = open_kv(tmp_path)
+    try:
+        store.recover(T0)
+        assert store.oldest() == want_oldest
+    finally:
+        store.close()
+    assert {k for k in keys(tmp_path) if k.startswith(b"sluice aged ")} == set(aged)

@@ -5,7 +5,8 @@ A hypothesis state machine drives sluice.queue over a real store on disk
 a model of where each recipient must be.  After every step: the listing
 equals the model (nothing lost, nothing invented, each recipient once),
 the counts per state equal the listing, the message count equals the
-distinct SPIDs listed, and every listed message has its content.
+distinct SPIDs listed, every listed message has its content, and the
+oldest deferred entry the store names is the first arrival listed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from sluice.model import Delivered, PermFail, QueueState, Reply, Selector, Submission, TempFail
 from sluice.queue import AttemptResult, Queue
+from sluice.spool import spid_time
 from sluice.store import ACTION_STATES, Action
 from tests.integration.stores import FLAVOURS, flavour_config
 
@@ -175,6 +177,20 @@ def _machine(flavour: str) -> type[RuleBasedStateMachine]:
             for spid in {e.spid for e in entries}:
                 with self.queue.store.open_content(spid) as stream:
                     assert stream.read(1)
+
+        @invariant()
+        def the_oldest_deferred_is_the_first_arrival_listed(self) -> None:
+            # kv keeps an index of the deferred by arrival for it (and for
+            # expiry): it must follow every transition, restart included.
+            # fs has only names, and takes the SPID's time (which, drawn from
+            # the real clock, differs from this fake one's arrival).
+            deferred = [spid_time(e.spid) if flavour == "fs" else e.arrival_at
+                        for e in self.queue.store.entries(Selector(states=(S.DEFERRED,)))]
+            oldest = self.queue.store.oldest().get(S.DEFERRED)
+            if not deferred:
+                assert oldest is None
+            else:
+                assert oldest == pytest.approx(min(deferred), abs=1e-3)
 
     return QueueMachine
 

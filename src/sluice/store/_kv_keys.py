@@ -2,7 +2,8 @@
 
 SUMMARY
     dz_key, chunk_key, exists_key, meta_key, rcpt_index, state_key,
-    state_prefix, stat_key (keys); dumps, entry_of (records).
+    aged_key, index_keys, state_prefix, stat_key (keys); dumps, entry_of
+    (records).
 
 DESCRIPTION
     The key layout is described in sluice.store.kv.  Every key is built
@@ -93,6 +94,36 @@ def state_key(spid: str, idx: int, rec: dict[str, Any]) -> bytes:
     if state == "deferred":
         return b(f"sluice queue deferred {1 - rec['p']} {due_key(rec['n'])} {spid} {idx:06d}")
     return b(f"sluice queue {state} {spid} {idx:06d}")
+
+
+#: Deferred recipients by arrival time: the oldest deferred entry and
+#: those past their maxtime are found without reading every deferred
+#: record (the state index has them by due time).
+AGED_PREFIX = b"sluice aged "
+
+#: Present once the aged index is complete: a new queue has it, and
+#: recover() builds the index of a queue written by a version without it
+#: (until then, readers scan the deferred index instead).
+AGED_READY_KEY = b"sluice layout aged"
+
+
+def aged_key(arrival_at: float, spid: str, idx: int) -> bytes:
+    return b(f"sluice aged {due_key(arrival_at)} {spid} {idx:06d}")
+
+
+def aged_parts(key: bytes) -> tuple[float, str]:
+    """An aged key's arrival time and SPID."""
+    _, _, at, spid, _ = key.decode().split(" ")
+    return float(at), spid
+
+
+def index_keys(spid: str, idx: int, rec: dict[str, Any], arrival_at: float
+               ) -> tuple[bytes, ...]:
+    """The index keys of one recipient record: its state's, and a deferred one's age."""
+    key = state_key(spid, idx, rec)
+    if rec["s"] == "deferred":
+        return key, aged_key(arrival_at, spid, idx)
+    return (key,)
 
 
 def stat_key(name: str) -> bytes:

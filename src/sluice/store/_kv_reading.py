@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
@@ -32,9 +33,12 @@ from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._kv_batch import Loader
 from sluice.store._kv_db import CHUNK_SIZE, ChunkReader, Database
 from sluice.store._kv_keys import (
+    AGED_PREFIX,
+    AGED_READY_KEY,
     CHANGE_PREFIX,
     RCPT_PREFIX,
     STAT_NAMES,
+    aged_parts,
     b,
     meta_key,
     rcpt_index,
@@ -55,8 +59,30 @@ class Reading(Database):
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
+        """Deferred entries that arrived before their cutoff (see Store.expired).
+
+        The aged index lists the deferred in arrival order, so the walk
+        stops at the first one too young for either cutoff; a queue
+        without that index yet is scanned by due time.
+        """
         out: list[QueueEntry] = []
         with self._snapshot() as loader:
+            if loader.reader.get(AGED_READY_KEY) is not None:
+                last = max(cutoff_at, reports_cutoff_at)
+                for key, dz in loader.reader.items(AGED_PREFIX):
+                    arrival, spid = aged_parts(key)
+                    if arrival > last:
+                        break
+                    rec = loader.record(dz)
+                    entry = None if rec is None or rec["s"] != "deferred" \
+                        else loader.entry(spid, rec)
+                    if entry is None:
+                        continue
+                    if arrival <= (reports_cutoff_at if entry.is_report else cutoff_at):
+                        out.append(entry)
+                        if len(out) >= limit:
+                            break
+                return out
             for prio in (1, 0):
                 for _, dz in loader.reader.items(state_prefix(QueueState.DEFERRED, prio)):
                     rec = loader.record(dz)
@@ -74,27 +100,36 @@ class Reading(Database):
         return out
 
     def oldest(self) -> dict[QueueState, float]:
-        """The oldest entry of each state, by its SPID's time (see Store.oldest).
+        """The oldest entry of each state (see Store.oldest).
 
         The state index lists a state in queue-id order (incoming: per
-        priority), so its first key is the oldest: one seek.  Deferred
-        keys are ordered by due time: those keys are read (keys only).
+        priority), so its first key is the oldest, by its SPID's time: one
+        seek.  The deferred are ordered by due time there; the aged index
+        has them by arrival (one seek too).  A queue without it yet (see
+        kv.recover) has every deferred message's arrival read instead.
         """
         out: dict[QueueState, float] = {}
         with self._snapshot() as loader:
+            if loader.reader.get(AGED_READY_KEY) is not None:
+                for key, _ in loader.reader.items(AGED_PREFIX):
+                    out[QueueState.DEFERRED] = aged_parts(key)[0]
+                    break
+            else:
+                arrivals = [meta["arrival_at"] for prio in (1, 0)
+                            for key, _ in loader.reader.items(
+                                state_prefix(QueueState.DEFERRED, prio))
+                            if (meta := loader.meta(key.rsplit(b" ", 2)[1].decode()))]
+                if arrivals:
+                    out[QueueState.DEFERRED] = float(min(arrivals))
             for state in QueueState:
+                if state is QueueState.DEFERRED:
+                    continue
                 prefixes = [state_prefix(state, p) for p in (1, 0)] \
-                    if state in (QueueState.INCOMING, QueueState.DEFERRED) \
-                    else [state_prefix(state)]
-                first: str | None = None
-                for prefix in prefixes:
-                    for key, _ in loader.reader.items(prefix):
-                        spid = key.rsplit(b" ", 2)[1].decode()
-                        first = spid if first is None else min(first, spid)
-                        if state is not QueueState.DEFERRED:
-                            break
-                if first is not None:
-                    out[state] = spid_time(first)
+                    if state is QueueState.INCOMING else [state_prefix(state)]
+                firsts = [key.rsplit(b" ", 2)[1].decode() for prefix in prefixes
+                          for key, _ in itertools.islice(loader.reader.items(prefix), 1)]
+                if firsts:
+                    out[state] = spid_time(min(firsts))
         return out
 
     def due_at(self) -> float | None:

@@ -40,6 +40,9 @@ DESCRIPTION
     sluice queue incoming <P> <SPID> <IDX6>           refill, FIFO
     sluice queue deferred <P> <DUE> <SPID> <IDX6>     refill by due time
     sluice queue hold|active|delivering|bounce <SPID> <IDX6>
+    sluice aged <SPID> <IDX6>            deferred again, in arrival order:
+                                         the oldest deferred entry and
+                                         expiry read only what they need
     sluice stat <state>|messages         counts for qcount
     sluice change <SEQ12>                operator change feed (JSON)
     sluice pending <SPID>                content being written, not yet
@@ -83,7 +86,10 @@ STRATEGIES
     stream sees one consistent state while the committer writes.
 
 INVARIANTS
-    Every recipient key has exactly one state index key and one rcpt key.
+    Every recipient key has exactly one state index key and one rcpt key,
+    and an aged key if and only if it is deferred (once ``sluice layout
+    aged`` is there: recover() builds the aged keys of a queue written
+    without them).
     The ``sluice stat`` counters equal the index keys per state.  A message
     has its ``#``/``*`` keys and its chunks as long as a recipient key
     exists.
@@ -142,10 +148,13 @@ from sluice.store._commit import GroupCommitter, RWLock
 from sluice.store._kv_batch import Batch, Loader, Reader
 from sluice.store._kv_db import CHUNK_SIZE, Submit
 from sluice.store._kv_keys import (
+    AGED_PREFIX,
+    AGED_READY_KEY,
     CHANGE_PREFIX,
     PENDING_PREFIX,
     RCPT_PREFIX,
     STAT_NAMES,
+    aged_key,
     b,
     chunk_key,
     due_key,
@@ -153,6 +162,7 @@ from sluice.store._kv_keys import (
     dz_key,
     edited,
     exists_key,
+    index_keys,
     meta_key,
     rcpt_index,
     rcpt_keys,
@@ -212,8 +222,12 @@ class KvStore(ApplyByFuture, Reading):
             raise StorageError(f"cannot create the queue directory {self.dir}: {exc}") from exc
         self._db: Any | None = self._open_db()
         try:
-            last = next(self._open_handle().iterator(prefix=CHANGE_PREFIX, reverse=True,
-                                          include_value=False), None)
+            db = self._open_handle()
+            last = next(db.iterator(prefix=CHANGE_PREFIX, reverse=True,
+                                    include_value=False), None)
+            if db.get(AGED_READY_KEY) is None and next(db.iterator(
+                    prefix=state_prefix(QueueState.DEFERRED), include_value=False), None) is None:
+                db.put(AGED_READY_KEY, b"1", sync=True)  # nothing deferred: complete as it is
         except plyvel.Error as exc:
             raise StorageError(f"cannot read the queue at {self.dir}: {exc}") from exc
         self._seq = int(last.rsplit(b" ", 1)[1]) if last else 0
@@ -261,7 +275,8 @@ class KvStore(ApplyByFuture, Reading):
                        "p": submission.priority}
                 view.put(dz, dumps(rec))
                 view.put(rcpt_index(spid, i), dz)
-                view.put(state_key(spid, i, rec), dz)
+                for ikey in index_keys(spid, i, rec, now):
+                    view.put(ikey, dz)
             view.count(str(state), len(keys))
             view.count("messages", 1)
             view.delete(PENDING_PREFIX + b(spid))
@@ -353,6 +368,8 @@ class KvStore(ApplyByFuture, Reading):
             for key, dz, rec in interleave(incoming[:take_i], deferred[:take_d]):
                 spid = key.decode().rsplit(" ", 2)[1]
                 view.delete(key)
+                if rec["s"] == "deferred":
+                    view.delete(aged_key(_arrival(loader, spid), spid, rec["i"]))
                 view.count(rec["s"], -1)
                 rec["s"] = "active"
                 view.count("active", 1)
@@ -367,11 +384,17 @@ class KvStore(ApplyByFuture, Reading):
         result: list[QueueEntry] = self._call(work, durable=False)
         return result
 
-    def _change_state(self, view: Batch, spid: str, dz: bytes, rec: dict[str, Any],
-                      new: dict[str, Any] | None, gone: set[str]) -> None:
+    def _change_state(self, loader: Loader, view: Batch, spid: str, dz: bytes,
+                      rec: dict[str, Any], new: dict[str, Any] | None, gone: set[str]
+                      ) -> None:
         """Replace one recipient's record (None: it leaves the queue)."""
         idx = rec["i"]
-        view.delete(state_key(spid, idx, rec))
+        # The message's arrival, for the aged key of a deferred record (the
+        # metadata is read only then, once per message and batch).
+        arrival = _arrival(loader, spid) if "deferred" in (
+            rec["s"], new and new["s"]) else 0.0
+        for key in index_keys(spid, idx, rec, arrival):
+            view.delete(key)
         view.count(rec["s"], -1)
         if new is None:
             view.delete(dz)
@@ -379,7 +402,8 @@ class KvStore(ApplyByFuture, Reading):
             gone.add(spid)
             return
         view.put(dz, dumps(new))
-        view.put(state_key(spid, idx, new), dz)
+        for key in index_keys(spid, idx, new, arrival):
+            view.put(key, dz)
         view.count(new["s"], 1)
 
     def _collect_gone(self, view: Batch, spids: Iterable[str]) -> None:
@@ -428,7 +452,7 @@ class KvStore(ApplyByFuture, Reading):
                         new["r"] = t.reply.to_record()
                     if t.attempted:
                         new["a"] = rec["a"] + 1
-                self._change_state(view, spid, dz, rec, new, gone)
+                self._change_state(loader, view, spid, dz, rec, new, gone)
                 applied.add(t.qid)
             self._collect_gone(view, gone)
             return applied
@@ -452,7 +476,7 @@ class KvStore(ApplyByFuture, Reading):
                     continue
                 spid = key.decode().split(" ")[3]
                 new = dict(rec, n=until)
-                self._change_state(view, spid, dz, rec, new, set())
+                self._change_state(loader, view, spid, dz, rec, new, set())
                 entry = loader.entry(spid, new)
                 if entry is not None:
                     out.append(entry)
@@ -468,6 +492,8 @@ class KvStore(ApplyByFuture, Reading):
         changes, and counts the stats again.
         """
         def work(view: Batch) -> int:
+            if not _aged_index_complete(view.db):
+                _build_aged_index(view.db)
             loader = Loader(view)
             moved = 0
             for state in IN_FLIGHT_STATES:
@@ -478,7 +504,7 @@ class KvStore(ApplyByFuture, Reading):
                         continue
                     spid = key.decode().split(" ")[3]
                     new = dict(rec, s="deferred", n=now)
-                    self._change_state(view, spid, dz, rec, new, set())
+                    self._change_state(loader, view, spid, dz, rec, new, set())
                     moved += 1
             # Content whose submission never committed (a crash mid-stream).
             # Which submissions are under way is asked now, in the committer,
@@ -539,7 +565,7 @@ class KvStore(ApplyByFuture, Reading):
                 spid = entry.spid
                 edit = change.edit(rec["a"])
                 new = None if edit is None else edited(rec, edit)
-                self._change_state(view, spid, dz, rec, new, gone)
+                self._change_state(loader, view, spid, dz, rec, new, gone)
                 self._seq += 1
                 view.put(CHANGE_PREFIX + b(f"{self._seq:012d}"),
                          dumps({"at": now, "qid": entry.qid, "action": str(action)}))
@@ -572,3 +598,50 @@ class KvStore(ApplyByFuture, Reading):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _arrival(loader: Loader, spid: str) -> float:
+    """When a message arrived, from its metadata (0 for one without: never aged out)."""
+    meta = loader.meta(spid)
+    return 0.0 if meta is None else float(meta["arrival_at"])
+
+
+def _aged_index_complete(db: Any) -> bool:
+    """Whether the aged index is there and has a key for each deferred recipient.
+
+    The count catches a queue that a version without the index wrote to
+    after this one had built it.
+    """
+    if db.get(AGED_READY_KEY) is None:
+        return False
+    aged = sum(1 for _ in db.iterator(prefix=AGED_PREFIX, include_value=False))
+    return aged == sum(1 for _ in db.iterator(prefix=state_prefix(QueueState.DEFERRED),
+                                              include_value=False))
+
+
+def _build_aged_index(db: Any, chunk: int = 10_000) -> None:
+    """The aged keys of every deferred recipient, for a queue written without them.
+
+    Straight into the database, in batches of ``chunk`` (a million deferred
+    entries would not fit one batch's overlay), before recover() changes
+    anything; the marker goes last, so a crash part-way only means that the
+    next start builds it again.  Until the marker is there, readers scan
+    the deferred index instead (sluice.store._kv_reading).
+    """
+    with db.write_batch() as wb:
+        for key in db.iterator(prefix=AGED_PREFIX, include_value=False):
+            wb.delete(key)
+    arrivals: dict[str, float] = {}  # by SPID: the metadata is read once a message
+    wb = db.write_batch()
+    for n, (key, dz) in enumerate(db.iterator(prefix=state_prefix(QueueState.DEFERRED)), 1):
+        spid, idx = key.decode().rsplit(" ", 2)[1:]
+        at = arrivals.get(spid)
+        if at is None:
+            raw = db.get(meta_key(spid))
+            at = arrivals[spid] = 0.0 if raw is None else float(json.loads(raw)["arrival_at"])
+        wb.put(aged_key(at, spid, int(idx)), dz)
+        if n % chunk == 0:
+            wb.write()
+            wb = db.write_batch()
+    wb.put(AGED_READY_KEY, b"1")
+    wb.write()
