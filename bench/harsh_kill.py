@@ -690,8 +690,8 @@ def main() -> int:
     durable = reply_to_durable(lives)
     print_spread(f"reply read to outcome durable (trace), {len(durable)} outcomes", durable)
     # The same from the sink's side: its acceptance to the "delivered" line
-    # (stamped when the store's commit began: the commit is not in it).
-    print_spread("sink acceptance to recorded, single copies", sorted(
+    # (written when the reply was read, before the outcome is durable).
+    print_spread("sink acceptance to the delivered line, single copies", sorted(
         at - copies[sp][0] for sp in copies if len(copies[sp]) == 1
         for e, at, _ in events[sp] if e == "delivered"))
     every = sorted(d for v in deltas.values() for d in v if d == d)

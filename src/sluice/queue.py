@@ -54,7 +54,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sluice.accounting import AccountingLog, EventKind, make_event
 from sluice.bounce import FailedRecipient, build_ndr, read_header_block
@@ -132,6 +132,25 @@ class AttemptResult:
     def at_or(self, now: float) -> float:
         """When this outcome came: ``at``, or ``now`` for one recorded as it came."""
         return now if self.at is None else self.at
+
+
+class LogTrouble(Protocol):
+    """Where a failing accounting log is reported (sluice.runtime.parts.Trouble)."""
+
+    def failed(self, exc: BaseException) -> float:
+        """The log could not be written."""
+        ...
+
+    def ok(self) -> None:
+        """Lines were written."""
+        ...
+
+
+def _log_failed(exc: OSError, trouble: LogTrouble | None) -> None:
+    if trouble is not None:
+        trouble.failed(exc)
+    else:
+        log.warning("accounting log: cannot write outcome lines: %s", exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,38 +315,45 @@ class Queue:
         caller on an event loop runs the three itself, waiting for the
         store's future rather than in a thread.
         """
-        try:
-            results = self.log_successes(results)
-        except OSError as exc:
-            log.warning("accounting log: %s; the delivered lines are tried again after the "
-                        "commit", exc)
+        results = self.log_successes(results)
         plan = self.plan_record(results)
         return self.finish_record(plan, self.apply_record(plan).result())
 
-    def log_successes(self, results: Sequence[AttemptResult]) -> list[AttemptResult]:
+    def log_successes(self, results: Sequence[AttemptResult], trouble: LogTrouble | None = None
+                      ) -> list[AttemptResult]:
         """Write the ``delivered`` lines of the successes among ``results``, now.
 
         Returns ``results`` with those successes marked logged and their
         time fixed, for plan_record and finish_record (which then skip
         their lines) and for the success journal.  Called before anything
         is durable: see "A success is logged before the store has it".
-        Raises OSError when the log cannot be written; nothing is marked
-        then, and finish_record tries the lines again after the commit.
+        Lines go in one write per time (a replay's successes keep theirs),
+        each group marked once written: when the log cannot be written,
+        the rest stay unmarked for finish_record to try after the commit,
+        and ``trouble`` hears of it (without it: a warning).
         """
+        out = list(results)
         if self.accounting is None:
-            return list(results)
+            return out
         now = self.clock()
-        out: list[AttemptResult] = []
-        events: dict[float, list[dict[str, Any]]] = {}
-        for res in results:
+        groups: dict[float, list[int]] = {}
+        for i, res in enumerate(out):
             if not res.logged and isinstance(res.outcome, Delivered):
-                at = res.at_or(now)
-                res = dataclasses.replace(res, at=at, logged=True)
-                events.setdefault(at, []).append(
-                    self._outcome_event(res, EventKind.DELIVERED, res.outcome.reply, at))
-            out.append(res)
-        for at, lines in events.items():
-            self._log(lines, at)
+                groups.setdefault(res.at_or(now), []).append(i)
+        if not groups:
+            return out
+        try:
+            for at, idxs in groups.items():
+                marked = [dataclasses.replace(out[i], at=at, logged=True) for i in idxs]
+                self._log([self._outcome_event(r, EventKind.DELIVERED, r.outcome.reply, at)
+                           for r in marked], at)
+                for i, res in zip(idxs, marked, strict=True):
+                    out[i] = res
+        except OSError as exc:
+            _log_failed(exc, trouble)
+        else:
+            if trouble is not None:
+                trouble.ok()
         return out
 
     def _outcome_event(self, res: AttemptResult, kind: EventKind, reply: Reply, at: float
@@ -390,12 +416,12 @@ class Queue:
         return self.store.apply_future(plan.transitions, durable=plan.durable)
 
     def finish_record(self, plan: RecordPlan, applied: set[str],
-                      log_failed: Callable[[OSError], object] | None = None
+                      trouble: LogTrouble | None = None
                       ) -> list[tuple[AttemptResult, QueueState | None]]:
         """Log what the store applied of ``plan`` (unless logged first); record()'s answer.
 
-        A log that cannot be written raises OSError, or goes to
-        ``log_failed``: the outcomes are in the store all the same.
+        A log that cannot be written is reported to ``trouble`` (without
+        it: a warning): the outcomes are in the store all the same.
         """
         out: list[tuple[AttemptResult, QueueState | None]] = []
         # By the time of each line (a replayed success's is its reply's): the
@@ -409,13 +435,16 @@ class Queue:
                 continue
             at = res.at_or(plan.now)
             events.setdefault(at, []).append(self._outcome_event(res, kind, reply, at))
+        if not events:
+            return out
         try:
             for at, lines in events.items():
                 self._log(lines, at)
         except OSError as exc:
-            if log_failed is None:
-                raise
-            log_failed(exc)
+            _log_failed(exc, trouble)
+        else:
+            if trouble is not None:
+                trouble.ok()
         return out
 
     def expire(self, limit: int = 10000) -> int:

@@ -234,9 +234,9 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
             return [r for m in list(sink.messages) for r in m.recipients
                     if r not in logged and not killed_wall - 2.0 <= m.at <= killed_wall]
 
-        # A line follows its commit, which follows the sink's reply (and the
-        # journal's sync): the last deliveries' lines come a moment after the
-        # sink has seen them.
+        # A line follows the sink's reply (it is written when the node reads
+        # it): the last deliveries' lines come a moment after the sink has
+        # seen them.
         wait_until(lambda: not unlogged_after_the_kill(), 30)
         recovered, began, logged = read_logs()
         began.sort()
@@ -252,10 +252,11 @@ def test_three_nodes_hold_the_limits_and_survive_a_kill_and_a_redis_restart(
         # delays, which a loaded machine makes bunch.
         steady = max((sum(1 for u in began[i:] if u < t + 1.0) for i, t in enumerate(began)
                       if not outage[0] - 1.0 <= t <= outage[1] + 10.0), default=0)
-        # Every delivery has its "delivered" line, but for those the killed n2
-        # had committed and not yet written: the line follows the commit
-        # (sluice.accounting, "Limitations"), so a SIGKILL can take the last
-        # few.  Such a message came in through n2 (its Received line) and
+        # Every delivery has its "delivered" line, written when the reply is
+        # read (sluice.queue, "A success is logged before the store has it"),
+        # but for a message whose reply the killed n2 never read: it goes
+        # again once n2's claim is settled, and until then the recipient has
+        # no line.  Such a message came in through n2 (its Received line) and
         # reached the sink in the moments before the kill.
         unlogged = [(r, m) for m in list(sink.messages) for r in m.recipients
                     if r not in logged]

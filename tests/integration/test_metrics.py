@@ -66,8 +66,11 @@ def test_metrics_count_what_happened_with_bounded_labels(tmp_path: Path) -> None
 
         def settled() -> bool:
             m = scrape(srv)
+            # The log's lines (a delivery's comes before its commit) and the
+            # queue manager's count (after it).
             return (total(m, "sluice_recipients_total", event="delivered") == 13
-                    and total(m, "sluice_recipients_total", event="bounced") == 1)
+                    and total(m, "sluice_recipients_total", event="bounced") == 1
+                    and total(m, "sluice_manager_recipients_total", event="delivered") == 13)
 
         assert wait_until(settled, 15, step=0.5)
         srv.ok("POST", "/api/v1/suspensions", json={

@@ -66,8 +66,6 @@ def test_classes(tmp_path: Path, lines: tuple[str, ...], first: float, expected:
     assert cls == expected
 
 
-
-
 def test_reply_to_durable_pairs_each_reply_with_the_commit_after_it(tmp_path: Path) -> None:
     lives = trace(tmp_path, "10.0 11 after_reply m", "10.004 11 after_commit m",
                   "20.0 11 after_reply m", "20.002 11 after_commit m", "30.0 11 after_reply n")

@@ -23,8 +23,9 @@ STRATEGIES
     written since the message arrived, never with the whole log.
 
 LIMITATIONS
-    Lines are written after each change commits and are not fsynced one
-    by one, so a crash can lose the last few.  A message older than
+    Lines are written after each change commits (a delivery's before:
+    sluice.queue) and are not fsynced one by one, so a power cut can lose
+    the last few.  A message older than
     accounting.keep has lost the start of its history with the files.
 """
 

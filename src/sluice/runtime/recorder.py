@@ -135,12 +135,9 @@ class Recorder:
         journaled success before the journal does: a crash in between
         leaves it to the journal's replay.
         """
-        results = list(results)
-        if self.journal is not None:
-            # The successes' lines before the journal has them; without
-            # one, _flush writes a batch's lines at once, before the store
-            # has it.
-            results = self._log_successes(results)
+        # The successes' lines first, before the journal or the store has
+        # them (if the log fails, finish_record tries after the commit).
+        results = self.queue.log_successes(list(results), self._logging)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         synced = self._journal(results)
         if synced is None:
@@ -159,16 +156,6 @@ class Recorder:
         self._pending.extend(results)
         self._waiters.append(done)
         self._start()
-
-    def _log_successes(self, results: list[AttemptResult]) -> list[AttemptResult]:
-        """Queue.log_successes: the successes' lines now, or after the commit if it fails."""
-        try:
-            logged = self.queue.log_successes(results)
-        except Exception as exc:  # finish_record tries them again
-            self._logging.failed(exc)
-            return results
-        self._logging.ok()
-        return logged
 
     def _journal(self, results: Sequence[AttemptResult]) -> asyncio.Future[None] | None:
         """The successes among ``results`` to the success journal; None: not journaled."""
@@ -234,15 +221,12 @@ class Recorder:
             batch, self._pending = self._pending, []
             waiters, self._waiters = self._waiters, []
             try:
-                # The successes' lines before the store has them (those
-                # journaled are logged already).
-                batch = self._log_successes(batch)
                 # The store's own thread does the work; the loop waits for
                 # its future, not for a thread of the pool that waits for it.
                 plan = self.queue.plan_record(batch)
                 applied = self.queue.finish_record(
                     plan, await asyncio.wrap_future(self.queue.apply_record(plan)),
-                    log_failed=self._logging.failed)
+                    trouble=self._logging)
                 faults.point("after_commit", (r.entry.spid for r in batch))
             except BaseException as exc:
                 # Failed (retried below) or cancelled: the deliveries
