@@ -29,11 +29,12 @@ STRATEGIES
     durable one commit after its reply.  Outcomes of deliveries without a
     transaction are recorded after, as before.
 
-    One read for a step's contents.  The inline contents of every
+    One read for a step's contents.  The small contents of every
     delivery started in one loop step are read with one statement at
     the step's end (sluice.store.ReadsContentsAhead: SQLite, where each
     read of its own meets a page cache that the committer's writes have
-    dropped; docs/benchmarks.md).  Each delivery holds its own in an
+    dropped, and PostgreSQL, where each is a round trip to the server;
+    docs/benchmarks.md).  Each delivery holds its own in an
     _Ahead, made when it is spawned, so the bytes go with the delivery
     and nothing is kept for one that never ran; without them (another
     flavour, a failed read) it reads its content from the store.

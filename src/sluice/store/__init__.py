@@ -196,16 +196,21 @@ class ListsInPieces(Protocol):
 
 @runtime_checkable
 class ReadsContentsAhead(Protocol):
-    """A store that reads the inline contents of several messages in one go (SQLite).
+    """A store that reads the small contents of several messages in one go (SQLite, PostgreSQL).
 
     For SQLite each read of its own costs a cold page cache (in WAL mode a
-    reader drops its cache whenever another connection has written), so
-    the queue manager reads the contents of the deliveries it starts
-    together (sluice.runtime.deliveries).
+    reader drops its cache whenever another connection has written); for
+    PostgreSQL, a round trip to the server.  So the queue manager reads
+    the contents of the deliveries it starts together
+    (sluice.runtime.deliveries).
     """
 
+    #: Contents of at most this many bytes can be read ahead (SQLite: those
+    #: kept inline; PostgreSQL: those in one chunk); the rest are opened.
+    ahead_max: int
+
     def inline_contents(self, spids: Sequence[str]) -> dict[str, bytes]:
-        """The contents of those of ``spids`` kept inline; the others are absent."""
+        """The contents of those of ``spids`` that are small enough; the others are absent."""
         ...
 
 

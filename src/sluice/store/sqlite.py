@@ -503,6 +503,11 @@ class SqliteStore(ApplyByFuture, Database):
                 out.setdefault(domain, [0] * (len(edges) + 1))[int(bucket)] += int(n)
         return out
 
+    @property
+    def ahead_max(self) -> int:
+        """ReadsContentsAhead.ahead_max: the contents kept inline."""
+        return self.inline_max
+
     def inline_contents(self, spids: Sequence[str]) -> dict[str, bytes]:
         """ReadsContentsAhead.inline_contents: one statement for all of ``spids``."""
         keys = {_content_key(s): s for s in spids}
