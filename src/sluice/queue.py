@@ -48,11 +48,12 @@ SEE ALSO
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -146,11 +147,19 @@ class LogTrouble(Protocol):
         ...
 
 
-def _log_failed(exc: OSError, trouble: LogTrouble | None) -> None:
-    if trouble is not None:
-        trouble.failed(exc)
+@contextlib.contextmanager
+def _reported(trouble: LogTrouble | None) -> Iterator[None]:
+    """Lines written inside: ``trouble`` hears ok, or of the OSError (none: a warning)."""
+    try:
+        yield
+    except OSError as exc:
+        if trouble is None:
+            log.warning("accounting log: cannot write outcome lines: %s", exc)
+        else:
+            trouble.failed(exc)
     else:
-        log.warning("accounting log: cannot write outcome lines: %s", exc)
+        if trouble is not None:
+            trouble.ok()
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,18 +351,13 @@ class Queue:
                 groups.setdefault(res.at_or(now), []).append(i)
         if not groups:
             return out
-        try:
+        with _reported(trouble):
             for at, idxs in groups.items():
                 marked = [dataclasses.replace(out[i], at=at, logged=True) for i in idxs]
                 self._log([self._outcome_event(r, EventKind.DELIVERED, r.outcome.reply, at)
                            for r in marked], at)
                 for i, res in zip(idxs, marked, strict=True):
                     out[i] = res
-        except OSError as exc:
-            _log_failed(exc, trouble)
-        else:
-            if trouble is not None:
-                trouble.ok()
         return out
 
     def _outcome_event(self, res: AttemptResult, kind: EventKind, reply: Reply, at: float
@@ -437,14 +441,9 @@ class Queue:
             events.setdefault(at, []).append(self._outcome_event(res, kind, reply, at))
         if not events:
             return out
-        try:
+        with _reported(trouble):
             for at, lines in events.items():
                 self._log(lines, at)
-        except OSError as exc:
-            _log_failed(exc, trouble)
-        else:
-            if trouble is not None:
-                trouble.ok()
         return out
 
     def expire(self, limit: int = 10000) -> int:
