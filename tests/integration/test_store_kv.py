@@ -332,7 +332,7 @@ def test_the_deferred_are_indexed_by_arrival_and_an_older_queue_gets_the_index(
     assert want_oldest[S.DEFERRED] == T0 - 3000
     assert len(want_expired) == 4  # the two recipients of each of the two oldest
     aged = {k: v for k, v in keys(tmp_path).items() if k.startswith(b"sluice aged ")}
-    assert len(aged) == 8 and sorted(aged)[0].split(b" ")[2] == b"%017.6f" % (T0 - 3000)
+    assert len(aged) == 8 and sorted(aged)[0].split(b" ")[2:4] == [b"m", b"%017.6f" % (T0 - 3000)]
 
     # As a version without the index left it: no aged keys, no marker.
     db = plyvel.DB(str(tmp_path / "queue"))
@@ -352,10 +352,13 @@ def test_the_deferred_are_indexed_by_arrival_and_an_older_queue_gets_the_index(
     assert {k for k in after if k.startswith(b"sluice aged ")} == set(aged)
     assert after[b"sluice layout aged"] == b"1"
 
-    # An older version deferred one more entry afterwards (no aged key for
-    # it; the marker stays): the count tells recover() to build it again.
+    # An older version, writing to it afterwards, deferred one entry (no
+    # aged key for it) and claimed another (its aged key stays): as many
+    # aged keys as deferred ones, and the marker is still there; the
+    # recipients differ, and recover() builds the index again.
     db = plyvel.DB(str(tmp_path / "queue"))
     db.delete(sorted(aged)[0])
+    db.put(b"sluice aged m %017.6f 0000000000000000 000000" % (T0 - 9000), b"gone")
     db.close()
     store = open_kv(tmp_path)
     try:

@@ -165,7 +165,7 @@ class Deliveries:
                 marked.set_result(None)
 
     def _read_ahead(self, ahead: list[_Ahead]) -> None:
-        """The inline contents of this step's starts, in one read (ReadsContentsAhead).
+        """The small contents of this step's starts, in one read (ReadsContentsAhead).
 
         A failed read leaves each delivery to read its own, as without it.
         """

@@ -96,7 +96,8 @@ def state_key(spid: str, idx: int, rec: dict[str, Any]) -> bytes:
     return b(f"sluice queue {state} {spid} {idx:06d}")
 
 
-#: Deferred recipients by arrival time: the oldest deferred entry and
+#: Deferred recipients by arrival time, reports ("r") apart from other
+#: mail ("m") since their maxtime differs: the oldest deferred entry and
 #: those past their maxtime are found without reading every deferred
 #: record (the state index has them by due time).
 AGED_PREFIX = b"sluice aged "
@@ -106,23 +107,30 @@ AGED_PREFIX = b"sluice aged "
 #: (until then, readers scan the deferred index instead).
 AGED_READY_KEY = b"sluice layout aged"
 
-
-def aged_key(arrival_at: float, spid: str, idx: int) -> bytes:
-    return b(f"sluice aged {due_key(arrival_at)} {spid} {idx:06d}")
-
-
-def aged_parts(key: bytes) -> tuple[float, str]:
-    """An aged key's arrival time and SPID."""
-    _, _, at, spid, _ = key.decode().split(" ")
-    return float(at), spid
+#: A message's age as the aged index keys it: arrival time, report or not.
+Age = tuple[float, bool]
 
 
-def index_keys(spid: str, idx: int, rec: dict[str, Any], arrival_at: float
-               ) -> tuple[bytes, ...]:
+def aged_prefix(report: bool) -> bytes:
+    return AGED_PREFIX + (b"r " if report else b"m ")
+
+
+def aged_key(age: Age, spid: str, idx: int) -> bytes:
+    arrival, report = age
+    return b(f"sluice aged {'r' if report else 'm'} {due_key(arrival)} {spid} {idx:06d}")
+
+
+def aged_parts(key: bytes) -> tuple[float, str, int]:
+    """An aged key's arrival time, SPID and recipient index."""
+    _, _, _, at, spid, idx = key.decode().split(" ")
+    return float(at), spid, int(idx)
+
+
+def index_keys(spid: str, idx: int, rec: dict[str, Any], age: Age) -> tuple[bytes, ...]:
     """The index keys of one recipient record: its state's, and a deferred one's age."""
     key = state_key(spid, idx, rec)
     if rec["s"] == "deferred":
-        return key, aged_key(arrival_at, spid, idx)
+        return key, aged_key(age, spid, idx)
     return (key,)
 
 

@@ -33,12 +33,12 @@ from sluice.store import Action, Change, Counts, StorageError
 from sluice.store._kv_batch import Loader
 from sluice.store._kv_db import CHUNK_SIZE, ChunkReader, Database
 from sluice.store._kv_keys import (
-    AGED_PREFIX,
     AGED_READY_KEY,
     CHANGE_PREFIX,
     RCPT_PREFIX,
     STAT_NAMES,
     aged_parts,
+    aged_prefix,
     b,
     meta_key,
     rcpt_index,
@@ -61,27 +61,26 @@ class Reading(Database):
                 ) -> list[QueueEntry]:
         """Deferred entries that arrived before their cutoff (see Store.expired).
 
-        The aged index lists the deferred in arrival order, so the walk
-        stops at the first one too young for either cutoff; a queue
-        without that index yet is scanned by due time.
+        The aged index lists the deferred by arrival, reports apart, so
+        each walk stops at the first entry too young for its cutoff and
+        reads only the expired; a queue without that index yet is scanned
+        by due time.
         """
         out: list[QueueEntry] = []
         with self._snapshot() as loader:
             if loader.reader.get(AGED_READY_KEY) is not None:
-                last = max(cutoff_at, reports_cutoff_at)
-                for key, dz in loader.reader.items(AGED_PREFIX):
-                    arrival, spid = aged_parts(key)
-                    if arrival > last:
-                        break
-                    rec = loader.record(dz)
-                    entry = None if rec is None or rec["s"] != "deferred" \
-                        else loader.entry(spid, rec)
-                    if entry is None:
-                        continue
-                    if arrival <= (reports_cutoff_at if entry.is_report else cutoff_at):
-                        out.append(entry)
-                        if len(out) >= limit:
+                for report, cutoff in ((False, cutoff_at), (True, reports_cutoff_at)):
+                    for key, dz in loader.reader.items(aged_prefix(report)):
+                        arrival, spid, _ = aged_parts(key)
+                        if arrival > cutoff:
                             break
+                        rec = loader.record(dz)
+                        entry = None if rec is None or rec["s"] != "deferred" \
+                            else loader.entry(spid, rec)
+                        if entry is not None:
+                            out.append(entry)
+                            if len(out) >= limit:
+                                return out
                 return out
             for prio in (1, 0):
                 for _, dz in loader.reader.items(state_prefix(QueueState.DEFERRED, prio)):
@@ -111,9 +110,11 @@ class Reading(Database):
         out: dict[QueueState, float] = {}
         with self._snapshot() as loader:
             if loader.reader.get(AGED_READY_KEY) is not None:
-                for key, _ in loader.reader.items(AGED_PREFIX):
-                    out[QueueState.DEFERRED] = aged_parts(key)[0]
-                    break
+                ages = [aged_parts(key)[0] for report in (False, True)
+                        for key, _ in itertools.islice(
+                            loader.reader.items(aged_prefix(report)), 1)]
+                if ages:
+                    out[QueueState.DEFERRED] = min(ages)
             else:
                 arrivals = [meta["arrival_at"] for prio in (1, 0)
                             for key, _ in loader.reader.items(

@@ -40,9 +40,11 @@ DESCRIPTION
     sluice queue incoming <P> <SPID> <IDX6>           refill, FIFO
     sluice queue deferred <P> <DUE> <SPID> <IDX6>     refill by due time
     sluice queue hold|active|delivering|bounce <SPID> <IDX6>
-    sluice aged <SPID> <IDX6>            deferred again, in arrival order:
-                                         the oldest deferred entry and
-                                         expiry read only what they need
+    sluice aged r|m <ARRIVAL> <SPID> <IDX6>
+                                         deferred again, by arrival,
+                                         reports (r) apart: the oldest
+                                         deferred entry and expiry read
+                                         only what they need
     sluice stat <state>|messages         counts for qcount
     sluice change <SEQ12>                operator change feed (JSON)
     sluice pending <SPID>                content being written, not yet
@@ -154,6 +156,7 @@ from sluice.store._kv_keys import (
     PENDING_PREFIX,
     RCPT_PREFIX,
     STAT_NAMES,
+    Age,
     aged_key,
     b,
     chunk_key,
@@ -275,7 +278,7 @@ class KvStore(ApplyByFuture, Reading):
                        "p": submission.priority}
                 view.put(dz, dumps(rec))
                 view.put(rcpt_index(spid, i), dz)
-                for ikey in index_keys(spid, i, rec, now):
+                for ikey in index_keys(spid, i, rec, (now, submission.is_report)):
                     view.put(ikey, dz)
             view.count(str(state), len(keys))
             view.count("messages", 1)
@@ -369,7 +372,7 @@ class KvStore(ApplyByFuture, Reading):
                 spid = key.decode().rsplit(" ", 2)[1]
                 view.delete(key)
                 if rec["s"] == "deferred":
-                    view.delete(aged_key(_arrival(loader, spid), spid, rec["i"]))
+                    view.delete(aged_key(_age(loader, spid), spid, rec["i"]))
                 view.count(rec["s"], -1)
                 rec["s"] = "active"
                 view.count("active", 1)
@@ -389,11 +392,10 @@ class KvStore(ApplyByFuture, Reading):
                       ) -> None:
         """Replace one recipient's record (None: it leaves the queue)."""
         idx = rec["i"]
-        # The message's arrival, for the aged key of a deferred record (the
+        # The message's age, for the aged key of a deferred record (the
         # metadata is read only then, once per message and batch).
-        arrival = _arrival(loader, spid) if "deferred" in (
-            rec["s"], new and new["s"]) else 0.0
-        for key in index_keys(spid, idx, rec, arrival):
+        age = _age(loader, spid) if "deferred" in (rec["s"], new and new["s"]) else (0.0, False)
+        for key in index_keys(spid, idx, rec, age):
             view.delete(key)
         view.count(rec["s"], -1)
         if new is None:
@@ -402,7 +404,7 @@ class KvStore(ApplyByFuture, Reading):
             gone.add(spid)
             return
         view.put(dz, dumps(new))
-        for key in index_keys(spid, idx, new, arrival):
+        for key in index_keys(spid, idx, new, age):
             view.put(key, dz)
         view.count(new["s"], 1)
 
@@ -600,23 +602,33 @@ class KvStore(ApplyByFuture, Reading):
         self.close()
 
 
-def _arrival(loader: Loader, spid: str) -> float:
-    """When a message arrived, from its metadata (0 for one without: never aged out)."""
+def _age(loader: Loader, spid: str) -> Age:
+    """A message's age from its metadata (arrival 0 for one without: never aged out)."""
     meta = loader.meta(spid)
-    return 0.0 if meta is None else float(meta["arrival_at"])
+    return (0.0, False) if meta is None else (float(meta["arrival_at"]),
+                                              bool(meta["is_report"]))
 
 
 def _aged_index_complete(db: Any) -> bool:
-    """Whether the aged index is there and has a key for each deferred recipient.
+    """Whether the aged index is there and has a key for each deferred recipient, and no more.
 
-    The count catches a queue that a version without the index wrote to
-    after this one had built it.
+    The recipients of both are compared by an order-free checksum (the
+    two indexes sort them differently): it catches a queue that a version
+    without the index wrote to after this one had built it.
     """
     if db.get(AGED_READY_KEY) is None:
         return False
-    aged = sum(1 for _ in db.iterator(prefix=AGED_PREFIX, include_value=False))
-    return aged == sum(1 for _ in db.iterator(prefix=state_prefix(QueueState.DEFERRED),
-                                              include_value=False))
+
+    def checksum(prefix: bytes) -> tuple[int, int]:
+        # An aged key ends "<SPID> <IDX6>", as a deferred state key does.
+        n = total = 0
+        for key in db.iterator(prefix=prefix, include_value=False):
+            _, spid, idx = key.rsplit(b" ", 2)
+            n += 1
+            total = (total + hash((spid, idx))) & 0xFFFFFFFFFFFFFFFF
+        return n, total
+
+    return checksum(AGED_PREFIX) == checksum(state_prefix(QueueState.DEFERRED))
 
 
 def _build_aged_index(db: Any, chunk: int = 10_000) -> None:
@@ -624,22 +636,26 @@ def _build_aged_index(db: Any, chunk: int = 10_000) -> None:
 
     Straight into the database, in batches of ``chunk`` (a million deferred
     entries would not fit one batch's overlay), before recover() changes
-    anything; the marker goes last, so a crash part-way only means that the
-    next start builds it again.  Until the marker is there, readers scan
-    the deferred index instead (sluice.store._kv_reading).
+    anything.  The marker goes first, with the old keys, and comes back
+    last: until then readers scan the deferred index instead
+    (sluice.store._kv_reading), and a crash part-way only means that the
+    next start builds it again.
     """
     with db.write_batch() as wb:
+        wb.delete(AGED_READY_KEY)
         for key in db.iterator(prefix=AGED_PREFIX, include_value=False):
             wb.delete(key)
-    arrivals: dict[str, float] = {}  # by SPID: the metadata is read once a message
+    ages: dict[str, Age] = {}  # by SPID: the metadata is read once a message
     wb = db.write_batch()
     for n, (key, dz) in enumerate(db.iterator(prefix=state_prefix(QueueState.DEFERRED)), 1):
         spid, idx = key.decode().rsplit(" ", 2)[1:]
-        at = arrivals.get(spid)
-        if at is None:
+        age = ages.get(spid)
+        if age is None:
             raw = db.get(meta_key(spid))
-            at = arrivals[spid] = 0.0 if raw is None else float(json.loads(raw)["arrival_at"])
-        wb.put(aged_key(at, spid, int(idx)), dz)
+            meta = None if raw is None else json.loads(raw)
+            age = ages[spid] = (0.0, False) if meta is None else (
+                float(meta["arrival_at"]), bool(meta["is_report"]))
+        wb.put(aged_key(age, spid, int(idx)), dz)
         if n % chunk == 0:
             wb.write()
             wb = db.write_batch()
