@@ -46,7 +46,7 @@ STRATEGIES
 LIMITATIONS
     Counters start at zero when the API starts (lines written before are
     not read); Prometheus handles the reset.  The accounting log is not
-    fsynced line by line, so a crash may lose the last lines' counts.
+    fsynced line by line, so a power cut may lose the last lines' counts.
     Only the newest TAIL_FILES files are followed: a process whose clock
     is hours off writes where it is not read.
 
