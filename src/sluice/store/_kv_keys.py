@@ -2,8 +2,8 @@
 
 SUMMARY
     dz_key, chunk_key, exists_key, meta_key, rcpt_index, state_key,
-    aged_key, index_keys, state_prefix, stat_key (keys); dumps, entry_of
-    (records).
+    aged_key, index_keys, state_prefix, stat_key (keys); dumps, entry_of,
+    age_of (records).
 
 DESCRIPTION
     The key layout is described in sluice.store.kv.  Every key is built
@@ -115,15 +115,21 @@ def aged_prefix(report: bool) -> bytes:
     return AGED_PREFIX + (b"r " if report else b"m ")
 
 
+def age_of(meta: dict[str, Any] | None) -> Age:
+    """A message's age from its metadata (arrival 0 for none: never aged out)."""
+    return (0.0, False) if meta is None else (float(meta["arrival_at"]),
+                                              bool(meta["is_report"]))
+
+
 def aged_key(age: Age, spid: str, idx: int) -> bytes:
     arrival, report = age
-    return b(f"sluice aged {'r' if report else 'm'} {due_key(arrival)} {spid} {idx:06d}")
+    return aged_prefix(report) + b(f"{due_key(arrival)} {spid} {idx:06d}")
 
 
-def aged_parts(key: bytes) -> tuple[float, str, int]:
-    """An aged key's arrival time, SPID and recipient index."""
-    _, _, _, at, spid, idx = key.decode().split(" ")
-    return float(at), spid, int(idx)
+def aged_parts(key: bytes) -> tuple[float, str]:
+    """An aged key's arrival time and SPID."""
+    _, _, _, at, spid, _ = key.decode().split(" ")
+    return float(at), spid
 
 
 def index_keys(spid: str, idx: int, rec: dict[str, Any], age: Age) -> tuple[bytes, ...]:

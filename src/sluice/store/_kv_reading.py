@@ -71,7 +71,7 @@ class Reading(Database):
             if loader.reader.get(AGED_READY_KEY) is not None:
                 for report, cutoff in ((False, cutoff_at), (True, reports_cutoff_at)):
                     for key, dz in loader.reader.items(aged_prefix(report)):
-                        arrival, spid, _ = aged_parts(key)
+                        arrival, spid = aged_parts(key)
                         if arrival > cutoff:
                             break
                         rec = loader.record(dz)

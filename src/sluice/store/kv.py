@@ -106,8 +106,9 @@ PARTS
     This file keeps the store's operations; the nouns they use are in
     _kv_keys (the key scheme and records), _kv_batch (snapshot readers and
     the committer's overlay), _kv_db (LevelDB, its reopening, the
-    committer, content chunks) and _kv_reading (listing, counting,
-    qshape, expiry, the change feed).
+    committer, content chunks), _kv_reading (listing, counting,
+    qshape, expiry, the change feed) and _kv_aged (the aged index kept
+    whole across versions).
 
 SEE ALSO
     sluice.store (the interface), sluice.store._actions (operator
@@ -145,18 +146,16 @@ from sluice.model import (
 )
 from sluice.spool import Content
 from sluice.store import CHANGES_KEEP_S, Action, ApplyByFuture, Transition, applied_nothing
+from sluice.store import _kv_aged as aged
 from sluice.store._actions import OperatorChange
 from sluice.store._commit import GroupCommitter, RWLock
 from sluice.store._kv_batch import Batch, Loader, Reader
 from sluice.store._kv_db import CHUNK_SIZE, Submit
 from sluice.store._kv_keys import (
-    AGED_PREFIX,
-    AGED_READY_KEY,
     CHANGE_PREFIX,
     PENDING_PREFIX,
     RCPT_PREFIX,
     STAT_NAMES,
-    Age,
     aged_key,
     b,
     chunk_key,
@@ -228,9 +227,7 @@ class KvStore(ApplyByFuture, Reading):
             db = self._open_handle()
             last = next(db.iterator(prefix=CHANGE_PREFIX, reverse=True,
                                     include_value=False), None)
-            if db.get(AGED_READY_KEY) is None and next(db.iterator(
-                    prefix=state_prefix(QueueState.DEFERRED), include_value=False), None) is None:
-                db.put(AGED_READY_KEY, b"1", sync=True)  # nothing deferred: complete as it is
+            aged.mark_if_nothing_deferred(db)
         except plyvel.Error as exc:
             raise StorageError(f"cannot read the queue at {self.dir}: {exc}") from exc
         self._seq = int(last.rsplit(b" ", 1)[1]) if last else 0
@@ -372,7 +369,7 @@ class KvStore(ApplyByFuture, Reading):
                 spid = key.decode().rsplit(" ", 2)[1]
                 view.delete(key)
                 if rec["s"] == "deferred":
-                    view.delete(aged_key(_age(loader, spid), spid, rec["i"]))
+                    view.delete(aged_key(aged.age(loader, spid), spid, rec["i"]))
                 view.count(rec["s"], -1)
                 rec["s"] = "active"
                 view.count("active", 1)
@@ -394,7 +391,7 @@ class KvStore(ApplyByFuture, Reading):
         idx = rec["i"]
         # The message's age, for the aged key of a deferred record (the
         # metadata is read only then, once per message and batch).
-        age = _age(loader, spid) if "deferred" in (rec["s"], new and new["s"]) else (0.0, False)
+        age = aged.age(loader, spid) if "deferred" in (rec["s"], new and new["s"]) else (0.0, False)
         for key in index_keys(spid, idx, rec, age):
             view.delete(key)
         view.count(rec["s"], -1)
@@ -494,8 +491,7 @@ class KvStore(ApplyByFuture, Reading):
         changes, and counts the stats again.
         """
         def work(view: Batch) -> int:
-            if not _aged_index_complete(view.db):
-                _build_aged_index(view.db)
+            aged.ensure_index(view.db)
             loader = Loader(view)
             moved = 0
             for state in IN_FLIGHT_STATES:
@@ -600,64 +596,3 @@ class KvStore(ApplyByFuture, Reading):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _age(loader: Loader, spid: str) -> Age:
-    """A message's age from its metadata (arrival 0 for one without: never aged out)."""
-    meta = loader.meta(spid)
-    return (0.0, False) if meta is None else (float(meta["arrival_at"]),
-                                              bool(meta["is_report"]))
-
-
-def _aged_index_complete(db: Any) -> bool:
-    """Whether the aged index is there and has a key for each deferred recipient, and no more.
-
-    The recipients of both are compared by an order-free checksum (the
-    two indexes sort them differently): it catches a queue that a version
-    without the index wrote to after this one had built it.
-    """
-    if db.get(AGED_READY_KEY) is None:
-        return False
-
-    def checksum(prefix: bytes) -> tuple[int, int]:
-        # An aged key ends "<SPID> <IDX6>", as a deferred state key does.
-        n = total = 0
-        for key in db.iterator(prefix=prefix, include_value=False):
-            _, spid, idx = key.rsplit(b" ", 2)
-            n += 1
-            total = (total + hash((spid, idx))) & 0xFFFFFFFFFFFFFFFF
-        return n, total
-
-    return checksum(AGED_PREFIX) == checksum(state_prefix(QueueState.DEFERRED))
-
-
-def _build_aged_index(db: Any, chunk: int = 10_000) -> None:
-    """The aged keys of every deferred recipient, for a queue written without them.
-
-    Straight into the database, in batches of ``chunk`` (a million deferred
-    entries would not fit one batch's overlay), before recover() changes
-    anything.  The marker goes first, with the old keys, and comes back
-    last: until then readers scan the deferred index instead
-    (sluice.store._kv_reading), and a crash part-way only means that the
-    next start builds it again.
-    """
-    with db.write_batch() as wb:
-        wb.delete(AGED_READY_KEY)
-        for key in db.iterator(prefix=AGED_PREFIX, include_value=False):
-            wb.delete(key)
-    ages: dict[str, Age] = {}  # by SPID: the metadata is read once a message
-    wb = db.write_batch()
-    for n, (key, dz) in enumerate(db.iterator(prefix=state_prefix(QueueState.DEFERRED)), 1):
-        spid, idx = key.decode().rsplit(" ", 2)[1:]
-        age = ages.get(spid)
-        if age is None:
-            raw = db.get(meta_key(spid))
-            meta = None if raw is None else json.loads(raw)
-            age = ages[spid] = (0.0, False) if meta is None else (
-                float(meta["arrival_at"]), bool(meta["is_report"]))
-        wb.put(aged_key(age, spid, int(idx)), dz)
-        if n % chunk == 0:
-            wb.write()
-            wb = db.write_batch()
-    wb.put(AGED_READY_KEY, b"1")
-    wb.write()
