@@ -328,13 +328,13 @@ class Queue:
         plan = self.plan_record(results)
         return self.finish_record(plan, self.apply_record(plan).result())
 
-    def log_successes(self, results: Sequence[AttemptResult], trouble: LogTrouble | None = None
+    def log_successes(self, results: Iterable[AttemptResult], trouble: LogTrouble | None = None
                       ) -> list[AttemptResult]:
         """Write the ``delivered`` lines of the successes among ``results``, now.
 
-        Returns ``results`` with those successes marked logged and their
-        time fixed, for plan_record and finish_record (which then skip
-        their lines) and for the success journal.  Called before anything
+        Returns ``results`` as a list, with those successes marked logged
+        and their time fixed, for plan_record and finish_record (which
+        then skip their lines) and for the success journal.  Called before anything
         is durable: see "A success is logged before the store has it".
         Lines go in one write per time (a replay's successes keep theirs),
         each group marked once written: when the log cannot be written,

@@ -137,7 +137,7 @@ class Recorder:
         """
         # The successes' lines first, before the journal or the store has
         # them (if the log fails, finish_record tries after the commit).
-        results = self.queue.log_successes(list(results), self._logging)
+        results = self.queue.log_successes(results, self._logging)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         synced = self._journal(results)
         if synced is None:
