@@ -271,14 +271,19 @@ def test_a_success_is_logged_before_the_store_commits_it(
     assert [q for e, q in lines if e == "deferred"] == [deferred]
 
 
-def test_a_log_that_cannot_be_written_does_not_stop_the_outcomes(tmp_path: Path) -> None:
-    """The hour's file is /dev/full: every write of a line fails with ENOSPC."""
-    queue, results = _queue(tmp_path, 2)
+def _hour_full(queue: Queue, at: float) -> None:
+    """The accounting file of ``at``'s hour becomes /dev/full: its writes fail (ENOSPC)."""
     assert queue.accounting is not None
-    hour = queue.accounting.path / queue.accounting.filename(T0)
+    hour = queue.accounting.path / queue.accounting.filename(at)
     hour.unlink(missing_ok=True)
     hour.symlink_to("/dev/full")
     queue.accounting.close()  # the next line opens the hour's file again
+
+
+def test_a_log_that_cannot_be_written_does_not_stop_the_outcomes(tmp_path: Path) -> None:
+    """The hour's file is /dev/full: every write of a line fails with ENOSPC."""
+    queue, results = _queue(tmp_path, 2)
+    _hour_full(queue, T0)
     health = Health()
 
     async def main() -> None:
@@ -303,20 +308,16 @@ def test_lines_written_before_a_failing_one_are_not_written_twice(tmp_path: Path
     """A replay's successes keep their own times: one write per hour's file,
     and only the second hour's file fails (/dev/full)."""
     queue, (first, second) = _queue(tmp_path, 2)
-    assert queue.accounting is not None
     first = dataclasses.replace(first, at=T0 - 7200)
     second = dataclasses.replace(second, at=T0)
-    hour = queue.accounting.path / queue.accounting.filename(T0)
-    hour.unlink(missing_ok=True)
-    hour.symlink_to("/dev/full")
-    queue.accounting.close()
+    _hour_full(queue, T0)
     trouble = Health().part("logging deliveries")
     try:
         marked = queue.log_successes([first, second], trouble)
         assert [r.logged for r in marked] == [True, False]
         assert trouble.failing
-        queue.finish_record(queue.plan_record(marked),
-                            queue.apply_record(queue.plan_record(marked)).result(), trouble)
+        plan = queue.plan_record(marked)
+        queue.finish_record(plan, queue.apply_record(plan).result(), trouble)
     finally:
         queue.close()
     assert _logged(queue) == [("delivered", first.entry.qid)]  # once, not again
