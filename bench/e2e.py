@@ -4,7 +4,7 @@
     .venv/bin/python bench/e2e.py [--runs 5] [--n 20000] [--sessions 20]
                                   [--configs base,big,rcpt5] [--no-postfix]
                                   [--sync-method fsync|syncfs] [--store sqlite|fs|kv]
-                                  [--profile DIR]
+                                  [--profile DIR] [--pure-too]
     .venv/bin/python bench/e2e.py --configs base,many      # 1 vs 10,000 destinations
 
 Both MTAs are measured with the shared harness in ../shared/bench (run from
@@ -57,6 +57,12 @@ flame graph (flamegraph.pl, speedscope), then a second one writing the flame
 graph itself, DIR/sluice-CONFIG.svg.  bench/profile_share.py then
 prints the share of the samples spent in sluice/scheduler/ frames -- the
 scheduler's share of Sluice's CPU -- and the busiest parts.
+
+--pure-too adds a third MTA to every round, "pure": the same Sluice with
+SLUICE_NATIVE=0, so none of the modules mypyc compiled (src/sluice/_native.py)
+runs.  The MTAs take turns going first.  The table then also prints
+    CONFIG compiled/pure  e2e X  cpu a message Y
+the compiled build's median rate and CPU per message over the pure one's.
 """
 
 from __future__ import annotations
@@ -154,9 +160,12 @@ PORT, SINK_PORT = 2528, 2526  # Sluice's and the sink's, for every run
 
 
 @contextlib.contextmanager
-def serving(cfg: dict[str, int], prefix: str = "sluice-e2e-"
+def serving(cfg: dict[str, int], prefix: str = "sluice-e2e-", pure: bool = False
             ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """A `sluice serve` of ``cfg`` on PORT, relaying to SINK_PORT, in a new work directory.
+
+    ``pure``: with SLUICE_NATIVE=0, none of the modules compiled by mypyc
+    (src/sluice/_native.py) runs, in serve and in its receivers.
 
     Yields the process (serving once this returns) and the directory; then
     stops it (SIGTERM, its process group killed after 60 s) and removes
@@ -166,9 +175,10 @@ def serving(cfg: dict[str, int], prefix: str = "sluice-e2e-"
     config = work / "sluice.yaml"
     config.write_text(sluice_config(work, PORT, SINK_PORT, cfg))
     wait_port_free(PORT)
+    env = {**os.environ, "SLUICE_NATIVE": "0"} if pure else None
     proc = subprocess.Popen([SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
+                            start_new_session=True, text=True, env=env)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -202,9 +212,9 @@ def drive(proc: subprocess.Popen[str], work: Path, n: int, sessions: int,
 
 
 def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
-               profile: Path | None = None) -> dict[str, str]:
+               profile: Path | None = None, pure: bool = False) -> dict[str, str]:
     """One Sluice run; with `profile`, under py-spy writing raw stacks there."""
-    with serving(cfg) as (proc, work):
+    with serving(cfg, pure=pure) as (proc, work):
         spy: subprocess.Popen[bytes] | None = None
         try:
             if profile is not None:
@@ -279,6 +289,13 @@ def summary(results: dict[str, dict[str, list[dict[str, str]]]],
             ratio = (median(by_mta["sluice"], "e2e_msgs_per_s")
                      / median(by_mta["postfix"], "e2e_msgs_per_s"))
             print(f"{name:8} ratio    e2e {ratio:.2f}")
+        if by_mta.get("pure") and by_mta["sluice"]:
+            def cpu_of(runs: list[dict[str, str]]) -> float:
+                return statistics.median(float(r["mta_cpu_s"]) / float(r["n"]) for r in runs)
+            rate = (median(by_mta["sluice"], "e2e_msgs_per_s")
+                    / median(by_mta["pure"], "e2e_msgs_per_s"))
+            cpu = cpu_of(by_mta["sluice"]) / cpu_of(by_mta["pure"])
+            print(f"{name:8} compiled/pure  e2e {rate:.2f}  cpu a message {cpu:.2f}")
     for name, share in shares.items():
         print(f"{name:8} scheduler share of Sluice's CPU (py-spy samples) {100 * share:.1f}%")
 
@@ -315,6 +332,9 @@ def main() -> None:
                     help="seconds the harness waits for an idle box before each run")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="one more Sluice run per config under py-spy; stacks to DIR")
+    ap.add_argument("--pure-too", action="store_true",
+                    help="each round also runs Sluice with SLUICE_NATIVE=0 (no mypyc build), "
+                         "interleaved: MTA 'pure'")
     args = ap.parse_args()
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
@@ -343,18 +363,20 @@ def main() -> None:
     STORE = args.store
     for name in names:
         cfg = CONFIGS[name]
-        results[name] = {"sluice": [], "postfix": []}
+        results[name] = {"sluice": [], "pure": [], "postfix": []}
         print(f"== {name}: n={args.n} size={cfg['size']} rcpts={cfg['rcpts']} "
               f"domains={cfg['domains']} next hops={cfg['domains'] if cfg.get('hops') else 1} "
               f"sessions={args.sessions}", flush=True)
+        mtas = ["sluice"] + ["pure"] * args.pure_too + ["postfix"] * (not args.no_postfix)
         for i in range(args.runs):
-            order = ["sluice", "postfix"] if i % 2 == 0 else ["postfix", "sluice"]
-            for mta in order:
-                if mta == "postfix" and args.no_postfix:
-                    continue
-                runner = run_sluice if mta == "sluice" else run_postfix
+            turn = i % len(mtas)  # each MTA goes first in turn
+            for mta in mtas[turn:] + mtas[:turn]:
                 load = loadavg()
-                res = runner(args.n, args.sessions, cfg, args.quiet_wait)
+                if mta == "postfix":
+                    res = run_postfix(args.n, args.sessions, cfg, args.quiet_wait)
+                else:
+                    res = run_sluice(args.n, args.sessions, cfg, args.quiet_wait,
+                                     pure=mta == "pure")
                 res.setdefault("load", load)
                 print(f"    {mta} " + " ".join(f"{k}={v}" for k, v in res.items()), flush=True)
                 results[name][mta].append(res)

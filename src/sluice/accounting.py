@@ -121,7 +121,8 @@ EVENT_FIELDS: tuple[str, ...] = (
 
 
 _compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-_SURROGATE = re.compile("[\ud800-\udfff]")
+# A lone surrogate; chr() because mypyc compiles no surrogate in a literal.
+_SURROGATE = re.compile("[" + chr(0xD800) + "-" + chr(0xDFFF) + "]")
 
 
 def _encode(event: Mapping[str, Any]) -> bytes:

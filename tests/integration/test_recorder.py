@@ -122,16 +122,16 @@ def test_a_batch_goes_to_the_store_while_the_last_one_is_still_being_flushed(
 def test_a_failing_store_is_retried_after_a_back_off_and_counts_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     queue, results = _queue(tmp_path, 6)
-    apply_record = queue.apply_record
+    apply_future = queue.store.apply_future
     failures = [2]
 
-    def flaky(plan: Any) -> Any:
+    def flaky(transitions: Any, *, durable: bool = True) -> Any:
         if failures[0]:
             failures[0] -= 1
             raise StorageError("disk full")
-        return apply_record(plan)
+        return apply_future(transitions, durable=durable)
 
-    monkeypatch.setattr(queue, "apply_record", flaky)
+    monkeypatch.setattr(queue.store, "apply_future", flaky)
 
     async def main() -> None:
         tasks: list[asyncio.Task[None]] = []
@@ -241,14 +241,14 @@ def test_a_success_is_logged_before_the_store_commits_it(
     # that went out with no line at all.
     queue, results = _queue(tmp_path, 3)
     results[2] = AttemptResult(results[2].entry, TempFail(Reply(451, "4.3.0", "later")))
-    apply_record = queue.apply_record
+    apply_future = queue.store.apply_future
     at_commit: list[list[tuple[str, str]]] = []
 
-    def looking(plan: Any) -> Any:
+    def looking(transitions: Any, *, durable: bool = True) -> Any:
         at_commit.append(_logged(queue))
-        return apply_record(plan)
+        return apply_future(transitions, durable=durable)
 
-    monkeypatch.setattr(queue, "apply_record", looking)
+    monkeypatch.setattr(queue.store, "apply_future", looking)
 
     async def main() -> None:
         tasks: list[asyncio.Task[None]] = []

@@ -68,15 +68,43 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Protocol
 
+from sluice.accounting import AccountingLog
 from sluice.model import Accepted, Submission
-from sluice.queue import Queue
 from sluice.smtpd.dedupe import Claimed, Duplicate, InFlight, Mark, Origin, Resends
 from sluice.spool import Content
-from sluice.store import StorageError
+from sluice.store import StorageError, Store
 
-__all__ = ["Handoff", "ResendInFlight", "await_durable"]
+__all__ = ["Handoff", "ResendInFlight", "Submitting", "await_durable"]
+
+
+class Submitting(Protocol):
+    """What the receiver uses of sluice.queue.Queue.
+
+    A protocol, not the class: the receiver needs these five members only,
+    and a compiled module (sluice._native) checks a class-typed argument's
+    class at run time, where a protocol admits any object that has them.
+    """
+
+    @property
+    def node(self) -> str:
+        """This node's id, for the accounting lines."""
+
+    @property
+    def accounting(self) -> AccountingLog | None:
+        """The accounting log, if one is kept."""
+
+    @property
+    def store(self) -> Store:
+        """The store, for its inline_max."""
+
+    def clock(self) -> float:
+        """Now, in seconds since the epoch."""
+
+    def submit_future(self, submission: Submission, content: Content
+                      ) -> concurrent.futures.Future[Accepted]:
+        """Queue a message; the future resolves once it is durable."""
 
 log = logging.getLogger("sluice.smtpd")
 
@@ -176,13 +204,13 @@ class _SettleJob:
 class Handoff:
     """A thread that submits messages to a Queue for the event loop."""
 
-    def __init__(self, queue: Queue, resends: Resends | None = None) -> None:
+    def __init__(self, queue: Submitting, resends: Resends | None = None) -> None:
         self.queue = queue
         self.resends = resends
         self._items: queuelib.SimpleQueue[object] = queuelib.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="sluice-smtpd-handoff",
+        self._worker = threading.Thread(target=self._run, name="sluice-smtpd-handoff",
                                         daemon=True)
-        self._thread.start()
+        self._worker.start()
         self._closed = False
 
     def submit(self, submission: Submission, content: Content,
@@ -356,7 +384,7 @@ class Handoff:
             return
         self._closed = True
         self._items.put(_STOP)
-        self._thread.join()
+        self._worker.join()
         # Confirmations that came in behind the stop (the committer was
         # still at work) are done here; any later ones are settled at the
         # next start.

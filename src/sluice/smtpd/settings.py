@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING
 
 from sluice.hooks import Hooks
 from sluice.model import Accepted, Submission
-from sluice.queue import Queue
 from sluice.smtpd.credentials import Credentials
-from sluice.smtpd.handoff import Handoff
+from sluice.smtpd.handoff import Handoff, Submitting
 from sluice.smtpd.policy import ReceivePolicy
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ class Settings:
     """What every session of one receiver shares; built by sluice.smtpd.server."""
 
     hostname: str
-    queue: Queue
+    queue: Submitting
     policy: ReceivePolicy
     credentials: Credentials = field(default_factory=Credentials)
     hooks: Hooks = field(default_factory=Hooks)

@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from sluice.accounting import EventKind, make_event
 from sluice.hooks import Accept, EndOfData, Reject
 from sluice.model import ClientSession, QueueEntry, QueueState, Reply, Submission
-from sluice.queue import Queue
 from sluice.smtpd.content import MessageBuffer
 from sluice.smtpd.dedupe import Origin
 from sluice.smtpd.envelope import Transaction
-from sluice.smtpd.handoff import await_durable
+from sluice.smtpd.handoff import Submitting, await_durable
 from sluice.smtpd.policy import QUEUE_FAILED, ContentState
 from sluice.smtpd.settings import Registry, Settings
 from sluice.smtpd.trace import protocol_name, received_header
@@ -138,7 +137,7 @@ async def finish_message(settings: Settings, registry: Registry, peer: Peer,
     return Reply(250, "2.0.0", f"Ok: queued as {accepted.spid}")
 
 
-def log_suppressed(queue: Queue, txn: Transaction, items: list[tuple[str, SuppressionEntry]],
+def log_suppressed(queue: Submitting, txn: Transaction, items: list[tuple[str, SuppressionEntry]],
                    spid: str | None, size: int) -> None:
     """One accounting line per suppressed recipient (refused or dropped)."""
     if queue.accounting is None:

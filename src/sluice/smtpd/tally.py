@@ -30,7 +30,7 @@ import ssl
 
 from sluice.accounting import session_event
 from sluice.model import ClientSession, Reply
-from sluice.queue import Queue
+from sluice.smtpd.handoff import Submitting
 
 __all__ = ["SessionTally"]
 
@@ -73,7 +73,7 @@ class SessionTally:
         """The session's context as a received line carries it."""
         return ClientSession(self.ip, helo, self.tls_protocol, self.tls_cipher, auth_user)
 
-    def write(self, queue: Queue, helo: str, auth_user: str | None,
+    def write(self, queue: Submitting, helo: str, auth_user: str | None,
               auth_failures: int) -> None:
         """Append the ``session`` line (once; later calls do nothing)."""
         if self._written or queue.accounting is None:

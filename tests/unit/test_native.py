@@ -1,0 +1,135 @@
+"""The mypyc build's guard: a compiled module runs only while it matches its source."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sluice import _native
+
+pytestmark = pytest.mark.unit
+
+SRC = Path(_native.__file__).resolve().parent.parent
+
+
+def _tree(root: Path) -> None:
+    """Every listed module's source under root, with a manifest of them."""
+    for name in _native.MODULES:
+        path = _native.source_path(root, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"NAME = {name!r}\n")
+    (root / "sluice" / _native.MANIFEST).write_text(json.dumps(_native.manifest_of(root)))
+
+
+def test_a_build_matching_its_sources_is_current(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    assert _native.stale(tmp_path) is None
+    assert _native.current(tmp_path)
+
+
+def test_an_edited_source_makes_the_build_stale_and_names_the_file(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    edited = _native.source_path(tmp_path, "sluice.queue")
+    edited.write_text(edited.read_text() + "# an edit after the build\n")
+    why = _native.stale(tmp_path)
+    assert why == "sluice/queue.py changed since the build"
+    assert not _native.current(tmp_path)
+
+
+def test_extension_modules_without_a_manifest_are_stale(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    (tmp_path / "sluice" / _native.MANIFEST).unlink()
+    assert _native.stale(tmp_path) is None  # nothing was built: nothing to keep out
+    (tmp_path / "sluice" / "queue.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\0")
+    assert _native.stale(tmp_path) == f"{_native.MANIFEST} is missing"
+
+
+def test_a_manifest_that_cannot_be_read_is_stale(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    (tmp_path / "sluice" / _native.MANIFEST).write_text("{not json")
+    why = _native.stale(tmp_path)
+    assert why is not None
+    assert why.startswith(f"{_native.MANIFEST} cannot be read")
+
+
+def test_the_finder_loads_the_source_where_an_extension_module_lies_beside_it(
+        tmp_path: Path) -> None:
+    # A broken extension module that Python would otherwise prefer to the .py.
+    package = tmp_path / "pkgx"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "hot.py").write_text("WHERE = 'source'\n")
+    (package / f"hot{_suffix()}").write_bytes(b"not an ELF file")
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from sluice import _native\n"
+        "try:\n"
+        "    import pkgx.hot\n"
+        "except ImportError as exc:\n"
+        "    print('extension:', type(exc).__name__)\n"
+        "sys.modules.pop('pkgx.hot', None)\n"
+        "sys.meta_path.insert(0, _native.SourcesOnly(['pkgx.hot']))\n"
+        "import pkgx.hot\n"
+        "print(pkgx.hot.WHERE, pkgx.hot.__file__.endswith('hot.py'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={**os.environ, "SLUICE_NATIVE": "0"}).stdout
+    assert out.splitlines() == ["extension: ImportError", "source True"]
+
+
+def test_a_stale_build_says_so_and_runs_the_sources(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    edited = _native.source_path(tmp_path, "sluice.smtpd.protocol")
+    edited.write_text("# edited\n")
+    # This tree's own guard ran silently (SLUICE_NATIVE=0); then the stale tree's.
+    script = ("import os, sys\n"
+              "from pathlib import Path\n"
+              "from sluice import _native\n"
+              "del os.environ['SLUICE_NATIVE']\n"
+              f"print(_native.guard(Path({str(tmp_path)!r})))\n"
+              "print(sum(isinstance(f, _native.SourcesOnly) for f in sys.meta_path))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, env={**os.environ, "SLUICE_NATIVE": "0"})
+    why, finders = done.stdout.splitlines()
+    assert why == "sluice/smtpd/protocol.py changed since the build"
+    assert finders == "1"
+    assert done.stderr == (f"sluice: running the pure-Python modules: {why}; "
+                           f"rebuild with {_native.REBUILD}\n")
+
+
+def _suffix() -> str:
+    import importlib.machinery
+    return importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _imported(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    script = ("import sluice.queue, sluice.smtpd.connection\n"
+              "from sluice import _native\n"
+              "print(sluice.queue.__file__)\n"
+              "print(' '.join(_native.in_use()))\n")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, env={**os.environ, **env})
+
+
+def test_sluice_native_0_runs_the_sources_and_says_nothing() -> None:
+    done = _imported({"SLUICE_NATIVE": "0"})
+    path, compiled = done.stdout.splitlines()
+    assert path.endswith("queue.py")
+    assert compiled == ""
+    assert done.stderr == ""
+
+
+@pytest.mark.skipif(not _native.current(SRC), reason="no current mypyc build in this tree "
+                    "(scripts/setup builds one; SLUICE_NATIVE=0 skips it)")
+def test_a_current_build_runs_compiled() -> None:
+    done = _imported({"SLUICE_NATIVE": "1"})
+    path, compiled = done.stdout.splitlines()
+    assert not path.endswith(".py")
+    assert {"sluice.queue", "sluice.smtpd.connection"} <= set(compiled.split())
+    assert done.stderr == ""
