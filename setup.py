@@ -7,9 +7,12 @@ STRATEGY
     the code against them): scripts/setup installs the package first, then
     builds it again with `--no-build-isolation`.  A build without mypyc (an
     isolated build that only has setuptools) or with SLUICE_NATIVE=0 is
-    pure Python and works the same, slower.  After compiling, the sources'
-    hashes go to src/sluice/_native.json, which `import sluice` checks
-    (see _native.py): an edit after the build runs the pure modules again.
+    pure Python and works the same, slower.  Every build first removes an
+    earlier in-place one (our extension modules and manifest, nothing
+    else).  After compiling, the manifest (the modules, the interpreter's
+    suffix, the hash of every source) goes to src/sluice/_native.json,
+    which `import sluice` checks (see _native.py): an edit after the build
+    runs the pure modules again.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ SRC = ROOT / "src"
 #: The commands that build extension modules; metadata queries compile nothing.
 BUILDING = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 #: The manifest of the sources handed to mypyc, written once the build is done.
-_HASHES: dict[str, Any] = {}
+_MANIFEST: dict[str, Any] = {}
 
 
 def _native_module() -> ModuleType:
@@ -43,12 +46,24 @@ def _native_module() -> ModuleType:
     return module
 
 
+def _clean(native: ModuleType) -> None:
+    """Remove an earlier in-place build: its manifest and its extension modules, ours only."""
+    old = native.recorded(SRC) or {}
+    names = [*native.MODULES, *old.get("modules", [])]
+    suffixes = {native.SUFFIX, old.get("suffix") or native.SUFFIX}
+    (SRC / "sluice" / native.MANIFEST).unlink(missing_ok=True)
+    for suffix in suffixes:
+        (SRC / f"sluice__mypyc{suffix}").unlink(missing_ok=True)
+        for name in names:
+            native.built_path(SRC, name, suffix).unlink(missing_ok=True)
+
+
 def extensions() -> list[Any]:
     """The mypyc group, or none for a pure-Python build."""
     native = _native_module()
     if not BUILDING.intersection(sys.argv[1:]):
         return []
-    (SRC / "sluice" / native.MANIFEST).unlink(missing_ok=True)
+    _clean(native)
     try:
         from mypyc.build import mypycify
     except ImportError:
@@ -56,11 +71,9 @@ def extensions() -> list[Any]:
     if os.environ.get(native.SWITCH) == "0" or mypycify is None:
         why = "SLUICE_NATIVE=0" if mypycify else "mypyc is not installed here"
         print(f"setup: {why}, a pure-Python build", file=sys.stderr)
-        for built in [*SRC.glob("sluice__mypyc.*"), *(SRC / "sluice").rglob("*.so")]:
-            built.unlink()  # an earlier in-place build's, which the sources no longer match
         return []
     os.chdir(ROOT)
-    _HASHES.update(native.manifest_of(SRC))  # what is compiled, read before mypyc reads it
+    _MANIFEST.update(native.manifest_of(SRC))  # the sources as mypyc is about to read them
     paths = [str(native.source_path(Path("src"), name)) for name in native.MODULES]
     return list(mypycify(paths, opt_level="3", group_name="sluice"))
 
@@ -69,13 +82,16 @@ class BuildNative(build_ext):
     """build_ext, then the manifest of what it compiled: only a finished build gets one."""
 
     def run(self) -> None:
-        """Compile, then write the manifest in the tree and in the wheel's copy."""
+        """Compile, then write the manifest in the wheel's copy, and in the tree if in place."""
         super().run()
         if not self.extensions:
             return
         native = _native_module()
-        text = json.dumps(_HASHES, indent=1) + "\n"
-        for package in {SRC / "sluice", Path(self.build_lib) / "sluice"}:
+        text = json.dumps(_MANIFEST, indent=1) + "\n"
+        packages = [Path(self.build_lib) / "sluice"]
+        if self.inplace or getattr(self, "editable_mode", False):
+            packages.append(SRC / "sluice")
+        for package in packages:
             if package.is_dir():
                 (package / native.MANIFEST).write_text(text)
 

@@ -88,6 +88,8 @@ import many_routes
 import profile_share
 from harness import harness_dir
 
+from sluice import _native
+
 HERE = Path(__file__).resolve().parent
 HARNESS = harness_dir()
 SLUICE = str(Path(sys.executable).parent / "sluice")
@@ -341,6 +343,13 @@ def main() -> None:
         ap.error(f"unknown config {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     if not (HARNESS / "e2e_run.py").exists():
         sys.exit(f"the shared harness is not at {HARNESS}")
+    src = Path(_native.__file__).resolve().parent.parent
+    if os.environ.get(_native.SWITCH) != "0" and (why := _native.stale(src)) is not None:
+        sys.exit(f"e2e: the mypyc build is stale ({why}): run {_native.REBUILD}, "
+                 f"or set {_native.SWITCH}=0 to measure the pure modules")
+    if args.pure_too and not _native.current(src):
+        sys.exit(f"e2e: --pure-too compares against a mypyc build, and there is none: "
+                 f"run {_native.REBUILD}")
     for tool in ("smtp-source", "smtp-sink"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             sys.exit(f"{tool} is missing: apt-get install postfix (scripts/setup does)")

@@ -13,26 +13,34 @@ DESCRIPTION
     less of it.  The sources stay the truth: the code is the same, mypy
     --strict checks it, and every module runs unchanged without a build.
 
-    STRATEGY.  setup.py (so `pip install .` and `pip install -e .` alike)
-    compiles MODULES into one group and writes MANIFEST: the SHA-256 of each
-    source it compiled.  An extension module sits next to its .py and
-    Python prefers it.  So at `import sluice` this module checks, once,
-    that every listed source still has the hash it was compiled from.  If
-    one differs (an edit or a checkout after the build), if the manifest is
-    missing, or if SLUICE_NATIVE=0 is set, a finder at the head of
-    sys.meta_path loads every listed module from its .py file instead:
-    all of them, since compiled modules call each other's C directly and a
-    mix would run the old code of a changed module.  A stale build says so
-    in one line on stderr, with the command that rebuilds it; SLUICE_NATIVE=0
-    says nothing.
+    STRATEGY.  setup.py compiles MODULES into one group when mypyc and
+    the dependencies are importable where it runs: scripts/setup builds in
+    the venv with `pip install --no-build-isolation -e .`; a build in an
+    isolated environment (plain `pip install .`) has no mypyc and is pure.
+    A finished build writes MANIFEST: the modules compiled, the
+    interpreter's extension suffix, and the SHA-256 of every source of the
+    package, since a compiled module also bakes in what it saw of the
+    others.  An extension module sits next to its .py and Python prefers
+    it, so at `import sluice` this module checks, once (about 8 ms), that
+    the sources are as they were built.  If one differs (an edit or a
+    checkout after the build), if the list or the interpreter changed, if
+    the manifest is missing, or if SLUICE_NATIVE=0 is set, a finder at the
+    head of sys.meta_path loads every listed module (and every module of
+    the last build) from its .py file: all of them, since compiled modules
+    call each other's C directly and a mix would run the old code of a
+    changed module.  A stale build says so in one line on stderr, with the
+    command that rebuilds it; SLUICE_NATIVE=0 says nothing.
 
-    What compiling changes, and the code here keeps to it: a compiled
-    class has no __dict__, so its instances take no new attributes and its
-    methods cannot be replaced on an instance or the class (tests inject
-    through constructors or module-level names instead); annotations are
-    checked at run time (an `int` argument given a float raises TypeError);
-    and an attribute may not be named `_thread` (mypyc names the C field
-    `__thread`, a keyword of GCC).
+    What compiling changes, and the code here keeps to it: compiled code
+    calls compiled functions and methods directly, so replacing one at run
+    time (a test's monkeypatch) reaches only callers that are not compiled;
+    instances of a compiled class take no attributes beyond its own;
+    annotations are checked at run time (a float where an `int` is
+    annotated raises TypeError, so the configuration's integers are made
+    ints when it is loaded), and a class-typed argument must be of that
+    class (the receiver takes a Protocol, Submitting, where tests give
+    fakes); and an attribute may not be named `_thread` (mypyc names the C
+    field `__thread`, a keyword of GCC).
 
 SEE ALSO
     setup.py; docs/benchmarks.md (what it bought); README.md (building).
@@ -52,9 +60,10 @@ from pathlib import Path
 #: The compiled modules, by dotted name.  One group: they call each other
 #: natively.  Chosen by where a message's CPU goes (docs/benchmarks.md): the
 #: receiver's protocol and submission, the queue's records, the delivery
-#: client.  The stores are not among them: their work is SQLite's C or the
-#: kernel's, their flavours subclass shared bases across modules, and
-#: compiling them saved little (docs/benchmarks.md).
+#: client, and the SQLite store's committer and WAL syncer threads.  Not
+#: the stores' facades (sluice.store.sqlite, _sql and the other flavours):
+#: PostgreSQL's subclasses _sql's classes, which a compiled class forbids
+#: to an uncompiled module, and tests replace the facades' methods.
 MODULES: tuple[str, ...] = (
     "sluice.accounting",
     "sluice.model",
@@ -79,13 +88,21 @@ MODULES: tuple[str, ...] = (
     "sluice.smtpd.session",
     "sluice.smtpd.submission",
     "sluice.smtpd.trace",
+    "sluice.store._commit",
+    "sluice.store._sqlite_apply",
+    "sluice.store._sqlite_db",
+    "sluice.store._sqlite_schema",
 )
 
-#: Written by setup.py beside this file: {"modules": {name: sha256 of its source}}.
+#: Written by setup.py beside this file once a build is done: the modules it
+#: compiled, the interpreter's extension suffix, and the SHA-256 of every
+#: source of the package (a compiled module also bakes in what it saw of the
+#: others: their Final constants, the classes of what they hand it).
 MANIFEST = "_native.json"
 #: Set to 0 to run the pure-Python modules even when a build matches.
 SWITCH = "SLUICE_NATIVE"
-REBUILD = "pip install -e . (scripts/setup does it)"
+REBUILD = "scripts/setup (or .venv/bin/pip install --no-build-isolation --no-deps -e .)"
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
 def source_path(root: Path, name: str) -> Path:
@@ -93,14 +110,34 @@ def source_path(root: Path, name: str) -> Path:
     return root.joinpath(*name.split(".")).with_suffix(".py")
 
 
+def built_path(root: Path, name: str, suffix: str = SUFFIX) -> Path:
+    """Where a build puts the extension module of a dotted name (this interpreter's suffix)."""
+    return root.joinpath(*name.split(".")).with_name(name.rpartition(".")[2] + suffix)
+
+
 def digest(path: Path) -> str:
     """The SHA-256 of a file's bytes, in hex."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def sources_of(root: Path) -> dict[str, str]:
+    """Every .py file of the package under `root`, by path relative to it, with its hash."""
+    return {path.relative_to(root).as_posix(): digest(path)
+            for path in sorted((root / "sluice").rglob("*.py"))}
+
+
 def manifest_of(root: Path, names: Sequence[str] = MODULES) -> dict[str, object]:
-    """What setup.py writes after compiling `names`: each source's hash."""
-    return {"modules": {name: digest(source_path(root, name)) for name in names}}
+    """What setup.py writes after compiling `names` (read before mypyc reads them)."""
+    return {"modules": list(names), "suffix": SUFFIX, "sources": sources_of(root)}
+
+
+def recorded(root: Path) -> dict[str, object] | None:
+    """The manifest of the build under `root`, or None without one (or an unreadable one)."""
+    try:
+        data = json.loads((root / "sluice" / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def stale(root: Path) -> str | None:
@@ -109,22 +146,37 @@ def stale(root: Path) -> str | None:
     None also when nothing was built: then there is nothing to keep out.
     """
     package = root / "sluice"
-    try:
-        recorded = json.loads((package / MANIFEST).read_text())["modules"]
-    except FileNotFoundError:
-        built = any(package.rglob("*.so"))
+    path = package / MANIFEST
+    if not path.exists():
+        built = any(built_path(root, name).exists() for name in MODULES)
         return f"{MANIFEST} is missing" if built else None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{MANIFEST} cannot be read ({exc})"
-    for name in MODULES:
-        path = source_path(root, name)
-        try:
-            now = digest(path)
-        except OSError:
-            return f"{path} cannot be read"
-        if recorded.get(name) != now:
-            return f"{path.relative_to(root)} changed since the build"
+    data = recorded(root)
+    if data is None:
+        return f"{MANIFEST} cannot be read"
+    if data.get("modules") != list(MODULES):
+        return "the list of compiled modules changed since the build"
+    if data.get("suffix") != SUFFIX:
+        return f"the build is for another interpreter ({data.get('suffix')}, this is {SUFFIX})"
+    then = data.get("sources")
+    now = sources_of(root)
+    if not isinstance(then, dict):
+        return f"{MANIFEST} cannot be read"
+    for name in sorted(then.keys() | now.keys()):
+        if then.get(name) != now.get(name):
+            what = "changed" if name in then and name in now else (
+                "was added" if name in now else "was removed")
+            return f"{name} {what} since the build"
     return None
+
+
+def kept_out(root: Path) -> list[str]:
+    """The modules a finder must load from source: today's list and the last build's."""
+    data = recorded(root) or {}
+    before = data.get("modules")
+    names = list(MODULES)
+    if isinstance(before, list):
+        names += [name for name in before if isinstance(name, str) and name not in names]
+    return names
 
 
 class SourcesOnly:
@@ -135,8 +187,10 @@ class SourcesOnly:
     and shutil into every process (tests/unit/test_scheduler_purity.py).
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], why: str = "") -> None:
         self.names = frozenset(names)
+        #: Why the build was kept out (for serve's start-up line).
+        self.why = why
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: object = None
@@ -149,7 +203,8 @@ class SourcesOnly:
             file = os.path.join(entry, leaf)
             if os.path.isfile(file):
                 return importlib.util.spec_from_file_location(fullname, file)
-        return None
+        # Never fall through to the extension module that was just refused.
+        raise ModuleNotFoundError(f"no source file for {fullname}", name=fullname)
 
 
 def guard(root: Path) -> str | None:
@@ -166,8 +221,18 @@ def guard(root: Path) -> str | None:
             print(f"sluice: running the pure-Python modules: {why}; rebuild with {REBUILD}",
                   file=sys.stderr)
     if why is not None and not any(isinstance(f, SourcesOnly) for f in sys.meta_path):
-        sys.meta_path.insert(0, SourcesOnly(MODULES))
+        sys.meta_path.insert(0, SourcesOnly(kept_out(root), why))
     return why
+
+
+def state() -> str:
+    """This process's build in a few words, for serve's start-up line."""
+    finder = next((f for f in sys.meta_path if isinstance(f, SourcesOnly)), None)
+    if finder is not None:
+        return f"hot path pure Python ({finder.why})"
+    if in_use():
+        return "hot path compiled by mypyc"
+    return "hot path pure Python (no mypyc build)"
 
 
 def current(root: Path) -> bool:

@@ -227,3 +227,12 @@ def test_long_line_settings() -> None:
     with pytest.raises(ConfigError, match=r"x\.yaml: delivery\.smtp_line_length_limit: "
                                           r"must be 0 .* or at least 78"):
         config_from_dict({"delivery": {"smtp_line_length_limit": 10}}, source="x.yaml")
+
+
+def test_a_whole_number_written_with_a_decimal_point_is_an_int() -> None:
+    # JSON Schema's "integer" admits 1000.0; the compiled receiver takes ints only.
+    cfg = config_from_dict({"smtpd": {"max_message_size": 1000.0, "max_recipients": 5.0}})
+    assert type(cfg.smtpd.max_message_size) is int
+    assert (cfg.smtpd.max_message_size, cfg.smtpd.max_recipients) == (1000, 5)
+    with pytest.raises(ConfigError, match=r"smtpd\.max_message_size"):
+        config_from_dict({"smtpd": {"max_message_size": 1000.5}})

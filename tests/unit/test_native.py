@@ -45,16 +45,35 @@ def test_extension_modules_without_a_manifest_are_stale(tmp_path: Path) -> None:
     _tree(tmp_path)
     (tmp_path / "sluice" / _native.MANIFEST).unlink()
     assert _native.stale(tmp_path) is None  # nothing was built: nothing to keep out
-    (tmp_path / "sluice" / "queue.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\0")
+    _native.built_path(tmp_path, "sluice.queue").write_bytes(b"\0")
     assert _native.stale(tmp_path) == f"{_native.MANIFEST} is missing"
 
 
 def test_a_manifest_that_cannot_be_read_is_stale(tmp_path: Path) -> None:
     _tree(tmp_path)
     (tmp_path / "sluice" / _native.MANIFEST).write_text("{not json")
-    why = _native.stale(tmp_path)
-    assert why is not None
-    assert why.startswith(f"{_native.MANIFEST} cannot be read")
+    assert _native.stale(tmp_path) == f"{_native.MANIFEST} cannot be read"
+
+
+def test_a_new_or_removed_source_or_another_list_makes_the_build_stale(
+        tmp_path: Path) -> None:
+    # A compiled module also bakes in what it saw of the others (their
+    # constants, their classes): any source of the package counts.
+    _tree(tmp_path)
+    added = tmp_path / "sluice" / "extra.py"
+    added.write_text("X = 1\n")
+    assert _native.stale(tmp_path) == "sluice/extra.py was added since the build"
+    added.unlink()
+    assert _native.stale(tmp_path) is None
+    manifest = tmp_path / "sluice" / _native.MANIFEST
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "modules": data["modules"][1:]}))
+    assert _native.stale(tmp_path) == "the list of compiled modules changed since the build"
+    # and a finder then keeps out the old list's modules too
+    manifest.write_text(json.dumps({**data, "modules": [*data["modules"], "sluice.gone"]}))
+    assert _native.kept_out(tmp_path) == [*_native.MODULES, "sluice.gone"]
+    manifest.write_text(json.dumps({**data, "suffix": ".other.so"}))
+    assert _native.stale(tmp_path).startswith("the build is for another interpreter")
 
 
 def test_the_finder_loads_the_source_where_an_extension_module_lies_beside_it(
@@ -112,16 +131,18 @@ def _imported(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     script = ("import sluice.queue, sluice.smtpd.connection\n"
               "from sluice import _native\n"
               "print(sluice.queue.__file__)\n"
-              "print(' '.join(_native.in_use()))\n")
+              "print(' '.join(_native.in_use()))\n"
+              "print(_native.state())\n")
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           check=True, env={**os.environ, **env})
 
 
 def test_sluice_native_0_runs_the_sources_and_says_nothing() -> None:
     done = _imported({"SLUICE_NATIVE": "0"})
-    path, compiled = done.stdout.splitlines()
+    path, compiled, state = done.stdout.splitlines()
     assert path.endswith("queue.py")
     assert compiled == ""
+    assert state == "hot path pure Python (SLUICE_NATIVE=0)"
     assert done.stderr == ""
 
 
@@ -129,7 +150,8 @@ def test_sluice_native_0_runs_the_sources_and_says_nothing() -> None:
                     "(scripts/setup builds one; SLUICE_NATIVE=0 skips it)")
 def test_a_current_build_runs_compiled() -> None:
     done = _imported({"SLUICE_NATIVE": "1"})
-    path, compiled = done.stdout.splitlines()
+    path, compiled, state = done.stdout.splitlines()
     assert not path.endswith(".py")
     assert {"sluice.queue", "sluice.smtpd.connection"} <= set(compiled.split())
+    assert state == "hot path compiled by mypyc"
     assert done.stderr == ""

@@ -109,6 +109,10 @@ def _fill_defaults(schema: Mapping[str, Any], data: dict[str, Any]) -> None:
             _fill_defaults(sub, data[key])
 
 
+#: The annotations (strings, under PEP 563) of the settings that are whole numbers.
+_INTEGERS = frozenset({"int", "int | None"})
+
+
 def _build(cls: type[Any], data: Mapping[str, Any], path: str, source: str, base: Path) -> Any:
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -129,6 +133,10 @@ def _build(cls: type[Any], data: Mapping[str, Any], path: str, source: str, base
                     value = _build(factory, value, keypath, source, base)
             elif isinstance(value, list):
                 value = tuple(value)
+            elif isinstance(value, float) and f.type in _INTEGERS and value.is_integer():
+                # The schema's "integer" admits 1000.0; the code (compiled
+                # by mypyc, sluice._native) takes an int only.
+                value = int(value)
         except ValueError as exc:
             raise ConfigError(source, keypath, str(exc)) from None
         kwargs[f.name] = value

@@ -63,6 +63,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from sluice import _native
 from sluice.api.audit import AuditAction, AuditLog, audit_path
 from sluice.config import Config
 from sluice.delivery.agent import DeliveryAgent
@@ -379,7 +380,7 @@ def serve(config: Config, *, log_level: str | None = None,
             mode = (f"{len(server.pool.pids)} receiving processes" if server.pool
                     else "receiving in-process")
             ready(f"sluice serving SMTP on {where} ({mode}), queue {config.queue.path} "
-                  f"({config.queue.store})")
+                  f"({config.queue.store}), {_native.state()}")
             if on_ready is not None:
                 on_ready(server)
 

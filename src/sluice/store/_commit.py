@@ -88,8 +88,8 @@ class GroupCommitter:
         self.max_batch = max_batch
         self._ops: queuelib.SimpleQueue[Op | object] = queuelib.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+        self._worker.start()
 
     def submit(self, work: Callable[[Any], Any], files: Sequence[SpoolFile] = (),
                extra: Any = None, *, durable: bool = True) -> concurrent.futures.Future[Any]:
@@ -146,7 +146,7 @@ class GroupCommitter:
             return
         self._closed = True
         self._ops.put(_STOP)
-        self._thread.join()
+        self._worker.join()
 
 
 class RWLock:

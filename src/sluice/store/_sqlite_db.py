@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from sluice._batches import take_queued
 from sluice.spool import SpoolFile
 from sluice.spool.fs import FsSpool
@@ -83,6 +85,7 @@ class Batch:
     unlink: list[str] = field(default_factory=list)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # SqliteStore is not compiled (sluice._native)
 class Database:
     """SQLite connections and the committer of SqliteStore; see the module doc."""
 
@@ -305,8 +308,8 @@ class WalSyncer:
         self._spool = spool
         self._queue: queuelib.SimpleQueue[tuple[list[tuple[Op, Any]], list[str]] | None] = (
             queuelib.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+        self._worker.start()
 
     def after(self, waiting: list[tuple[Op, Any]], unlink: list[str]) -> None:
         """Queue a committed batch for the next flush."""
@@ -337,4 +340,4 @@ class WalSyncer:
     def close(self) -> None:
         """Flush and answer what is queued, then stop the thread."""
         self._queue.put(None)
-        self._thread.join()
+        self._worker.join()
