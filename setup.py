@@ -46,35 +46,37 @@ def _native_module() -> ModuleType:
     return module
 
 
-def _clean(native: ModuleType) -> None:
+NATIVE = _native_module()
+
+
+def _clean() -> None:
     """Remove an earlier in-place build: its manifest and its extension modules, ours only."""
-    old = native.recorded(SRC) or {}
-    names = [*native.MODULES, *old.get("modules", [])]
-    suffixes = {native.SUFFIX, old.get("suffix") or native.SUFFIX}
-    (SRC / "sluice" / native.MANIFEST).unlink(missing_ok=True)
+    old = NATIVE.recorded(SRC) or {}
+    names = NATIVE.kept_out(SRC)  # today's list and the last build's, read before the unlink
+    suffixes = {NATIVE.SUFFIX, old.get("suffix") or NATIVE.SUFFIX}
+    (SRC / "sluice" / NATIVE.MANIFEST).unlink(missing_ok=True)
     for suffix in suffixes:
         (SRC / f"sluice__mypyc{suffix}").unlink(missing_ok=True)
         for name in names:
-            native.built_path(SRC, name, suffix).unlink(missing_ok=True)
+            NATIVE.built_path(SRC, name, suffix).unlink(missing_ok=True)
 
 
 def extensions() -> list[Any]:
     """The mypyc group, or none for a pure-Python build."""
-    native = _native_module()
     if not BUILDING.intersection(sys.argv[1:]):
         return []
-    _clean(native)
+    _clean()
     try:
         from mypyc.build import mypycify
     except ImportError:
         mypycify = None
-    if os.environ.get(native.SWITCH) == "0" or mypycify is None:
+    if os.environ.get(NATIVE.SWITCH) == "0" or mypycify is None:
         why = "SLUICE_NATIVE=0" if mypycify else "mypyc is not installed here"
         print(f"setup: {why}, a pure-Python build", file=sys.stderr)
         return []
     os.chdir(ROOT)
-    _MANIFEST.update(native.manifest_of(SRC))  # the sources as mypyc is about to read them
-    paths = [str(native.source_path(Path("src"), name)) for name in native.MODULES]
+    _MANIFEST.update(NATIVE.manifest_of(SRC))  # the sources as mypyc is about to read them
+    paths = [str(NATIVE.source_path(Path("src"), name)) for name in NATIVE.MODULES]
     return list(mypycify(paths, opt_level="3", group_name="sluice"))
 
 
@@ -86,14 +88,13 @@ class BuildNative(build_ext):
         super().run()
         if not self.extensions:
             return
-        native = _native_module()
         text = json.dumps(_MANIFEST, indent=1) + "\n"
         packages = [Path(self.build_lib) / "sluice"]
         if self.inplace or getattr(self, "editable_mode", False):
             packages.append(SRC / "sluice")
         for package in packages:
             if package.is_dir():
-                (package / native.MANIFEST).write_text(text)
+                (package / NATIVE.MANIFEST).write_text(text)
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildNative})

@@ -270,6 +270,11 @@ def median(runs: list[dict[str, str]], key: str) -> float:
     return statistics.median(float(r[key]) for r in runs)
 
 
+def cpu_ms(runs: list[dict[str, str]]) -> float:
+    """The median of the MTA's CPU milliseconds a message over ``runs``."""
+    return statistics.median(float(r["mta_cpu_s"]) * 1000 / float(r["n"]) for r in runs)
+
+
 def summary(results: dict[str, dict[str, list[dict[str, str]]]],
             shares: dict[str, float]) -> None:
     """The medians per config and MTA, the ratios, and the goal lines (see the module doc)."""
@@ -280,7 +285,7 @@ def summary(results: dict[str, dict[str, list[dict[str, str]]]],
         for mta, runs in by_mta.items():
             if not runs:
                 continue
-            cpu = statistics.median(float(r["mta_cpu_s"]) * 1000 / float(r["n"]) for r in runs)
+            cpu = cpu_ms(runs)
             src = statistics.median(float(r["source_cpu_s"]) * 1000 / float(r["n"])
                                     for r in runs)
             dirty = sum(int(r.get("contaminated", "0")) for r in runs)
@@ -292,11 +297,9 @@ def summary(results: dict[str, dict[str, list[dict[str, str]]]],
                      / median(by_mta["postfix"], "e2e_msgs_per_s"))
             print(f"{name:8} ratio    e2e {ratio:.2f}")
         if by_mta.get("pure") and by_mta["sluice"]:
-            def cpu_of(runs: list[dict[str, str]]) -> float:
-                return statistics.median(float(r["mta_cpu_s"]) / float(r["n"]) for r in runs)
             rate = (median(by_mta["sluice"], "e2e_msgs_per_s")
                     / median(by_mta["pure"], "e2e_msgs_per_s"))
-            cpu = cpu_of(by_mta["sluice"]) / cpu_of(by_mta["pure"])
+            cpu = cpu_ms(by_mta["sluice"]) / cpu_ms(by_mta["pure"])
             print(f"{name:8} compiled/pure  e2e {rate:.2f}  cpu a message {cpu:.2f}")
     for name, share in shares.items():
         print(f"{name:8} scheduler share of Sluice's CPU (py-spy samples) {100 * share:.1f}%")
