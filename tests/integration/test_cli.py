@@ -382,3 +382,49 @@ def test_qlist_of_a_filesystem_queue_shares_its_files_among_processes(tmp_path: 
     bad = run(cfg, "qlist", "--jobs", "0", check=False)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().endswith("qlist --jobs: must be 1 or more, not 0")
+
+
+def test_qcount_of_a_filesystem_queue_shares_its_names_among_processes(tmp_path: Path) -> None:
+    # With the totals untrusted (a crash cut a batch short), qcount counts the
+    # names: in pieces of directories other processes may share.
+    from sluice.config import load_config
+    from sluice.model import Submission
+    from sluice.store import open_store
+    from sluice.store._fs_tally import SHARED_DIRS
+
+    cfg = write_config(tmp_path, queue={"store": "fs"})
+    store = open_store(load_config(cfg))
+    n = SHARED_DIRS + 20  # a tenant a bucket directory: enough for another process
+    try:
+        futures = [store.submit_future(
+            Submission(f"s{i}@example.org", tuple(f"r{k}@d{k}.example" for k in range(i % 3 + 1)),
+                       tenantid=f"t{i}"), b"x", 1_800_000_000.0 + i) for i in range(n)]
+        for f in futures:
+            f.result()
+        counts_file = store.root / "counts"
+    finally:
+        store.close()
+    recipients = sum(i % 3 + 1 for i in range(n))
+    data = counts_file.read_bytes()
+    assert b'"ok":true' in data
+    counts_file.write_bytes(data.replace(b'"ok":true', b'"ok":false', 1)[:len(data) - 1] + b"\n")
+    alone = run(cfg, "qcount", "--jobs", "1").stdout
+    shared = run(cfg, "qcount", "--jobs", "2").stdout
+    assert shared == alone
+    assert alone.startswith(f"Total: {n} messages, {recipients} recipients")
+    as_json = json.loads(run(cfg, "qcount", "--json", "--jobs", "2").stdout)
+    assert as_json["recipients"] == recipients
+    bad = run(cfg, "qcount", "--jobs", "0", check=False)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().endswith("qcount --jobs: must be 1 or more, not 0")
+
+
+def test_the_sluice_package_and_its_command_line_import_no_configuration() -> None:
+    # The processes qlist and qcount share their work with import the sluice
+    # script again; the configuration's validator would double their start.
+    code = ("import sys, sluice.cli\n"
+            "print(sorted(m for m in sys.modules\n"
+            "             if m.startswith(('sluice.config', 'jsonschema'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=60, check=True).stdout
+    assert out.strip() == "[]"

@@ -61,7 +61,7 @@ def from_file(store: FsStore, monkeypatch: pytest.MonkeyPatch) -> Counts:
         raise AssertionError("count() listed the tree")
 
     with monkeypatch.context() as m:
-        m.setattr(reading, "count_names", no)
+        m.setattr(reading, "tally_names", no)
         m.setattr(reading, "listdir", no)
         return store.count()
 

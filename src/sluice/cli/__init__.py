@@ -13,6 +13,11 @@ DESCRIPTION
     A bad configuration file ends the command with one line naming the
     file, the key path and the problem, and exit status 2 -- never a
     traceback.  Misuse exits 2, an operation that failed exits 1.
+
+    Importing this package imports no command and not the configuration
+    (JSON Schema's validator is a fifth of a second): the processes qlist
+    and qcount start to share their work run the ``sluice`` script again
+    as their main module, and each would pay for it before its first piece.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from sluice.config import Config, ConfigError, load_config
+if TYPE_CHECKING:
+    from sluice.config import Config
 
 __all__ = ["CommandError", "load", "main", "run_command"]
 
@@ -54,6 +61,8 @@ class CommandError(Exception):
 
 def load(args: argparse.Namespace) -> Config:
     """The configuration named by -c, $SLUICE_CONFIG, or the embedded defaults."""
+    from sluice.config import Config, load_config
+
     cached = getattr(args, "_config", None)
     if isinstance(cached, Config):
         return cached
@@ -119,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(func: Callable[[argparse.Namespace], int | None],
                 args: argparse.Namespace) -> int:
     """Run a command's handler: expected failures are one line and a status."""
+    from sluice.config import ConfigError
+
     try:
         status = func(args)
     except ConfigError as exc:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -27,7 +28,7 @@ from sluice.listing import listing_jobs, write_qlist
 from sluice.model import QueueState, Selector
 from sluice.queue import QSHAPE_EDGES_MIN, Queue
 from sluice.render import counts_json, entry_json, shape_table, totals_line
-from sluice.store import Action, StorageError, Store, narrow
+from sluice.store import Action, Counts, CountsInProcesses, StorageError, Store, narrow
 
 
 def _add_selector_args(p: argparse.ArgumentParser, with_ids: bool) -> None:
@@ -101,6 +102,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("qcount", help="the queue's totals")
     _add_selector_args(p, with_ids=False)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes that count a filesystem queue's names when its totals"
+                        " cannot be trusted (default: one per CPU; 1: none)")
     p.set_defaults(func=cmd_qcount)
 
     p = sub.add_parser("qshape", help="recipients per domain by age (Postfix qshape)")
@@ -140,12 +144,24 @@ def _user() -> str:
 
 # -- listing --------------------------------------------------------------------------------
 
+def _jobs(args: argparse.Namespace, default: int) -> int:
+    jobs = default if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise CommandError(f"{args.command} --jobs: must be 1 or more, not {jobs}", status=2)
+    return jobs
+
+
+def _count(store: Store, selector: Selector, jobs: int) -> Counts:
+    """store.count, shared among at most ``jobs`` processes, one a CPU, where the store can."""
+    if isinstance(store, CountsInProcesses):
+        return store.count_in_processes(selector, min(jobs, len(os.sched_getaffinity(0))))
+    return store.count(selector)
+
+
 def cmd_qlist(args: argparse.Namespace) -> int:
     """`sluice qlist`: the selected entries, semicolon-separated or as JSON with totals."""
     selector = selector_from_args(args)
-    jobs = listing_jobs() if args.jobs is None else args.jobs
-    if jobs < 1:
-        raise CommandError(f"qlist --jobs: must be 1 or more, not {jobs}", status=2)
+    jobs = _jobs(args, listing_jobs())
     out = sys.stdout
     with _open(args) as queue:
         store = queue.store
@@ -153,11 +169,11 @@ def cmd_qlist(args: argparse.Namespace) -> int:
             out.write('{"entries": [')
             for i, e in enumerate(store.entries(selector, limit=args.limit)):
                 out.write(("," if i else "") + "\n" + json.dumps(entry_json(e)))
-            counts = store.count(selector)
+            counts = _count(store, selector, jobs)
             out.write('\n], "totals": ' + json.dumps(counts_json(counts)) + "}\n")
             return 0
         write_qlist(out, store, selector, args.limit, jobs)
-        counts = store.count(selector)
+        counts = _count(store, selector, jobs)
     out.write(totals_line(counts) + "\n")
     return 0
 
@@ -165,8 +181,9 @@ def cmd_qlist(args: argparse.Namespace) -> int:
 def cmd_qcount(args: argparse.Namespace) -> int:
     """`sluice qcount`: the selected entries' totals, and their counts by state."""
     selector = selector_from_args(args)
+    jobs = _jobs(args, len(os.sched_getaffinity(0)))
     with _open(args) as queue:
-        counts = queue.store.count(selector)
+        counts = _count(queue.store, selector, jobs)
     if args.json:
         print(json.dumps(counts_json(counts)))
         return 0

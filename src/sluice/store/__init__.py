@@ -35,7 +35,8 @@ DESCRIPTION
     formatter (sluice.listing); for the others sluice.listing adapts
     entries() to the same rows.  The filesystem flavour also offers
     ListsInPieces: the listing split into pieces that other processes read
-    and format while this one walks the tree.
+    and format while this one walks the tree; and CountsInProcesses: a
+    count by names (when its totals cannot be trusted) shared likewise.
 
 INVARIANTS
     Every entry is in exactly one state.  Content is deleted after the
@@ -65,6 +66,7 @@ __all__ = [
     "ApplyByFuture",
     "Change",
     "Counts",
+    "CountsInProcesses",
     "ListsInPieces",
     "ListsRows",
     "ReadsContentsAhead",
@@ -191,6 +193,19 @@ class ListsInPieces(Protocol):
         in any process; the pieces are picklable and, listed in order,
         make the rows list_rows(selector) would give.
         """
+        ...
+
+
+@runtime_checkable
+class CountsInProcesses(Protocol):
+    """A store whose count, when it cannot read its totals, can share the work among processes (fs).
+
+    Counting a million control files by name is mostly listing directories,
+    work that divides by directory (sluice.store._fs_tally).
+    """
+
+    def count_in_processes(self, selector: Selector | None, jobs: int) -> Counts:
+        """Store.count, with ``jobs`` processes (this one among them) where it would list."""
         ...
 
 

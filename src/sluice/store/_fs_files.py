@@ -3,7 +3,8 @@
 SUMMARY
     Control, Meta, Rcpt (one control file and its parts), Name and
     parse_name (what a file name tells), count_names (a directory's
-    recipients and SPIDs from its names), read_control, write_file,
+    recipients and SPIDs from its names) and count_dirs (several
+    directories'), read_control, write_file,
     NameFilter, STATE_DIRS.
 
 DESCRIPTION
@@ -152,6 +153,22 @@ def count_names(path: Path, domain: str | None = None) -> tuple[int, list[bytes]
     found = _names_of_domain(domain).findall(text)
     by_n = collections.Counter([n for _, n in found])
     return sum(int(n) * k for n, k in by_n.items()), [spid for spid, _ in found]
+
+
+def count_dirs(root: str, rel_dirs: Iterable[str], domain: str | None = None
+               ) -> tuple[list[int], set[bytes]]:
+    """count_names of each directory under ``root``: its recipients, and every SPID once.
+
+    Module-level and of picklable arguments: a piece of a count that other
+    processes share (sluice.store._fs_tally).
+    """
+    counts: list[int] = []
+    spids: set[bytes] = set()
+    for rel_dir in rel_dirs:
+        n, of = count_names(Path(root, rel_dir), domain)
+        counts.append(n)
+        spids.update(of)
+    return counts, spids
 
 
 def spid_of_name(name: str) -> str | None:

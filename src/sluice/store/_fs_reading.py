@@ -1,8 +1,9 @@
 """The filesystem flavour's readers: listing, counting, qshape, expiry, the change feed.
 
 SUMMARY
-    Reading, a part of FsStore: get, entries, count, shape, expired,
-    due_at, changes_since, open_content.
+    Reading, a part of FsStore: get, entries, count (and
+    count_in_processes), shape, expired, due_at, changes_since,
+    open_content.
 
 DESCRIPTION
     Readers walk the tree without the queue's lock.  In-process readers
@@ -46,7 +47,6 @@ from sluice.store._fs_files import (
     Control,
     Name,
     NameFilter,
-    count_names,
     listdir,
     names_suffice,
     page_rows,
@@ -58,6 +58,7 @@ from sluice.store._fs_files import (
     state_of,
 )
 from sluice.store._fs_oldest import OldestSpids
+from sluice.store._fs_tally import tally as tally_names
 
 #: Messages entries() reads under one hold of the read lock.
 LIST_PAGE = 200
@@ -357,6 +358,14 @@ class Reading:
         (sluice.store._fs_counts); otherwise, and for a selection by state
         or domain, from the names, a directory at a time.
         """
+        return self.count_in_processes(selector, 1)
+
+    def count_in_processes(self, selector: Selector | None, jobs: int) -> Counts:
+        """CountsInProcesses.count_in_processes: count, its names shared among ``jobs`` processes.
+
+        Only a count by names is shared (sluice.store._fs_tally); the
+        totals and a count that reads the files are this process's.
+        """
         if selector is None or selector.is_empty:
             tally = self._counts.trusted()
             if tally is None and self.wait_check(CHECK_WAIT_S):
@@ -369,15 +378,12 @@ class Reading:
         if selector is None or selector.is_empty or names_suffice(selector):
             states = tuple(QueueState) if selector is None or not selector.states \
                 else selector.states
-            domain = NameFilter(selector).domain
             with self._rw.reading():
                 rel_dirs = self._dirs(states)
-            spid_bytes: set[bytes] = set()
-            for rel_dir in rel_dirs:
-                with self._rw.reading():
-                    n, of = count_names(self.root / rel_dir, domain)
+            per_dir, spid_bytes = tally_names(self.root, rel_dirs, NameFilter(selector).domain,
+                                              jobs, self._rw.reading)
+            for rel_dir, n in zip(rel_dirs, per_dir, strict=True):
                 by_state[state_of(rel_dir)] += n
-                spid_bytes.update(of)
             return Counts(by_state=by_state, messages=len(spid_bytes))
         spids: set[str] = set()
         states = selector.states or tuple(QueueState)
