@@ -39,8 +39,12 @@ DESCRIPTION
     annotated raises TypeError, so the configuration's integers are made
     ints when it is loaded), and a class-typed argument must be of that
     class (the receiver takes a Protocol, Submitting, where tests give
-    fakes); and an attribute may not be named `_thread` (mypyc names the C
-    field `__thread`, a keyword of GCC).
+    fakes); an attribute may not be named `_thread` (mypyc names the C
+    field `__thread`, a keyword of GCC); and a dataclass writes its
+    ``__init__`` out (setting frozen fields with object.__setattr__),
+    since mypyc runs the methods the decorator generates in the
+    interpreter: a Reply took 1.26 µs to make that way and 70 ns written
+    out (tests/unit/test_native_inits.py holds each to its fields).
 
 SEE ALSO
     setup.py; docs/benchmarks.md (what it bought); README.md (building).

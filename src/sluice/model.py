@@ -165,6 +165,15 @@ class Reply:
     attempt_at: float | None = None
     phase: str = field(default="", compare=False)
 
+    def __init__(self, code: int, enhanced: str = "", text: str = "", remote_mta: str = "",
+                 attempt_at: float | None = None, phase: str = "") -> None:
+        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "enhanced", enhanced)
+        object.__setattr__(self, "text", text)
+        object.__setattr__(self, "remote_mta", remote_mta)
+        object.__setattr__(self, "attempt_at", attempt_at)
+        object.__setattr__(self, "phase", phase)
+
     def __str__(self) -> str:
         parts = [str(self.code)]
         if self.enhanced:
@@ -226,6 +235,9 @@ class Delivered:
 
     reply: Reply
 
+    def __init__(self, reply: Reply) -> None:
+        object.__setattr__(self, "reply", reply)
+
 
 @dataclass(frozen=True, slots=True)
 class TempFail:
@@ -233,12 +245,18 @@ class TempFail:
 
     reply: Reply
 
+    def __init__(self, reply: Reply) -> None:
+        object.__setattr__(self, "reply", reply)
+
 
 @dataclass(frozen=True, slots=True)
 class PermFail:
     """Never try again: bounce and send an NDR (5xx, null MX)."""
 
     reply: Reply
+
+    def __init__(self, reply: Reply) -> None:
+        object.__setattr__(self, "reply", reply)
 
 
 Outcome = Delivered | TempFail | PermFail
@@ -258,6 +276,14 @@ class ClientSession:
     tls_protocol: str | None = None
     tls_cipher: str | None = None
     auth_user: str | None = None
+
+    def __init__(self, client_ip: str, helo: str = "", tls_protocol: str | None = None,
+                 tls_cipher: str | None = None, auth_user: str | None = None) -> None:
+        object.__setattr__(self, "client_ip", client_ip)
+        object.__setattr__(self, "helo", helo)
+        object.__setattr__(self, "tls_protocol", tls_protocol)
+        object.__setattr__(self, "tls_cipher", tls_cipher)
+        object.__setattr__(self, "auth_user", auth_user)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +316,26 @@ class Submission:
     spid: str = ""
     smtputf8: bool = False
     client: ClientSession | None = None
+
+    def __init__(self, sender: str, recipients: tuple[str, ...], tenantid: str = "",
+                 jobid: str = "", transportid: str = "", localip: tuple[str, ...] = (),
+                 priority: int = 0, hold: bool = False, delay_s: float = 0.0,
+                 is_report: bool = False, spid: str = "", smtputf8: bool = False,
+                 client: ClientSession | None = None) -> None:
+        object.__setattr__(self, "sender", sender)
+        object.__setattr__(self, "recipients", recipients)
+        object.__setattr__(self, "tenantid", tenantid)
+        object.__setattr__(self, "jobid", jobid)
+        object.__setattr__(self, "transportid", transportid)
+        object.__setattr__(self, "localip", localip)
+        object.__setattr__(self, "priority", priority)
+        object.__setattr__(self, "hold", hold)
+        object.__setattr__(self, "delay_s", delay_s)
+        object.__setattr__(self, "is_report", is_report)
+        object.__setattr__(self, "spid", spid)
+        object.__setattr__(self, "smtputf8", smtputf8)
+        object.__setattr__(self, "client", client)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if not self.recipients:
@@ -326,6 +372,13 @@ class Accepted:
     size: int
     duplicate: bool = False
 
+    def __init__(self, spid: str, qids: tuple[str, ...], size: int,
+                 duplicate: bool = False) -> None:
+        object.__setattr__(self, "spid", spid)
+        object.__setattr__(self, "qids", qids)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "duplicate", duplicate)
+
 
 @dataclass(frozen=True, slots=True)
 class QueueEntry:
@@ -357,6 +410,32 @@ class QueueEntry:
     #: manager looks it up several times per recipient and attempt.
     qid: str = field(init=False, repr=False, compare=False)
 
+    def __init__(self, spid: str, idx: int, sender: str, recipient: str, state: QueueState,
+                 arrival_at: float, next_attempt_at: float, attempts: int = 0,
+                 last_reply: Reply | None = None, priority: int = 0, tenantid: str = "",
+                 jobid: str = "", transportid: str = "", localip: tuple[str, ...] = (),
+                 is_report: bool = False, size: int = 0, domain: str = "",
+                 smtputf8: bool = False) -> None:
+        object.__setattr__(self, "spid", spid)
+        object.__setattr__(self, "idx", idx)
+        object.__setattr__(self, "sender", sender)
+        object.__setattr__(self, "recipient", recipient)
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "arrival_at", arrival_at)
+        object.__setattr__(self, "next_attempt_at", next_attempt_at)
+        object.__setattr__(self, "attempts", attempts)
+        object.__setattr__(self, "last_reply", last_reply)
+        object.__setattr__(self, "priority", priority)
+        object.__setattr__(self, "tenantid", tenantid)
+        object.__setattr__(self, "jobid", jobid)
+        object.__setattr__(self, "transportid", transportid)
+        object.__setattr__(self, "localip", localip)
+        object.__setattr__(self, "is_report", is_report)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "domain", domain)
+        object.__setattr__(self, "smtputf8", smtputf8)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         if not self.domain:
             object.__setattr__(self, "domain", recipient_domain(self.recipient))
@@ -381,6 +460,20 @@ class Selector:
     tenantid: str | None = None
     jobid: str | None = None
     transportid: str | None = None
+
+    def __init__(self, qids: tuple[str, ...] = (), states: tuple[QueueState, ...] = (),
+                 domain: str | None = None, sender: str | None = None,
+                 recipient: str | None = None, tenantid: str | None = None,
+                 jobid: str | None = None, transportid: str | None = None) -> None:
+        object.__setattr__(self, "qids", qids)
+        object.__setattr__(self, "states", states)
+        object.__setattr__(self, "domain", domain)
+        object.__setattr__(self, "sender", sender)
+        object.__setattr__(self, "recipient", recipient)
+        object.__setattr__(self, "tenantid", tenantid)
+        object.__setattr__(self, "jobid", jobid)
+        object.__setattr__(self, "transportid", transportid)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         for qid in self.qids:

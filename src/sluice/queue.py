@@ -130,6 +130,20 @@ class AttemptResult:
     #: Its accounting line is written already (Queue.log_successes).
     logged: bool = False
 
+    def __init__(self, entry: QueueEntry, outcome: Outcome, attempted: bool = True,
+                 localip: str | None = None, remotemx: str | None = None,
+                 remoteip: str | None = None, duration_s: float | None = None,
+                 at: float | None = None, logged: bool = False) -> None:
+        object.__setattr__(self, "entry", entry)
+        object.__setattr__(self, "outcome", outcome)
+        object.__setattr__(self, "attempted", attempted)
+        object.__setattr__(self, "localip", localip)
+        object.__setattr__(self, "remotemx", remotemx)
+        object.__setattr__(self, "remoteip", remoteip)
+        object.__setattr__(self, "duration_s", duration_s)
+        object.__setattr__(self, "at", at)
+        object.__setattr__(self, "logged", logged)
+
     def at_or(self, now: float) -> float:
         """When this outcome came: ``at``, or ``now`` for one recorded as it came."""
         return now if self.at is None else self.at
@@ -171,6 +185,14 @@ class RecordPlan:
     planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]]
     #: A success among them: flushed before the caller goes on (see record()).
     durable: bool
+
+    def __init__(self, now: float, transitions: list[Transition],
+                 planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]],
+                 durable: bool) -> None:
+        object.__setattr__(self, "now", now)
+        object.__setattr__(self, "transitions", transitions)
+        object.__setattr__(self, "planned", planned)
+        object.__setattr__(self, "durable", durable)
 
 
 class Queue:

@@ -303,8 +303,9 @@ class DeliveryAgent:
             return self._result(request, [TempFail(opened)] * count, route.hosts[0],
                                 started, new=False, failed=False)
         content, head = opened
-        # Asked at most once per delivery, and only when it decides something.
-        utf8 = functools.cache(functools.partial(_utf8_headers, request, head))
+        # Asked only when it decides something (a host without SMTPUTF8): no
+        # cache, which cost more per delivery than the rare second asking.
+        utf8 = functools.partial(_utf8_headers, request, head)
         try:
             for attempt in (1, 2):
                 session = self._pool.take(key)

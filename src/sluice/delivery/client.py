@@ -140,6 +140,13 @@ class Envelope:
     size: int = 0
     smtputf8: bool = False
 
+    def __init__(self, sender: str, recipients: tuple[str, ...], size: int = 0,
+                 smtputf8: bool = False) -> None:
+        object.__setattr__(self, "sender", sender)
+        object.__setattr__(self, "recipients", recipients)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "smtputf8", smtputf8)
+
     @property
     def needs_smtputf8(self) -> bool:
         """Whether the message needs SMTPUTF8: received with it, or an address is not ASCII."""

@@ -68,6 +68,13 @@ class Job:
     localip: tuple[str, ...]
     transportid: str
 
+    def __init__(self, route: NextHop, entries: tuple[QueueEntry, ...], localip: tuple[str, ...],
+                 transportid: str) -> None:
+        object.__setattr__(self, "route", route)
+        object.__setattr__(self, "entries", entries)
+        object.__setattr__(self, "localip", localip)
+        object.__setattr__(self, "transportid", transportid)
+
     @property
     def spid(self) -> str:
         """The SPID of the message, shared by every entry."""
@@ -99,6 +106,10 @@ class Settled:
     entry: QueueEntry
     decision: Hold | Drop | Outcome
 
+    def __init__(self, entry: QueueEntry, decision: Hold | Drop | Outcome) -> None:
+        object.__setattr__(self, "entry", entry)
+        object.__setattr__(self, "decision", decision)
+
     def attempt_result(self) -> AttemptResult:
         """For outcomes: the AttemptResult for Queue.record() (not attempted)."""
         if isinstance(self.decision, Hold | Drop):
@@ -111,6 +122,10 @@ class Plan:
     """What to do with claimed entries: the jobs to deliver and the entries settled without."""
     jobs: tuple[Job, ...]
     settled: tuple[Settled, ...]
+
+    def __init__(self, jobs: tuple[Job, ...], settled: tuple[Settled, ...]) -> None:
+        object.__setattr__(self, "jobs", jobs)
+        object.__setattr__(self, "settled", settled)
 
 
 _GroupKey = tuple[str, str, str, tuple[str, ...], str, str, str, int]

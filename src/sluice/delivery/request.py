@@ -67,6 +67,19 @@ class DeliveryRequest:
     #: session takes another message: it makes the outcomes durable.
     settle: Callable[[DeliveryResult], Awaitable[None]] | None = None
 
+    def __init__(self, route: NextHop, entries: tuple[QueueEntry, ...],
+                 content: Callable[[], IO[bytes]], localip: str = "", smtputf8: bool = False,
+                 started: Callable[[], Awaitable[None]] | None = None,
+                 settle: Callable[[DeliveryResult], Awaitable[None]] | None = None) -> None:
+        object.__setattr__(self, "route", route)
+        object.__setattr__(self, "entries", entries)
+        object.__setattr__(self, "content", content)
+        object.__setattr__(self, "localip", localip)
+        object.__setattr__(self, "smtputf8", smtputf8)
+        object.__setattr__(self, "started", started)
+        object.__setattr__(self, "settle", settle)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         if not self.entries:
             raise ValueError("a delivery request needs at least one entry")
@@ -109,6 +122,19 @@ class DeliveryResult:
     connection_failed: bool
     tls: bool = False
 
+    def __init__(self, outcomes: tuple[tuple[QueueEntry, Outcome], ...], localip: str,
+                 remotemx: str, remoteip: str, port: int, duration_s: float, new_connection: bool,
+                 connection_failed: bool, tls: bool = False) -> None:
+        object.__setattr__(self, "outcomes", outcomes)
+        object.__setattr__(self, "localip", localip)
+        object.__setattr__(self, "remotemx", remotemx)
+        object.__setattr__(self, "remoteip", remoteip)
+        object.__setattr__(self, "port", port)
+        object.__setattr__(self, "duration_s", duration_s)
+        object.__setattr__(self, "new_connection", new_connection)
+        object.__setattr__(self, "connection_failed", connection_failed)
+        object.__setattr__(self, "tls", tls)
+
     @property
     def by_qid(self) -> tuple[tuple[str, Outcome], ...]:
         """(qid, outcome) pairs, as the scheduler's DeliveryFinished takes them."""
@@ -132,3 +158,12 @@ class AgentStats:
     connections_reused: int
     connect_failures: int
     transactions: int
+
+    def __init__(self, open: int, idle: int, connections_opened: int, connections_reused: int,
+                 connect_failures: int, transactions: int) -> None:
+        object.__setattr__(self, "open", open)
+        object.__setattr__(self, "idle", idle)
+        object.__setattr__(self, "connections_opened", connections_opened)
+        object.__setattr__(self, "connections_reused", connections_reused)
+        object.__setattr__(self, "connect_failures", connect_failures)
+        object.__setattr__(self, "transactions", transactions)

@@ -45,6 +45,13 @@ class Transaction:
     recipients: list[str] = field(default_factory=list)
     dropped: list[tuple[str, SuppressionEntry]] = field(default_factory=list)
 
+    def __init__(self, sender: str, smtputf8: bool = False, recipients: list[str] | None = None,
+                 dropped: list[tuple[str, SuppressionEntry]] | None = None) -> None:
+        self.sender = sender
+        self.smtputf8 = smtputf8
+        self.recipients = [] if recipients is None else recipients
+        self.dropped = [] if dropped is None else dropped
+
 
 @dataclass(frozen=True, slots=True)
 class MailParams:
@@ -52,6 +59,10 @@ class MailParams:
 
     size: int | None = None
     smtputf8: bool = False
+
+    def __init__(self, size: int | None = None, smtputf8: bool = False) -> None:
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "smtputf8", smtputf8)
 
 
 def parse_path(arg: str) -> tuple[str | None, str]:

@@ -188,6 +188,18 @@ class _ClaimJob:
     out: asyncio.Future[Accepted]
     discard: Callable[[], None] | None = None  # when content is not submitted
 
+    def __init__(self, loop: asyncio.AbstractEventLoop, submission: Submission, content: Content,
+                 text: Iterable[bytes], size: int | None, origin: Origin,
+                 out: asyncio.Future[Accepted], discard: Callable[[], None] | None = None) -> None:
+        self.loop = loop
+        self.submission = submission
+        self.content = content
+        self.text = text
+        self.size = size
+        self.origin = origin
+        self.out = out
+        self.discard = discard
+
     def dispose(self) -> None:
         if self.discard is not None:
             self.discard()
@@ -199,6 +211,10 @@ class _SettleJob:
 
     mark: Mark
     accepted: Accepted | None  # None: not queued
+
+    def __init__(self, mark: Mark, accepted: Accepted | None) -> None:
+        object.__setattr__(self, "mark", mark)
+        object.__setattr__(self, "accepted", accepted)
 
 
 class Handoff:

@@ -129,6 +129,12 @@ class RcptVerdict:
     reply: Reply
     suppressed: SuppressionEntry | None = None
 
+    def __init__(self, action: RcptAction, reply: Reply,
+                 suppressed: SuppressionEntry | None = None) -> None:
+        object.__setattr__(self, "action", action)
+        object.__setattr__(self, "reply", reply)
+        object.__setattr__(self, "suppressed", suppressed)
+
 
 class ContentState(Enum):
     """How the message text measured up once DATA ended."""
@@ -146,6 +152,11 @@ class Client:
     ip: str
     trusted: bool = False  # in mynetworks
     auth_user: str | None = None
+
+    def __init__(self, ip: str, trusted: bool = False, auth_user: str | None = None) -> None:
+        object.__setattr__(self, "ip", ip)
+        object.__setattr__(self, "trusted", trusted)
+        object.__setattr__(self, "auth_user", auth_user)
 
     @property
     def may_relay(self) -> bool:

@@ -117,6 +117,12 @@ class Rule:
     done: Phase | None = None
     refused: Phase | None = None
 
+    def __init__(self, refusal: Reply | None = None, done: Phase | None = None,
+                 refused: Phase | None = None) -> None:
+        object.__setattr__(self, "refusal", refusal)
+        object.__setattr__(self, "done", done)
+        object.__setattr__(self, "refused", refused)
+
     def after(self, outcome: Outcome) -> Phase | None:
         """The phase to move to after the handler's ``outcome``; None: stay."""
         if outcome is Outcome.DONE:
@@ -217,6 +223,13 @@ class Command:
     name: str = ""
     arg: str | None = None
     error: Reply | None = None
+
+    def __init__(self, verb: Verb | None, name: str = "", arg: str | None = None,
+                 error: Reply | None = None) -> None:
+        object.__setattr__(self, "verb", verb)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "arg", arg)
+        object.__setattr__(self, "error", error)
 
 
 BAD_SYNTAX = Reply(500, "5.5.2", "Bad syntax")

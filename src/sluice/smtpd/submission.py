@@ -64,6 +64,16 @@ class Peer:
     auth_user: str | None
     session: ClientSession | None = None  # for the received lines (accounting)
 
+    def __init__(self, ip: str, port: int, helo: str, esmtp: bool, tls: bool,
+                 auth_user: str | None, session: ClientSession | None = None) -> None:
+        object.__setattr__(self, "ip", ip)
+        object.__setattr__(self, "port", port)
+        object.__setattr__(self, "helo", helo)
+        object.__setattr__(self, "esmtp", esmtp)
+        object.__setattr__(self, "tls", tls)
+        object.__setattr__(self, "auth_user", auth_user)
+        object.__setattr__(self, "session", session)
+
 
 async def finish_message(settings: Settings, registry: Registry, peer: Peer,
                          txn: Transaction, buf: MessageBuffer) -> Reply:

@@ -71,6 +71,15 @@ class Op:
     #: outcome, a claim); a flavour may then skip the flush for the batch.
     durable: bool = True
 
+    def __init__(self, work: Callable[[Any], Any], future: concurrent.futures.Future[Any],
+                 files: list[SpoolFile] | None = None, extra: Any = None,
+                 durable: bool = True) -> None:
+        self.work = work
+        self.future = future
+        self.files = [] if files is None else files
+        self.extra = extra
+        self.durable = durable
+
 
 _STOP = object()
 

@@ -84,6 +84,10 @@ class Batch:
     conn: sqlite3.Connection
     unlink: list[str] = field(default_factory=list)
 
+    def __init__(self, conn: sqlite3.Connection, unlink: list[str] | None = None) -> None:
+        self.conn = conn
+        self.unlink = [] if unlink is None else unlink
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # SqliteStore is not compiled (sluice._native)
 class Database:
