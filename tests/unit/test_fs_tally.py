@@ -2,14 +2,17 @@
 
 A count shared among processes must be the count of one process: every
 directory's recipients in order, every SPID once, whichever process
-listed it.  A process that dies leaves its pieces to the caller, and a
-small count starts no process at all.
+listed it.  A process that dies leaves its pieces to the caller, a pool
+that cannot start leaves it all, and a count soon done starts no process
+at all (the pace is judged by a clock the tests give).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -19,7 +22,7 @@ import pytest
 
 from sluice.store import _fs_tally
 from sluice.store._fs_files import count_names
-from sluice.store._fs_tally import PIECE, SHARED_DIRS, tally
+from sluice.store._fs_tally import PIECE, tally
 
 pytestmark = pytest.mark.unit
 
@@ -59,15 +62,42 @@ def held() -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+def slow_clock() -> Callable[[], float]:
+    """A clock that says every piece took a second: the count shares after its first."""
+    ticks = itertools.count()
+    return lambda: float(next(ticks))
+
+
+def still_clock() -> float:
+    """A clock that says no time passes: the count never shares."""
+    return 0.0
+
+
 @pytest.mark.parametrize("domain", [None, "b.example"])
 def test_a_count_shared_among_processes_is_the_count_of_one(tmp_path: Path,
                                                             domain: str | None) -> None:
-    rel_dirs = tree(tmp_path, SHARED_DIRS + 3 * PIECE)
+    rel_dirs = tree(tmp_path, 20 * PIECE)
     want = one_by_one(tmp_path, rel_dirs, domain)
     assert sum(want[0]) > 0 and want[1]
-    assert tally(tmp_path, rel_dirs, domain, 1, held) == want
-    assert tally(tmp_path, rel_dirs, domain, 2, held) == want
-    assert tally(tmp_path, rel_dirs, domain, 3, held) == want
+    alone = tally(tmp_path, rel_dirs, domain, 1, held, slow_clock())
+    assert (alone.per_dir, alone.spids, alone.elsewhere) == (*want, 0)
+    for jobs in (2, 3):
+        shared = tally(tmp_path, rel_dirs, domain, jobs, held, slow_clock())
+        assert (shared.per_dir, shared.spids) == want
+        # What was handed out is counted by the others (this process waits for it).
+        assert shared.elsewhere >= 1
+
+
+def test_a_count_that_is_soon_done_starts_no_process(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    rel_dirs = tree(tmp_path, 20 * PIECE)
+
+    def no(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor", no)
+    found = tally(tmp_path, rel_dirs, None, 4, held, still_clock)
+    assert (found.per_dir, found.spids) == one_by_one(tmp_path, rel_dirs, None)
 
 
 def test_this_process_lists_its_pieces_under_the_read_lock(tmp_path: Path) -> None:
@@ -84,7 +114,7 @@ def test_this_process_lists_its_pieces_under_the_read_lock(tmp_path: Path) -> No
 
 
 class DeadPool:
-    """An executor whose every process died: each future fails as a broken pool's does."""
+    """An executor whose every process died: each piece fails as a broken pool's does."""
 
     def __init__(self, *_: Any, **__: Any) -> None:
         self.submitted = 0
@@ -92,7 +122,7 @@ class DeadPool:
     def submit(self, *_: Any) -> Future[Any]:
         self.submitted += 1
         future: Future[Any] = Future()
-        future.set_running_or_notify_cancel()  # a process has it: not cancellable
+        future.set_running_or_notify_cancel()
         future.set_exception(BrokenProcessPool("a process died"))
         return future
 
@@ -102,20 +132,28 @@ class DeadPool:
 
 def test_pieces_of_a_process_that_died_are_counted_here(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    rel_dirs = tree(tmp_path, SHARED_DIRS + PIECE)
+    rel_dirs = tree(tmp_path, 20 * PIECE)
     pools: list[DeadPool] = []
     monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor",
                         lambda *a, **k: pools.append(DeadPool()) or pools[-1])
-    assert tally(tmp_path, rel_dirs, None, 2, held) == one_by_one(tmp_path, rel_dirs, None)
-    assert pools and pools[0].submitted == len(range(0, len(rel_dirs), PIECE))
+    found = tally(tmp_path, rel_dirs, None, 2, held, slow_clock())
+    assert (found.per_dir, found.spids) == one_by_one(tmp_path, rel_dirs, None)
+    assert found.elsewhere == 0 and pools and pools[0].submitted >= 1
 
 
-def test_a_small_count_starts_no_process(tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    rel_dirs = tree(tmp_path, SHARED_DIRS - 2)  # with the missing one: one short
+@pytest.mark.parametrize("where", ["pool", "spawn"])
+def test_a_count_whose_processes_cannot_start_is_counted_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    rel_dirs = tree(tmp_path, 20 * PIECE)
 
-    def no(*_: Any, **__: Any) -> Any:
-        raise AssertionError("a process was started")
+    class NoSpawn(DeadPool):
+        def submit(self, *_: Any) -> Future[Any]:
+            raise OSError("cannot spawn")
 
-    monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor", no)
-    assert tally(tmp_path, rel_dirs, None, 4, held) == one_by_one(tmp_path, rel_dirs, None)
+    def no_pool(*_: Any, **__: Any) -> Any:
+        raise NotImplementedError("no sem_open here")
+
+    monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor", no_pool if where == "pool" else NoSpawn)
+    found = tally(tmp_path, rel_dirs, None, 2, held, slow_clock())
+    assert (found.per_dir, found.spids, found.elsewhere) == (
+        *one_by_one(tmp_path, rel_dirs, None), 0)

@@ -96,15 +96,16 @@ def register(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most this many entries")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes that read a filesystem queue's files (default: two per CPU,"
-                        " up to 8; 1: none)")
+                        " up to 8; 1: none); its totals are counted by at most one per CPU")
     p.set_defaults(func=cmd_qlist)
 
     p = sub.add_parser("qcount", help="the queue's totals")
     _add_selector_args(p, with_ids=False)
     p.add_argument("--json", action="store_true")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="processes that count a filesystem queue's names when its totals"
-                        " cannot be trusted (default: one per CPU; 1: none)")
+                   help="processes that may share a long count of a filesystem queue's names"
+                        " (totals not trusted, or a selection by state or domain); at most"
+                        " one per CPU (default: one per CPU, up to 4; 1: none)")
     p.set_defaults(func=cmd_qcount)
 
     p = sub.add_parser("qshape", help="recipients per domain by age (Postfix qshape)")
@@ -151,8 +152,16 @@ def _jobs(args: argparse.Namespace, default: int) -> int:
     return jobs
 
 
+#: qcount's processes by default, at most: a count is a second of work at a million.
+COUNT_JOBS = 4
+
+
 def _count(store: Store, selector: Selector, jobs: int) -> Counts:
-    """store.count, shared among at most ``jobs`` processes, one a CPU, where the store can."""
+    """store.count, shared among at most ``jobs`` processes, one a CPU, where the store can.
+
+    More processes than CPUs would only wait on each other: a count by
+    names is the kernel's listing and a pattern, no disk wait once cached.
+    """
     if isinstance(store, CountsInProcesses):
         return store.count_in_processes(selector, min(jobs, len(os.sched_getaffinity(0))))
     return store.count(selector)
@@ -181,7 +190,7 @@ def cmd_qlist(args: argparse.Namespace) -> int:
 def cmd_qcount(args: argparse.Namespace) -> int:
     """`sluice qcount`: the selected entries' totals, and their counts by state."""
     selector = selector_from_args(args)
-    jobs = _jobs(args, len(os.sched_getaffinity(0)))
+    jobs = _jobs(args, min(len(os.sched_getaffinity(0)), COUNT_JOBS))
     with _open(args) as queue:
         counts = _count(queue.store, selector, jobs)
     if args.json:

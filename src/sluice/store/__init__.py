@@ -36,7 +36,7 @@ DESCRIPTION
     entries() to the same rows.  The filesystem flavour also offers
     ListsInPieces: the listing split into pieces that other processes read
     and format while this one walks the tree; and CountsInProcesses: a
-    count by names (when its totals cannot be trusted) shared likewise.
+    long count by names shared likewise.
 
 INVARIANTS
     Every entry is in exactly one state.  Content is deleted after the
@@ -198,14 +198,15 @@ class ListsInPieces(Protocol):
 
 @runtime_checkable
 class CountsInProcesses(Protocol):
-    """A store whose count, when it cannot read its totals, can share the work among processes (fs).
+    """A store whose long counts by name can share the work among processes (fs).
 
-    Counting a million control files by name is mostly listing directories,
-    work that divides by directory (sluice.store._fs_tally).
+    Counting a million control files by name (totals that cannot be
+    trusted, or a selection by state or domain) is mostly listing
+    directories, work that divides by directory (sluice.store._fs_tally).
     """
 
     def count_in_processes(self, selector: Selector | None, jobs: int) -> Counts:
-        """Store.count, with ``jobs`` processes (this one among them) where it would list."""
+        """Store.count, with up to ``jobs`` processes (this one among them) for a long listing."""
         ...
 
 

@@ -356,15 +356,17 @@ class Reading:
 
         The whole queue is read from ``counts`` when it can be trusted
         (sluice.store._fs_counts); otherwise, and for a selection by state
-        or domain, from the names, a directory at a time.
+        or domain, from the names, a few directories at a time under the
+        read lock.
         """
         return self.count_in_processes(selector, 1)
 
     def count_in_processes(self, selector: Selector | None, jobs: int) -> Counts:
         """CountsInProcesses.count_in_processes: count, its names shared among ``jobs`` processes.
 
-        Only a count by names is shared (sluice.store._fs_tally); the
-        totals and a count that reads the files are this process's.
+        Only a count by names is shared, and only one that promises to be
+        long (sluice.store._fs_tally); the totals and a count that reads
+        the files are this process's.
         """
         if selector is None or selector.is_empty:
             tally = self._counts.trusted()
@@ -380,11 +382,11 @@ class Reading:
                 else selector.states
             with self._rw.reading():
                 rel_dirs = self._dirs(states)
-            per_dir, spid_bytes = tally_names(self.root, rel_dirs, NameFilter(selector).domain,
-                                              jobs, self._rw.reading)
-            for rel_dir, n in zip(rel_dirs, per_dir, strict=True):
+            found = tally_names(self.root, rel_dirs, NameFilter(selector).domain, jobs,
+                                self._rw.reading)
+            for rel_dir, n in zip(rel_dirs, found.per_dir, strict=True):
                 by_state[state_of(rel_dir)] += n
-            return Counts(by_state=by_state, messages=len(spid_bytes))
+            return Counts(by_state=by_state, messages=len(found.spids))
         spids: set[str] = set()
         states = selector.states or tuple(QueueState)
         for ctrl in self._controls(states, selector):

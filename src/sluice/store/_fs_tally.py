@@ -1,41 +1,37 @@
-"""The filesystem flavour's count by names, shared with other processes.
+"""The filesystem flavour's count by names, shared with other processes when it is long.
 
 SUMMARY
-    tally(root, rel_dirs, domain, jobs, reading): the recipients of each
-    directory and the SPIDs of all, once each.
+    tally(root, rel_dirs, domain, jobs, reading, clock): the recipients of
+    each directory and the SPIDs of all, once each (Tallied).
 
 DESCRIPTION
-    When the totals in ``counts`` cannot be trusted (after a crash, until
-    the check has counted again), qcount counts the control files by
-    name: each directory listed as bytes and one pattern run over it
+    A count by names (the totals in ``counts`` cannot be trusted: after a
+    crash, until the check has counted again; or a selection by state or
+    domain) lists each directory as bytes and runs one pattern over it
     (sluice.store._fs_files.count_names).  A million control files are
     about 1,100 directories and a second of work, most of it the kernel's
-    listing, and the work divides by directory.  With ``jobs`` above 1
-    the directories go in pieces of PIECE to ``jobs - 1`` other processes,
-    and this process counts too.
+    listing, and the work divides by directory.  With ``jobs`` above 1,
+    a count that promises to be long is shared with ``jobs - 1`` other
+    processes.
 
 STRATEGIES
-    The pieces are taken from both ends.  The other processes start at the
-    front; this one starts at the back and counts a piece only when
-    Future.cancel() succeeds, which it does only while no process has the
-    piece.  So this process never waits for the others to start, and each
-    piece is counted once.  A process killed midway leaves its pieces to
-    this one (BrokenProcessPool).
-
-    The processes are spawned, not forked: the store's committer thread is
-    running (as in sluice.listing).  A spawned process has counted its
-    first piece about 0.2 s after it was started (a fresh interpreter
-    that imports the ``sluice`` script again, which is why sluice.cli
-    imports no command and no configuration), so a count of fewer than
-    SHARED_DIRS directories starts none.  On two CPUs a million names
-    take 0.8-0.9 s shared against 1.3 s alone: the two processes list
-    directories at the same time, and each piece takes longer
-    (docs/benchmarks.md).
+    This process starts alone, from the last piece of PIECE directories
+    backwards.  After PROBE_S it knows its pace; only if the pieces left
+    would take more than SHARE_ABOVE_S more does it start the other
+    processes, which are spawned (not forked: the store's committer
+    thread is running, as in sluice.listing) and cost about 0.2 s each
+    before their first piece.  So a small queue, or one of many small
+    directories, starts none.  The other processes are then fed from the
+    front, at most two pieces each ahead, while this process goes on from
+    the back; where the two meet, it waits for what it handed out.
+    Nothing is cancelled, so a process that dies (BrokenProcessPool)
+    fails only the pieces it was given, and this process counts them.  A
+    pool that cannot start at all (no shared memory for its semaphores,
+    a failed spawn) leaves this process counting alone.
 
     This process lists each piece under the store's read lock.  The other
     processes take none, as in listing_pieces: beside a running serve a
-    count by names is as exact as a listing, which is what an operator
-    gets from qcount with no trusted totals.
+    count by names is as exact as a listing.
 
 SEE ALSO
     sluice.store._fs_reading (count, count_in_processes),
@@ -45,58 +41,105 @@ SEE ALSO
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.store._fs_files import count_dirs
 
+log = logging.getLogger(__name__)
+
 #: Directories in a piece: a piece of a full queue is a few milliseconds of work.
 PIECE = 8
-#: Directories below which no other process starts (its start costs more than it saves).
-SHARED_DIRS = 128
+#: How long this process counts alone before it judges the whole count's length.
+PROBE_S = 0.05
+#: Other processes start only if the pieces left would take this process longer.
+SHARE_ABOVE_S = 0.4
+
+
+@dataclass
+class Tallied:
+    """What tally found: recipients per directory (in order), SPIDs, pieces counted elsewhere."""
+
+    per_dir: list[int]
+    spids: set[bytes]
+    elsewhere: int = 0
 
 
 def tally(root: Path, rel_dirs: Sequence[str], domain: str | None, jobs: int,
-          reading: Callable[[], contextlib.AbstractContextManager[object]]
-          ) -> tuple[list[int], set[bytes]]:
-    """The recipients in each of ``rel_dirs`` (in order) and their SPIDs, as bytes.
+          reading: Callable[[], contextlib.AbstractContextManager[object]],
+          clock: Callable[[], float] = time.monotonic) -> Tallied:
+    """The recipients in each of ``rel_dirs`` and their SPIDs, as bytes.
 
     ``domain``: only the files of that domain (encoded, as NameFilter has
     it).  ``reading``: the store's read lock, held while this process
-    lists a piece.
+    lists a piece.  ``clock``: for the pace, a monotonic one.
     """
     pieces = [list(rel_dirs[i:i + PIECE]) for i in range(0, len(rel_dirs), PIECE)]
     counts: list[list[int]] = [[] for _ in pieces]
-    spids: set[bytes] = set()
+    out = Tallied([], set())
 
     def here(i: int) -> None:
         with reading():
             counts[i], of = count_dirs(str(root), pieces[i], domain)
-        spids.update(of)
+        out.spids.update(of)
 
-    if jobs < 2 or len(rel_dirs) < SHARED_DIRS:
-        for i in range(len(pieces)):
-            here(i)
-        return [n for piece in counts for n in piece], spids
-    pool = ProcessPoolExecutor(jobs - 1, mp_context=multiprocessing.get_context("spawn"))
+    back = len(pieces)  # pieces[back:] are counted here
+    started = clock()
+    while back > 0:
+        back -= 1
+        here(back)
+        spent = clock() - started
+        if jobs > 1 and back > 0 and spent >= PROBE_S \
+                and spent / (len(pieces) - back) * back > SHARE_ABOVE_S:
+            _share(pieces[:back], root, domain, jobs - 1, counts, out, here)
+            break
+    out.per_dir = [n for piece in counts for n in piece]
+    return out
+
+
+def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
+           counts: list[list[int]], out: Tallied, here: Callable[[int], None]) -> None:
+    """Count ``front`` with ``others`` more processes: theirs from its start, ours from its end."""
     try:
-        futures: list[Future[tuple[list[int], set[bytes]]]] = [
-            pool.submit(count_dirs, str(root), piece, domain) for piece in pieces]
-        for i in reversed(range(len(pieces))):
-            if futures[i].cancel():
-                here(i)
-        for i, future in enumerate(futures):
-            if future.cancelled():
-                continue
-            try:
-                counts[i], of = future.result()
-            except BrokenProcessPool:
-                here(i)
-                continue
-            spids.update(of)
+        pool = ProcessPoolExecutor(others, mp_context=multiprocessing.get_context("spawn"))
+    except (OSError, NotImplementedError) as exc:  # no semaphores here, for one
+        log.info("counting alone: no other process could start (%s)", exc)
+        for i in reversed(range(len(front))):
+            here(i)
+        return
+    given: deque[tuple[int, Future[tuple[list[int], set[bytes]]]]] = deque()
+
+    def collect(i: int, future: Future[tuple[list[int], set[bytes]]]) -> None:
+        try:
+            counts[i], of = future.result()
+        except BrokenProcessPool:
+            here(i)  # the process died: its pieces are ours
+            return
+        out.spids.update(of)
+        out.elsewhere += 1
+
+    try:
+        nxt, back = 0, len(front)
+        while nxt < back:
+            while nxt < back and len(given) < 2 * others:
+                try:
+                    given.append((nxt, pool.submit(count_dirs, str(root), front[nxt], domain)))
+                except (OSError, BrokenProcessPool):
+                    break  # a spawn failed: the rest are ours
+                nxt += 1
+            while given and given[0][1].done():
+                collect(*given.popleft())
+            if nxt < back:
+                back -= 1
+                here(back)
+        while given:
+            collect(*given.popleft())
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return [n for piece in counts for n in piece], spids
+        pool.shutdown(wait=True)
