@@ -62,6 +62,22 @@ def held() -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+class Holds:
+    """The read lock as a count: this process takes it once per piece it lists."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Any:
+        self.n += 1
+        yield
+
+
+def pieces_of(rel_dirs: list[str]) -> int:
+    return len(range(0, len(rel_dirs), PIECE))
+
+
 def slow_clock() -> Callable[[], float]:
     """A clock that says every piece took a second: the count shares after its first."""
     ticks = itertools.count()
@@ -82,10 +98,33 @@ def test_a_count_shared_among_processes_is_the_count_of_one(tmp_path: Path,
     alone = tally(tmp_path, rel_dirs, domain, 1, held, slow_clock())
     assert (alone.per_dir, alone.spids, alone.elsewhere) == (*want, 0)
     for jobs in (2, 3):
-        shared = tally(tmp_path, rel_dirs, domain, jobs, held, slow_clock())
+        holds = Holds()
+        shared = tally(tmp_path, rel_dirs, domain, jobs, holds, slow_clock())
         assert (shared.per_dir, shared.spids) == want
-        # What was handed out is counted by the others (this process waits for it).
+        # What was handed out is counted by the others (this process waits
+        # for it), and each piece once: here, or there.
         assert shared.elsewhere >= 1
+        assert holds.n + shared.elsewhere == pieces_of(rel_dirs)
+
+
+def test_a_count_shares_only_when_the_rest_would_take_long(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    rel_dirs = tree(tmp_path, 21 * PIECE - 1)  # with the missing one: 21 pieces
+    pools: list[object] = []
+
+    def no(*_: Any, **__: Any) -> Any:
+        pools.append(True)
+        raise NotImplementedError("counted alone")
+
+    monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor", no)
+    # 10 ms a piece: at 50 ms, 16 pieces left are 0.16 s, under SHARE_ABOVE_S.
+    ticks = itertools.count()
+    tally(tmp_path, rel_dirs, None, 2, held, lambda: next(ticks) * 0.01)
+    assert pools == []
+    # 30 ms a piece: at 60 ms, 19 left are 0.57 s: it shares.
+    ticks = itertools.count()
+    tally(tmp_path, rel_dirs, None, 2, held, lambda: next(ticks) * 0.03)
+    assert pools == [True]
 
 
 def test_a_count_that_is_soon_done_starts_no_process(tmp_path: Path,
@@ -136,9 +175,11 @@ def test_pieces_of_a_process_that_died_are_counted_here(tmp_path: Path,
     pools: list[DeadPool] = []
     monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor",
                         lambda *a, **k: pools.append(DeadPool()) or pools[-1])
-    found = tally(tmp_path, rel_dirs, None, 2, held, slow_clock())
+    holds = Holds()
+    found = tally(tmp_path, rel_dirs, None, 2, holds, slow_clock())
     assert (found.per_dir, found.spids) == one_by_one(tmp_path, rel_dirs, None)
     assert found.elsewhere == 0 and pools and pools[0].submitted >= 1
+    assert holds.n == pieces_of(rel_dirs)  # each piece once, all here
 
 
 @pytest.mark.parametrize("where", ["pool", "spawn"])
@@ -147,13 +188,26 @@ def test_a_count_whose_processes_cannot_start_is_counted_here(
     rel_dirs = tree(tmp_path, 20 * PIECE)
 
     class NoSpawn(DeadPool):
+        tried = 0
+
         def submit(self, *_: Any) -> Future[Any]:
+            self.tried += 1
             raise OSError("cannot spawn")
 
     def no_pool(*_: Any, **__: Any) -> Any:
         raise NotImplementedError("no sem_open here")
 
-    monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor", no_pool if where == "pool" else NoSpawn)
-    found = tally(tmp_path, rel_dirs, None, 2, held, slow_clock())
+    spawns: list[NoSpawn] = []
+
+    def no_spawn(*_: Any, **__: Any) -> NoSpawn:
+        spawns.append(NoSpawn())
+        return spawns[-1]
+
+    monkeypatch.setattr(_fs_tally, "ProcessPoolExecutor", no_pool if where == "pool" else no_spawn)
+    holds = Holds()
+    found = tally(tmp_path, rel_dirs, None, 2, holds, slow_clock())
     assert (found.per_dir, found.spids, found.elsewhere) == (
         *one_by_one(tmp_path, rel_dirs, None), 0)
+    assert holds.n == pieces_of(rel_dirs)
+    if where == "spawn":
+        assert spawns[0].tried == 1  # a failed spawn ends the handing out

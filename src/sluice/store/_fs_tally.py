@@ -16,18 +16,21 @@ DESCRIPTION
 
 STRATEGIES
     This process starts alone, from the last piece of PIECE directories
-    backwards.  After PROBE_S it knows its pace; only if the pieces left
-    would take more than SHARE_ABOVE_S more does it start the other
-    processes, which are spawned (not forked: the store's committer
-    thread is running, as in sluice.listing) and cost about 0.2 s each
-    before their first piece.  So a small queue, or one of many small
-    directories, starts none.  The other processes are then fed from the
-    front, at most two pieces each ahead, while this process goes on from
-    the back; where the two meet, it waits for what it handed out.
-    Nothing is cancelled, so a process that dies (BrokenProcessPool)
-    fails only the pieces it was given, and this process counts them.  A
-    pool that cannot start at all (no shared memory for its semaphores,
-    a failed spawn) leaves this process counting alone.
+    backwards.  From PROBE_S on it knows its pace, and after each piece
+    it asks whether the pieces left would take it more than SHARE_ABOVE_S;
+    only then does it start the other processes, which are spawned (not
+    forked: the store's committer thread is running, as in
+    sluice.listing) and cost about 0.2 s each before their first piece.
+    So a small queue, or one of many small directories, starts none.
+    The other processes are then fed from the front, at most two pieces
+    each ahead, while this process goes on from the back; where the two
+    meet, it waits for what it handed out.  Nothing is cancelled (Python
+    3.11.7's pool fails on cancelled futures when a worker dies, CPython
+    gh-107219).  A worker that dies breaks the whole pool: every piece
+    handed out and not yet back fails with BrokenProcessPool, and this
+    process counts those and the rest.  A pool that cannot start (no
+    shared memory for its semaphores) or a spawn that fails ends the
+    handing out: this process counts what is left alone.
 
     This process lists each piece under the store's read lock.  The other
     processes take none, as in listing_pieces: beside a running serve a
@@ -127,12 +130,18 @@ def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
 
     try:
         nxt, back = 0, len(front)
+        handing = True
         while nxt < back:
-            while nxt < back and len(given) < 2 * others:
+            while handing and nxt < back and len(given) < 2 * others:
                 try:
                     given.append((nxt, pool.submit(count_dirs, str(root), front[nxt], domain)))
-                except (OSError, BrokenProcessPool):
-                    break  # a spawn failed: the rest are ours
+                except (OSError, BrokenProcessPool) as exc:
+                    # A spawn failed, or the pool broke: the rest are ours.  (A
+                    # submit that failed on its spawn may leave its piece queued
+                    # in the pool; a worker may count it again, for nothing.)
+                    log.info("counting the rest alone: %s", exc)
+                    handing = False
+                    break
                 nxt += 1
             while given and given[0][1].done():
                 collect(*given.popleft())
