@@ -190,7 +190,7 @@ def cmd_qlist(args: argparse.Namespace) -> int:
 def cmd_qcount(args: argparse.Namespace) -> int:
     """`sluice qcount`: the selected entries' totals, and their counts by state."""
     selector = selector_from_args(args)
-    jobs = _jobs(args, min(len(os.sched_getaffinity(0)), COUNT_JOBS))
+    jobs = _jobs(args, COUNT_JOBS)  # _count keeps it to one a CPU
     with _open(args) as queue:
         counts = _count(queue.store, selector, jobs)
     if args.json:

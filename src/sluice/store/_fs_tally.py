@@ -110,13 +110,12 @@ def tally(root: Path, rel_dirs: Sequence[str], domain: str | None, jobs: int,
 def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
            counts: list[list[int]], out: Tallied, here: Callable[[int], None]) -> None:
     """Count ``front`` with ``others`` more processes: theirs from its start, ours from its end."""
+    pool: ProcessPoolExecutor | None = None
     try:
         pool = ProcessPoolExecutor(others, mp_context=multiprocessing.get_context("spawn"))
     except (OSError, NotImplementedError) as exc:  # no semaphores here, for one
         log.info("counting alone: no other process could start (%s)", exc)
-        for i in reversed(range(len(front))):
-            here(i)
-        return
+    handing = True  # until a spawn fails
     given: deque[tuple[int, Future[tuple[list[int], set[bytes]]]]] = deque()
 
     def collect(i: int, future: Future[tuple[list[int], set[bytes]]]) -> None:
@@ -130,9 +129,8 @@ def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
 
     try:
         nxt, back = 0, len(front)
-        handing = True
         while nxt < back:
-            while handing and nxt < back and len(given) < 2 * others:
+            while pool is not None and handing and nxt < back and len(given) < 2 * others:
                 try:
                     given.append((nxt, pool.submit(count_dirs, str(root), front[nxt], domain)))
                 except (OSError, BrokenProcessPool) as exc:
@@ -151,4 +149,5 @@ def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
         while given:
             collect(*given.popleft())
     finally:
-        pool.shutdown(wait=True)
+        if pool is not None:
+            pool.shutdown(wait=True)
