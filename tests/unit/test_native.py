@@ -41,6 +41,48 @@ def test_an_edited_source_makes_the_build_stale_and_names_the_file(tmp_path: Pat
     assert not _native.current(tmp_path)
 
 
+def test_sources_as_large_and_as_old_as_at_the_build_are_not_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tree(tmp_path)
+
+    def no_hashing(path: Path) -> str:
+        raise AssertionError(f"{path} hashed")
+
+    monkeypatch.setattr(_native, "digest", no_hashing)
+    assert _native.stale(tmp_path) is None
+
+
+def test_a_source_touched_but_not_changed_is_hashed_and_still_current(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    touched = _native.source_path(tmp_path, "sluice.queue")
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert _native.stale(tmp_path) is None
+
+
+def test_an_edit_of_the_same_size_makes_the_build_stale(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    edited = _native.source_path(tmp_path, "sluice.model")
+    st = edited.stat()
+    edited.write_text(edited.read_text().replace("NAME", "EMAN"))
+    assert edited.stat().st_size == st.st_size
+    os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # even a nanosecond later
+    assert _native.stale(tmp_path) == "sluice/model.py changed since the build"
+
+
+def test_a_manifest_without_stats_is_checked_by_hashes(tmp_path: Path) -> None:
+    # A build made before the stats were recorded.
+    _tree(tmp_path)
+    manifest = tmp_path / "sluice" / _native.MANIFEST
+    data = json.loads(manifest.read_text())
+    del data["stats"]
+    manifest.write_text(json.dumps(data))
+    assert _native.stale(tmp_path) is None
+    edited = _native.source_path(tmp_path, "sluice.queue")
+    edited.write_text(edited.read_text() + "# an edit\n")
+    assert _native.stale(tmp_path) == "sluice/queue.py changed since the build"
+
+
 def test_extension_modules_without_a_manifest_are_stale(tmp_path: Path) -> None:
     _tree(tmp_path)
     (tmp_path / "sluice" / _native.MANIFEST).unlink()
