@@ -53,7 +53,6 @@ import csv
 import gc
 import io
 import itertools
-import multiprocessing
 import os
 import re
 from collections import deque
@@ -62,6 +61,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from sluice._workers import worker_context
 from sluice.model import QueueEntry, Reply, Selector, format_qid, recipient_domain
 from sluice.store import ListsInPieces, ListsRows, Store
 
@@ -220,8 +220,9 @@ def _pieces_in_order(rows_of: Callable[[Any], list[tuple[Any, ...]]], pieces: It
                      jobs: int, encoding: str, errors: str) -> Iterator[bytes]:
     """Each piece's lines, in order: the first ones here, the rest from ``jobs`` processes.
 
-    A listing of fewer than PIECES_ALONE pieces starts no process.  Spawned,
-    not forked: the store's committer thread is running.  At most
+    A listing of fewer than PIECES_ALONE pieces starts no process.  Forked
+    while this process has no other thread, else spawned
+    (sluice._workers).  At most
     2 × ``jobs`` pieces are out at once, so memory stays bounded and the
     lines come as the walk goes; a piece's error is raised here, in order.
     """
@@ -230,7 +231,7 @@ def _pieces_in_order(rows_of: Callable[[Any], list[tuple[Any, ...]]], pieces: It
         fields = _fields_of(_Times())
         yield from (_piece_bytes(rows_of, piece, encoding, errors, fields) for piece in first)
         return
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+    pool = ProcessPoolExecutor(jobs, mp_context=worker_context(),
                                initializer=_worker_start)
     try:
         out: deque[Future[bytes]] = deque()

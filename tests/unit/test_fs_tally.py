@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -211,3 +214,32 @@ def test_a_count_whose_processes_cannot_start_is_counted_here(
     assert holds.n == pieces_of(rel_dirs)
     if where == "spawn":
         assert spawns[0].tried == 1  # a failed spawn ends the handing out
+
+
+def test_a_count_alone_in_its_process_shares_with_forked_processes(tmp_path: Path) -> None:
+    # In a fresh interpreter (one thread) the other processes are forked,
+    # not spawned; the count is still the count of one.
+    rel_dirs = tree(tmp_path, 12 * PIECE)
+    want = one_by_one(tmp_path, rel_dirs, None)
+    code = f"""
+import contextlib, itertools, json, sys
+from pathlib import Path
+from sluice import _workers
+from sluice.store import _fs_tally
+used = []
+def context():
+    ctx = _workers.worker_context()
+    used.append(ctx.get_start_method())
+    return ctx
+_fs_tally.worker_context = context
+ticks = itertools.count()
+found = _fs_tally.tally(Path({str(tmp_path)!r}), {rel_dirs!r}, None, 2, contextlib.nullcontext,
+                        lambda: float(next(ticks)))
+print(json.dumps([found.per_dir, sorted(s.decode() for s in found.spids), found.elsewhere,
+                  used]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])
+    per_dir, spids, elsewhere, used = json.loads(out.stdout)
+    assert (per_dir, spids) == (want[0], sorted(s.decode() for s in want[1]))
+    assert elsewhere >= 1 and used == ["fork"]

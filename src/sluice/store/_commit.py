@@ -31,6 +31,9 @@ STRATEGIES
     Parallel fsync: the kernel merges concurrent fsyncs into few journal
     commits, so a batch of files costs little more than one of them.
 
+    The thread starts with the first write, not with the store: a process
+    that only reads has no thread of it.
+
 INVARIANTS
     Exactly one thread runs ``commit``; a batch never holds more than
     ``max_batch`` ops.
@@ -97,16 +100,29 @@ class GroupCommitter:
         self.max_batch = max_batch
         self._ops: queuelib.SimpleQueue[Op | object] = queuelib.SimpleQueue()
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
-        self._worker.start()
+        self._name = name
+        # Started by the first write: a process that only reads (qcount,
+        # qlist) keeps a single thread, and may fork its helpers
+        # (sluice._workers).
+        self._worker: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def submit(self, work: Callable[[Any], Any], files: Sequence[SpoolFile] = (),
                extra: Any = None, *, durable: bool = True) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
+        if self._worker is None:
+            self._start()
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._ops.put(Op(work, fut, list(files), extra, durable))
         return fut
+
+    def _start(self) -> None:
+        with self._starting:
+            if self._worker is None:
+                worker = threading.Thread(target=self._run, name=self._name, daemon=True)
+                worker.start()
+                self._worker = worker
 
     def call(self, work: Callable[[Any], Any]) -> Any:
         """Run ``work`` in the next batch and wait for the batch to be durable."""
@@ -154,8 +170,11 @@ class GroupCommitter:
         if self._closed:
             return
         self._closed = True
-        self._ops.put(_STOP)
-        self._worker.join()
+        with self._starting:
+            worker = self._worker
+        if worker is not None:  # never started: nothing was queued
+            self._ops.put(_STOP)
+            worker.join()
 
 
 class RWLock:

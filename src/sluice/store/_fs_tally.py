@@ -18,10 +18,11 @@ STRATEGIES
     This process starts alone, from the last piece of PIECE directories
     backwards.  From PROBE_S on it knows its pace, and after each piece
     it asks whether the pieces left would take it more than SHARE_ABOVE_S;
-    only then does it start the other processes, which are spawned (not
-    forked: the store's committer thread is running, as in
-    sluice.listing) and cost about 0.2 s each before their first piece.
-    So a small queue, or one of many small directories, starts none.
+    only then does it start the other processes: forked while this
+    process has no other thread (a read-only command: sluice._workers),
+    ready at once; else spawned, about 0.2 s each before their first
+    piece.  So a small queue, or one of many small directories, starts
+    none.
     The other processes are then fed from the front, at most two pieces
     each ahead, while this process goes on from the back; where the two
     meet, it waits for what it handed out.  Nothing is cancelled (Python
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -54,6 +54,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice._workers import worker_context
 from sluice.store._fs_files import count_dirs
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
     """Count ``front`` with ``others`` more processes: theirs from its start, ours from its end."""
     pool: ProcessPoolExecutor | None = None
     try:
-        pool = ProcessPoolExecutor(others, mp_context=multiprocessing.get_context("spawn"))
+        pool = ProcessPoolExecutor(others, mp_context=worker_context())
     except (OSError, NotImplementedError) as exc:  # no semaphores here, for one
         log.info("counting alone: no other process could start (%s)", exc)
     handing = True  # until a spawn fails
