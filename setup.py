@@ -10,9 +10,9 @@ STRATEGY
     pure Python and works the same, slower.  Every build first removes an
     earlier in-place one (our extension modules and manifest, nothing
     else).  After compiling, the manifest (the modules, the interpreter's
-    suffix, the hash of every source) goes to src/sluice/_native.json,
-    which `import sluice` checks (see _native.py): an edit after the build
-    runs the pure modules again.
+    suffix, the hash and the stat of every source) goes to
+    src/sluice/_native.json, which `import sluice` checks (see
+    _native.py): an edit after the build runs the pure modules again.
 """
 
 from __future__ import annotations

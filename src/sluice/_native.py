@@ -22,10 +22,11 @@ DESCRIPTION
     package, since a compiled module also bakes in what it saw of the
     others.  An extension module sits next to its .py and Python prefers
     it, so at `import sluice` this module checks, once, that the sources
-    are as they were built: first by size and modification time (about 2
-    ms for the package's 240 files), and only if one of those moved by
-    their hashes (about 10 ms; a file touched but not changed is still
-    current).  If one differs (an edit or a
+    are as they were built: first by what each file's stat says (size,
+    times, inode: about 2 ms for the package's 240 files), and only if
+    one of those moved by their hashes (about 10 ms; a file touched but
+    not changed is still current, and is hashed at every import until
+    the next build records it again).  If one differs (an edit or a
     checkout after the build), if the list or the interpreter changed, if
     the manifest is missing, or if SLUICE_NATIVE=0 is set, a finder at the
     head of sys.meta_path loads every listed module (and every module of
@@ -106,7 +107,8 @@ MODULES: tuple[str, ...] = (
 #: Written by setup.py beside this file once a build is done: the modules it
 #: compiled, the interpreter's extension suffix, and the SHA-256 of every
 #: source of the package (a compiled module also bakes in what it saw of the
-#: others: their Final constants, the classes of what they hand it).
+#: others: their Final constants, the classes of what they hand it), with
+#: what each source's stat said (stats_of).
 MANIFEST = "_native.json"
 #: Set to 0 to run the pure-Python modules even when a build matches.
 SWITCH = "SLUICE_NATIVE"
@@ -136,19 +138,23 @@ def sources_of(root: Path) -> dict[str, str]:
 
 
 def stats_of(root: Path) -> dict[str, list[int]]:
-    """Every .py file of the package under `root`, by relative path, with its size and mtime.
+    """Every .py file of the package under `root`, by relative path, with what its stat says.
 
-    The same files as sources_of, without reading them: a walk and a stat each.
+    The same files as sources_of, without reading them: a walk and a stat
+    each.  Size, mtime, ctime and inode: a tool may set a file's mtime
+    (tar, cp -p, touch -r), but a write, a copy or a rename also moves its
+    ctime or its inode, which no tool sets.
     """
     out: dict[str, list[int]] = {}
-    skip = len(str(root)) + 1  # strings, not Paths: a Path a file cost more than its stat
+    skip = len(str(root)) + 1  # paths as strings: a Path per file cost more than its stat
     for dirpath, dirnames, filenames in os.walk(os.path.join(root, "sluice")):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         for name in filenames:
             if name.endswith(".py"):
                 path = os.path.join(dirpath, name)
                 st = os.stat(path)
-                out[path[skip:].replace(os.sep, "/")] = [st.st_size, st.st_mtime_ns]
+                out[path[skip:].replace(os.sep, "/")] = [st.st_size, st.st_mtime_ns,
+                                                         st.st_ctime_ns, st.st_ino]
     return out
 
 
@@ -189,10 +195,13 @@ def stale(root: Path) -> str | None:
         return "the list of compiled modules changed since the build"
     if data.get("suffix") != SUFFIX:
         return f"the build is for another interpreter ({data.get('suffix')}, this is {SUFFIX})"
-    if data.get("stats") == stats_of(root):
-        return None  # every source where it was, as large and as old: not read again
+    try:
+        if data.get("stats") == stats_of(root):
+            return None  # every source as it was at the build: none read again
+        now = sources_of(root)
+    except OSError as exc:  # a source gone mid-walk, a dangling link
+        return f"a source cannot be read ({exc})"
     then = data.get("sources")
-    now = sources_of(root)
     if not isinstance(then, dict):
         return f"{MANIFEST} cannot be read"
     for name in sorted(then.keys() | now.keys()):

@@ -239,7 +239,7 @@ print(json.dumps([found.per_dir, sorted(s.decode() for s in found.spids), found.
                   used]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[2])
+                         check=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     per_dir, spids, elsewhere, used = json.loads(out.stdout)
     assert (per_dir, spids) == (want[0], sorted(s.decode() for s in want[1]))
     assert elsewhere >= 1 and used == ["fork"]

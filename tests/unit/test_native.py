@@ -52,12 +52,42 @@ def test_sources_as_large_and_as_old_as_at_the_build_are_not_read_again(
     assert _native.stale(tmp_path) is None
 
 
-def test_a_source_touched_but_not_changed_is_hashed_and_still_current(tmp_path: Path) -> None:
+def test_a_source_touched_but_not_changed_is_hashed_and_still_current(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _tree(tmp_path)
+    hashed: list[str] = []
+    digest = _native.digest
+
+    def counted(path: Path) -> str:
+        hashed.append(path.name)
+        return digest(path)
+
+    monkeypatch.setattr(_native, "digest", counted)
     touched = _native.source_path(tmp_path, "sluice.queue")
     st = touched.stat()
     os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert _native.stale(tmp_path) is None
+    assert "queue.py" in hashed  # the stat moved: the hashes decided
+
+
+def test_a_file_replaced_with_its_mtime_set_back_is_still_seen(tmp_path: Path) -> None:
+    # tar or cp -p write a new file and set its mtime to the old one's: same
+    # size, same mtime, but another inode (and ctime), which no tool sets.
+    _tree(tmp_path)
+    edited = _native.source_path(tmp_path, "sluice.model")
+    st = edited.stat()
+    new = edited.with_name("model.py.new")
+    new.write_text(edited.read_text().replace("NAME", "EMAN"))
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    new.replace(edited)
+    assert (edited.stat().st_size, edited.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert _native.stale(tmp_path) == "sluice/model.py changed since the build"
+
+
+def test_a_source_that_cannot_be_read_keeps_the_build_out(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    (tmp_path / "sluice" / ".#queue.py").symlink_to("user@host.1234")  # an editor's lock
+    assert _native.stale(tmp_path).startswith("a source cannot be read")
 
 
 def test_an_edit_of_the_same_size_makes_the_build_stale(tmp_path: Path) -> None:

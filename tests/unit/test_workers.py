@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sluice._workers import worker_context
+from sluice.store import StorageError
 from sluice.store._commit import GroupCommitter
 
 pytestmark = pytest.mark.unit
@@ -33,7 +34,7 @@ def test_a_process_alone_forks() -> None:
     code = ("from sluice._workers import worker_context; "
             "print(worker_context().get_start_method())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+                         check=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "fork"
 
 
@@ -52,6 +53,8 @@ def test_the_committer_thread_starts_with_the_first_write() -> None:
     idle = GroupCommitter(commit, name="test-commit")
     assert committer_threads() == []
     idle.close()  # never started: nothing to stop
+    with pytest.raises(StorageError, match="closed"):
+        idle.submit(lambda _: 1)  # and none starts for a write after the close
     assert committer_threads() == []
 
     writing = GroupCommitter(commit, name="test-commit")

@@ -1,4 +1,4 @@
-"""Group commit and locking helpers shared by the fs, kv and postgres flavours.
+"""Group commit and locking helpers shared by the fs, kv, postgres and sqlite flavours.
 
 SUMMARY
     GroupCommitter(commit, max_batch=..., name=...), Op, RWLock,
@@ -39,7 +39,7 @@ INVARIANTS
     ``max_batch`` ops.
 
 SEE ALSO
-    sluice.store.sqlite (which has its own committer), sluice.store.fs,
+    sluice.store.sqlite (with its WAL syncer beside), sluice.store.fs,
     sluice.store.kv, sluice.store.postgres.
 """
 
@@ -109,20 +109,19 @@ class GroupCommitter:
 
     def submit(self, work: Callable[[Any], Any], files: Sequence[SpoolFile] = (),
                extra: Any = None, *, durable: bool = True) -> concurrent.futures.Future[Any]:
-        if self._closed:
-            raise StorageError("the store is closed")
-        if self._worker is None:
-            self._start()
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._ops.put(Op(work, fut, list(files), extra, durable))
-        return fut
-
-    def _start(self) -> None:
+        op = Op(work, fut, list(files), extra, durable)
+        # Under the lock close() takes: no op is queued behind its stop,
+        # and no thread starts once it has looked.
         with self._starting:
+            if self._closed:
+                raise StorageError("the store is closed")
             if self._worker is None:
                 worker = threading.Thread(target=self._run, name=self._name, daemon=True)
                 worker.start()
                 self._worker = worker
+            self._ops.put(op)
+        return fut
 
     def call(self, work: Callable[[Any], Any]) -> Any:
         """Run ``work`` in the next batch and wait for the batch to be durable."""
@@ -167,13 +166,14 @@ class GroupCommitter:
 
     def close(self) -> None:
         """Commit what is queued, then stop the thread."""
-        if self._closed:
-            return
-        self._closed = True
         with self._starting:
+            if self._closed:
+                return
+            self._closed = True
             worker = self._worker
-        if worker is not None:  # never started: nothing was queued
-            self._ops.put(_STOP)
+            if worker is not None:  # never started: nothing was queued
+                self._ops.put(_STOP)
+        if worker is not None:
             worker.join()
 
 

@@ -30,8 +30,8 @@ STRATEGIES
     gh-107219).  A worker that dies breaks the whole pool: every piece
     handed out and not yet back fails with BrokenProcessPool, and this
     process counts those and the rest.  A pool that cannot start (no
-    shared memory for its semaphores) or a spawn that fails ends the
-    handing out: this process counts what is left alone.
+    shared memory for its semaphores) or a process that fails to start
+    ends the handing out: this process counts what is left alone.
 
     This process lists each piece under the store's read lock.  The other
     processes take none, as in listing_pieces: beside a running serve a
@@ -116,7 +116,7 @@ def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
         pool = ProcessPoolExecutor(others, mp_context=worker_context())
     except (OSError, NotImplementedError) as exc:  # no semaphores here, for one
         log.info("counting alone: no other process could start (%s)", exc)
-    handing = True  # until a spawn fails
+    handing = True  # until a process fails to start
     given: deque[tuple[int, Future[tuple[list[int], set[bytes]]]]] = deque()
 
     def collect(i: int, future: Future[tuple[list[int], set[bytes]]]) -> None:
@@ -135,9 +135,10 @@ def _share(front: list[list[str]], root: Path, domain: str | None, others: int,
                 try:
                     given.append((nxt, pool.submit(count_dirs, str(root), front[nxt], domain)))
                 except (OSError, BrokenProcessPool) as exc:
-                    # A spawn failed, or the pool broke: the rest are ours.  (A
-                    # submit that failed on its spawn may leave its piece queued
-                    # in the pool; a worker may count it again, for nothing.)
+                    # A process failed to start, or the pool broke: the rest
+                    # are ours.  (A submit that failed to start one may leave
+                    # its piece queued in the pool; a worker may count it
+                    # again, for nothing.)
                     log.info("counting the rest alone: %s", exc)
                     handing = False
                     break
