@@ -131,30 +131,37 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def source_names(root: Path) -> list[str]:
+    """Every .py file of the package under `root`, by path relative to it (``/``), sorted.
+
+    The one list both checks take (sources_of, stats_of); paths as strings,
+    as a Path per file cost more than the stat of it.
+    """
+    names: list[str] = []
+    skip = len(str(root)) + 1
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "sluice")):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        names += [os.path.join(dirpath, name)[skip:].replace(os.sep, "/")
+                  for name in filenames if name.endswith(".py")]
+    return sorted(names)
+
+
 def sources_of(root: Path) -> dict[str, str]:
-    """Every .py file of the package under `root`, by path relative to it, with its hash."""
-    return {path.relative_to(root).as_posix(): digest(path)
-            for path in sorted((root / "sluice").rglob("*.py"))}
+    """Every .py file of the package under `root` (source_names), with its hash."""
+    return {name: digest(root / name) for name in source_names(root)}
 
 
 def stats_of(root: Path) -> dict[str, list[int]]:
-    """Every .py file of the package under `root`, by relative path, with what its stat says.
+    """Every .py file of the package under `root` (source_names), with what its stat says.
 
-    The same files as sources_of, without reading them: a walk and a stat
-    each.  Size, mtime, ctime and inode: a tool may set a file's mtime
-    (tar, cp -p, touch -r), but a write, a copy or a rename also moves its
-    ctime or its inode, which no tool sets.
+    Without reading them: a stat each.  Size, mtime, ctime and inode: a
+    tool may set a file's mtime (tar, cp -p, touch -r), but a write, a
+    copy or a rename also moves its ctime or its inode, which no tool sets.
     """
     out: dict[str, list[int]] = {}
-    skip = len(str(root)) + 1  # paths as strings: a Path per file cost more than its stat
-    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "sluice")):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        for name in filenames:
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                st = os.stat(path)
-                out[path[skip:].replace(os.sep, "/")] = [st.st_size, st.st_mtime_ns,
-                                                         st.st_ctime_ns, st.st_ino]
+    for name in source_names(root):
+        st = os.stat(os.path.join(root, name))
+        out[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     return out
 
 

@@ -105,7 +105,7 @@ class GroupCommitter:
         # qlist) keeps a single thread, and may fork its helpers
         # (sluice._workers).
         self._worker: threading.Thread | None = None
-        self._starting = threading.Lock()
+        self._gate = threading.Lock()  # the thread's start, every submit, the close
 
     def submit(self, work: Callable[[Any], Any], files: Sequence[SpoolFile] = (),
                extra: Any = None, *, durable: bool = True) -> concurrent.futures.Future[Any]:
@@ -113,7 +113,7 @@ class GroupCommitter:
         op = Op(work, fut, list(files), extra, durable)
         # Under the lock close() takes: no op is queued behind its stop,
         # and no thread starts once it has looked.
-        with self._starting:
+        with self._gate:
             if self._closed:
                 raise StorageError("the store is closed")
             if self._worker is None:
@@ -166,7 +166,7 @@ class GroupCommitter:
 
     def close(self) -> None:
         """Commit what is queued, then stop the thread."""
-        with self._starting:
+        with self._gate:
             if self._closed:
                 return
             self._closed = True
