@@ -5,6 +5,7 @@
                                   [--configs base,big,rcpt5] [--no-postfix]
                                   [--sync-method fsync|syncfs] [--store sqlite|fs|kv]
                                   [--profile DIR] [--pure-too]
+                                  [--floor [journal,sqlite,split]]
     .venv/bin/python bench/e2e.py --configs base,many      # 1 vs 10,000 destinations
 
 Both MTAs are measured with the shared harness in ../shared/bench (run from
@@ -63,6 +64,20 @@ SLUICE_NATIVE=0, so none of the modules mypyc compiled (src/sluice/_native.py)
 runs.  The MTAs take turns going first.  The table then also prints
     CONFIG compiled/pure  e2e X  cpu a message Y
 the compiled build's median rate and CPU per message over the pure one's.
+
+--floor adds bench/relay_floor.py to every round: a relay that does only
+what the 250 promises (the data fdatasync'ed in a journal before it) and
+forwards over kept, pipelined sessions, with none of an MTA's queue,
+policy or accounting, so its CPU a message is what any Python relay pays
+on this machine before doing anything of its own.  --floor journal,sqlite,split
+runs it three times a round: "floor" with its journal, "floorsql" keeping
+the messages in Sluice's own SQLite schema with the statements of Sluice's
+SQLite store (the price of that queue without the code around it), and
+"floor2p" receiving in one process and claiming and sending from another
+through that queue, as Sluice does (the price of the split).  The table
+then also prints, for each,
+    CONFIG sluice/floor  e2e X  cpu a message Y
+    CONFIG floor/postfix  e2e X  cpu a message Y
 """
 
 from __future__ import annotations
@@ -176,17 +191,42 @@ def serving(cfg: dict[str, int], prefix: str = "sluice-e2e-", pure: bool = False
     work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     config = work / "sluice.yaml"
     config.write_text(sluice_config(work, PORT, SINK_PORT, cfg))
-    wait_port_free(PORT)
     env = {**os.environ, "SLUICE_NATIVE": "0"} if pure else None
-    proc = subprocess.Popen([SLUICE, "-c", str(config), "serve", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cmd = [SLUICE, "-c", str(config), "serve", "--log-level", "warning"]
+    with running(cmd, work, env) as proc:
+        yield proc, work
+
+
+@contextlib.contextmanager
+def floor_serving(cfg: dict[str, int], options: tuple[str, ...]
+                  ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """bench/relay_floor.py on PORT, relaying to SINK_PORT (each domain its hop for "hops")."""
+    work = Path(tempfile.mkdtemp(prefix="floor-e2e-", dir="/tmp"))
+    cmd = [sys.executable, str(HERE / "relay_floor.py"), "--listen", f"127.0.0.1:{PORT}",
+           "--sink-port", str(SINK_PORT), "--dir", str(work / "store"), *options]
+    if cfg.get("hops"):
+        cmd.append("--hops")
+    with running(cmd, work) as proc:
+        yield proc, work
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], work: Path, env: dict[str, str] | None = None
+            ) -> Iterator[subprocess.Popen[str]]:
+    """An MTA started by ``cmd`` that prints "serving SMTP" once it listens on PORT.
+
+    Yields it serving; then stops it (SIGTERM, its process group killed
+    after 60 s) and removes ``work``.
+    """
+    wait_port_free(PORT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True, env=env)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if "serving SMTP" not in line:
-            raise RuntimeError(f"sluice serve did not start: {line}{proc.stdout.read()}")
-        yield proc, work
+            raise RuntimeError(f"{Path(cmd[1]).name} did not start: {line}{proc.stdout.read()}")
+        yield proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -201,16 +241,35 @@ def serving(cfg: dict[str, int], prefix: str = "sluice-e2e-", pure: bool = False
 
 
 def drive(proc: subprocess.Popen[str], work: Path, n: int, sessions: int,
-          cfg: dict[str, int], quiet_wait: int) -> dict[str, str]:
-    """One run of the driver against serving()'s Sluice; its result line's fields."""
-    cmd = driver_cmd("sluice", PORT, SINK_PORT, n, sessions, cfg, quiet_wait, work / "run")
-    cmd += ["--mta-pid", str(proc.pid), "--queue-dir", str(work / "spool")]
+          cfg: dict[str, int], quiet_wait: int, label: str = "sluice") -> dict[str, str]:
+    """One run of the driver against a serving MTA; its result line's fields.
+
+    Sluice's spool is checked empty afterwards; the floor keeps no spool.
+    """
+    cmd = driver_cmd(label, PORT, SINK_PORT, n, sessions, cfg, quiet_wait, work / "run")
+    cmd += ["--mta-pid", str(proc.pid)]
+    if label == "sluice":
+        cmd += ["--queue-dir", str(work / "spool")]
     (work / "run").mkdir()
     out = subprocess.run(cmd, cwd=HARNESS, capture_output=True, text=True, timeout=1800)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-    if out.returncode != 0 or not last.startswith("sluice "):
-        raise RuntimeError(f"sluice run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    if out.returncode != 0 or not last.startswith(f"{label} "):
+        raise RuntimeError(f"{label} run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     return parse(last)
+
+
+#: The floors of --floor: the name given, the MTA's name in the table, its options
+FLOORS = {"journal": ("floor", ("--store", "journal")),
+          "sqlite": ("floorsql", ("--store", "sqlite")),
+          "split": ("floor2p", ("--store", "sqlite", "--split"))}
+FLOOR_OPTIONS = dict(FLOORS.values())
+
+
+def run_floor(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
+              mta: str) -> dict[str, str]:
+    """One run of bench/relay_floor.py, the least a Python relay does (its module doc)."""
+    with floor_serving(cfg, FLOOR_OPTIONS[mta]) as (proc, work):
+        return drive(proc, work, n, sessions, cfg, quiet_wait, label=mta)
 
 
 def run_sluice(n: int, sessions: int, cfg: dict[str, int], quiet_wait: int,
@@ -301,6 +360,13 @@ def summary(results: dict[str, dict[str, list[dict[str, str]]]],
                     / median(by_mta["pure"], "e2e_msgs_per_s"))
             cpu = cpu_ms(by_mta["sluice"]) / cpu_ms(by_mta["pure"])
             print(f"{name:8} compiled/pure  e2e {rate:.2f}  cpu a message {cpu:.2f}")
+        for floor in FLOOR_OPTIONS:
+            for a, b in (("sluice", floor), (floor, "postfix")):
+                if by_mta.get(a) and by_mta.get(b):
+                    rate = (median(by_mta[a], "e2e_msgs_per_s")
+                            / median(by_mta[b], "e2e_msgs_per_s"))
+                    cpu = cpu_ms(by_mta[a]) / cpu_ms(by_mta[b])
+                    print(f"{name:8} {a}/{b}  e2e {rate:.2f}  cpu a message {cpu:.2f}")
     for name, share in shares.items():
         print(f"{name:8} scheduler share of Sluice's CPU (py-spy samples) {100 * share:.1f}%")
 
@@ -340,6 +406,12 @@ def main() -> None:
     ap.add_argument("--pure-too", action="store_true",
                     help="each round also runs Sluice with SLUICE_NATIVE=0 (no mypyc build), "
                          "interleaved: MTA 'pure'")
+    ap.add_argument("--floor", nargs="?", const="journal", default="",
+                    metavar="journal,sqlite,split",
+                    help="each round also runs bench/relay_floor.py, the least a Python relay "
+                         "does with the same durability: MTA 'floor' (its journal), "
+                         "'floorsql' (Sluice's SQLite schema and statements), 'floor2p' (that, "
+                         "received in one process and claimed and sent from another)")
     args = ap.parse_args()
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
@@ -367,6 +439,9 @@ def main() -> None:
             sys.exit(f"e2e: {exc}")
         print("# in a private network namespace (interfaces: lo only), for the "
               "many-destinations configs; every run of this sitting is inside", flush=True)
+    if unknown := [f for f in args.floor.split(",") if f and f not in FLOORS]:
+        ap.error(f"unknown floor {', '.join(unknown)} (known: {', '.join(FLOORS)})")
+    floors = [FLOORS[f][0] for f in args.floor.split(",") if f]
     results: dict[str, dict[str, list[dict[str, str]]]] = {}
     shares: dict[str, float] = {}
     global SYNC_METHOD, RECEIVERS, STORE
@@ -375,17 +450,21 @@ def main() -> None:
     STORE = args.store
     for name in names:
         cfg = CONFIGS[name]
-        results[name] = {"sluice": [], "pure": [], "postfix": []}
+        results[name] = {"sluice": [], "pure": [], **{f: [] for f in FLOOR_OPTIONS},
+                         "postfix": []}
         print(f"== {name}: n={args.n} size={cfg['size']} rcpts={cfg['rcpts']} "
               f"domains={cfg['domains']} next hops={cfg['domains'] if cfg.get('hops') else 1} "
               f"sessions={args.sessions}", flush=True)
-        mtas = ["sluice"] + ["pure"] * args.pure_too + ["postfix"] * (not args.no_postfix)
+        mtas = (["sluice"] + ["pure"] * args.pure_too + floors
+                + ["postfix"] * (not args.no_postfix))
         for i in range(args.runs):
             turn = i % len(mtas)  # each MTA goes first in turn
             for mta in mtas[turn:] + mtas[:turn]:
                 load = loadavg()
                 if mta == "postfix":
                     res = run_postfix(args.n, args.sessions, cfg, args.quiet_wait)
+                elif mta in FLOOR_OPTIONS:
+                    res = run_floor(args.n, args.sessions, cfg, args.quiet_wait, mta)
                 else:
                     res = run_sluice(args.n, args.sessions, cfg, args.quiet_wait,
                                      pure=mta == "pure")

@@ -1,6 +1,7 @@
 """Where Sluice's CPU goes, thread by thread: one e2e run, CPU per message of each thread.
 
     .venv/bin/python bench/thread_cpu.py [--configs base] [--n 20000] [--runs 3]
+                                         [--mta sluice|floor|floorsql|floor2p]
 
 STRATEGY
     The same Sluice, configuration and driver as bench/e2e.py (smtp-source
@@ -39,6 +40,11 @@ STRATEGY
     else running; the pace says when that happened, and figures of two
     versions are only compared at the same pace, interleaved.  The driver
     waits --quiet-wait seconds (default 5) for an idle machine first.
+
+    --mta floor2p (or floor, floorsql) measures bench/relay_floor.py
+    instead, as bench/e2e.py --floor runs it: the first process, which
+    claims and sends, is named "manager" as Sluice's is, the one that
+    receives "receiver 1", so that the two tables line up thread by thread.
 """
 
 from __future__ import annotations
@@ -110,16 +116,19 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def one_run(name: str, n: int, sessions: int, quiet_wait: int
+def one_run(name: str, n: int, sessions: int, quiet_wait: int, mta: str = "sluice"
             ) -> tuple[dict[str, str], dict[str, tuple[float, ...]]]:
     """One run: (the driver's figures, label -> (user, sys µs, switches a message))."""
-    with e2e.serving(e2e.CONFIGS[name], prefix="sluice-threads-") as (proc, work):
+    cfg = e2e.CONFIGS[name]
+    serving = (e2e.serving(cfg, prefix="sluice-threads-") if mta == "sluice"
+               else e2e.floor_serving(cfg, e2e.FLOOR_OPTIONS[mta]))
+    with serving as (proc, work):
         time.sleep(1.0)  # the receivers' start-up is not the run's
         pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(proc.pid)], text=True,
                                                capture_output=True).stdout.split()]
         pids = [p for p in pids if "resource_tracker" not in cmdline(p)]
         before = threads_of(pids)
-        figures = e2e.drive(proc, work, n, sessions, e2e.CONFIGS[name], quiet_wait)
+        figures = e2e.drive(proc, work, n, sessions, cfg, quiet_wait, label=mta)
         after = threads_of(pids)
     names = labels(proc.pid, list(after))
     per: dict[str, tuple[float, ...]] = {}
@@ -140,6 +149,8 @@ def main() -> None:
                     help="seconds the driver waits for an idle machine before each run")
     ap.add_argument("--store", choices=("sqlite", "fs", "kv"), default="sqlite",
                     help="Sluice's queue.store, as bench/e2e.py --store")
+    ap.add_argument("--mta", choices=("sluice", *e2e.FLOOR_OPTIONS), default="sluice",
+                    help="Sluice, or one of bench/e2e.py's floors (bench/relay_floor.py)")
     args = ap.parse_args()
     e2e.STORE = args.store
     for name in args.configs.split(","):
@@ -149,7 +160,7 @@ def main() -> None:
         runs: list[dict[str, tuple[float, ...]]] = []
         for i in range(args.runs):
             pace = pace_ms()
-            figures, per = one_run(name, args.n, args.sessions, args.quiet_wait)
+            figures, per = one_run(name, args.n, args.sessions, args.quiet_wait, args.mta)
             rate = float(figures["e2e_msgs_per_s"])
             rates.append(rate)
             runs.append(per)
@@ -158,7 +169,7 @@ def main() -> None:
                                 for what, key in (("smtp-source", "source_cpu_s"),
                                                   ("smtp-sink", "sink_cpu_s"),
                                                   ("interrupts", "irq_cpu_s")))
-            print(f"{name} run {i + 1}: {rate:.0f} msg/s e2e, Sluice {total:.0f} µs CPU a "
+            print(f"{name} run {i + 1}: {rate:.0f} msg/s e2e, {args.mta} {total:.0f} µs CPU a "
                   f"message by its threads ({1e6 * float(figures['mta_cpu_s']) / args.n:.0f} "
                   f"by the driver's count); {harness} a message; CPUs "
                   f"{figures['cpu_busy_pct']} % busy; contaminated={figures['contaminated']}; "

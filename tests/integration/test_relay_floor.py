@@ -1,0 +1,117 @@
+"""bench/relay_floor.py relays what it takes in, byte for byte, and keeps it first.
+
+The floor's figures in docs/benchmarks.md only mean something if it does
+the work it claims: every message reaches the next hop with its content
+intact (dot-stuffing undone on the way in and done again on the way out),
+and the 250 comes after the journal (or the SQLite queue) holds the
+message.  A real SMTP client (smtplib) and a real next hop (the aiosmtpd
+sink) over loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import smtplib
+import socket
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice._loopback import free_port
+from sluice.sink import Sink
+from tests.integration.serving import wait_until
+
+pytestmark = pytest.mark.integration
+
+FLOOR = Path(__file__).resolve().parents[2] / "bench" / "relay_floor.py"
+
+BODY = (b"From: a@sender.test\r\nTo: b@ok.test\r\nSubject: floor\r\n\r\n"
+        b".leading dot\r\n..two dots\r\n.\r\nlast line\r\n")
+
+
+@pytest.fixture
+def sink() -> Iterator[tuple[Sink, int]]:
+    s = Sink(keep=True)
+    port = s.start_in_thread()
+    yield s, port
+    s.stop_thread()
+
+
+def start_floor(tmp: Path, sink_port: int, store: str) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    options = ["--store", "sqlite", "--split"] if store == "split" else ["--store", store]
+    proc = subprocess.Popen(
+        [sys.executable, str(FLOOR), "--listen", f"127.0.0.1:{port}", "--sink-port",
+         str(sink_port), "--dir", str(tmp / "store"), *options],
+        cwd=FLOOR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "serving SMTP" in line, line + proc.stdout.read()
+    return proc, port
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    return out
+
+
+@pytest.mark.parametrize("store", ["journal", "sqlite", "split"])
+def test_every_message_arrives_intact_and_was_kept_first(
+        tmp_path: Path, sink: tuple[Sink, int], store: str) -> None:
+    s, sink_port = sink
+    proc, port = start_floor(tmp_path, sink_port, store)
+    try:
+        with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30) as c:
+            for i in range(5):
+                c.sendmail("a@sender.test", [f"b{i}@ok.test", f"c{i}@ok.test"], BODY)
+        assert wait_until(lambda: len(s.messages) == 5, 30), len(s.messages)
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0, out
+    # with --split, SIGTERM to the first process stops the receiving one too
+    assert not _listening(port)
+    for i, m in enumerate(sorted(s.messages, key=lambda m: m.recipients)):
+        assert m.sender == "a@sender.test"
+        assert m.recipients == (f"b{i}@ok.test", f"c{i}@ok.test")
+        received, _, content = m.data.partition(b"\r\n")
+        assert received.startswith(b"Received: from client by floor.test; ")
+        assert content == BODY
+    if store == "journal":
+        journal = (tmp_path / "store" / "journal").read_bytes()
+        # each message's record holds its content, and each delivery left its mark
+        assert journal.count(BODY) == 5
+        assert sorted(line for line in journal.split(b"\n") if line.startswith(b"D ")) == [
+            b"D %d" % k for k in range(1, 6)]
+    else:
+        db = sqlite3.connect(tmp_path / "store" / "queue.db")
+        try:
+            assert db.execute("SELECT count(*) FROM queue").fetchone() == (0,)
+            assert db.execute("SELECT count(*) FROM content").fetchone() == (0,)
+            assert dict(db.execute("SELECT key, n FROM qstats")) == {
+                k: 0 for k in ("hold", "incoming", "deferred", "active", "delivering",
+                               "bounce", "messages")}
+        finally:
+            db.close()
+
+
+def test_a_refused_message_stops_the_floor_with_the_reason(tmp_path: Path) -> None:
+    nobody = free_port()  # nothing listens there: the first delivery cannot connect
+    proc, port = start_floor(tmp_path, nobody, "journal")
+    c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
+    c.sendmail("a@sender.test", ["b@ok.test"], BODY)
+    with contextlib.suppress(smtplib.SMTPServerDisconnected, ConnectionError):
+        c.quit()  # the floor may be gone already
+    c.close()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert f"cannot connect to 127.0.0.1:{nobody}" in out
