@@ -16,8 +16,9 @@ DESCRIPTION
 
     SqliteQueue and Claimer make the transitions Sluice's SQLite store
     makes, with its own schema (indexes, triggers, counters): rows a
-    recipient and the content inline on arrival (in a file of its own,
-    fdatasync'ed, above Sluice's default inline_max of 64 KiB), "active" when claimed,
+    recipient and the content inline on arrival (in a file of its own
+    above Sluice's default inline_max of 64 KiB, the batch's files and
+    their directory synced in parallel as Sluice's spool does), "active" when claimed,
     "delivering" as it goes out, all of it gone once delivered.  In one
     process SqliteQueue does all of it and the message goes from the
     receiving side to the sending side in memory; with --split the
@@ -39,6 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from sluice._fsync import fsync_fds, fsync_paths
 
 
 class Message:
@@ -63,7 +66,9 @@ class Writer:
         self.waiters: list[Callable[[], None]] = []
         self.cond = threading.Condition()
         self.closed = False
-        self.thread = threading.Thread(target=self._run, name="writer", daemon=True)
+        #: Told (on the loop) why the writer thread stopped, if it failed
+        self.failed: Callable[[str], None] = lambda why: None
+        self.thread = threading.Thread(target=self._main, name="writer", daemon=True)
         self.thread.start()
 
     def received(self, msg: Message, then: Callable[[], None]) -> None:
@@ -83,6 +88,13 @@ class Writer:
             if then is not None:
                 self.waiters.append(then)
             self.cond.notify()
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.loop.call_soon_threadsafe(self.failed, f"{type(self).__name__}: {exc!r}")
+            raise
 
     def _run(self) -> None:
         while True:
@@ -155,13 +167,14 @@ class SqliteQueue(Writer):
     def write(self, ops: list[Op]) -> None:
         db = self.db
         now = time.time()
+        big = [msg for kind, msg in ops if kind == "M" and len(msg.content) > INLINE_MAX]
+        if big:
+            spooled(self.spool, big)
         db.execute("BEGIN IMMEDIATE")
         for kind, msg in ops:
             spid = f"{msg.mid:016X}"
             if kind == "M":
-                if len(msg.content) > INLINE_MAX:
-                    spooled(self.spool, msg)
-                else:
+                if len(msg.content) <= INLINE_MAX:
                     db.execute("INSERT INTO content (id, data) VALUES (?, ?)",
                                (msg.mid, msg.content))
                 sender = msg.sender.decode()
@@ -199,14 +212,22 @@ def spool_of(path: Path) -> Path:
     return spool
 
 
-def spooled(spool: Path, msg: Message) -> None:
-    """Write a big content to its own file and fdatasync it (before the rows' commit)."""
-    fd = os.open(spool / f"{msg.mid:016X}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def spooled(spool: Path, messages: list[Message]) -> None:
+    """Write big contents to files of their own, then sync them and their directory.
+
+    Before the rows' commit, as Sluice's FsSpool.sync does and with its
+    helpers: every file and the directory fsync'ed in parallel, so the
+    kernel merges them into few journal commits.
+    """
+    fds = [os.open(spool / f"{msg.mid:016X}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+           for msg in messages]
     try:
-        os.write(fd, msg.content)
-        os.fdatasync(fd)
+        for fd, msg in zip(fds, messages, strict=True):
+            os.write(fd, msg.content)
+        fsync_paths([str(spool)], also=lambda: fsync_fds(fds))
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def unspool(db: sqlite3.Connection, spool: Path, msg: Message) -> None:

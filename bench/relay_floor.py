@@ -149,7 +149,10 @@ class Client(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.step != "closed":
+        if self.step == "idle":  # a next hop may close a kept session (the sink stopping)
+            self.hop.idle.remove(self)
+            self.hop.sessions -= 1
+        elif self.step != "closed":
             self.hop.relay.fail(f"session to {self.hop.addr} lost in {self.step}: {exc}")
 
     def data_received(self, data: bytes) -> None:
@@ -244,6 +247,7 @@ class Hop:
         if self.waiting:
             client.send(self.waiting.popleft())
         elif self.keep:
+            client.step = "idle"
             self.idle.append(client)
         else:
             self.sessions -= 1
@@ -391,6 +395,7 @@ def run(store_of: Callable[[asyncio.AbstractEventLoop], Writer], args: argparse.
         stop: asyncio.Future[str] = loop.create_future()
         store = store_of(loop)
         relay = Relay(loop, store, args.sink_port, args.hops, args.per_hop, stop, forward=send)
+        store.failed = relay.fail
         loop.add_signal_handler(signal.SIGTERM, relay.fail, "")
         server = None
         if receive:
