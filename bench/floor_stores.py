@@ -186,12 +186,9 @@ class SqliteQueue(Writer):
             elif kind == "A":
                 db.execute("UPDATE queue SET state = 'active', owner = 'floor' "
                            "WHERE spid = ? AND +state = 'incoming'", (spid,))
-                db.execute("UPDATE queue SET state = 'delivering' "
-                           "WHERE spid = ? AND +state = 'active'", (spid,))
+                marked_and_gone(db, self.spool, kind, msg)
             else:
-                db.execute("DELETE FROM queue WHERE spid = ?", (spid,))
-                unspool(db, self.spool, msg)
-                db.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
+                marked_and_gone(db, self.spool, kind, msg)
         db.execute("COMMIT")
         if self.notify is not None:
             os.write(self.notify, b"!")
@@ -228,6 +225,18 @@ def spooled(spool: Path, messages: list[Message]) -> None:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def marked_and_gone(db: sqlite3.Connection, spool: Path, kind: str, msg: Message) -> None:
+    """An active message marked "delivering" ("A"), or a delivered one gone ("D")."""
+    spid = f"{msg.mid:016X}"
+    if kind == "A":
+        db.execute("UPDATE queue SET state = 'delivering' WHERE spid = ? AND +state = 'active'",
+                   (spid,))
+        return
+    db.execute("DELETE FROM queue WHERE spid = ?", (spid,))
+    unspool(db, spool, msg)
+    db.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
 
 
 def unspool(db: sqlite3.Connection, spool: Path, msg: Message) -> None:
@@ -320,14 +329,7 @@ class Claimer(SqliteQueue):
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         for kind, msg in ops:
-            spid = f"{msg.mid:016X}"
-            if kind == "A":
-                db.execute("UPDATE queue SET state = 'delivering' "
-                           "WHERE spid = ? AND +state = 'active'", (spid,))
-            else:
-                db.execute("DELETE FROM queue WHERE spid = ?", (spid,))
-                unspool(db, self.spool, msg)
-                db.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
+            marked_and_gone(db, self.spool, kind, msg)
         db.execute("COMMIT")
 
 

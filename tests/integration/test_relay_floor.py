@@ -18,7 +18,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,14 +34,6 @@ BODY = (b"From: a@sender.test\r\nTo: b@ok.test\r\nSubject: floor\r\n\r\n"
         b".leading dot\r\n..two dots\r\n.\r\nlast line\r\n")
 #: Above the SQLite stores' inline limit (64 KiB): kept in a spool file of its own.
 BIG = BODY + b"".join(b"line %06d of a big message, long enough\r\n" % i for i in range(2500))
-
-
-@pytest.fixture
-def sink() -> Iterator[tuple[Sink, int]]:
-    s = Sink(keep=True)
-    port = s.start_in_thread()
-    yield s, port
-    s.stop_thread()
 
 
 def start_floor(tmp: Path, sink_port: int, store: str) -> tuple[subprocess.Popen[str], int]:
@@ -71,8 +62,8 @@ def stop(proc: subprocess.Popen[str]) -> str:
 
 @pytest.mark.parametrize("store", ["journal", "sqlite", "split"])
 def test_every_message_arrives_intact_and_was_kept_first(
-        tmp_path: Path, sink: tuple[Sink, int], store: str) -> None:
-    s, sink_port = sink
+        tmp_path: Path, kept_sink: tuple[Sink, int], store: str) -> None:
+    s, sink_port = kept_sink
     proc, port = start_floor(tmp_path, sink_port, store)
     try:
         with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30) as c:

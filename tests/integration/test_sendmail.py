@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,11 +143,8 @@ def test_sendmail_named_sendmail_takes_postfix_options(tmp_path: Path, cfg: Path
 
 
 @pytest.fixture
-def sink() -> Iterator[tuple[Sink, int]]:
-    s = Sink(keep=True)
-    port = s.start_in_thread()
-    yield s, port
-    s.stop_thread()
+def sink(kept_sink: tuple[Sink, int]) -> tuple[Sink, int]:
+    return kept_sink
 
 
 def test_with_a_kv_queue_held_by_serve_sendmail_hands_the_message_over(
