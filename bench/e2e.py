@@ -193,7 +193,7 @@ def serving(cfg: dict[str, int], prefix: str = "sluice-e2e-", pure: bool = False
     config.write_text(sluice_config(work, PORT, SINK_PORT, cfg))
     env = {**os.environ, "SLUICE_NATIVE": "0"} if pure else None
     cmd = [SLUICE, "-c", str(config), "serve", "--log-level", "warning"]
-    with running(cmd, work, env) as proc:
+    with running(cmd, work, "sluice serve", env) as proc:
         yield proc, work
 
 
@@ -206,12 +206,12 @@ def floor_serving(cfg: dict[str, int], options: tuple[str, ...]
            "--sink-port", str(SINK_PORT), "--dir", str(work / "store"), *options]
     if cfg.get("hops"):
         cmd.append("--hops")
-    with running(cmd, work) as proc:
+    with running(cmd, work, "bench/relay_floor.py") as proc:
         yield proc, work
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], work: Path, env: dict[str, str] | None = None
+def running(cmd: list[str], work: Path, name: str, env: dict[str, str] | None = None
             ) -> Iterator[subprocess.Popen[str]]:
     """An MTA started by ``cmd`` that prints "serving SMTP" once it listens on PORT.
 
@@ -225,7 +225,7 @@ def running(cmd: list[str], work: Path, env: dict[str, str] | None = None
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if "serving SMTP" not in line:
-            raise RuntimeError(f"{Path(cmd[1]).name} did not start: {line}{proc.stdout.read()}")
+            raise RuntimeError(f"{name} did not start: {line}{proc.stdout.read()}")
         yield proc
     finally:
         if proc.poll() is None:

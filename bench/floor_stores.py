@@ -3,29 +3,46 @@
 SUMMARY
     Journal(path, loop)                  append-only file, fdatasync a batch
     SqliteQueue(path, loop, notify=fd)   Sluice's schema, one transaction a batch
-    Claimer(path, loop)                  the other process's side of that queue
+    Claimer(path, loop)                  the sending process's side of that queue
     create_schema(path)
 
 DESCRIPTION
-    Each is a Writer: one thread takes whatever the event loop left
-    pending, applies it, and calls the waiters back on the loop, so
-    concurrent messages share a sync (a group commit).  The loop tells a
-    writer three things: a message arrived (received: the callback runs
-    once it is durable), it goes out now (sending), it was delivered
-    (delivered: nothing waits for that).
+    The event loop tells a store three things, each with a callback:
+    received (the message must be kept before its 250), sending (the
+    attempt starts: the content may go once this returns) and delivered
+    (the next hop said 250: the session may be reused once this returns).
 
-    SqliteQueue and Claimer make the transitions Sluice's SQLite store
-    makes, with its own schema (indexes, triggers, counters): rows a
-    recipient and the content inline on arrival (in a file of its own
-    above Sluice's default inline_max of 64 KiB, the batch's files and
-    their directory synced in parallel as Sluice's spool does), "active" when claimed,
-    "delivering" as it goes out, all of it gone once delivered.  In one
-    process SqliteQueue does all of it and the message goes from the
-    receiving side to the sending side in memory; with --split the
-    receiving process only inserts and writes a byte to a pipe after each
-    commit, and the sending process claims what arrived with one UPDATE
-    ... RETURNING and reads the contents with one SELECT, as Sluice's queue
-    manager does.
+    Journal keeps only the first promise, the one every MTA makes before
+    its 250: a record a message, fdatasync'ed before the callback.  A
+    delivery's record is written with the next batch and waited for by
+    nothing.
+
+    SqliteQueue and Claimer keep Sluice's promises with Sluice's own
+    schema (indexes, triggers, counters) and the statements of its SQLite
+    store: rows a recipient and the content inline on arrival, synced
+    before the 250 (a content above Sluice's default inline_max of 64 KiB
+    in a file of its own, a batch's files and their directory synced in
+    parallel with Sluice's own helpers, as its spool does); "active" when
+    claimed and "delivering" as the attempt starts, committed but not
+    synced before the content goes (queue.mark_delivering); the rows, the
+    content and the message count gone once delivered, synced before the
+    session is reused (a success durable before the next message, as in
+    Queue.plan_record).  In one process SqliteQueue does all of it and the
+    message goes from the receiving side to the sending side in memory;
+    with --split the receiving process only inserts and writes a byte to
+    a pipe after each commit, and the sending process (Claimer) claims
+    what arrived with one UPDATE ... RETURNING and reads the contents with
+    one SELECT, as Sluice's queue manager does.
+
+STRATEGIES
+    Group commit.  Each store is a Writer: one thread takes whatever the
+    loop left pending, applies it as one batch (one write and one sync,
+    or one transaction), and calls the batch's callbacks back on the loop,
+    so concurrent messages share a sync.
+
+    Sync only what is promised.  A SQLite batch is synced (synchronous=
+    FULL) when it holds an arrival or a delivery, and only committed
+    (NORMAL) when it holds marks alone.
 
 SEE ALSO
     bench/relay_floor.py
@@ -41,10 +58,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sluice._fsync import fsync_fds, fsync_paths
+from sluice._fsync import fsync_fds, fsync_path, fsync_paths
 
 
 class Message:
+    """One message: its envelope, its content, and its number in this run."""
+
     __slots__ = ("content", "mid", "rcpts", "sender")
 
     def __init__(self, sender: bytes, rcpts: list[bytes], content: bytes, mid: int) -> None:
@@ -53,8 +72,14 @@ class Message:
         self.content = content
         self.mid = mid
 
+    @property
+    def spid(self) -> str:
+        """The message's key in the SQLite queue and its spool file's name."""
+        return f"{self.mid:016X}"
+
 
 Op = tuple[str, Message]
+Then = Callable[[], None]
 
 
 class Writer:
@@ -63,7 +88,7 @@ class Writer:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.pending: list[Op] = []
-        self.waiters: list[Callable[[], None]] = []
+        self.waiters: list[Then] = []
         self.cond = threading.Condition()
         self.closed = False
         #: Told (on the loop) why the writer thread stopped, if it failed
@@ -71,18 +96,19 @@ class Writer:
         self.thread = threading.Thread(target=self._main, name="writer", daemon=True)
         self.thread.start()
 
-    def received(self, msg: Message, then: Callable[[], None]) -> None:
+    def received(self, msg: Message, then: Then) -> None:
         """Keep ``msg`` durably, then call ``then``."""
         self._add(("M", msg), then)
 
-    def sending(self, msg: Message) -> None:
-        """``msg`` goes out now (nothing waits for what this writes)."""
+    def sending(self, msg: Message, then: Then) -> None:
+        """Mark the attempt started, then call ``then`` (the content may go)."""
+        self._add(("A", msg), then)
 
-    def delivered(self, msg: Message) -> None:
-        """``msg`` is delivered (nothing waits for what this writes)."""
-        self._add(("D", msg), None)
+    def delivered(self, msg: Message, then: Then) -> None:
+        """Record the delivery, then call ``then`` (the session may be reused)."""
+        self._add(("D", msg), then)
 
-    def _add(self, op: Op, then: Callable[[], None] | None) -> None:
+    def _add(self, op: Op, then: Then | None) -> None:
         with self.cond:
             self.pending.append(op)
             if then is not None:
@@ -92,9 +118,8 @@ class Writer:
     def _main(self) -> None:
         try:
             self._run()
-        except BaseException as exc:
+        except Exception as exc:  # the floor stops with this one line
             self.loop.call_soon_threadsafe(self.failed, f"{type(self).__name__}: {exc!r}")
-            raise
 
     def _run(self) -> None:
         while True:
@@ -110,9 +135,11 @@ class Writer:
                 self.loop.call_soon_threadsafe(_call_all, waiters)
 
     def write(self, ops: list[Op]) -> None:
+        """Apply one batch (each store its own way)."""
         raise NotImplementedError
 
     def close(self) -> None:
+        """Stop the thread once what is pending is written."""
         with self.cond:
             self.closed = True
             self.cond.notify()
@@ -120,25 +147,40 @@ class Writer:
 
 
 class Journal(Writer):
-    """An append-only file: a record a message and one a delivery, fdatasync'ed a batch."""
+    """An append-only file: a record a message, fdatasync'ed a batch, before the 250."""
 
     def __init__(self, path: Path, loop: asyncio.AbstractEventLoop) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fsync_path(str(path.parent))  # the new file's name, before any 250 relies on it
         super().__init__(loop)
 
+    def sending(self, msg: Message, then: Then) -> None:
+        """No mark: the content goes at once."""
+        then()
+
+    def delivered(self, msg: Message, then: Then) -> None:
+        """A record written with the next batch; the session is reused at once."""
+        self._add(("D", msg), None)
+        then()
+
     def write(self, ops: list[Op]) -> None:
+        """The batch's records in one writev; one fdatasync if a message is among them."""
         records: list[bytes] = []
+        arrivals = False
         for kind, msg in ops:
             if kind == "M":
+                arrivals = True
                 records += [b"M %d %s %s %d\n" % (msg.mid, msg.sender, b" ".join(msg.rcpts),
                                                   len(msg.content)), msg.content]
             else:
                 records.append(b"D %d\n" % msg.mid)
         for at in range(0, len(records), 1024):  # IOV_MAX
             os.writev(self.fd, records[at:at + 1024])
-        os.fdatasync(self.fd)
+        if arrivals:
+            os.fdatasync(self.fd)
 
     def close(self) -> None:
+        """Stop the thread, then close the file."""
         super().close()
         os.close(self.fd)
 
@@ -146,54 +188,56 @@ class Journal(Writer):
 class SqliteQueue(Writer):
     """Sluice's own SQLite schema and the statements of a message's life, nothing around them.
 
-    A row a recipient and the content inline on arrival (committed before
-    the 250); "active" then "delivering" as it goes out; the rows, the
-    content and the message count gone once delivered -- the transitions
-    Sluice's SQLite store makes, with its indexes and triggers, each batch
-    one transaction in WAL mode with synchronous=FULL.
+    ``notify``: a pipe to write a byte to after each commit with arrivals
+    (the receiving process of --split).  ``claims``: whether entries are
+    claimed ("active") elsewhere (Claimer); in one process the mark makes
+    them active first.
     """
 
     def __init__(self, path: Path, loop: asyncio.AbstractEventLoop,
-                 notify: int | None = None) -> None:
-        create_schema(path)
-        self.db = connect(path, synchronous="FULL")
+                 notify: int | None = None, claims: bool = False) -> None:
+        if not claims:
+            create_schema(path)
+        self.db = connect(path)
+        self.synchronous = ""
         self.notify = notify
+        self.claims = claims
         self.spool = spool_of(path)
         super().__init__(loop)
 
-    def sending(self, msg: Message) -> None:
-        self._add(("A", msg), None)
-
     def write(self, ops: list[Op]) -> None:
+        """One transaction; synced when it holds an arrival or a delivery."""
         db = self.db
-        now = time.time()
         big = [msg for kind, msg in ops if kind == "M" and len(msg.content) > INLINE_MAX]
         if big:
             spooled(self.spool, big)
+        self._sync("FULL" if any(kind != "A" for kind, _ in ops) else "NORMAL")
+        files: list[str] = []
         db.execute("BEGIN IMMEDIATE")
         for kind, msg in ops:
-            spid = f"{msg.mid:016X}"
             if kind == "M":
-                if len(msg.content) <= INLINE_MAX:
-                    db.execute("INSERT INTO content (id, data) VALUES (?, ?)",
-                               (msg.mid, msg.content))
-                sender = msg.sender.decode()
-                db.executemany(
-                    "INSERT INTO queue (spid, idx, sender, recipient, domain, state, arrival_at,"
-                    " next_attempt_at, size) VALUES (?, ?, ?, ?, ?, 'incoming', ?, ?, ?)",
-                    [(spid, i, sender, r.decode(), r.rpartition(b"@")[2].decode(), now, now,
-                      len(msg.content)) for i, r in enumerate(msg.rcpts)])
+                insert(db, msg)
             elif kind == "A":
-                db.execute("UPDATE queue SET state = 'active', owner = 'floor' "
-                           "WHERE spid = ? AND +state = 'incoming'", (spid,))
-                marked_and_gone(db, self.spool, kind, msg)
-            else:
-                marked_and_gone(db, self.spool, kind, msg)
+                if not self.claims:
+                    db.execute("UPDATE queue SET state = 'active', owner = 'floor' "
+                               "WHERE spid = ? AND +state = 'incoming'", (msg.spid,))
+                db.execute("UPDATE queue SET state = 'delivering' "
+                           "WHERE spid = ? AND +state = 'active'", (msg.spid,))
+            elif not forget(db, msg):
+                files.append(msg.spid)
         db.execute("COMMIT")
-        if self.notify is not None:
+        for spid in files:  # only once the delete is durable, as Sluice's store does
+            os.unlink(self.spool / spid)
+        if self.notify is not None and any(kind == "M" for kind, _ in ops):
             os.write(self.notify, b"!")
 
+    def _sync(self, level: str) -> None:
+        if level != self.synchronous:
+            self.db.execute(f"PRAGMA synchronous = {level}")
+            self.synchronous = level
+
     def close(self) -> None:
+        """Stop the thread, then close the database."""
         super().close()
         self.db.close()
 
@@ -202,10 +246,36 @@ class SqliteQueue(Writer):
 INLINE_MAX = 65536
 
 
+def insert(db: sqlite3.Connection, msg: Message) -> None:
+    """A new message's rows (one a recipient) and, if small, its content."""
+    now = time.time()
+    if len(msg.content) <= INLINE_MAX:
+        db.execute("INSERT INTO content (id, data) VALUES (?, ?)", (msg.mid, msg.content))
+    sender = msg.sender.decode().strip("<>")
+    rows = []
+    for i, r in enumerate(msg.rcpts):
+        rcpt = r.decode().strip("<>")
+        rows.append((msg.spid, i, sender, rcpt, rcpt.rpartition("@")[2], now, now,
+                     len(msg.content)))
+    db.executemany(
+        "INSERT INTO queue (spid, idx, sender, recipient, domain, state, arrival_at,"
+        " next_attempt_at, size) VALUES (?, ?, ?, ?, ?, 'incoming', ?, ?, ?)", rows)
+
+
+def forget(db: sqlite3.Connection, msg: Message) -> bool:
+    """A delivered message's rows, content row and count gone; False if its content is a file."""
+    db.execute("DELETE FROM queue WHERE spid = ?", (msg.spid,))
+    db.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
+    return db.execute("DELETE FROM content WHERE id = ? RETURNING id",
+                      (msg.mid,)).fetchone() is not None
+
+
 def spool_of(path: Path) -> Path:
-    """The directory beside the queue file for the contents kept apart."""
+    """The directory beside the queue file for the contents kept apart (synced when new)."""
     spool = path.parent / "spool"
-    spool.mkdir(exist_ok=True)
+    if not spool.is_dir():
+        spool.mkdir(exist_ok=True)
+        fsync_path(str(path.parent))
     return spool
 
 
@@ -216,7 +286,7 @@ def spooled(spool: Path, messages: list[Message]) -> None:
     helpers: every file and the directory fsync'ed in parallel, so the
     kernel merges them into few journal commits.
     """
-    fds = [os.open(spool / f"{msg.mid:016X}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fds = [os.open(spool / msg.spid, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
            for msg in messages]
     try:
         for fd, msg in zip(fds, messages, strict=True):
@@ -227,37 +297,20 @@ def spooled(spool: Path, messages: list[Message]) -> None:
             os.close(fd)
 
 
-def marked_and_gone(db: sqlite3.Connection, spool: Path, kind: str, msg: Message) -> None:
-    """An active message marked "delivering" ("A"), or a delivered one gone ("D")."""
-    spid = f"{msg.mid:016X}"
-    if kind == "A":
-        db.execute("UPDATE queue SET state = 'delivering' WHERE spid = ? AND +state = 'active'",
-                   (spid,))
-        return
-    db.execute("DELETE FROM queue WHERE spid = ?", (spid,))
-    unspool(db, spool, msg)
-    db.execute("UPDATE qstats SET n = n - 1 WHERE key = 'messages'")
-
-
-def unspool(db: sqlite3.Connection, spool: Path, msg: Message) -> None:
-    """A delivered message's content gone: its row, or else its file."""
-    if db.execute("DELETE FROM content WHERE id = ? RETURNING id", (msg.mid,)).fetchone() is None:
-        os.unlink(spool / f"{msg.mid:016X}")
-
-
 def create_schema(path: Path) -> None:
-    """Sluice's SQLite schema in a new queue file (WAL mode)."""
+    """Sluice's SQLite schema in a new queue file (WAL mode), its name synced."""
     from sluice.store._sqlite_schema import SCHEMA
 
-    db = connect(path, synchronous="FULL")
+    db = connect(path)
     db.executescript(SCHEMA)
     db.close()
+    fsync_path(str(path.parent))
 
 
-def connect(path: Path, synchronous: str) -> sqlite3.Connection:
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection to the queue file in WAL mode, waiting up to 10 s for the other writer."""
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.execute("PRAGMA journal_mode = WAL")
-    db.execute(f"PRAGMA synchronous = {synchronous}")
     db.execute("PRAGMA busy_timeout = 10000")
     return db
 
@@ -267,20 +320,11 @@ CLAIM_LIMIT = 500
 
 
 class Claimer(SqliteQueue):
-    """The sending process's side of the split: claims, marks and deletes.
-
-    Its commits are not synced (synchronous=NORMAL): a claim, a mark or a
-    delete lost in a crash makes a message go out again, the at-least-once
-    window every MTA has; only the arrivals must be durable, and the
-    receiving process syncs those.
-    """
+    """The sending process's side of the split: claims, then marks and deletes as above."""
 
     def __init__(self, path: Path, loop: asyncio.AbstractEventLoop) -> None:
-        self.db = connect(path, synchronous="NORMAL")
-        self.notify = None
-        self.spool = spool_of(path)
         self.claimed: list[Callable[[list[Message], bool], None]] = []
-        Writer.__init__(self, loop)
+        super().__init__(path, loop, claims=True)
 
     def claim(self, then: Callable[[list[Message], bool], None]) -> None:
         """Claim what arrived; ``then`` gets the messages on the loop, and whether more wait."""
@@ -296,14 +340,18 @@ class Claimer(SqliteQueue):
                 if not self.pending and not self.claimed:
                     return
                 ops, self.pending = self.pending, []
+                waiters, self.waiters = self.waiters, []
                 claims, self.claimed = self.claimed, []
             if ops:
                 self.write(ops)
+            if waiters:
+                self.loop.call_soon_threadsafe(_call_all, waiters)
             for then in claims:
                 self.loop.call_soon_threadsafe(then, *self._claim())
 
     def _claim(self) -> tuple[list[Message], bool]:
         db = self.db
+        self._sync("NORMAL")  # a claim lost in a crash leaves the entries where they were
         db.execute("BEGIN IMMEDIATE")
         rows = db.execute(
             "UPDATE queue SET state = 'active', owner = 'floor' WHERE +state = 'incoming' AND "
@@ -321,16 +369,9 @@ class Claimer(SqliteQueue):
         for spid in by_spid:
             if int(spid, 16) not in contents:
                 contents[int(spid, 16)] = (self.spool / spid).read_bytes()
-        return [Message(sender.encode(), [r.encode() for _, r in sorted(rcpts)],
+        return [Message(f"<{sender}>".encode(), [f"<{r}>".encode() for _, r in sorted(rcpts)],
                         contents[int(spid, 16)], int(spid, 16))
                 for spid, (sender, rcpts) in by_spid.items()], len(rows) >= CLAIM_LIMIT
-
-    def write(self, ops: list[Op]) -> None:
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        for kind, msg in ops:
-            marked_and_gone(db, self.spool, kind, msg)
-        db.execute("COMMIT")
 
 
 def _call_all(waiters: list[Callable[[], None]]) -> None:

@@ -2,46 +2,49 @@
 """The floor: the least a Python relay must do per message, with the same durability.
 
     .venv/bin/python bench/relay_floor.py --listen 127.0.0.1:2528 --sink-port 2526
-                                          --dir DIR [--store journal|sqlite] [--hops]
+        --dir NEW_DIR [--store journal|sqlite] [--split] [--hops] [--per-hop 20]
     .venv/bin/python bench/e2e.py --configs base --floor   # runs it beside Sluice
 
 DESCRIPTION
-    A store-and-forward SMTP relay reduced to what the 250 promises and the
-    benchmark needs, so that its CPU a message is a floor under any MTA
+    A store-and-forward SMTP relay reduced to what its promises and the
+    benchmark need, so that its CPU a message is a floor under any MTA
     written in Python on this machine (uvloop, CPython):
 
     - receiving: an asyncio Protocol that answers HELO/EHLO, MAIL, RCPT,
-      DATA, RSET, NOOP and QUIT, finds the end of the data with one search a
-      chunk and undoes the dot-stuffing with one bytes.replace;
-    - durability: the envelope and the content are appended to a journal
-      file, and the 250 for the data is written only after an fdatasync()
-      that covers them (one thread writes and syncs whatever is pending,
-      so concurrent messages share a sync: a group commit, as Sluice and
-      Postfix make before their 250);
+      DATA, RSET, NOOP and QUIT one command at a time, finds the end of the
+      data with one search a chunk and undoes the dot-stuffing with one
+      bytes.replace;
+    - durability: the 250 for the data is written only once the message is
+      on stable storage (bench/floor_stores.py: a journal, or Sluice's own
+      SQLite queue, which also keeps Sluice's promises on the way out);
     - forwarding: a Received: line in front, then to the next hop over kept
-      sessions (up to --per-hop a hop), MAIL, RCPT and DATA in one write
-      (the sink offers PIPELINING), the content in a second; the sink's 250
-      appends a "done" record to the journal, made durable by the next
-      sync and waited for by nothing.
+      sessions (up to --per-hop a hop, at most IDLE_MAX idle in all), MAIL,
+      RCPT and DATA in one write (the sink offers PIPELINING), after the
+      354 the content in a second.
 
     What it leaves out is everything an MTA is for beyond that: a queue
     that can be listed, counted, held or retried, policies and their
     limits, scheduling and fairness, retries, bounces, DSNs, accounting
-    lines, message ids, TLS, authentication, several receiving processes.
-    A failed reply from the next hop ends the relay with an error; there
-    is no retry.  So the floor is not a competitor: its figures say how
-    much of an MTA's CPU a message the language, the event loop and the
-    kernel take before the MTA has done anything of its own.
+    lines, message ids, TLS, authentication.  A failed reply from the next
+    hop, or a session lost in the middle of a message, ends the relay with
+    an error; there is no retry.  So the floor is not a competitor: its
+    figures say how much of an MTA's CPU a message the language, the event
+    loop and the kernel take before the MTA has done anything of its own.
 
-    --hops routes each recipient domain dK.test to its own next hop
-    127.10.X.Y (bench/many_routes.py), as the "many" configs of
-    bench/e2e.py do; without it everything goes to 127.0.0.1:--sink-port.
-    It prints "serving SMTP" once it listens, and stops on SIGTERM.
+    --store sqlite keeps the messages in Sluice's SQLite schema; --split
+    then receives in a forked child and claims and sends from the first
+    process, as Sluice's receivers and queue manager do.  --hops routes
+    each recipient domain dK.test to its own next hop 127.10.X.Y
+    (bench/many_routes.py), as the "many" configs of bench/e2e.py do;
+    without it everything goes to 127.0.0.1:--sink-port.  --dir must be
+    new or empty.  It prints "serving SMTP" once it listens, stops on
+    SIGTERM (the child with it), and exits 1 with one line on a failure.
 
 STRATEGIES
     Callbacks, not coroutines: each connection is a state machine fed by
-    data_received, so no task or future is made per message except the
-    one concurrent.futures hand-off a sync makes for all of its messages.
+    data_received, and a store answers through callbacks the loop runs,
+    so no task or future is made per message (a session opened for
+    --hops is a task of its own).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -72,6 +76,7 @@ class Server(asyncio.Protocol):
         self.relay = relay
         self.buf = b""
         self.in_data = False
+        self.data_start = False
         self.sender = b""
         self.rcpts: list[bytes] = []
         self.transport: asyncio.Transport | None = None
@@ -86,6 +91,17 @@ class Server(asyncio.Protocol):
         buf = self.buf + data if self.buf else data
         write = self.transport.write  # type: ignore[union-attr]
         while buf:
+            if self.in_data and self.data_start:
+                if len(buf) < 3 and b".\r\n".startswith(buf):
+                    self.buf = buf  # ".\r\n" may be coming: an empty message
+                    return
+                self.data_start = False
+                if buf.startswith(b".\r\n"):
+                    buf = buf[3:]
+                    self.in_data = False
+                    self.relay.received(self.sender, self.rcpts, b"", write)
+                    self.rcpts = []
+                    continue
             if self.in_data:
                 end = buf.find(END, start)
                 start = 0
@@ -116,7 +132,7 @@ class Server(asyncio.Protocol):
                 self.rcpts.append(line[8:].strip())
                 write(b"250 2.1.5 Ok\r\n")
             elif verb == b"DATA":
-                self.in_data = True
+                self.in_data = self.data_start = True
                 write(b"354 End data with <CR><LF>.<CR><LF>\r\n")
             elif verb in (b"HELO", b"EHLO"):
                 write(b"250 floor\r\n")
@@ -141,7 +157,7 @@ class Client(asyncio.Protocol):
         self.buf = b""
         self.expect = 1  # replies still to come for the current step
         self.step = "banner"
-        self.failed = False
+        self.failed: bytes | None = None
         self.msg: Message | None = None
         self.transport: asyncio.Transport | None = None
 
@@ -149,9 +165,14 @@ class Client(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.step == "idle":  # a next hop may close a kept session (the sink stopping)
+        # A next hop may close a kept session (the harness stops its sink):
+        # no failure once the message is delivered.
+        if self.step == "idle":
             self.hop.idle.remove(self)
             self.hop.sessions -= 1
+            self.hop.relay.idle -= 1
+        elif self.step == "recording":  # Hop.ready sees it when the record is in
+            self.step = "lost"
         elif self.step != "closed":
             self.hop.relay.fail(f"session to {self.hop.addr} lost in {self.step}: {exc}")
 
@@ -167,16 +188,16 @@ class Client(asyncio.Protocol):
             code = line[:1]
             # the last reply of the MAIL, RCPT, DATA step is DATA's 354
             want = b"3" if self.step == "data" and self.expect == 1 else b"2"
-            if code != want:
-                self.failed = True
+            if code != want and self.failed is None:
+                self.failed = line  # the first reply that went wrong names the failure
             self.expect -= 1
             if self.expect == 0:
                 self._step_done(line)
         self.buf = buf
 
     def _step_done(self, line: bytes) -> None:
-        if self.failed:
-            self.hop.relay.fail(f"{self.hop.addr} answered {line!r} in {self.step}")
+        if self.failed is not None:
+            self.hop.relay.fail(f"{self.hop.addr} answered {self.failed!r} in {self.step}")
             return
         t = self.transport
         assert t is not None
@@ -189,16 +210,18 @@ class Client(asyncio.Protocol):
             msg = self.msg
             assert msg is not None
             self.step, self.expect = "content", 1
-            t.write(self.hop.relay.stamped(msg.content))
+            # the attempt's mark first, as Sluice waits for it after the 354
+            content = self.hop.relay.stamped(msg.content)
+            self.hop.relay.store.sending(msg, lambda: t.write(content))
         elif self.step == "content":
             msg = self.msg
             assert msg is not None
             self.msg = None
-            self.hop.relay.delivered(msg)
-            self.hop.ready(self)
+            self.step = "recording"
+            # the success kept before the session is reused, as Sluice does
+            self.hop.relay.store.delivered(msg, lambda: self.hop.ready(self))
 
     def send(self, msg: Message) -> None:
-        self.hop.relay.store.sending(msg)
         self.msg = msg
         self.step = "data"
         self.expect = 2 + len(msg.rcpts)
@@ -215,21 +238,26 @@ class Client(asyncio.Protocol):
             self.transport.close()
 
 
+#: Sessions kept open with nothing to send, over all next hops (Sluice's
+#: connection cache keeps idle sessions too; beyond this one is closed).
+IDLE_MAX = 200
+
+
 class Hop:
     """A next hop: its waiting messages and its sessions."""
 
-    def __init__(self, relay: Relay, addr: str, port: int, per_hop: int, keep: bool) -> None:
+    def __init__(self, relay: Relay, addr: str, port: int, per_hop: int) -> None:
         self.relay = relay
         self.addr = addr
         self.port = port
         self.per_hop = per_hop
-        self.keep = keep
         self.waiting: collections.deque[Message] = collections.deque()
         self.idle: list[Client] = []
         self.sessions = 0
 
     def submit(self, msg: Message) -> None:
         if self.idle:
+            self.relay.idle -= 1
             self.idle.pop().send(msg)
             return
         self.waiting.append(msg)
@@ -244,11 +272,18 @@ class Hop:
             self.relay.fail(f"cannot connect to {self.addr}:{self.port}: {exc}")
 
     def ready(self, client: Client) -> None:
+        if client.step == "lost":
+            self.sessions -= 1
+            if self.waiting:
+                self.sessions += 1
+                self.relay.loop.create_task(self._open())
+            return
         if self.waiting:
             client.send(self.waiting.popleft())
-        elif self.keep:
+        elif self.relay.idle < IDLE_MAX:
             client.step = "idle"
             self.idle.append(client)
+            self.relay.idle += 1
         else:
             self.sessions -= 1
             client.quit()
@@ -268,6 +303,7 @@ class Relay:
         self.per_hop = per_hop
         self.stop = stop
         self.hops: dict[str, Hop] = {}
+        self.idle = 0  # sessions kept with nothing to send (IDLE_MAX)
         self.next_mid = 0
         self.stamp_at = 0
         self.stamp = b""
@@ -292,8 +328,7 @@ class Relay:
             addr = many_routes.nexthop(int(domain[1:].split(b".")[0]))
         hop = self.hops.get(addr)
         if hop is None:
-            hop = self.hops[addr] = Hop(self, addr, self.sink_port, self.per_hop,
-                                        keep=not self.by_domain)
+            hop = self.hops[addr] = Hop(self, addr, self.sink_port, self.per_hop)
         hop.submit(msg)
 
     def stamped(self, content: bytes) -> bytes:
@@ -307,9 +342,6 @@ class Relay:
             if content.startswith(b"."):
                 content = b"." + content
         return self.stamp + content + b".\r\n"
-
-    def delivered(self, msg: Message) -> None:
-        self.store.delivered(msg)
 
     def fail(self, why: str) -> None:
         if not self.stop.done():
@@ -364,6 +396,8 @@ def main() -> None:
     if args.split and args.store != "sqlite":
         ap.error("--split needs --store sqlite: the two processes share its queue")
     args.dir.mkdir(parents=True, exist_ok=True)
+    if any(args.dir.iterdir()):
+        sys.exit(f"relay_floor: --dir {args.dir} is not empty (message numbers restart at 1)")
     if not args.split:
         run(lambda loop: Journal(args.dir / "journal", loop) if args.store == "journal"
             else SqliteQueue(args.dir / "queue.db", loop), args, receive=True)
@@ -374,6 +408,7 @@ def main() -> None:
     child = os.fork()  # no thread runs yet
     if child == 0:
         os.close(wake)
+        _die_with_parent()
         run(lambda loop: SqliteQueue(db, loop, notify=woken), args, receive=True, send=False)
         return
     os.close(woken)
@@ -400,9 +435,13 @@ def run(store_of: Callable[[asyncio.AbstractEventLoop], Writer], args: argparse.
         server = None
         if receive:
             host, port = args.listen.rsplit(":", 1)
-            server = await loop.create_server(lambda: Server(relay), host, int(port),
-                                              reuse_address=True, backlog=1024,
-                                              family=socket.AF_INET)
+            try:
+                server = await loop.create_server(lambda: Server(relay), host, int(port),
+                                                  reuse_address=True, backlog=1024,
+                                                  family=socket.AF_INET)
+            except OSError as exc:
+                store.close()
+                return f"cannot listen on {args.listen}: {exc.strerror or exc}"
             print(f"serving SMTP on {args.listen}", flush=True)
         if wake is not None:
             assert isinstance(store, Claimer)
@@ -416,6 +455,15 @@ def run(store_of: Callable[[asyncio.AbstractEventLoop], Writer], args: argparse.
     why = uvloop.run(serve())
     if why:
         sys.exit(f"relay_floor: {why}")
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent dies, however (Linux prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() == 1:  # the parent died before the prctl
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """bench/relay_floor.py relays what it takes in, byte for byte, and keeps it first.
 
-The floor's figures in docs/benchmarks.md only mean something if it does
-the work it claims: every message reaches the next hop with its content
+The floor's figures in docs/floor.md only mean something if it does the
+work it claims: every message reaches the next hop with its content
 intact (dot-stuffing undone on the way in and done again on the way out),
-and the 250 comes after the journal (or the SQLite queue) holds the
-message.  A real SMTP client (smtplib) and a real next hop (the aiosmtpd
-sink) over loopback.
+the 250 comes once the journal (or the SQLite queue) holds the message,
+and a failure stops it with one line.  A real SMTP client (smtplib, or a
+raw socket), real next hops (the aiosmtpd sink, or a scripted one) over
+loopback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,12 @@ from tests.integration.serving import wait_until
 pytestmark = pytest.mark.integration
 
 FLOOR = Path(__file__).resolve().parents[2] / "bench" / "relay_floor.py"
+STORES = ["journal", "sqlite", "split"]
 
 BODY = (b"From: a@sender.test\r\nTo: b@ok.test\r\nSubject: floor\r\n\r\n"
         b".leading dot\r\n..two dots\r\n.\r\nlast line\r\n")
+#: A first line that starts with a dot (its own branch on either side).
+DOTTED = b".first line\r\n" + BODY
 #: Above the SQLite stores' inline limit (64 KiB): kept in a spool file of its own.
 BIG = BODY + b"".join(b"line %06d of a big message, long enough\r\n" % i for i in range(2500))
 
@@ -60,16 +65,63 @@ def stop(proc: subprocess.Popen[str]) -> str:
     return out
 
 
-@pytest.mark.parametrize("store", ["journal", "sqlite", "split"])
-def test_every_message_arrives_intact_and_was_kept_first(
-        tmp_path: Path, kept_sink: tuple[Sink, int], store: str) -> None:
+class ScriptedHop(socketserver.StreamRequestHandler):
+    """A next hop: 250 to everything but RCPT TO:<refuse@...> (550); holds each
+    message's 250 until ``release`` is set; closes the session after
+    ``close_after`` messages (0: never)."""
+
+    def handle(self) -> None:
+        srv: Hop = self.server  # type: ignore[assignment]
+        self.wfile.write(b"220 hop.test\r\n")
+        while line := self.rfile.readline():
+            if line.upper().startswith(b"RCPT TO:<REFUSE@"):
+                self.wfile.write(b"550 5.1.1 no such user\r\n")
+            elif line.upper().startswith(b"DATA"):
+                self.wfile.write(b"354 go on\r\n")
+                while self.rfile.readline() not in (b".\r\n", b""):
+                    pass
+                srv.release.wait(30)
+                self.wfile.write(b"250 taken\r\n")
+                srv.taken += 1
+                if srv.close_after and srv.taken % srv.close_after == 0:
+                    return  # the floor's session is idle now: closed under it
+            else:
+                self.wfile.write(b"250 ok\r\n")
+
+
+class Hop(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+
+    def __init__(self, close_after: int = 0) -> None:
+        super().__init__(("127.0.0.1", 0), ScriptedHop)
+        self.release = threading.Event()
+        self.release.set()
+        self.taken = 0
+        self.close_after = close_after
+
+
+@contextlib.contextmanager
+def scripted_hop(close_after: int = 0) -> Iterator[Hop]:
+    hop = Hop(close_after)
+    threading.Thread(target=hop.serve_forever, daemon=True).start()
+    try:
+        yield hop
+    finally:
+        hop.release.set()
+        hop.shutdown()
+        hop.server_close()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_every_message_arrives_intact(tmp_path: Path, kept_sink: tuple[Sink, int],
+                                      store: str) -> None:
     s, sink_port = kept_sink
+    bodies = [BODY, BODY, BIG, BODY, DOTTED]
     proc, port = start_floor(tmp_path, sink_port, store)
     try:
         with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30) as c:
-            for i in range(5):
-                c.sendmail("a@sender.test", [f"b{i}@ok.test", f"c{i}@ok.test"],
-                           BIG if i == 2 else BODY)
+            for i, body in enumerate(bodies):
+                c.sendmail("a@sender.test", [f"b{i}@ok.test", f"c{i}@ok.test"], body)
         assert wait_until(lambda: len(s.messages) == 5, 30), len(s.messages)
     finally:
         out = stop(proc)
@@ -81,11 +133,10 @@ def test_every_message_arrives_intact_and_was_kept_first(
         assert m.recipients == (f"b{i}@ok.test", f"c{i}@ok.test")
         received, _, content = m.data.partition(b"\r\n")
         assert received.startswith(b"Received: from client by floor.test; ")
-        assert content == (BIG if i == 2 else BODY)
+        assert content == bodies[i]
     if store == "journal":
         journal = (tmp_path / "store" / "journal").read_bytes()
-        # each message's record holds its content, and each delivery left its mark
-        assert journal.count(BODY) == 5 and journal.count(BIG) == 1
+        # each delivery left its mark
         assert sorted(line for line in journal.split(b"\n") if line.startswith(b"D ")) == [
             b"D %d" % k for k in range(1, 6)]
     else:
@@ -93,16 +144,72 @@ def test_every_message_arrives_intact_and_was_kept_first(
         try:
             assert db.execute("SELECT count(*) FROM queue").fetchone() == (0,)
             assert db.execute("SELECT count(*) FROM content").fetchone() == (0,)
-            # the big content went to a file of its own, gone once delivered
-            assert list((tmp_path / "store" / "spool").iterdir()) == []
             assert dict(db.execute("SELECT key, n FROM qstats")) == {
                 k: 0 for k in ("hold", "incoming", "deferred", "active", "delivering",
                                "bounce", "messages")}
         finally:
             db.close()
+        assert list((tmp_path / "store" / "spool").iterdir()) == []
 
 
-def test_a_refused_message_stops_the_floor_with_the_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES)
+def test_the_250_comes_once_the_message_is_kept(tmp_path: Path, store: str) -> None:
+    with scripted_hop() as hop:
+        hop.release.clear()  # nothing gets delivered, so nothing is deleted yet
+        proc, port = start_floor(tmp_path, hop.server_address[1], store)
+        try:
+            with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test",
+                              timeout=30) as c:
+                c.sendmail("a@sender.test", ["b@ok.test", "c@ok.test"], BIG)
+                # the 250 is in: the message must be there now
+                if store == "journal":
+                    journal = (tmp_path / "store" / "journal").read_bytes()
+                    assert journal.startswith(b"M 1 <a@sender.test> <b@ok.test> <c@ok.test> ")
+                    assert BIG in journal
+                else:
+                    db = sqlite3.connect(tmp_path / "store" / "queue.db")
+                    try:
+                        rows = db.execute("SELECT recipient, domain, sender FROM queue "
+                                          "ORDER BY idx").fetchall()
+                    finally:
+                        db.close()
+                    assert rows == [("b@ok.test", "ok.test", "a@sender.test"),
+                                    ("c@ok.test", "ok.test", "a@sender.test")]
+                    (spooled,) = (tmp_path / "store" / "spool").iterdir()
+                    assert spooled.read_bytes() == BIG
+                hop.release.set()
+                assert wait_until(lambda: hop.taken == 1, 30)
+        finally:
+            out = stop(proc)
+    assert proc.returncode == 0, out
+
+
+def test_an_empty_message_is_ended_by_its_dot(tmp_path: Path,
+                                              kept_sink: tuple[Sink, int]) -> None:
+    s, sink_port = kept_sink
+    proc, port = start_floor(tmp_path, sink_port, "journal")
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+            f = c.makefile("rb")
+            assert f.readline().startswith(b"220")
+            for command in (b"HELO c.test", b"MAIL FROM:<a@sender.test>", b"RCPT TO:<b@ok.test>"):
+                c.sendall(command + b"\r\n")
+                assert f.readline().startswith(b"250")
+            c.sendall(b"DATA\r\n")
+            assert f.readline().startswith(b"354")
+            c.sendall(b".\r\n")
+            assert f.readline().startswith(b"250")
+            c.sendall(b"NOOP\r\n")  # a command again, not more of the message
+            assert f.readline().startswith(b"250")
+        assert wait_until(lambda: len(s.messages) == 1, 30)
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0, out
+    assert s.messages[0].data.startswith(b"Received: from client by floor.test; ")
+    assert s.messages[0].data.count(b"\r\n") == 1
+
+
+def test_an_unreachable_next_hop_stops_the_floor_with_the_reason(tmp_path: Path) -> None:
     nobody = free_port()  # nothing listens there: the first delivery cannot connect
     proc, port = start_floor(tmp_path, nobody, "journal")
     c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
@@ -112,43 +219,52 @@ def test_a_refused_message_stops_the_floor_with_the_reason(tmp_path: Path) -> No
     c.close()
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1
-    assert f"cannot connect to 127.0.0.1:{nobody}" in out
+    assert out.splitlines()[-1] == (
+        f"relay_floor: cannot connect to 127.0.0.1:{nobody}: "
+        "[Errno 111] Connection refused")
 
 
-class OneMessageHop(socketserver.StreamRequestHandler):
-    """A next hop that takes one message, then closes the session, as a sink stopping does."""
-
-    def handle(self) -> None:
-        self.wfile.write(b"220 hop.test\r\n")
-        while line := self.rfile.readline():
-            if line.upper().startswith(b"DATA"):
-                self.wfile.write(b"354 go on\r\n")
-                while self.rfile.readline() not in (b".\r\n", b""):
-                    pass
-                self.wfile.write(b"250 taken\r\n")
-                self.server.taken += 1  # type: ignore[attr-defined]
-                return  # the floor's session is idle now: closed under it
-            self.wfile.write(b"250 ok\r\n")
+def test_a_refused_recipient_stops_the_floor_with_the_reply(tmp_path: Path) -> None:
+    with scripted_hop() as hop:
+        proc, port = start_floor(tmp_path, hop.server_address[1], "split")
+        c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
+        c.sendmail("a@sender.test", ["refuse@ok.test"], BODY)
+        with contextlib.suppress(smtplib.SMTPServerDisconnected, ConnectionError):
+            c.quit()
+        c.close()
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert out.splitlines()[-1] == (
+        "relay_floor: 127.0.0.1 answered b'550 5.1.1 no such user' in data")
+    assert not _listening(port)  # the receiving child went with it
 
 
 def test_a_next_hop_closing_a_kept_session_is_no_failure(tmp_path: Path) -> None:
     # The benchmark's harness stops its sink once the count is reached; the
     # floor must outlive that, as an MTA does, for thread_cpu.py to read its
-    # threads afterwards.  A session lost in the middle of a message still
-    # stops it (test_a_refused_message_stops_the_floor_with_the_reason).
-    hop = socketserver.ThreadingTCPServer(("127.0.0.1", 0), OneMessageHop)
-    hop.taken = 0  # type: ignore[attr-defined]
-    threading.Thread(target=hop.serve_forever, daemon=True).start()
-    proc, port = start_floor(tmp_path, hop.server_address[1], "split")
-    try:
-        with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30) as c:
-            c.sendmail("a@sender.test", ["b@ok.test"], BODY)
-            assert wait_until(lambda: hop.taken == 1, 30)  # type: ignore[attr-defined]
-            assert not wait_until(lambda: proc.poll() is not None, 1.0), proc.communicate()[0]
-            c.sendmail("a@sender.test", ["c@ok.test"], BODY)  # on a new session
-            assert wait_until(lambda: hop.taken == 2, 30)  # type: ignore[attr-defined]
-    finally:
-        out = stop(proc)
-        hop.shutdown()
-        hop.server_close()
+    # threads afterwards.
+    with scripted_hop(close_after=1) as hop:
+        proc, port = start_floor(tmp_path, hop.server_address[1], "split")
+        try:
+            with smtplib.SMTP("127.0.0.1", port, local_hostname="client.test",
+                              timeout=30) as c:
+                c.sendmail("a@sender.test", ["b@ok.test"], BODY)
+                assert wait_until(lambda: hop.taken == 1, 30)
+                assert not wait_until(lambda: proc.poll() is not None, 1.0)
+                c.sendmail("a@sender.test", ["c@ok.test"], BODY)  # on a new session
+                assert wait_until(lambda: hop.taken == 2, 30)
+        finally:
+            out = stop(proc)
     assert proc.returncode == 0, out
+
+
+def test_a_used_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "journal").write_bytes(b"M 1 ...\n")
+    proc = subprocess.run(
+        [sys.executable, str(FLOOR), "--listen", f"127.0.0.1:{free_port()}",
+         "--dir", str(tmp_path / "store")],
+        cwd=FLOOR.parent, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"relay_floor: --dir {tmp_path / 'store'} is not empty "
+                                   "(message numbers restart at 1)")
