@@ -416,6 +416,9 @@ def main() -> None:
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
         ap.error(f"unknown config {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
+    if unknown := [f for f in args.floor.split(",") if f and f not in FLOORS]:
+        ap.error(f"unknown floor {', '.join(unknown)} (known: {', '.join(FLOORS)})")
+    floors = [FLOORS[f][0] for f in args.floor.split(",") if f]
     if not (HARNESS / "e2e_run.py").exists():
         sys.exit(f"the shared harness is not at {HARNESS}")
     src = Path(_native.__file__).resolve().parent.parent
@@ -439,9 +442,6 @@ def main() -> None:
             sys.exit(f"e2e: {exc}")
         print("# in a private network namespace (interfaces: lo only), for the "
               "many-destinations configs; every run of this sitting is inside", flush=True)
-    if unknown := [f for f in args.floor.split(",") if f and f not in FLOORS]:
-        ap.error(f"unknown floor {', '.join(unknown)} (known: {', '.join(FLOORS)})")
-    floors = [FLOORS[f][0] for f in args.floor.split(",") if f]
     results: dict[str, dict[str, list[dict[str, str]]]] = {}
     shares: dict[str, float] = {}
     global SYNC_METHOD, RECEIVERS, STORE

@@ -89,6 +89,7 @@ class Writer:
         self.loop = loop
         self.pending: list[Op] = []
         self.waiters: list[Then] = []
+        self.jobs: list[Callable[[], object]] = []  # run on the thread after the batch
         self.cond = threading.Condition()
         self.closed = False
         #: Told (on the loop) why the writer thread stopped, if it failed
@@ -124,15 +125,19 @@ class Writer:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.pending and not self.closed:
+                while not self.pending and not self.jobs and not self.closed:
                     self.cond.wait()
-                if not self.pending:
+                if not self.pending and not self.jobs:
                     return
                 ops, self.pending = self.pending, []
                 waiters, self.waiters = self.waiters, []
-            self.write(ops)
+                jobs, self.jobs = self.jobs, []
+            if ops:
+                self.write(ops)
             if waiters:
                 self.loop.call_soon_threadsafe(_call_all, waiters)
+            for job in jobs:
+                job()
 
     def write(self, ops: list[Op]) -> None:
         """Apply one batch (each store its own way)."""
@@ -323,31 +328,13 @@ class Claimer(SqliteQueue):
     """The sending process's side of the split: claims, then marks and deletes as above."""
 
     def __init__(self, path: Path, loop: asyncio.AbstractEventLoop) -> None:
-        self.claimed: list[Callable[[list[Message], bool], None]] = []
         super().__init__(path, loop, claims=True)
 
     def claim(self, then: Callable[[list[Message], bool], None]) -> None:
         """Claim what arrived; ``then`` gets the messages on the loop, and whether more wait."""
         with self.cond:
-            self.claimed.append(then)
+            self.jobs.append(lambda: self.loop.call_soon_threadsafe(then, *self._claim()))
             self.cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self.cond:
-                while not self.pending and not self.claimed and not self.closed:
-                    self.cond.wait()
-                if not self.pending and not self.claimed:
-                    return
-                ops, self.pending = self.pending, []
-                waiters, self.waiters = self.waiters, []
-                claims, self.claimed = self.claimed, []
-            if ops:
-                self.write(ops)
-            if waiters:
-                self.loop.call_soon_threadsafe(_call_all, waiters)
-            for then in claims:
-                self.loop.call_soon_threadsafe(then, *self._claim())
 
     def _claim(self) -> tuple[list[Message], bool]:
         db = self.db

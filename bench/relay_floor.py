@@ -76,7 +76,6 @@ class Server(asyncio.Protocol):
         self.relay = relay
         self.buf = b""
         self.in_data = False
-        self.data_start = False
         self.sender = b""
         self.rcpts: list[bytes] = []
         self.transport: asyncio.Transport | None = None
@@ -91,30 +90,16 @@ class Server(asyncio.Protocol):
         buf = self.buf + data if self.buf else data
         write = self.transport.write  # type: ignore[union-attr]
         while buf:
-            if self.in_data and self.data_start:
-                if len(buf) < 3 and b".\r\n".startswith(buf):
-                    self.buf = buf  # ".\r\n" may be coming: an empty message
-                    return
-                self.data_start = False
-                if buf.startswith(b".\r\n"):
-                    buf = buf[3:]
-                    self.in_data = False
-                    self.relay.received(self.sender, self.rcpts, b"", write)
-                    self.rcpts = []
-                    continue
             if self.in_data:
+                # buf starts with the CRLF put before the data (DATA below)
                 end = buf.find(END, start)
                 start = 0
                 if end < 0:
                     self.buf = buf
                     return
-                body = buf[:end + 2]
+                body = buf[:end + 2].replace(b"\r\n..", b"\r\n.")[2:]
                 buf = buf[end + 5:]
                 self.in_data = False
-                if body.startswith(b"."):
-                    body = body[1:]
-                if b"\r\n.." in body:
-                    body = body.replace(b"\r\n..", b"\r\n.")
                 self.relay.received(self.sender, self.rcpts, body, write)
                 self.rcpts = []
                 continue
@@ -132,7 +117,11 @@ class Server(asyncio.Protocol):
                 self.rcpts.append(line[8:].strip())
                 write(b"250 2.1.5 Ok\r\n")
             elif verb == b"DATA":
-                self.in_data = self.data_start = True
+                self.in_data = True
+                # The data starts a line: with a CRLF before it, one search
+                # finds its end even right away (an empty message), and one
+                # replace undoes the stuffing of its first line too.
+                buf = b"\r\n" + buf
                 write(b"354 End data with <CR><LF>.<CR><LF>\r\n")
             elif verb in (b"HELO", b"EHLO"):
                 write(b"250 floor\r\n")
@@ -272,11 +261,11 @@ class Hop:
             self.relay.fail(f"cannot connect to {self.addr}:{self.port}: {exc}")
 
     def ready(self, client: Client) -> None:
-        if client.step == "lost":
-            self.sessions -= 1
+        if client.step == "lost":  # its place goes to a new session, if one is wanted
             if self.waiting:
-                self.sessions += 1
                 self.relay.loop.create_task(self._open())
+            else:
+                self.sessions -= 1
             return
         if self.waiting:
             client.send(self.waiting.popleft())
@@ -337,10 +326,10 @@ class Relay:
             self.stamp_at = now
             self.stamp = (b"Received: from client by floor.test; "
                           + formatdate(now).encode() + b"\r\n")
-        if content.startswith(b".") or b"\r\n." in content:
-            content = content.replace(b"\r\n.", b"\r\n..")
-            if content.startswith(b"."):
-                content = b"." + content
+        # (bytes.replace returns the content itself when there is no dot line)
+        content = content.replace(b"\r\n.", b"\r\n..")
+        if content.startswith(b"."):
+            content = b"." + content
         return self.stamp + content + b".\r\n"
 
     def fail(self, why: str) -> None:
