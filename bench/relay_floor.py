@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/relay_floor.py --listen 127.0.0.1:2528 --sink-port 2526
         --dir NEW_DIR [--store journal|sqlite] [--split] [--hops] [--per-hop 20]
+        [--open-max 200] [--banner-timeout 30]
     .venv/bin/python bench/e2e.py --configs base --floor   # runs it beside Sluice
 
 DESCRIPTION
@@ -18,7 +19,8 @@ DESCRIPTION
       on stable storage (bench/floor_stores.py: a journal, or Sluice's own
       SQLite queue, which also keeps Sluice's promises on the way out);
     - forwarding: a Received: line in front, then to the next hop over kept
-      sessions (up to --per-hop a hop, at most IDLE_MAX idle in all), MAIL,
+      sessions (up to --per-hop a hop, at most OPEN_MAX open and IDLE_MAX
+      idle in all), MAIL,
       RCPT and DATA in one write (the sink offers PIPELINING), after the
       354 the content in a second.
 
@@ -158,8 +160,8 @@ class Client(asyncio.Protocol):
         # no failure once the message is delivered.
         if self.step == "idle":
             self.hop.idle.remove(self)
-            self.hop.sessions -= 1
-            self.hop.relay.idle -= 1
+            self.hop.closed()
+            del self.hop.relay.idle[self]
         elif self.step == "recording":  # Hop.ready sees it when the record is in
             self.step = "lost"
         elif self.step != "closed":
@@ -226,10 +228,24 @@ class Client(asyncio.Protocol):
             self.transport.write(b"QUIT\r\n")
             self.transport.close()
 
+    def greeted(self) -> None:
+        """Fail when the banner has not come (a connect the next hop never accepted)."""
+        if self.step == "banner":
+            self.hop.relay.fail(f"no banner from {self.hop.addr} in {self.hop.relay.banner_s:g} s")
 
+
+#: Sessions open or opening at once, over all next hops (--open-max):
+#: Sluice's delivery.max_connections, which bounds its deliveries in flight
+#: too.  Without a bound, a claim of a few hundred messages to as many hops
+#: opened as many connections at once, more than the sink's listen queue
+#: took, and the floor waited for banners that never came.
+OPEN_MAX = 200
 #: Sessions kept open with nothing to send, over all next hops (Sluice's
 #: connection cache keeps idle sessions too; beyond this one is closed).
 IDLE_MAX = 200
+#: How long a new session may wait for its banner before the floor fails
+#: (--banner-timeout).
+BANNER_S = 30.0
 
 
 class Hop:
@@ -246,36 +262,54 @@ class Hop:
 
     def submit(self, msg: Message) -> None:
         if self.idle:
-            self.relay.idle -= 1
-            self.idle.pop().send(msg)
+            client = self.idle.pop()
+            del self.relay.idle[client]
+            client.send(msg)
             return
         self.waiting.append(msg)
         if self.sessions < self.per_hop:
-            self.sessions += 1
-            self.relay.loop.create_task(self._open())
+            self.relay.want(self)
+
+    def wants(self) -> bool:
+        """Whether a message waits that no session of this hop will take."""
+        return len(self.waiting) > self.sessions - len(self.idle) and self.sessions < self.per_hop
+
+    def open(self) -> None:
+        """Open one more session (the relay has counted it)."""
+        self.sessions += 1
+        self.relay.loop.create_task(self._open())
+
+    def closed(self) -> None:
+        """One session of this hop is gone: its place goes to a hop that wants one."""
+        self.sessions -= 1
+        self.relay.freed()
 
     async def _open(self) -> None:
+        loop = self.relay.loop
         try:
-            await self.relay.loop.create_connection(lambda: Client(self), self.addr, self.port)
+            _, client = await loop.create_connection(lambda: Client(self), self.addr, self.port)
         except OSError as exc:
             self.relay.fail(f"cannot connect to {self.addr}:{self.port}: {exc}")
+            return
+        loop.call_later(self.relay.banner_s, client.greeted)
 
     def ready(self, client: Client) -> None:
         if client.step == "lost":  # its place goes to a new session, if one is wanted
             if self.waiting:
                 self.relay.loop.create_task(self._open())
             else:
-                self.sessions -= 1
+                self.closed()
             return
+        relay = self.relay
         if self.waiting:
             client.send(self.waiting.popleft())
-        elif self.relay.idle < IDLE_MAX:
+        elif len(relay.idle) < IDLE_MAX and not relay.wanting:
             client.step = "idle"
             self.idle.append(client)
-            self.relay.idle += 1
-        else:
-            self.sessions -= 1
+            relay.idle[client] = None
+        else:  # its place is wanted elsewhere, or enough sessions idle
             client.quit()
+            self.closed()
 
 
 class Relay:
@@ -283,7 +317,8 @@ class Relay:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, store: Writer, sink_port: int,
                  hops: bool, per_hop: int, stop: asyncio.Future[str],
-                 forward: bool = True) -> None:
+                 forward: bool = True, open_max: int = OPEN_MAX,
+                 banner_s: float = BANNER_S) -> None:
         self.loop = loop
         self.forward = forward
         self.store = store
@@ -292,7 +327,11 @@ class Relay:
         self.per_hop = per_hop
         self.stop = stop
         self.hops: dict[str, Hop] = {}
-        self.idle = 0  # sessions kept with nothing to send (IDLE_MAX)
+        self.open_max = open_max
+        self.banner_s = banner_s
+        self.open = 0  # sessions open or opening, all hops (at most open_max)
+        self.idle: dict[Client, None] = {}  # kept with nothing to send, oldest first
+        self.wanting: collections.deque[Hop] = collections.deque()  # waiting for a place
         self.next_mid = 0
         self.stamp_at = 0
         self.stamp = b""
@@ -319,6 +358,30 @@ class Relay:
         if hop is None:
             hop = self.hops[addr] = Hop(self, addr, self.sink_port, self.per_hop)
         hop.submit(msg)
+
+    def want(self, hop: Hop) -> None:
+        """``hop`` wants one more session: open it, first closing an idle one at open_max."""
+        if self.open >= self.open_max and self.idle:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            oldest.hop.idle.remove(oldest)
+            oldest.quit()
+            self.open -= 1
+            oldest.hop.sessions -= 1
+        if self.open < self.open_max:
+            self.open += 1
+            hop.open()
+        else:
+            self.wanting.append(hop)
+
+    def freed(self) -> None:
+        """A session closed: its place goes to the first hop still wanting one."""
+        self.open -= 1
+        while self.wanting and self.open < self.open_max:
+            hop = self.wanting.popleft()
+            if hop.wants():
+                self.open += 1
+                hop.open()
 
     def stamped(self, content: bytes) -> bytes:
         now = int(time.time())
@@ -381,7 +444,13 @@ def main() -> None:
                     help="(sqlite) receive in one process, claim and send from another")
     ap.add_argument("--hops", action="store_true", help="dK.test to 127.10.X.Y (many mix)")
     ap.add_argument("--per-hop", type=int, default=20, help="sessions a next hop at most")
+    ap.add_argument("--open-max", type=int, default=OPEN_MAX,
+                    help="sessions open at once over all next hops (Sluice's default)")
+    ap.add_argument("--banner-timeout", type=float, default=BANNER_S,
+                    help="seconds a new session waits for its banner before the floor fails")
     args = ap.parse_args()
+    if args.open_max < 1 or args.per_hop < 1 or args.banner_timeout <= 0:
+        ap.error("--open-max and --per-hop must be at least 1, --banner-timeout above 0")
     if args.split and args.store != "sqlite":
         ap.error("--split needs --store sqlite: the two processes share its queue")
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -418,7 +487,8 @@ def run(store_of: Callable[[asyncio.AbstractEventLoop], Writer], args: argparse.
         loop = asyncio.get_running_loop()
         stop: asyncio.Future[str] = loop.create_future()
         store = store_of(loop)
-        relay = Relay(loop, store, args.sink_port, args.hops, args.per_hop, stop, forward=send)
+        relay = Relay(loop, store, args.sink_port, args.hops, args.per_hop, stop, forward=send,
+                      open_max=args.open_max, banner_s=args.banner_timeout)
         store.failed = relay.fail
         loop.add_signal_handler(signal.SIGTERM, relay.fail, "")
         server = None

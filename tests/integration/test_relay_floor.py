@@ -41,12 +41,13 @@ DOTTED = b".first line\r\n" + BODY
 BIG = BODY + b"".join(b"line %06d of a big message, long enough\r\n" % i for i in range(2500))
 
 
-def start_floor(tmp: Path, sink_port: int, store: str) -> tuple[subprocess.Popen[str], int]:
+def start_floor(tmp: Path, sink_port: int, store: str, *more: str
+                ) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     options = ["--store", "sqlite", "--split"] if store == "split" else ["--store", store]
     proc = subprocess.Popen(
         [sys.executable, str(FLOOR), "--listen", f"127.0.0.1:{port}", "--sink-port",
-         str(sink_port), "--dir", str(tmp / "store"), *options],
+         str(sink_port), "--dir", str(tmp / "store"), *options, *more],
         cwd=FLOOR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -68,7 +69,8 @@ def stop(proc: subprocess.Popen[str]) -> str:
 class ScriptedHop(socketserver.StreamRequestHandler):
     """A next hop: 250 to everything but RCPT TO:<refuse@...> (550); holds each
     message's 250 until ``release`` is set; closes the session after
-    ``close_after`` messages (0: never)."""
+    ``close_after`` messages (0: never).  Its hops' ``held`` counts the
+    messages held at once, ``most_held`` the most ever."""
 
     def handle(self) -> None:
         srv: Hop = self.server  # type: ignore[assignment]
@@ -80,7 +82,12 @@ class ScriptedHop(socketserver.StreamRequestHandler):
                 self.wfile.write(b"354 go on\r\n")
                 while self.rfile.readline() not in (b".\r\n", b""):
                     pass
+                with srv.count.lock:
+                    srv.count.held += 1
+                    srv.count.most_held = max(srv.count.most_held, srv.count.held)
                 srv.release.wait(30)
+                with srv.count.lock:
+                    srv.count.held -= 1
                 self.wfile.write(b"250 taken\r\n")
                 srv.taken += 1
                 if srv.close_after and srv.taken % srv.close_after == 0:
@@ -89,20 +96,35 @@ class ScriptedHop(socketserver.StreamRequestHandler):
                 self.wfile.write(b"250 ok\r\n")
 
 
+class Held:
+    """Messages held at once over a set of scripted hops."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held = 0
+        self.most_held = 0
+
+
 class Hop(socketserver.ThreadingTCPServer):
     daemon_threads = True
 
-    def __init__(self, close_after: int = 0) -> None:
-        super().__init__(("127.0.0.1", 0), ScriptedHop)
-        self.release = threading.Event()
-        self.release.set()
+    def __init__(self, close_after: int = 0, addr: tuple[str, int] = ("127.0.0.1", 0),
+                 release: threading.Event | None = None, count: Held | None = None) -> None:
+        super().__init__(addr, ScriptedHop)
+        if release is None:
+            release = threading.Event()
+            release.set()
+        self.release = release
+        self.count = count or Held()
         self.taken = 0
         self.close_after = close_after
 
 
 @contextlib.contextmanager
-def scripted_hop(close_after: int = 0) -> Iterator[Hop]:
-    hop = Hop(close_after)
+def scripted_hop(close_after: int = 0, addr: tuple[str, int] = ("127.0.0.1", 0),
+                 release: threading.Event | None = None, count: Held | None = None
+                 ) -> Iterator[Hop]:
+    hop = Hop(close_after, addr, release, count)
     threading.Thread(target=hop.serve_forever, daemon=True).start()
     try:
         yield hop
@@ -256,6 +278,54 @@ def test_a_next_hop_closing_a_kept_session_is_no_failure(tmp_path: Path) -> None
         finally:
             out = stop(proc)
     assert proc.returncode == 0, out
+
+
+def test_sessions_open_at_once_are_bounded_over_all_next_hops(tmp_path: Path) -> None:
+    # Five domains, each its own next hop (dK.test to 127.10.0.K, as the
+    # many mix routes them), at most two sessions open in all: while the
+    # hops hold their 250s, two messages are out and the other three wait
+    # for a place; once released, every one arrives.
+    release, count = threading.Event(), Held()
+    with contextlib.ExitStack() as hops:
+        first = hops.enter_context(scripted_hop(addr=("127.10.0.1", 0), release=release,
+                                                count=count))
+        port = first.server_address[1]
+        every = [first] + [hops.enter_context(scripted_hop(addr=(f"127.10.0.{k}", port),
+                                                           release=release, count=count))
+                           for k in range(2, 6)]
+        proc, listen = start_floor(tmp_path, port, "split", "--hops", "--open-max", "2")
+        try:
+            with smtplib.SMTP("127.0.0.1", listen, local_hostname="client.test",
+                              timeout=30) as c:
+                for k in range(1, 6):
+                    c.sendmail("a@sender.test", [f"user@d{k}.test"], BODY)
+            assert wait_until(lambda: count.held == 2, 30)
+            assert not wait_until(lambda: count.held > 2, 1.0)
+            release.set()
+            assert wait_until(lambda: sum(h.taken for h in every) == 5, 30)
+            assert [h.taken for h in every] == [1] * 5
+            assert count.most_held == 2
+        finally:
+            out = stop(proc)
+    assert proc.returncode == 0, out
+
+
+def test_a_next_hop_that_never_greets_stops_the_floor(tmp_path: Path) -> None:
+    # A connect the next hop's kernel completed but nobody accepts (as when
+    # its listen queue overflows): no banner comes, and the floor says so.
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        proc, port = start_floor(tmp_path, mute.getsockname()[1], "journal",
+                                 "--banner-timeout", "0.5")
+        c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
+        c.sendmail("a@sender.test", ["b@ok.test"], BODY)
+        with contextlib.suppress(smtplib.SMTPServerDisconnected, ConnectionError):
+            c.quit()
+        c.close()
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert out.splitlines()[-1] == "relay_floor: no banner from 127.0.0.1 in 0.5 s"
 
 
 def test_a_used_directory_is_refused(tmp_path: Path) -> None:
