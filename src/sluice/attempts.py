@@ -55,6 +55,14 @@ class AttemptResult:
         object.__setattr__(self, "at", at)
         object.__setattr__(self, "logged", logged)
 
+    def logged_at(self, at: float) -> AttemptResult:
+        """This result, its accounting line written with the time ``at``.
+
+        (dataclasses.replace, written out: one a success.)
+        """
+        return AttemptResult(self.entry, self.outcome, self.attempted, self.localip,
+                             self.remotemx, self.remoteip, self.duration_s, at, True)
+
     def at_or(self, now: float) -> float:
         """When this outcome came: ``at``, or ``now`` for one recorded as it came."""
         return now if self.at is None else self.at

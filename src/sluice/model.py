@@ -182,6 +182,13 @@ class Reply:
             parts.append(self.text)
         return " ".join(parts)
 
+    def attempted_at(self, at: float) -> Reply:
+        """This reply, got by an attempt the queue recorded at ``at``.
+
+        (dataclasses.replace, written out: one reply a recorded attempt.)
+        """
+        return Reply(self.code, self.enhanced, self.text, self.remote_mta, at, self.phase)
+
     def describe(self) -> str:
         """The reply for a person.
 

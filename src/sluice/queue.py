@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -333,7 +332,7 @@ class Queue:
             return out
         with _reported(trouble):
             for at, idxs in groups.items():
-                marked = [dataclasses.replace(out[i], at=at, logged=True) for i in idxs]
+                marked = [out[i].logged_at(at) for i in idxs]
                 self._log([self._outcome_event(r, EventKind.DELIVERED, r.outcome.reply, at)
                            for r in marked], at)
                 for i, res in zip(idxs, marked, strict=True):
@@ -361,8 +360,7 @@ class Queue:
                 # The reply says when it was got: the NDR's Last-Attempt-Date.
                 got = stamped.get(id(reply))
                 if got is None:
-                    got = stamped[id(reply)] = dataclasses.replace(
-                        reply, attempt_at=res.at_or(now))
+                    got = stamped[id(reply)] = reply.attempted_at(res.at_or(now))
                 reply = got
             match res.outcome:
                 case Delivered():

@@ -98,3 +98,23 @@ def test_a_stored_reply_reads_back_as_it_was(reply: Reply) -> None:
 def test_an_old_three_item_reply_and_empty_fields_read_as_sluice_s_own() -> None:
     assert reply_fields([451, None, "later"]) == (451, "", "later", "")
     assert Reply.from_record(["550", "5.1.1", None, None, None]) == Reply(550, "5.1.1")
+
+
+def test_the_written_out_copies_keep_every_other_field() -> None:
+    # Reply.attempted_at and AttemptResult.logged_at stand in for
+    # dataclasses.replace on the delivery path: a field added to either
+    # class and forgotten there would be lost from every recorded outcome.
+    import dataclasses
+
+    from sluice.attempts import AttemptResult
+    from sluice.model import Delivered
+
+    reply = Reply(250, "2.0.0", "queued as X", "mx.example.com", None, "end-of-data")
+    assert reply.attempted_at(12.5) == dataclasses.replace(reply, attempt_at=12.5)
+    assert reply.attempted_at(12.5).phase == "end-of-data"  # not part of equality
+    res = AttemptResult(entry(), Delivered(reply), False, "192.0.2.1", "mx.example.com",
+                        "192.0.2.25", 0.25)
+    marked = res.logged_at(99.0)
+    assert marked == dataclasses.replace(res, at=99.0, logged=True)
+    assert [getattr(marked, f.name) for f in dataclasses.fields(marked)] == [
+        getattr(res, f.name) for f in dataclasses.fields(res)][:-2] + [99.0, True]

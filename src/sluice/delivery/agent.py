@@ -178,7 +178,7 @@ def _peer_outcome(reply: ServerReply, host: Host) -> Outcome:
     That is, the NDR's Remote-MTA and "smtp;" Diagnostic-Code;
     Reply.describe() adds "host X said:".
     """
-    return outcome_of(dataclasses.replace(reply.to_reply(), remote_mta=host.name))
+    return outcome_of(reply.to_reply(remote_mta=host.name))
 
 
 def _peer_outcomes(replies: Sequence[ServerReply], host: Host) -> list[Outcome]:

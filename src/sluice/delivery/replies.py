@@ -70,11 +70,12 @@ class ServerReply:
         """Whether the reply is a success (2xx) or asks for more (3xx)."""
         return 200 <= self.code < 400
 
-    def to_reply(self, prefix: str = "", suffix: str = "") -> Reply:
+    def to_reply(self, prefix: str = "", suffix: str = "", remote_mta: str = "") -> Reply:
         """As a sluice Reply, with an enhanced code (RFC 3463).
 
         The one taken from the text when the server gave one, else the class
-        default (X.0.0).
+        default (X.0.0).  ``remote_mta``: the server's name, for a reply it
+        gave about the mail (see Reply).
         """
         enhanced = ""
         texts = []
@@ -88,7 +89,8 @@ class ServerReply:
         if not enhanced and cls in (2, 4, 5):
             enhanced = f"{cls}.0.0"
         text = " ".join(t for t in texts if t)
-        return Reply(self.code, enhanced, f"{prefix}{text}{suffix}", phase=self.phase)
+        return Reply(self.code, enhanced, f"{prefix}{text}{suffix}", remote_mta,
+                     phase=self.phase)
 
     def __repr__(self) -> str:
         return f"ServerReply({self.code}, {self.lines!r})"

@@ -91,6 +91,7 @@ SEE ALSO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -377,7 +378,10 @@ class QueueManager:
         return run
 
     async def _loop(self, stop: asyncio.Event) -> None:
+        # One wake-up for events and for stop: the loop awaits the Event
+        # itself, with no task (nor asyncio.wait's futures) made per turn.
         stopper = asyncio.ensure_future(stop.wait())
+        stopper.add_done_callback(lambda _: self._wake.set())
         try:
             while not stop.is_set():
                 self._step()
@@ -385,13 +389,11 @@ class QueueManager:
                 shaping_wake = self.shaper.next_wakeup()  # shaping
                 if shaping_wake is not None and (wake is None or shaping_wake < wake):
                     wake = shaping_wake
-                timeout = None if wake is None else max(0.0, wake - self.clock())
-                waiter = asyncio.ensure_future(self._wake.wait())
-                try:
-                    await asyncio.wait({waiter, stopper}, timeout=timeout,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
+                if not self._wake.is_set():
+                    timeout = None if wake is None else max(0.0, wake - self.clock())
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(timeout):
+                            await self._wake.wait()
                 self._wake.clear()
         finally:
             stopper.cancel()
