@@ -116,5 +116,6 @@ def test_the_written_out_copies_keep_every_other_field() -> None:
                         "192.0.2.25", 0.25)
     marked = res.logged_at(99.0)
     assert marked == dataclasses.replace(res, at=99.0, logged=True)
+    before = [getattr(res, f.name) for f in dataclasses.fields(res)]
     assert [getattr(marked, f.name) for f in dataclasses.fields(marked)] == [
-        getattr(res, f.name) for f in dataclasses.fields(res)][:-2] + [99.0, True]
+        *before[:-2], 99.0, True]
