@@ -4,6 +4,7 @@
     .venv/bin/python bench/e2e.py [--runs 5] [--n 20000] [--sessions 20]
                                   [--configs base,big,rcpt5] [--no-postfix]
                                   [--sync-method fsync|syncfs] [--store sqlite|fs|kv]
+                                  [--success-sync flush|write]
                                   [--profile DIR] [--pure-too]
                                   [--floor [journal,sqlite,split]]
     .venv/bin/python bench/e2e.py --configs base,many      # 1 vs 10,000 destinations
@@ -143,6 +144,7 @@ def wait_port_free(port: int, timeout: float = 30) -> None:
 SYNC_METHOD = "fsync"  # queue.spool.sync_method for Sluice's runs (--sync-method)
 RECEIVERS = 0  # smtpd.processes for Sluice's runs (--receivers; 0 = the default)
 STORE = "sqlite"  # queue.store for Sluice's runs (--store)
+SUCCESS_SYNC = "flush"  # queue.success_sync for Sluice's runs (--success-sync)
 
 
 def sluice_config(work: Path, port: int, sink_port: int, cfg: dict[str, int]) -> str:
@@ -153,8 +155,8 @@ def sluice_config(work: Path, port: int, sink_port: int, cfg: dict[str, int]) ->
     else:
         transport = f"{{'*': 'smtp:[127.0.0.1]:{sink_port}'}}"
     return ("node: {hostname: mta.sluice.test, id: bench}\n"
-            f"queue: {{path: {work}/queue, store: {STORE}, spool: {{rootpath: {work}/spool, "
-            f"sync_method: {SYNC_METHOD}}}}}\n"
+            f"queue: {{path: {work}/queue, store: {STORE}, success_sync: {SUCCESS_SYNC}, "
+            f"spool: {{rootpath: {work}/spool, sync_method: {SYNC_METHOD}}}}}\n"
             f"accounting: {{path: {work}/log}}\n"
             f"smtpd: {{listen: ['127.0.0.1:{port}'], processes: {RECEIVERS}}}\n"
             f"delivery: {{transport: {transport}}}\n"
@@ -395,6 +397,9 @@ def main() -> None:
     ap.add_argument("--no-postfix", action="store_true")
     ap.add_argument("--sync-method", choices=("fsync", "syncfs"), default="fsync",
                     help="Sluice's queue.spool.sync_method (both keep fsync before 250)")
+    ap.add_argument("--success-sync", choices=("flush", "write"), default="flush",
+                    help="Sluice's queue.success_sync: a success flushed (its default), or "
+                         "written as Postfix does, before the connection carries the next")
     ap.add_argument("--receivers", type=int, default=0,
                     help="Sluice's smtpd.processes (receiving processes; 0 = one per core but one)")
     ap.add_argument("--store", choices=("sqlite", "fs", "kv"), default="sqlite",
@@ -444,8 +449,9 @@ def main() -> None:
               "many-destinations configs; every run of this sitting is inside", flush=True)
     results: dict[str, dict[str, list[dict[str, str]]]] = {}
     shares: dict[str, float] = {}
-    global SYNC_METHOD, RECEIVERS, STORE
+    global SYNC_METHOD, RECEIVERS, STORE, SUCCESS_SYNC
     SYNC_METHOD = args.sync_method
+    SUCCESS_SYNC = args.success_sync
     RECEIVERS = args.receivers
     STORE = args.store
     for name in names:
@@ -454,7 +460,7 @@ def main() -> None:
                          "postfix": []}
         print(f"== {name}: n={args.n} size={cfg['size']} rcpts={cfg['rcpts']} "
               f"domains={cfg['domains']} next hops={cfg['domains'] if cfg.get('hops') else 1} "
-              f"sessions={args.sessions}", flush=True)
+              f"sessions={args.sessions} sluice success_sync={args.success_sync}", flush=True)
         mtas = (["sluice"] + ["pure"] * args.pure_too + floors
                 + ["postfix"] * (not args.no_postfix))
         for i in range(args.runs):

@@ -163,6 +163,10 @@ class Queue:
         self.clock = clock
         self.retry = RetryPolicy.from_config(config.queue)
         self.node = config.node.id
+        #: queue.success_sync "flush": a success is on stable storage before
+        #: its connection carries the next message; "write": written to the
+        #: kernel (docs/queue.md, "What is promised").
+        self.flushes_successes = config.queue.success_sync == "flush"
 
     @classmethod
     def open(cls, config: Config, clock: Callable[[], float] = time.time) -> Queue:
@@ -389,8 +393,11 @@ class Queue:
         # reuses the connection (docs/queue.md, "What is promised"): a
         # crash then sends it again only if it came in the last interval.
         # Failures alone are not flushed: lost in a power cut, a deferral
-        # is only redone, never a lost message.
-        delivered = any(isinstance(res.outcome, Delivered) for res in results)
+        # is only redone, never a lost message.  queue.success_sync "write"
+        # treats successes so too (Postfix's own way): committed, written
+        # to the kernel but not yet flushed, before the connection goes on.
+        delivered = (self.flushes_successes
+                     and any(isinstance(res.outcome, Delivered) for res in results))
         return RecordPlan(now, transitions, planned, durable=delivered)
 
     def apply_record(self, plan: RecordPlan) -> concurrent.futures.Future[set[str]]:

@@ -36,10 +36,12 @@ class Counters:
     bounced = 0
 
 
-def _queue(tmp_path: Path, n: int) -> tuple[Queue, list[AttemptResult]]:
-    queue = Queue.open(flavour_config("sqlite", tmp_path), clock=lambda: T0)
+def _queue(tmp_path: Path, n: int, success_sync: str = "flush", content: bytes = b"x\r\n"
+           ) -> tuple[Queue, list[AttemptResult]]:
+    config = flavour_config("sqlite", tmp_path, queue={"success_sync": success_sync})
+    queue = Queue.open(config, clock=lambda: T0)
     for i in range(n):
-        queue.submit(Submission("a@example.org", (f"r{i}@example.net",)), b"x\r\n")
+        queue.submit(Submission("a@example.org", (f"r{i}@example.net",)), content)
     claimed = queue.claim(100)
     queue.mark_delivering(claimed)
     return queue, [AttemptResult(e, OK, remoteip="127.0.0.1") for e in claimed]
@@ -191,6 +193,84 @@ def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store
         asyncio.run(main())
     finally:
         release.set()
+        queue.close()
+
+
+def test_with_success_sync_write_a_success_is_answered_at_its_commit_before_the_flush(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # queue.success_sync "write": the connection goes on once the commit
+    # has written the success (Postfix's way); the flush follows. A content
+    # kept in a spool file of its own still goes only after that flush: a
+    # power cut before it leaves the entry, and so its content, to send again.
+    big = b"".join(b"line %06d of a message kept in a spool file\r\n" % i for i in range(2000))
+    queue, (first,) = _queue(tmp_path, 1, "write", big)
+    spool_files = [f for f in (tmp_path / "spool").rglob("*") if f.is_file()]
+    assert len(spool_files) == 1
+    in_flush, release = _hold_flushes(queue, monkeypatch)
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        try:
+            done = recorder.record([first])
+            await asyncio.wait_for(asyncio.shield(done), 10)  # while the flush is held
+            assert _states(queue) == {}  # committed: the entry is gone
+            assert await asyncio.to_thread(in_flush.wait, 10)
+            assert spool_files[0].exists()  # its content waits for the flush
+        finally:
+            release.set()
+        for task in list(tasks):
+            await asyncio.wait_for(task, 10)
+        assert stats.delivered == 1
+        for _ in range(2000):
+            if not spool_files[0].exists():
+                break
+            await asyncio.sleep(0.005)
+        assert not spool_files[0].exists()
+        await recorder.drain()
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        queue.close()
+
+
+def test_with_success_sync_write_and_a_journal_a_success_is_answered_at_its_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    queue, (first,) = _queue(tmp_path, 1, "write")
+    paths = journal_paths(tmp_path, "n1")
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        recorder, stats = _recorder(queue, tasks)
+        recorder.journal = journal = SuccessJournal.open(paths, asyncio.get_running_loop())
+        synced = threading.Event()
+        sync = os.fdatasync
+
+        def held_sync(fd: int) -> None:  # the journal's thread syncs with it
+            synced.wait(10)
+            sync(fd)
+
+        monkeypatch.setattr(os, "fdatasync", held_sync)
+        try:
+            done = recorder.record([first])
+            assert done.done()  # the journal's write has it: no wait for its sync
+            assert list(read_journal(paths)) == [first.entry.qid]
+            assert stats.delivered == 0  # the store has it only after the sync
+        finally:
+            synced.set()
+        for _ in range(2000):
+            if stats.delivered:
+                break
+            await asyncio.sleep(0.005)
+        assert stats.delivered == 1 and _states(queue) == {}
+        await recorder.drain()
+        journal.close()
+
+    try:
+        asyncio.run(main())
+    finally:
         queue.close()
 
 

@@ -34,6 +34,7 @@ def test_embedded_defaults_are_the_specifications(clean_env: None, tmp_path: Pat
     assert q.spool.partitiondepth == 2
     assert q.spool.bufsize == 8192
     assert q.store == "sqlite"
+    assert q.success_sync == "flush"
     assert q.path == str(tmp_path / "var" / "queue")
     assert q.spool.rootpath == str(tmp_path / "var" / "spool")
     assert cfg.accounting.path == str(tmp_path / "var" / "log")
@@ -103,6 +104,7 @@ def test_the_success_journal_by_store_and_setting(tmp_path: Path, text: str,
         ("queue:\n  maxmemoryqueue: 0\n", "queue.maxmemoryqueue", "less than the minimum"),
         ("queue:\n  store: mysql\n", "queue.store", "is not one of"),
         ("queue:\n  success_journal: always\n", "queue.success_journal", "is not one of"),
+        ("queue:\n  success_sync: fsync\n", "queue.success_sync", "is not one of"),
         ("queue:\n  bogus: 1\n", "queue", "unknown key"),
         ("qeueu:\n  path: x\n", "", "unknown key"),
         ("queue:\n  retry_delays: '30m | soon'\n", "queue.retry_delays", "not a duration"),

@@ -106,6 +106,10 @@ class QueueConfig:
     #: Successes synced to a journal under path before the store has them
     #: (sluice.journal): "auto" (PostgreSQL only), true or false.
     success_journal: str | bool = "auto"
+    #: Before a connection carries the next message, the last success is
+    #: "flush"ed to stable storage, or only "write"n to the kernel (it then
+    #: survives a crash of Sluice, not a power cut: Postfix's own way).
+    success_sync: str = "flush"
     spool: SpoolConfig = field(default_factory=SpoolConfig)
     postgres: PostgresConfig = field(default_factory=PostgresConfig)
 

@@ -49,7 +49,8 @@ STRATEGIES
     its sync, which precedes the store's: sluice.journal) before the
     session goes back to the pool: a connection never carries the next
     message while the previous one's success could still be forgotten by
-    a crash.  Its
+    a crash (with queue.success_sync "write", by a crash of Sluice; a
+    power cut may still forget it, as in Postfix).  Its
     ``started`` runs after 354, before the first byte of the message, so
     an attempt that may have delivered is always known to the store as
     one in flight.

@@ -32,7 +32,10 @@ STRATEGIES
     there first, the wait ends at the journal's sync, and the batch goes
     to the store only after that sync (so the store never has a success
     the journal lacks; if the journal fails, the wait is the store's);
-    the journal hears from _flush when the store has them.  The
+    the journal hears from _flush when the store has them.  With
+    queue.success_sync "write" no success waits for a flush: the wait
+    ends at the journal's write, or at the store's commit (written, its
+    flush to follow), as a failure's always did.  The
     batch goes from the loop straight to the store's committer
     (Queue.plan_record, apply_record, finish_record): no pool thread sits
     between them only to wait, which cost about 0.9 ms of each delivery's
@@ -150,6 +153,12 @@ class Recorder:
             self._queue(results, done)
 
         synced.add_done_callback(to_store)
+        if not self.queue.flushes_successes:
+            # queue.success_sync "write": the journal's write has them; the
+            # connection goes on without waiting for its sync.
+            done_now: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done_now.set_result(None)
+            return done_now
         return first_of(synced, done)
 
     def _queue(self, results: list[AttemptResult], done: asyncio.Future[None]) -> None:
