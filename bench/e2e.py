@@ -423,6 +423,9 @@ def main() -> None:
         ap.error(f"unknown config {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     if unknown := [f for f in args.floor.split(",") if f and f not in FLOORS]:
         ap.error(f"unknown floor {', '.join(unknown)} (known: {', '.join(FLOORS)})")
+    if args.success_sync == "write" and args.store == "fs":
+        ap.error("--success-sync write does nothing with --store fs, which flushes every "
+                 "change: the runs would be flush's")
     floors = [FLOORS[f][0] for f in args.floor.split(",") if f]
     if not (HARNESS / "e2e_run.py").exists():
         sys.exit(f"the shared harness is not at {HARNESS}")

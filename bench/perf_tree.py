@@ -75,7 +75,7 @@ def under(stacks: list[list[str]], function: str, match: str) -> collections.Cou
         if not at:
             continue
         inside = frames[:max(at)]  # innermost first, below its outermost call
-        nxt = next((f for f in reversed(inside) if match in f), None)
+        nxt = next((f for f in reversed(inside) if match in f and f != function), None)
         split[nxt if nxt is not None else "(own) " + (inside[0] if inside else function)] += 1
     return split
 

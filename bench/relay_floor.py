@@ -159,9 +159,8 @@ class Client(asyncio.Protocol):
         # A next hop may close a kept session (the harness stops its sink):
         # no failure once the message is delivered.
         if self.step == "idle":
-            self.hop.idle.remove(self)
+            self.hop.unidle(self)
             self.hop.closed()
-            del self.hop.relay.idle[self]
         elif self.step == "recording":  # Hop.ready sees it when the record is in
             self.step = "lost"
         elif self.step != "closed":
@@ -259,16 +258,22 @@ class Hop:
         self.waiting: collections.deque[Message] = collections.deque()
         self.idle: list[Client] = []
         self.sessions = 0
+        self.queued = False  # in the relay's queue for a place (Relay.wanting)
 
     def submit(self, msg: Message) -> None:
         if self.idle:
-            client = self.idle.pop()
-            del self.relay.idle[client]
+            client = self.idle[-1]
+            self.unidle(client)
             client.send(msg)
             return
         self.waiting.append(msg)
-        if self.sessions < self.per_hop:
+        if self.sessions < self.per_hop and not self.queued:
             self.relay.want(self)
+
+    def unidle(self, client: Client) -> None:
+        """``client`` stops being idle (it sends, or it is gone)."""
+        self.idle.remove(client)
+        del self.relay.idle[client]
 
     def wants(self) -> bool:
         """Whether a message waits that no session of this hop will take."""
@@ -287,7 +292,12 @@ class Hop:
     async def _open(self) -> None:
         loop = self.relay.loop
         try:
-            _, client = await loop.create_connection(lambda: Client(self), self.addr, self.port)
+            async with asyncio.timeout(self.relay.banner_s):  # a SYN nobody answers
+                _, client = await loop.create_connection(lambda: Client(self), self.addr,
+                                                         self.port)
+        except TimeoutError:
+            self.relay.fail(f"no connection to {self.addr} in {self.relay.banner_s:g} s")
+            return
         except OSError as exc:
             self.relay.fail(f"cannot connect to {self.addr}:{self.port}: {exc}")
             return
@@ -303,7 +313,10 @@ class Hop:
         relay = self.relay
         if self.waiting:
             client.send(self.waiting.popleft())
-        elif len(relay.idle) < IDLE_MAX and not relay.wanting:
+            return
+        while relay.wanting and not relay.wanting[0].wants():  # its own sessions took them
+            relay.wanting.popleft().queued = False
+        if len(relay.idle) < IDLE_MAX and not relay.wanting:
             client.step = "idle"
             self.idle.append(client)
             relay.idle[client] = None
@@ -363,8 +376,7 @@ class Relay:
         """``hop`` wants one more session: open it, first closing an idle one at open_max."""
         if self.open >= self.open_max and self.idle:
             oldest = next(iter(self.idle))
-            del self.idle[oldest]
-            oldest.hop.idle.remove(oldest)
+            oldest.hop.unidle(oldest)
             oldest.quit()
             self.open -= 1
             oldest.hop.sessions -= 1
@@ -372,6 +384,7 @@ class Relay:
             self.open += 1
             hop.open()
         else:
+            hop.queued = True
             self.wanting.append(hop)
 
     def freed(self) -> None:
@@ -379,9 +392,13 @@ class Relay:
         self.open -= 1
         while self.wanting and self.open < self.open_max:
             hop = self.wanting.popleft()
+            hop.queued = False
             if hop.wants():
                 self.open += 1
                 hop.open()
+                if hop.wants():  # more waiting than it has sessions: back in line
+                    hop.queued = True
+                    self.wanting.append(hop)
 
     def stamped(self, content: bytes) -> bytes:
         now = int(time.time())

@@ -298,17 +298,18 @@ class Queue:
         return dropped
 
     def record(
-        self, results: Sequence[AttemptResult]
+        self, results: Sequence[AttemptResult], *, flush: bool = False
     ) -> list[tuple[AttemptResult, QueueState | None]]:
         """Apply attempt outcomes; returns each result with the state it led to.
 
         The state is None when the entry is gone; results that did not apply
         are left out.  plan_record(), apply_record(), finish_record(): a
         caller on an event loop runs the three itself, waiting for the
-        store's future rather than in a thread.
+        store's future rather than in a thread.  ``flush``: successes are
+        flushed before it returns whatever queue.success_sync says.
         """
         results = self.log_successes(results)
-        plan = self.plan_record(results)
+        plan = self.plan_record(results, flush=flush)
         return self.finish_record(plan, self.apply_record(plan).result())
 
     def log_successes(self, results: Iterable[AttemptResult], trouble: LogTrouble | None = None
@@ -351,7 +352,8 @@ class Queue:
                            localip=res.localip, remotemx=res.remotemx,
                            remoteip=res.remoteip, duration_s=res.duration_s)
 
-    def plan_record(self, results: Sequence[AttemptResult]) -> RecordPlan:
+    def plan_record(self, results: Sequence[AttemptResult], *, flush: bool = False
+                    ) -> RecordPlan:
         """The store changes that record these outcomes (see record())."""
         now = self.clock()
         transitions: list[Transition] = []
@@ -396,13 +398,20 @@ class Queue:
         # is only redone, never a lost message.  queue.success_sync "write"
         # treats successes so too (Postfix's own way): committed, written
         # to the kernel but not yet flushed, before the connection goes on.
-        delivered = (self.flushes_successes
+        delivered = ((self.flushes_successes or flush)
                      and any(isinstance(res.outcome, Delivered) for res in results))
         return RecordPlan(now, transitions, planned, durable=delivered)
 
     def apply_record(self, plan: RecordPlan) -> concurrent.futures.Future[set[str]]:
-        """Give ``plan``'s changes to the store; the future holds the qids applied."""
-        return self.store.apply_future(plan.transitions, durable=plan.durable)
+        """Give ``plan``'s changes to the store; the future holds the qids applied.
+
+        With queue.success_sync "write", a plan with successes is answered at
+        its commit and flushed right after it (Store.apply_future, flush_soon).
+        """
+        soon = not plan.durable and any(kind is EventKind.DELIVERED
+                                        for _, _, kind, _ in plan.planned)
+        return self.store.apply_future(plan.transitions, durable=plan.durable,
+                                       flush_soon=soon)
 
     def finish_record(self, plan: RecordPlan, applied: set[str],
                       trouble: LogTrouble | None = None
@@ -567,7 +576,8 @@ class Queue:
             done = [delivered[e.qid].result(e) for e in in_flight
                     if e.qid in delivered and delivered[e.qid].concerns(e)]
             if done:
-                self.record(done)
+                # Flushed whatever success_sync says: the journal goes next.
+                self.record(done, flush=True)
                 log.info("recorded %d deliveries from the success journal", len(done))
                 replayed = {r.entry.qid for r in done}
                 in_flight = [e for e in in_flight if e.qid not in replayed]

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,16 @@ def _recorder(queue: Queue, tasks: list[asyncio.Task[None]],
                     sleep=sleep), stats
 
 
+async def _eventually(check: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether ``check`` holds within ``seconds``, looked at every millisecond."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.001)
+    return True
+
+
 def _states(queue: Queue) -> dict[str, QueueState]:
     return {e.qid: e.state for e in queue.store.entries(Selector())}
 
@@ -102,11 +112,8 @@ def test_a_batch_goes_to_the_store_while_the_last_one_is_still_being_flushed(
         assert await asyncio.to_thread(in_flush.wait, 10)
         two = recorder.record([second])
         try:
-            for _ in range(2000):  # the second batch is committed while the first is held
-                if second.entry.qid not in _states(queue):
-                    break
-                await asyncio.sleep(0.001)
-            assert second.entry.qid not in _states(queue)
+            # the second batch is committed while the first is held
+            assert await _eventually(lambda: second.entry.qid not in _states(queue))
             assert not one.done() and not two.done()  # neither answered before its flush
         finally:
             release.set()
@@ -127,11 +134,11 @@ def test_a_failing_store_is_retried_after_a_back_off_and_counts_once(
     apply_future = queue.store.apply_future
     failures = [2]
 
-    def flaky(transitions: Any, *, durable: bool = True) -> Any:
+    def flaky(transitions: Any, **how: Any) -> Any:
         if failures[0]:
             failures[0] -= 1
             raise StorageError("disk full")
-        return apply_future(transitions, durable=durable)
+        return apply_future(transitions, **how)
 
     monkeypatch.setattr(queue.store, "apply_future", flaky)
 
@@ -196,16 +203,20 @@ def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store
         queue.close()
 
 
-def test_with_success_sync_write_a_success_is_answered_at_its_commit_before_the_flush(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+BIG = b"".join(b"line %06d of a message kept in a spool file\r\n" % i for i in range(2000))
+
+
+@pytest.mark.parametrize("content", [b"x\r\n", BIG], ids=["inline", "in a spool file"])
+def test_with_success_sync_write_a_success_is_answered_at_its_commit_then_flushed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes) -> None:
     # queue.success_sync "write": the connection goes on once the commit
-    # has written the success (Postfix's way); the flush follows. A content
-    # kept in a spool file of its own still goes only after that flush: a
-    # power cut before it leaves the entry, and so its content, to send again.
-    big = b"".join(b"line %06d of a message kept in a spool file\r\n" % i for i in range(2000))
-    queue, (first,) = _queue(tmp_path, 1, "write", big)
+    # has written the success (Postfix's way), and the flush follows at once,
+    # not whenever some other change needs one. A content kept in a spool
+    # file of its own goes only after that flush: a power cut before it
+    # leaves the entry, and so its content, to send again.
+    queue, (first,) = _queue(tmp_path, 1, "write", content)
     spool_files = [f for f in (tmp_path / "spool").rglob("*") if f.is_file()]
-    assert len(spool_files) == 1
+    assert len(spool_files) == (len(content) > 65536)
     in_flush, release = _hold_flushes(queue, monkeypatch)
 
     async def main() -> None:
@@ -213,20 +224,16 @@ def test_with_success_sync_write_a_success_is_answered_at_its_commit_before_the_
         recorder, stats = _recorder(queue, tasks)
         try:
             done = recorder.record([first])
-            await asyncio.wait_for(asyncio.shield(done), 10)  # while the flush is held
+            await asyncio.wait_for(asyncio.shield(done), 10)  # before any flush ended
             assert _states(queue) == {}  # committed: the entry is gone
-            assert await asyncio.to_thread(in_flush.wait, 10)
-            assert spool_files[0].exists()  # its content waits for the flush
+            assert await asyncio.to_thread(in_flush.wait, 10)  # the flush follows
+            assert all(f.exists() for f in spool_files)  # its content waits for it
         finally:
             release.set()
         for task in list(tasks):
             await asyncio.wait_for(task, 10)
         assert stats.delivered == 1
-        for _ in range(2000):
-            if not spool_files[0].exists():
-                break
-            await asyncio.sleep(0.005)
-        assert not spool_files[0].exists()
+        assert await _eventually(lambda: not any(f.exists() for f in spool_files))
         await recorder.drain()
 
     try:
@@ -260,11 +267,8 @@ def test_with_success_sync_write_and_a_journal_a_success_is_answered_at_its_writ
             assert stats.delivered == 0  # the store has it only after the sync
         finally:
             synced.set()
-        for _ in range(2000):
-            if stats.delivered:
-                break
-            await asyncio.sleep(0.005)
-        assert stats.delivered == 1 and _states(queue) == {}
+        assert await _eventually(lambda: stats.delivered == 1)
+        assert _states(queue) == {}
         await recorder.drain()
         journal.close()
 
@@ -324,9 +328,9 @@ def test_a_success_is_logged_before_the_store_commits_it(
     apply_future = queue.store.apply_future
     at_commit: list[list[tuple[str, str]]] = []
 
-    def looking(transitions: Any, *, durable: bool = True) -> Any:
+    def looking(transitions: Any, **how: Any) -> Any:
         at_commit.append(_logged(queue))
-        return apply_future(transitions, durable=durable)
+        return apply_future(transitions, **how)
 
     monkeypatch.setattr(queue.store, "apply_future", looking)
 

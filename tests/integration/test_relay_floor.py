@@ -66,6 +66,18 @@ def stop(proc: subprocess.Popen[str]) -> str:
     return out
 
 
+def last_words(proc: subprocess.Popen[str], port: int, rcpt: str) -> str:
+    """Send one message to ``rcpt``, then the floor's last line once it has stopped (rc 1)."""
+    c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
+    c.sendmail("a@sender.test", [rcpt], BODY)
+    with contextlib.suppress(smtplib.SMTPServerDisconnected, ConnectionError):
+        c.quit()  # the floor may be gone already
+    c.close()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1, out
+    return out.splitlines()[-1]
+
+
 class ScriptedHop(socketserver.StreamRequestHandler):
     """A next hop: 250 to everything but RCPT TO:<refuse@...> (550); holds each
     message's 250 until ``release`` is set; closes the session after
@@ -234,14 +246,7 @@ def test_an_empty_message_is_ended_by_its_dot(tmp_path: Path,
 def test_an_unreachable_next_hop_stops_the_floor_with_the_reason(tmp_path: Path) -> None:
     nobody = free_port()  # nothing listens there: the first delivery cannot connect
     proc, port = start_floor(tmp_path, nobody, "journal")
-    c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
-    c.sendmail("a@sender.test", ["b@ok.test"], BODY)
-    with contextlib.suppress(smtplib.SMTPServerDisconnected, ConnectionError):
-        c.quit()  # the floor may be gone already
-    c.close()
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 1
-    assert out.splitlines()[-1] == (
+    assert last_words(proc, port, "b@ok.test") == (
         f"relay_floor: cannot connect to 127.0.0.1:{nobody}: "
         "[Errno 111] Connection refused")
 
@@ -249,14 +254,8 @@ def test_an_unreachable_next_hop_stops_the_floor_with_the_reason(tmp_path: Path)
 def test_a_refused_recipient_stops_the_floor_with_the_reply(tmp_path: Path) -> None:
     with scripted_hop() as hop:
         proc, port = start_floor(tmp_path, hop.server_address[1], "split")
-        c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
-        c.sendmail("a@sender.test", ["refuse@ok.test"], BODY)
-        with contextlib.suppress(smtplib.SMTPServerDisconnected, ConnectionError):
-            c.quit()
-        c.close()
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 1
-    assert out.splitlines()[-1] == (
+        last = last_words(proc, port, "refuse@ok.test")
+    assert last == (
         "relay_floor: 127.0.0.1 answered b'550 5.1.1 no such user' in data")
     assert not _listening(port)  # the receiving child went with it
 
@@ -310,6 +309,27 @@ def test_sessions_open_at_once_are_bounded_over_all_next_hops(tmp_path: Path) ->
     assert proc.returncode == 0, out
 
 
+def test_at_the_bound_the_oldest_idle_session_makes_room(tmp_path: Path) -> None:
+    # Two places, both held by idle sessions kept after their messages (the
+    # scripted hops never close one): a third next hop gets its session only
+    # because the floor closes the one idle longest.
+    with contextlib.ExitStack() as hops:
+        first = hops.enter_context(scripted_hop(addr=("127.10.0.1", 0)))
+        port = first.server_address[1]
+        every = [first] + [hops.enter_context(scripted_hop(addr=(f"127.10.0.{k}", port)))
+                           for k in (2, 3)]
+        proc, listen = start_floor(tmp_path, port, "journal", "--hops", "--open-max", "2")
+        try:
+            with smtplib.SMTP("127.0.0.1", listen, local_hostname="client.test",
+                              timeout=30) as c:
+                for k, hop in enumerate(every, 1):
+                    c.sendmail("a@sender.test", [f"user@d{k}.test"], BODY)
+                    assert wait_until(lambda hop=hop: hop.taken == 1, 30), k
+        finally:
+            out = stop(proc)
+    assert proc.returncode == 0, out
+
+
 def test_a_next_hop_that_never_greets_stops_the_floor(tmp_path: Path) -> None:
     # A connect the next hop's kernel completed but nobody accepts (as when
     # its listen queue overflows): no banner comes, and the floor says so.
@@ -318,14 +338,8 @@ def test_a_next_hop_that_never_greets_stops_the_floor(tmp_path: Path) -> None:
         mute.listen(8)
         proc, port = start_floor(tmp_path, mute.getsockname()[1], "journal",
                                  "--banner-timeout", "0.5")
-        c = smtplib.SMTP("127.0.0.1", port, local_hostname="client.test", timeout=30)
-        c.sendmail("a@sender.test", ["b@ok.test"], BODY)
-        with contextlib.suppress(smtplib.SMTPServerDisconnected, ConnectionError):
-            c.quit()
-        c.close()
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 1
-    assert out.splitlines()[-1] == "relay_floor: no banner from 127.0.0.1 in 0.5 s"
+        last = last_words(proc, port, "b@ok.test")
+    assert last == "relay_floor: no banner from 127.0.0.1 in 0.5 s"
 
 
 def test_a_used_directory_is_refused(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition
 from sluice.store.kv import CHUNK_SIZE, KvStore
 from tests.conftest import ROOT, subprocess_env
+from tests.integration.serving import wait_until
 from tests.integration.stores import flavour_config, open_flavour, run_diskfull
 
 pytestmark = pytest.mark.integration
@@ -292,6 +293,24 @@ def test_claims_and_marks_are_not_synced_outcomes_are(
     finally:
         store.close()
     assert [k for k in keys(tmp_path) if k.startswith(b"delivery-zone ")] == []
+
+
+def test_a_change_to_flush_soon_is_answered_first_and_synced_in_its_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # queue.success_sync "write": a success is answered at its write, but
+    # the log is synced in the same batch, not whenever an outcome that
+    # needs it comes along (which, when mail stops, could be never).
+    store = open_kv(tmp_path)
+    try:
+        store.submit(Submission("a@example.org", ("b@example.net",)), b"x", T0)
+        spy = SyncSpy(store, monkeypatch)
+        (entry,) = store.claim(10, T0, 10)
+        gone = store.apply_future([Transition(entry.qid, None, reply=Reply(250, "2.0.0", "ok"))],
+                                  durable=False, flush_soon=True)
+        assert gone.result(10) == {entry.qid}
+        assert wait_until(lambda: spy.syncs == ["logs"], 10)
+    finally:
+        store.close()
 
 
 def test_an_outcome_whose_log_sync_failed_is_not_reported_recorded(

@@ -109,9 +109,12 @@ def test_the_written_out_copies_keep_every_other_field() -> None:
     from sluice.attempts import AttemptResult
     from sluice.model import Delivered
 
+    def every_field(obj: object) -> list[object]:  # equality skips phase (compare=False)
+        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+
     reply = Reply(250, "2.0.0", "queued as X", "mx.example.com", None, "end-of-data")
-    assert reply.attempted_at(12.5) == dataclasses.replace(reply, attempt_at=12.5)
-    assert reply.attempted_at(12.5).phase == "end-of-data"  # not part of equality
+    assert every_field(reply.attempted_at(12.5)) == every_field(
+        dataclasses.replace(reply, attempt_at=12.5))
     res = AttemptResult(entry(), Delivered(reply), False, "192.0.2.1", "mx.example.com",
                         "192.0.2.25", 0.25)
     marked = res.logged_at(99.0)

@@ -65,11 +65,11 @@ class TimedStore:
         return self._timed_future("submit", time.perf_counter(),
                                   self.inner.submit_future(submission, content, now))
 
-    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
-                     ) -> concurrent.futures.Future[set[str]]:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True,
+                     flush_soon: bool = False) -> concurrent.futures.Future[set[str]]:
         """Apply transitions without waiting (timed as apply when the future completes)."""
-        return self._timed_future("apply", time.perf_counter(),
-                                  self.inner.apply_future(transitions, durable=durable))
+        return self._timed_future("apply", time.perf_counter(), self.inner.apply_future(
+            transitions, durable=durable, flush_soon=flush_soon))
 
     def _timed_future(self, op: str, start: float, fut: concurrent.futures.Future[T]
                       ) -> concurrent.futures.Future[T]:

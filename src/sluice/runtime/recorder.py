@@ -136,7 +136,9 @@ class Recorder:
         synced; the future then resolves at that sync (or, if the journal
         fails, when the store has tried them).  So the store never has a
         journaled success before the journal does: a crash in between
-        leaves it to the journal's replay.
+        leaves it to the journal's replay.  With queue.success_sync "write"
+        it resolves at the journal's write instead, or without a journal at
+        the store's commit (the flush follows).
         """
         # The successes' lines first, before the journal or the store has
         # them (if the log fails, finish_record tries after the commit).

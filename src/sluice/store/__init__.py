@@ -282,12 +282,16 @@ class Store(Protocol):
         """
         ...
 
-    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
-                     ) -> concurrent.futures.Future[set[str]]:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True,
+                     flush_soon: bool = False) -> concurrent.futures.Future[set[str]]:
         """As apply(), without waiting: the future resolves as apply() would return.
 
         For a caller on an event loop (asyncio.wrap_future), which then
-        needs no thread of its own to wait in.
+        needs no thread of its own to wait in.  ``flush_soon`` (with
+        ``durable=False``): the future still resolves at the commit, but the
+        flavour flushes right after it rather than whenever another change
+        needs a flush (queue.success_sync "write": successes).  Flavours
+        that flush every change anyway (fs, postgres) ignore both.
         """
         ...
 
@@ -377,8 +381,8 @@ class Store(Protocol):
 class ApplyByFuture:
     """Store.apply defined once, on the flavour's apply_future."""
 
-    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
-                     ) -> concurrent.futures.Future[set[str]]:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True,
+                     flush_soon: bool = False) -> concurrent.futures.Future[set[str]]:
         """Store.apply_future; each flavour has its own."""
         raise NotImplementedError
 

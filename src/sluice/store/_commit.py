@@ -73,15 +73,20 @@ class Op:
     #: False: losing this write in a power cut only repeats work (a delivery
     #: outcome, a claim); a flavour may then skip the flush for the batch.
     durable: bool = True
+    #: With durable False: answered at the commit, but flushed right after
+    #: it, not whenever another batch needs a flush (queue.success_sync
+    #: "write").
+    soon: bool = False
 
     def __init__(self, work: Callable[[Any], Any], future: concurrent.futures.Future[Any],
                  files: list[SpoolFile] | None = None, extra: Any = None,
-                 durable: bool = True) -> None:
+                 durable: bool = True, soon: bool = False) -> None:
         self.work = work
         self.future = future
         self.files = [] if files is None else files
         self.extra = extra
         self.durable = durable
+        self.soon = soon
 
 
 _STOP = object()
@@ -108,9 +113,10 @@ class GroupCommitter:
         self._gate = threading.Lock()  # the thread's start, every submit, the close
 
     def submit(self, work: Callable[[Any], Any], files: Sequence[SpoolFile] = (),
-               extra: Any = None, *, durable: bool = True) -> concurrent.futures.Future[Any]:
+               extra: Any = None, *, durable: bool = True, soon: bool = False
+               ) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        op = Op(work, fut, list(files), extra, durable)
+        op = Op(work, fut, list(files), extra, durable, soon)
         # Under the lock close() takes: no op is queued behind its stop,
         # and no thread starts once it has looked.
         with self._gate:

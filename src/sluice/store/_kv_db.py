@@ -276,7 +276,8 @@ class Database:
             return
         results: list[tuple[Op, Any, BaseException | None]] = []
         write_error: StorageError | None = None
-        durable = any(map(_needs_sync, batch))
+        # Op.soon: answered before the sync, but the batch is synced now.
+        durable = any(op.soon or _needs_sync(op) for op in batch)
         with self._rw.reading():
             view = Batch(self._db)
             for op in batch:
@@ -376,11 +377,11 @@ class Database:
             out[name] = int(raw) if raw else 0
         return out
 
-    def _op(self, work: Callable[[Batch], Any], extra: Any = None, *, durable: bool = True
-            ) -> concurrent.futures.Future[Any]:
+    def _op(self, work: Callable[[Batch], Any], extra: Any = None, *, durable: bool = True,
+            soon: bool = False) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
-        return self._committer.submit(work, extra=extra, durable=durable)
+        return self._committer.submit(work, extra=extra, durable=durable, soon=soon)
 
     def _call(self, work: Callable[[Batch], Any], *, durable: bool = True) -> Any:
         return self._op(work, durable=durable).result()

@@ -149,11 +149,12 @@ class Database:
 
     def _submit_op(self, work: Callable[[Batch], Any],
                    files: list[SpoolFile] | None = None, *,
-                   durable: bool = True, bulk: bool = False) -> concurrent.futures.Future[Any]:
+                   durable: bool = True, bulk: bool = False, soon: bool = False
+                   ) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StorageError("the store is closed")
         return self._committer.submit(work, files or (), BULK if bulk else None,
-                                      durable=durable)
+                                      durable=durable, soon=soon)
 
     def _call(self, work: Callable[[Batch], Any], *, durable: bool = True,
               bulk: bool = False) -> Any:
@@ -251,8 +252,9 @@ class Database:
         #    transaction, and the syncer thread flushes it while this thread
         #    commits the next batch (module doc, "Pipelined flush").  The
         #    callers that need it hear of their commit once it is flushed.
-        #    A batch that needs no flush frees its content behind one.
-        if waiting:
+        #    A batch that needs no flush frees its content behind one; one
+        #    whose operations asked for a flush soon (Op.soon) gets it now.
+        if waiting or any(op.soon for op, _, failure in results if failure is None):
             self._syncer.after(waiting, after.unlink)
         else:
             self.spool.delete_soon(after.unlink, barrier=self._flush_wal)

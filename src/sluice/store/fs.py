@@ -313,8 +313,8 @@ class FsStore(ApplyByFuture, Layout, Refilling, Recovering, Reading):
             states.update(dict.fromkeys(t.expect))
         return tuple(states)
 
-    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
-                     ) -> concurrent.futures.Future[set[str]]:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True,
+                     flush_soon: bool = False) -> concurrent.futures.Future[set[str]]:
         """Store.apply_future in one batch, looking in the in-flight directories first."""
         if not transitions:
             return applied_nothing()

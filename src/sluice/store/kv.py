@@ -418,8 +418,8 @@ class KvStore(ApplyByFuture, Reading):
             view.delete(meta_key(spid))
             view.count("messages", -1)
 
-    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
-                     ) -> concurrent.futures.Future[set[str]]:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True,
+                     flush_soon: bool = False) -> concurrent.futures.Future[set[str]]:
         """Store.apply_future: the state keys and stats of each entry changed in one batch."""
         if not transitions:
             return applied_nothing()
@@ -456,7 +456,7 @@ class KvStore(ApplyByFuture, Reading):
             self._collect_gone(view, gone)
             return applied
 
-        return self._op(work, durable=durable)
+        return self._op(work, durable=durable, soon=flush_soon)
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
         """Store.claim_bounces: bounce keys due, leased by moving their due time."""

@@ -284,8 +284,8 @@ class PgStore(ApplyByFuture, PgCommitting):
         result: list[QueueEntry] = self._call(work)
         return result
 
-    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
-                     ) -> concurrent.futures.Future[set[str]]:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True,
+                     flush_soon: bool = False) -> concurrent.futures.Future[set[str]]:
         """Store.apply_future: runs of deletes and of updates in order, one round trip each."""
         if not transitions:
             return applied_nothing()

@@ -336,8 +336,8 @@ class SqliteStore(ApplyByFuture, Database):
         result: list[QueueEntry] = self._call(work, durable=False)
         return result
 
-    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True
-                     ) -> concurrent.futures.Future[set[str]]:
+    def apply_future(self, transitions: Sequence[Transition], *, durable: bool = True,
+                     flush_soon: bool = False) -> concurrent.futures.Future[set[str]]:
         """Store.apply_future: outcomes and marks, one statement per kind of change."""
         if not transitions:
             return applied_nothing()
@@ -361,7 +361,7 @@ class SqliteStore(ApplyByFuture, Database):
             self._collect_gone(conn, touched, after)
             return applied
 
-        return self._submit_op(work, durable=durable)
+        return self._submit_op(work, durable=durable, soon=flush_soon)
 
     def _collect_gone(self, conn: sqlite3.Connection, spids: set[str], after: Batch) -> None:
         """Queue for deletion the content of messages that have no rows left.
