@@ -77,6 +77,17 @@ async def _eventually(check: Callable[[], bool], seconds: float = 10.0) -> bool:
     return True
 
 
+def _run(main: Callable[[], Coroutine[Any, Any, None]], queue: Queue,
+         release: threading.Event | None = None) -> None:
+    """Run a test's ``main``; then let any held flush go and close the queue, whatever happened."""
+    try:
+        asyncio.run(main())
+    finally:
+        if release is not None:
+            release.set()
+        queue.close()
+
+
 def _states(queue: Queue) -> dict[str, QueueState]:
     return {e.qid: e.state for e in queue.store.entries(Selector())}
 
@@ -121,11 +132,7 @@ def test_a_batch_goes_to_the_store_while_the_last_one_is_still_being_flushed(
         assert stats.delivered == 2 and _states(queue) == {}
         await recorder.drain()
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        queue.close()
+    _run(main, queue, release)
 
 
 def test_a_failing_store_is_retried_after_a_back_off_and_counts_once(
@@ -159,10 +166,7 @@ def test_a_failing_store_is_retried_after_a_back_off_and_counts_once(
         assert len(sleeps) == 2  # one back-off per failure
         assert len(tasks) <= 2 + 2  # a batch per turn of the loop, and the retries in them
 
-    try:
-        asyncio.run(main())
-    finally:
-        queue.close()
+    _run(main, queue)
 
 
 def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store_has_it(
@@ -196,11 +200,7 @@ def test_with_a_journal_a_success_is_answered_once_synced_there_before_the_store
         await recorder.drain()
         journal.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        queue.close()
+    _run(main, queue, release)
 
 
 BIG = b"".join(b"line %06d of a message kept in a spool file\r\n" % i for i in range(2000))
@@ -236,11 +236,7 @@ def test_with_success_sync_write_a_success_is_answered_at_its_commit_then_flushe
         assert await _eventually(lambda: not any(f.exists() for f in spool_files))
         await recorder.drain()
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        queue.close()
+    _run(main, queue, release)
 
 
 def test_with_success_sync_write_and_a_journal_a_success_is_answered_at_its_write(
@@ -272,10 +268,7 @@ def test_with_success_sync_write_and_a_journal_a_success_is_answered_at_its_writ
         await recorder.drain()
         journal.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        queue.close()
+    _run(main, queue)
 
 
 @pytest.mark.parametrize("flags", [os.O_RDONLY, os.O_WRONLY | os.O_APPEND],
@@ -300,10 +293,7 @@ def test_a_journal_that_fails_leaves_the_wait_to_the_store(tmp_path: Path, flags
         await recorder.drain()
         journal.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        queue.close()
+    _run(main, queue)
 
 
 def _logged(queue: Queue) -> list[tuple[str, str]]:
@@ -341,10 +331,7 @@ def test_a_success_is_logged_before_the_store_commits_it(
         await recorder.drain()
         assert (stats.delivered, stats.deferred) == (2, 1)
 
-    try:
-        asyncio.run(main())
-    finally:
-        queue.close()
+    _run(main, queue)
     ok, deferred = {r.entry.qid for r in results[:2]}, results[2].entry.qid
     # The successes were in the log when the store was given them; the
     # deferral, a queue transition like any other, is logged once applied.
@@ -379,10 +366,7 @@ def test_a_log_that_cannot_be_written_does_not_stop_the_outcomes(tmp_path: Path)
         await recorder.drain()
         assert stats.delivered == 2 and _states(queue) == {}
 
-    try:
-        asyncio.run(main())
-    finally:
-        queue.close()
+    _run(main, queue)
     assert health.part("logging deliveries").failing
     assert health.part("logging deliveries").errors_total == 2  # before and after the commit
     assert health.part("recording outcomes").errors_total == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import plyvel
 import pytest
 
-from sluice.model import QueueState, Reply, Selector, Submission
+from sluice.model import QueueEntry, QueueState, Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition
 from sluice.store.kv import CHUNK_SIZE, KvStore
 from tests.conftest import ROOT, subprocess_env
@@ -273,16 +273,23 @@ class SyncSpy:
         return getattr(self._db, name)
 
 
+def _claimed_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                 ) -> tuple[KvStore, SyncSpy, QueueEntry]:
+    """A kv store with one message claimed, its syncs watched from then on."""
+    store = open_kv(tmp_path)
+    store.submit(Submission("a@example.org", ("b@example.net",)), b"x", T0)
+    spy = SyncSpy(store, monkeypatch)
+    (entry,) = store.claim(10, T0, 10)
+    return store, spy, entry
+
+
 def test_claims_and_marks_are_not_synced_outcomes_are(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Three synchronous writes a delivery (claim, "delivering" mark,
     # outcome) kept kv's committer in fsync far more than SQLite's, which
     # syncs only the outcome; an outcome that arrived meanwhile waited.
-    store = open_kv(tmp_path)
+    store, spy, entry = _claimed_one(tmp_path, monkeypatch)
     try:
-        store.submit(Submission("a@example.org", ("b@example.net",)), b"x", T0)
-        spy = SyncSpy(store, monkeypatch)
-        (entry,) = store.claim(10, T0, 10)
         marked = store.apply_future(
             [Transition(entry.qid, S.DELIVERING, expect=(S.ACTIVE,))], durable=False)
         assert marked.result(10) == {entry.qid}
@@ -300,11 +307,8 @@ def test_a_change_to_flush_soon_is_answered_first_and_synced_in_its_batch(
     # queue.success_sync "write": a success is answered at its write, but
     # the log is synced in the same batch, not whenever an outcome that
     # needs it comes along (which, when mail stops, could be never).
-    store = open_kv(tmp_path)
+    store, spy, entry = _claimed_one(tmp_path, monkeypatch)
     try:
-        store.submit(Submission("a@example.org", ("b@example.net",)), b"x", T0)
-        spy = SyncSpy(store, monkeypatch)
-        (entry,) = store.claim(10, T0, 10)
         gone = store.apply_future([Transition(entry.qid, None, reply=Reply(250, "2.0.0", "ok"))],
                                   durable=False, flush_soon=True)
         assert gone.result(10) == {entry.qid}
