@@ -373,19 +373,19 @@ class Relay:
         hop.submit(msg)
 
     def want(self, hop: Hop) -> None:
-        """``hop`` wants one more session: open it, first closing an idle one at open_max."""
-        if self.open >= self.open_max and self.idle:
-            oldest = next(iter(self.idle))
-            oldest.hop.unidle(oldest)
-            oldest.quit()
-            self.open -= 1
-            oldest.hop.sessions -= 1
+        """``hop`` wants one more session: a free place, else the longest idle one's."""
         if self.open < self.open_max:
             self.open += 1
-            hop.open()
+        elif self.idle:  # the place passes from the closed session to the new one
+            oldest = next(iter(self.idle))
+            oldest.hop.unidle(oldest)
+            oldest.hop.sessions -= 1
+            oldest.quit()
         else:
             hop.queued = True
             self.wanting.append(hop)
+            return
+        hop.open()
 
     def freed(self) -> None:
         """A session closed: its place goes to the first hop still wanting one."""

@@ -142,14 +142,18 @@ class RecordPlan:
     planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]]
     #: A success among them: flushed before the caller goes on (see record()).
     durable: bool
+    #: A success among them under queue.success_sync "write": answered at
+    #: the commit, flushed right after it (Store.apply_future).
+    flush_soon: bool = False
 
     def __init__(self, now: float, transitions: list[Transition],
                  planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]],
-                 durable: bool) -> None:
+                 durable: bool, flush_soon: bool = False) -> None:
         object.__setattr__(self, "now", now)
         object.__setattr__(self, "transitions", transitions)
         object.__setattr__(self, "planned", planned)
         object.__setattr__(self, "durable", durable)
+        object.__setattr__(self, "flush_soon", flush_soon)
 
 
 class Queue:
@@ -359,6 +363,7 @@ class Queue:
         transitions: list[Transition] = []
         planned: list[tuple[AttemptResult, QueueState | None, EventKind, Reply]] = []
         stamped: dict[int, Reply] = {}  # recipients of one transaction share a reply
+        delivered = False
         for res in results:
             e = res.entry
             reply = res.outcome.reply
@@ -370,6 +375,7 @@ class Queue:
                 reply = got
             match res.outcome:
                 case Delivered():
+                    delivered = True
                     transitions.append(Transition(e.qid, None, reply=reply))
                     planned.append((res, None, EventKind.DELIVERED, reply))
                 case PermFail():
@@ -398,20 +404,14 @@ class Queue:
         # is only redone, never a lost message.  queue.success_sync "write"
         # treats successes so too (Postfix's own way): committed, written
         # to the kernel but not yet flushed, before the connection goes on.
-        delivered = ((self.flushes_successes or flush)
-                     and any(isinstance(res.outcome, Delivered) for res in results))
-        return RecordPlan(now, transitions, planned, durable=delivered)
+        flushed = delivered and (self.flushes_successes or flush)
+        return RecordPlan(now, transitions, planned, durable=flushed,
+                          flush_soon=delivered and not flushed)
 
     def apply_record(self, plan: RecordPlan) -> concurrent.futures.Future[set[str]]:
-        """Give ``plan``'s changes to the store; the future holds the qids applied.
-
-        With queue.success_sync "write", a plan with successes is answered at
-        its commit and flushed right after it (Store.apply_future, flush_soon).
-        """
-        soon = not plan.durable and any(kind is EventKind.DELIVERED
-                                        for _, _, kind, _ in plan.planned)
+        """Give ``plan``'s changes to the store; the future holds the qids applied."""
         return self.store.apply_future(plan.transitions, durable=plan.durable,
-                                       flush_soon=soon)
+                                       flush_soon=plan.flush_soon)
 
     def finish_record(self, plan: RecordPlan, applied: set[str],
                       trouble: LogTrouble | None = None
