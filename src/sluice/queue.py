@@ -52,7 +52,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -60,6 +60,7 @@ from sluice.accounting import AccountingLog, EventKind, make_event
 from sluice.attempts import AttemptResult
 from sluice.bounce import FailedRecipient, build_ndr, read_header_block
 from sluice.config import Config, make_directories
+from sluice.marks import mark_of
 from sluice.model import (
     IN_FLIGHT_STATES,
     Accepted,
@@ -554,11 +555,13 @@ class Queue:
                    for e in touched), now)
         return touched
 
-    def recover(self, delivered: Mapping[str, JournaledSuccess] | None = None) -> int:
+    def recover(self, delivered: Mapping[str, JournaledSuccess] | None = None,
+                marked: Collection[str] = ()) -> int:
         """After a restart: in-flight entries return to the queue.
 
-        Those whose attempt had started (state delivering: the server may
-        have the message) are logged as "recovered" with the reply
+        Those whose attempt had started (state delivering, or still active
+        with a mark in ``marked``, the mark log's: sluice.marks; the server
+        may have the message) are logged as "recovered" with the reply
         IN_FLIGHT_REPLY, "in flight at crash, may be a duplicate".  On a
         queue other nodes share (PostgreSQL), only this node's: the others'
         attempts are in flight too.  Those ``delivered`` names (the success
@@ -572,6 +575,9 @@ class Queue:
             in_flight = self.store.own_in_flight()
         else:
             in_flight = list(self.store.entries(Selector(states=(QueueState.DELIVERING,))))
+            if marked:
+                in_flight += [e for e in self.store.entries(Selector(states=(QueueState.ACTIVE,)))
+                              if mark_of(e) in marked]
         if delivered:
             done = [delivered[e.qid].result(e) for e in in_flight
                     if e.qid in delivered and delivered[e.qid].concerns(e)]

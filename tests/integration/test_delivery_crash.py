@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import smtplib
+import sqlite3
 import subprocess
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import pytest
 from sluice.config import load_config
 from sluice.faults import POINTS
 from sluice.journal import journal_paths
+from sluice.marks import mark_paths, read_marks
 from sluice.sink import Sink
 from sluice.store import open_store
 from tests.integration.pg import dsn_for
@@ -212,3 +214,41 @@ def test_a_restart_records_the_successes_the_journal_kept(
     assert [e["event"] for e in events] == ["received", "delivered"], events
     assert (events[1]["response"], events[1]["remotemx"], events[1]["duration_s"]) == \
         ("kept by the journal", "sink.test", 0.25)
+
+
+def test_a_restart_notes_an_attempt_only_the_mark_log_had(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Killed after the reply, with the store's "delivering" mark undone by the test,
+    as if its commit had not been made: the mark log's line alone gives the note.
+
+    The deliveries send once the line is written, not once the store has the
+    mark (sluice.marks); this is what keeps that from losing the note.
+    """
+    sink = Sink(keep=True)
+    sport = sink.start_in_thread()
+    try:
+        config, port = _killed_at("after_reply", tmp_path, {"store": "sqlite"}, sink, sport,
+                                  monkeypatch)
+        assert _copies(sink) == 1
+        (qid,) = {e["qid"] for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT}
+        assert f"{qid}/0" in read_marks(mark_paths(tmp_path / "queue", "test-node"))
+        db = sqlite3.connect(tmp_path / "queue" / "queue.db")
+        try:
+            with db:
+                changed = db.execute("UPDATE queue SET state = 'active' WHERE state = "
+                                     "'delivering'").rowcount
+        finally:
+            db.close()
+        assert changed == 1
+
+        srv = start_serve_with(config, tmp_path, port)
+        try:
+            assert wait_until(lambda: srv.recipients_left() == 0 and _copies(sink) == 2, 60)
+        finally:
+            assert srv.stop() == 0
+    finally:
+        sink.stop_thread()
+    events = [e for e in _accounting(tmp_path / "log") if e["recipient"] == RCPT]
+    assert [e["event"] for e in events] == ["received", "recovered", "delivered"], events
+    assert events[1]["response"] == NOTE

@@ -19,10 +19,13 @@ DESCRIPTION
 STRATEGIES
     At least once, with short windows (docs/queue.md, "What is
     promised").  The "delivering" marks of every attempt started in one
-    loop step are one store operation (mark_started), and a delivery
-    waits for it after the server's 354, before the message goes out: a
-    crash after that point is logged at the next start as "in flight at
-    crash, may be a duplicate".  Once the replies are in, the agent calls
+    loop step are one line of the mark log (sluice.marks) and one store
+    operation (mark_started), and a delivery waits for the first of them
+    that is written after the server's 354, before the message goes out:
+    the line, at once, unless it could not be written (or the store is
+    shared by nodes, which keeps no log); then the store's.  A crash after
+    that point is logged at the next start as "in flight at crash, may be
+    a duplicate".  Once the replies are in, the agent calls
     back (DeliveryRequest.settle): the outcomes go to the recorder's next
     group commit and the connection waits for it (or, with a success
     journal, for its sync, which precedes the store's), so a success is
@@ -64,6 +67,7 @@ from sluice.delivery.agent import DeliveryAgent, DeliveryRequest, DeliveryResult
 from sluice.delivery.plan import Planner
 from sluice.delivery.router import NextHop
 from sluice.hooks import Hooks
+from sluice.marks import MarkLog, mark_of
 from sluice.model import QueueEntry, Reply, TempFail
 from sluice.queue import AttemptResult, Queue
 from sluice.runtime.jobs import Job, Jobs
@@ -115,6 +119,9 @@ class Deliveries:
         self._spawn = spawn
         self._spawn_delivery = spawn_delivery
         self._stopping = stopping
+        #: The mark log (sluice.marks), set by the manager when it keeps one:
+        #: a step's marks are written there and its deliveries go on at once.
+        self.marks: MarkLog | None = None
         self._delivering: list[QueueEntry] = []
         self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
         # The contents to read ahead for this step's starts; the store is the
@@ -161,7 +168,11 @@ class Deliveries:
         if self._delivering:
             entries, marked = self._delivering, self._marked
             self._delivering, self._marked = [], None
-            if marked is not None and self._spawn(self._mark(entries, marked)) is None:
+            token = None if self.marks is None else self.marks.write([mark_of(e) for e in entries])
+            if token is not None and marked is not None:
+                marked.set_result(None)  # the line has it: the content may go now
+            if (marked is not None and self._spawn(self._mark(entries, marked, token)) is None
+                    and not marked.done()):
                 marked.set_result(None)
 
     def _read_ahead(self, ahead: list[_Ahead]) -> None:
@@ -187,11 +198,15 @@ class Deliveries:
             return io.BytesIO(ahead.data)
         return self.queue.store.open_content(ahead.spid)
 
-    async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
+    async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None],
+                    token: int | None = None) -> None:
         try:
             await asyncio.wrap_future(self.queue.mark_delivering_future(entries))
         except Exception as exc:
-            self.recorder.failed(exc)  # only the note at a restart is missed
+            self.recorder.failed(exc)  # only the note at a restart is missed (or the line has it)
+        else:
+            if token is not None and self.marks is not None:
+                self.marks.stored(token)  # the store says what the line said
         finally:
             if not marked.done():
                 marked.set_result(None)

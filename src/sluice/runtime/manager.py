@@ -61,9 +61,10 @@ STRATEGIES
     recorded, and every entry still held in memory gets its claim back.
 
     At least once, with short windows (docs/queue.md, "What is
-    promised").  Each step's "delivering" marks are one store operation,
-    and a delivery waits for it after the server's 354, before the
-    message goes out: a crash after that point is logged at the next
+    promised").  Each step's "delivering" marks are one line of the mark
+    log (sluice.marks) and one store operation; a delivery waits for the
+    line (or, without one, for the store) after the server's 354, before
+    the message goes out: a crash after that point is logged at the next
     start as "in flight at crash, may be a duplicate".  Once the replies
     are in, the agent calls back (DeliveryRequest.settle): the outcomes
     go to the recorder's next group commit and the connection waits for
@@ -107,6 +108,7 @@ from sluice.delivery.plan import Planner
 from sluice.delivery.router import Router
 from sluice.hooks import Hooks
 from sluice.journal import JournaledSuccess, SuccessJournal, journal_paths, read_journal
+from sluice.marks import MarkLog, mark_paths, read_marks
 from sluice.model import QueueState, Reply, Selector
 from sluice.queue import Queue
 from sluice.runtime.deliveries import Deliveries
@@ -139,6 +141,7 @@ from sluice.scheduler import (
 )
 from sluice.shaping.runtime import Shaper
 from sluice.store import Action as QueueAction
+from sluice.store import SharedClaims
 
 if TYPE_CHECKING:
     from sluice.cluster.agent import ClusterAgent
@@ -333,9 +336,22 @@ class QueueManager:
             log.error("cannot read the success journal (%s); it is left as it is and this "
                       "run keeps none", exc)
             delivered = None
-        recovered = await self._io(self.queue.recover, delivered)
+        marks = mark_paths(self.config.queue.path, self.config.node.id)
+        try:
+            marked = await self._io(read_marks, marks)
+        except OSError as exc:  # only notes are missed: never a reason not to start
+            log.error("cannot read the mark log (%s); entries it named return without "
+                      "a note", exc)
+            marked = set()
+        recovered = await self._io(self.queue.recover, delivered, marked)
         if recovered:
             log.info("returned %d entries left in flight by the last run", recovered)
+        if not isinstance(self.queue.store, SharedClaims):
+            try:
+                self.deliveries.marks = await self._io(MarkLog.open, marks)
+            except OSError as exc:
+                log.error("cannot open the mark log (%s); deliveries wait for the store's "
+                          "mark", exc)
         if delivered is not None and self.config.queue.journals_successes:
             try:
                 self.recorder.journal = await self._io(
@@ -365,6 +381,9 @@ class QueueManager:
             journal_open, self.recorder.journal = self.recorder.journal, None
             if journal_open is not None:
                 await self._io(journal_open.close)
+            marks_open, self.deliveries.marks = self.deliveries.marks, None
+            if marks_open is not None:
+                marks_open.close()
             self._pool.shutdown(wait=True)
 
     def _cluster_part(self, stop: asyncio.Event) -> Callable[[Trouble], Awaitable[None]]:

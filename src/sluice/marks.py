@@ -1,0 +1,196 @@
+"""The mark log: which attempts had started, written before their content goes out.
+
+SUMMARY
+    paths = mark_paths(queue_path, node_id)
+    marked = read_marks(paths)              (at start, before recovery)
+    marks = MarkLog.open(paths)             (after the recovery: starts empty)
+    token = marks.write([mark_of(e) ...])   (None: not written, wait for the store)
+    marks.stored(token); marks.close()
+
+DESCRIPTION
+    A crash after a message's content went out leaves an entry the next
+    hop may have; the next start logs each such entry as "recovered", "in
+    flight at crash, may be a duplicate" (docs/queue.md, "What is
+    promised").  What tells the start which attempts had begun is a mark
+    that reached the operating system before the first byte of content:
+    the store's "delivering" state, or a line here.
+
+    The store's mark is a commit, and in SQLite that commit waits for the
+    database's one write lock, which the receivers hold for their own
+    commits: about 4 ms of each delivery's cycle at 1 KB, measured between
+    the next hop's 354 and the content (docs/floor.md).  A line appended
+    to a local file is a write(2) to the page cache.  So the queue manager
+    writes each step's marks here, lets its deliveries send at once, and
+    applies the same marks to the store without waiting for them; once
+    the store has every mark a file holds, the store's state says what
+    the file said, and the file may be emptied.
+
+    At the next start, before in-flight entries are returned to the queue,
+    the files are read and every entry they name that is still claimed
+    (active) with the attempts it had when the line was written is noted
+    as recovered, as a "delivering" one is (Queue.recover).  An attempt
+    that ended counted itself, so an entry that failed, was claimed again
+    and was waiting for its next attempt at the crash is not noted.
+
+STRATEGIES
+    One line a loop step: a mark per attempt it started, the queue id and
+    the attempts so far (``qid/attempts``, mark_of), separated by spaces.
+    A write that fails part-way is cut off again, so the next line starts
+    clean.
+
+    Two files, in turn, as the success journal's (sluice.journal): lines
+    go to one until it has grown past ROTATE_AT; then, if the other is
+    empty, to that one, and the first is emptied as soon as the store has
+    every mark it holds.  A mark the store never took (its commit failed)
+    keeps its file from being emptied until the next start.
+
+    Not synced: a mark is for a crash of Sluice, not a power cut, as the
+    store's uncommitted-to-disk mark was (the note needs the mark to have
+    reached the operating system).
+
+LIMITATIONS
+    Only stores no other node writes: on a queue nodes share (PostgreSQL)
+    an entry claimed here may be another node's after a long outage, so
+    the queue manager keeps waiting for the store's mark there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from sluice._fdio import write_all
+from sluice.model import QueueEntry
+
+__all__ = ["ROTATE_AT", "MarkLog", "mark_of", "mark_paths", "read_marks"]
+
+log = logging.getLogger("sluice.marks")
+
+#: The size past which lines go to the other file, once it is empty.
+ROTATE_AT = 1 << 20
+
+
+def mark_paths(queue_path: str | os.PathLike[str], node_id: str) -> tuple[Path, Path]:
+    """This node's two mark files under queue.path."""
+    base, stem = Path(queue_path), f"marks-{node_id}" if node_id else "marks"
+    return base / f"{stem}.0.log", base / f"{stem}.1.log"
+
+
+def mark_of(entry: QueueEntry) -> str:
+    """An attempt's mark: the entry's queue id and its attempts before this one."""
+    return f"{entry.qid}/{entry.attempts}"
+
+
+def read_marks(paths: Iterable[str | os.PathLike[str]]) -> set[str]:
+    """The marks (mark_of) the files hold; none from a file that does not exist.
+
+    A last line without its line end (torn by the crash) is read too: the
+    marks it holds whole were written before any content went out, and a
+    cut one names no attempt.
+    """
+    out: set[str] = set()
+    for path in paths:
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            continue
+        out.update(data.decode("ascii", "replace").split())
+    return out
+
+
+class _File:
+    """One of the two files: its descriptor, its size, marks not yet in the store."""
+
+    __slots__ = ("fd", "path", "pending", "size")
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.size = 0
+        self.pending = 0  # lines written here whose store commit has not succeeded
+
+
+class MarkLog:
+    """Each step's marks appended from the event loop, to two files emptied in turn."""
+
+    def __init__(self, files: Sequence[_File]) -> None:
+        self._files = list(files)
+        self._cur = 0
+        self._failing = False
+
+    @classmethod
+    def open(cls, paths: Sequence[Path]) -> MarkLog:
+        """Open ``paths`` empty: their lines were read by the recovery already."""
+        files: list[_File] = []
+        try:
+            for path in paths:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                             | os.O_CLOEXEC, 0o640)
+                files.append(_File(path, fd))
+        except OSError:
+            for f in files:
+                os.close(f.fd)
+            raise
+        return cls(files)
+
+    def write(self, marks: Sequence[str]) -> int | None:
+        """Append one line of ``marks``; the file's token for stored(), or None if not written.
+
+        None (a full disk, a closed log): the caller waits for the store's
+        mark instead.  The first failure of a series is logged.
+        """
+        if not self._files:
+            return None
+        cur = self._files[self._cur]
+        if cur.size >= ROTATE_AT:
+            other = (self._cur + 1) % len(self._files)
+            if self._files[other].pending == 0 and self._files[other].size == 0:
+                self._cur = other
+                cur = self._files[other]
+                self._empty_if_done((other + 1) % len(self._files))
+        line = (" ".join(marks) + "\n").encode("ascii")
+        try:
+            write_all(cur.fd, line)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(cur.fd, cur.size)  # a torn line would join the next one
+            if not self._failing:
+                log.error("cannot write the mark log %s (%s); deliveries wait for the "
+                          "store's mark until it works again", cur.path, exc)
+            self._failing = True
+            return None
+        if self._failing:
+            log.warning("the mark log %s is written again", cur.path)
+            self._failing = False
+        cur.size += len(line)
+        cur.pending += 1
+        return self._cur
+
+    def stored(self, token: int) -> None:
+        """The store committed the marks of a line ``write`` answered with ``token``."""
+        if not self._files:
+            return
+        f = self._files[token]
+        f.pending -= 1
+        if token != self._cur:
+            self._empty_if_done(token)
+
+    def _empty_if_done(self, index: int) -> None:
+        f = self._files[index]
+        if f.pending or not f.size:
+            return
+        try:
+            os.ftruncate(f.fd, 0)
+        except OSError as exc:  # its lines stay: at worst a note too many at a restart
+            log.warning("cannot empty the mark log %s (%s)", f.path, exc)
+            return
+        f.size = 0
+
+    def close(self) -> None:
+        """Close the files; what they hold is read at the next start."""
+        files, self._files = self._files, []
+        for f in files:
+            os.close(f.fd)
