@@ -55,11 +55,9 @@ STRATEGIES
     appends until the next start (one error in the log).
 
 LIMITATIONS
-    An entry whose "delivering" mark had not reached the store when the
-    process died is not in flight as such, and is returned and sent again
-    as without a journal (the mark is nearly always there, see
-    sluice.delivery.agent).  On a queue shared by nodes only this node's
-    in-flight entries are replayed, and only while its claims are its own:
+    On a queue shared by nodes only this node's entries marked
+    "delivering" in the store are replayed (there an attempt waits for
+    that mark: sluice.marks), and only while its claims are its own:
     a node that stays down past its lease (cluster.node_lease) has its
     entries taken by the others first.
 """

@@ -46,17 +46,29 @@ STRATEGIES
 
     Not synced: a mark is for a crash of Sluice, not a power cut, as the
     store's uncommitted-to-disk mark was (the note needs the mark to have
-    reached the operating system).
+    reached the operating system).  The write(2) runs on the queue
+    manager's event loop, as the accounting log's and the success
+    journal's do: a few hundred bytes to the page cache.
+
+    A store mark that fails is tried again (sluice.runtime.deliveries)
+    until it is in, or until the manager stops: its file is emptied only
+    then, and while the store fails the log grows by a line a step.  A
+    write that fails and cannot be cut off again ends the log for the run.
 
 LIMITATIONS
     Only stores no other node writes: on a queue nodes share (PostgreSQL)
     an entry claimed here may be another node's after a long outage, so
     the queue manager keeps waiting for the store's mark there.
+
+    A mark names an attempt by the entry's attempts before it.  An
+    attempt whose outcome the store refused (an operator held the entry
+    while it was under way) counts nothing; if the entry is released,
+    claimed again and the process dies before it is tried, its old line
+    can note it as in flight, one note too many.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -65,7 +77,7 @@ from pathlib import Path
 from sluice._fdio import write_all
 from sluice.model import QueueEntry
 
-__all__ = ["ROTATE_AT", "MarkLog", "mark_of", "mark_paths", "read_marks"]
+__all__ = ["ROTATE_AT", "MarkLog", "mark_files", "mark_of", "mark_paths", "read_marks"]
 
 log = logging.getLogger("sluice.marks")
 
@@ -77,6 +89,16 @@ def mark_paths(queue_path: str | os.PathLike[str], node_id: str) -> tuple[Path, 
     """This node's two mark files under queue.path."""
     base, stem = Path(queue_path), f"marks-{node_id}" if node_id else "marks"
     return base / f"{stem}.0.log", base / f"{stem}.1.log"
+
+
+def mark_files(queue_path: str | os.PathLike[str]) -> list[Path]:
+    """Every mark file under queue.path, whichever node id named it.
+
+    A queue that no other node writes returns every entry in flight at a
+    start, whoever claimed it (a renamed host, a copied queue directory):
+    its marks are read the same way.
+    """
+    return sorted(Path(queue_path).glob("marks*.log"))
 
 
 def mark_of(entry: QueueEntry) -> str:
@@ -155,8 +177,14 @@ class MarkLog:
         try:
             write_all(cur.fd, line)
         except OSError as exc:
-            with contextlib.suppress(OSError):
+            try:
                 os.ftruncate(cur.fd, cur.size)  # a torn line would join the next one
+            except OSError as cut:
+                log.error("cannot write the mark log %s (%s) nor cut off what was written "
+                          "(%s); this run keeps no mark log, deliveries wait for the "
+                          "store's mark", cur.path, exc, cut)
+                self.close()
+                return None
             if not self._failing:
                 log.error("cannot write the mark log %s (%s); deliveries wait for the "
                           "store's mark until it works again", cur.path, exc)

@@ -566,20 +566,24 @@ class Queue:
         queue other nodes share (PostgreSQL), only this node's: the others'
         attempts are in flight too.  Those ``delivered`` names (the success
         journal, sluice.journal) are recorded as delivered first, with the
-        reply the journal kept, and are neither returned nor noted; their
-        ``delivered`` line was written before the journal had them, unless
-        the journal says it could not be.
+        reply the journal kept, and are neither returned nor noted (on a
+        queue of this node alone, whether or not the store had their
+        "delivering" mark: the journal's line says the attempt was made);
+        their ``delivered`` line was written before the journal had them,
+        unless the journal says it could not be.
         """
         now = self.clock()
         if isinstance(self.store, SharedClaims):
-            in_flight = self.store.own_in_flight()
+            in_flight = candidates = self.store.own_in_flight()
         else:
             in_flight = list(self.store.entries(Selector(states=(QueueState.DELIVERING,))))
-            if marked:
-                in_flight += [e for e in self.store.entries(Selector(states=(QueueState.ACTIVE,)))
-                              if mark_of(e) in marked]
+            candidates = in_flight
+            if marked or delivered:
+                claimed = list(self.store.entries(Selector(states=(QueueState.ACTIVE,))))
+                candidates = in_flight + claimed
+                in_flight = in_flight + [e for e in claimed if mark_of(e) in marked]
         if delivered:
-            done = [delivered[e.qid].result(e) for e in in_flight
+            done = [delivered[e.qid].result(e) for e in candidates
                     if e.qid in delivered and delivered[e.qid].concerns(e)]
             if done:
                 # Flushed whatever success_sync says: the journal goes next.

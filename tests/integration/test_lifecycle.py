@@ -395,6 +395,38 @@ def test_recovery_notes_the_attempts_the_mark_log_names(cfg: Config, clock: Cloc
         assert noted == ["bob@example.net", "erin@example.net"]
 
 
+def test_recovery_replays_a_journaled_success_the_store_had_not_marked(
+        cfg: Config, clock: Clock, tmp_path: Path, flavour: str) -> None:
+    """bob's attempt went out on the mark log's line alone; its success reached the
+    journal, not the store.  On a queue of one node the journal's line is proof enough."""
+    paths = journal_paths(tmp_path / "journal", "n1")
+    paths[0].parent.mkdir()
+    q = Queue.open(cfg, clock=clock)
+    q.submit(Submission("alice@example.org", ("bob@example.net",)), message())
+    (bob,) = q.claim(10)
+
+    async def journal_it() -> None:
+        journal = SuccessJournal.open(paths, asyncio.get_running_loop())
+        await journal.append([AttemptResult(bob, OK)], clock())
+        journal.close()
+
+    asyncio.run(journal_it())
+    q.close()  # the crash
+    q = Queue.open(cfg, clock=clock)
+    try:
+        q.recover(read_journal(paths), {mark_of(bob)})
+        left = q.claim(10)
+    finally:
+        q.close()
+    events = [x["event"] for x in log_lines(cfg) if x["event"] != "received"]
+    if flavour == "postgres":  # a shared queue replays only what the store had marked
+        assert [e.recipient for e in left] == ["bob@example.net"]
+        assert events == []
+    else:
+        assert left == []
+        assert events == ["delivered"]
+
+
 def test_recovery_records_what_the_success_journal_kept(cfg: Config, clock: Clock,
                                                         tmp_path: Path) -> None:
     """bob's success was journaled only; carol's journaled and committed; dave's neither;

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from sluice import marks as marks_mod
-from sluice.marks import MarkLog, mark_of, mark_paths, read_marks
+from sluice.marks import MarkLog, mark_files, mark_of, mark_paths, read_marks
 from sluice.model import QueueEntry, QueueState
+from sluice.runtime.manager import QueueManager
 
 
 def _entry(spid: str, idx: int, attempts: int) -> QueueEntry:
@@ -104,7 +105,10 @@ def test_a_write_that_fails_is_none_and_logged_once(tmp_path: Path,
         log.close()
     errors = [r for r in caplog.records if r.name == "sluice.marks" and r.levelname == "ERROR"]
     assert len(errors) == 1
+    # /dev/full cannot be cut back either: a torn line would join the next
+    # one, so the log is given up for the run
     assert "full.log" in errors[0].getMessage()
+    assert "keeps no mark log" in errors[0].getMessage()
 
 
 def test_a_closed_log_writes_nothing(tmp_path: Path) -> None:
@@ -112,3 +116,29 @@ def test_a_closed_log_writes_nothing(tmp_path: Path) -> None:
     log.close()
     assert log.write(["A-0/0"]) is None
     log.stored(0)  # a late store answer after the close is ignored
+
+
+def test_every_node_ids_files_are_read_and_only_this_ones_kept(tmp_path: Path) -> None:
+    """A renamed host: the old name's marks are read at the start, then its files go."""
+    old = mark_paths(tmp_path, "old-host")
+    old[0].write_text("A-0/0\n")
+    old[1].write_text("B-0/1\n")
+    (tmp_path / "success-old-host.0.journal").write_text("")
+    left = mark_files(tmp_path)
+    assert read_marks(left) == {"A-0/0", "B-0/1"}
+    mine = mark_paths(tmp_path, "new-host")
+    log = QueueManager._open_marks(mine, left)
+    assert log is not None
+    try:
+        assert mark_files(tmp_path) == sorted(mine)
+        assert (tmp_path / "success-old-host.0.journal").exists()
+    finally:
+        log.close()
+
+
+def test_a_log_that_cannot_be_opened_leaves_no_file_to_read(tmp_path: Path) -> None:
+    mine = mark_paths(tmp_path, "n1")
+    mine[0].write_text("STALE-0/0\n")
+    mine[1].mkdir()  # cannot be opened as a file
+    assert QueueManager._open_marks(mine, mark_files(tmp_path)) is None
+    assert not mine[0].exists()

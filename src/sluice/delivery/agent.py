@@ -52,8 +52,8 @@ STRATEGIES
     a crash (with queue.success_sync "write", by a crash of Sluice; a
     power cut may still forget it, as in Postfix).  Its
     ``started`` runs after 354, before the first byte of the message, so
-    an attempt that may have delivered is always known to the store as
-    one in flight.
+    an attempt that may have delivered is always known as one in flight
+    (a line of the mark log, or the store's mark: sluice.marks).
 
     Bounded connections.  When ``max_connections`` sessions are open, a new
     one first closes the longest-idle session of any destination.  The

@@ -61,7 +61,8 @@ class DeliveryRequest:
     localip: str = ""
     smtputf8: bool = False
     #: Awaited once the server said 354, before the message goes out: the
-    #: attempt is known to be in flight (the store's "delivering" mark).
+    #: attempt is known to be in flight (the mark log's line, or the store's
+    #: "delivering" mark: sluice.marks).
     started: Callable[[], Awaitable[None]] | None = None
     #: Awaited with the result once the peer's replies are in, before the
     #: session takes another message: it makes the outcomes durable.

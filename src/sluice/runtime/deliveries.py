@@ -80,6 +80,11 @@ __all__ = ["Deliveries"]
 
 log = logging.getLogger("sluice.manager")
 
+#: A failed store mark whose line is in the mark log is tried again after
+#: this, doubling up to MARK_RETRY_MAX_S.
+MARK_RETRY_S = 0.05
+MARK_RETRY_MAX_S = 5.0
+
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None] | None"]
 
 
@@ -200,13 +205,31 @@ class Deliveries:
 
     async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None],
                     token: int | None = None) -> None:
+        """The store's mark of a step's attempts; with a line of the mark log, tried until in.
+
+        Without a line, a failed mark only costs the note at a restart, and
+        the deliveries go on after it.  With one, the line's file is
+        emptied only once the store has the mark (sluice.marks), so a
+        failing store is tried again after a back-off, until the manager
+        stops (the line is then read at the next start).
+        """
+        delay = MARK_RETRY_S
         try:
-            await asyncio.wrap_future(self.queue.mark_delivering_future(entries))
-        except Exception as exc:
-            self.recorder.failed(exc)  # only the note at a restart is missed (or the line has it)
-        else:
-            if token is not None and self.marks is not None:
-                self.marks.stored(token)  # the store says what the line said
+            while True:
+                try:
+                    await asyncio.wrap_future(self.queue.mark_delivering_future(entries))
+                except Exception as exc:
+                    self.recorder.failed(exc)
+                    if token is None or self.marks is None or self._stopping():
+                        return
+                    if not marked.done():
+                        marked.set_result(None)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, MARK_RETRY_MAX_S)
+                    continue
+                if token is not None and self.marks is not None:
+                    self.marks.stored(token)  # the store says what the line said
+                return
         finally:
             if not marked.done():
                 marked.set_result(None)

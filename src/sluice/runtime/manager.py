@@ -99,6 +99,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice import cluster
@@ -108,7 +109,7 @@ from sluice.delivery.plan import Planner
 from sluice.delivery.router import Router
 from sluice.hooks import Hooks
 from sluice.journal import JournaledSuccess, SuccessJournal, journal_paths, read_journal
-from sluice.marks import MarkLog, mark_paths, read_marks
+from sluice.marks import MarkLog, mark_files, mark_paths, read_marks
 from sluice.model import QueueState, Reply, Selector
 from sluice.queue import Queue
 from sluice.runtime.deliveries import Deliveries
@@ -336,22 +337,20 @@ class QueueManager:
             log.error("cannot read the success journal (%s); it is left as it is and this "
                       "run keeps none", exc)
             delivered = None
+        # The mark log (sluice.marks): a queue of this node alone keeps one,
+        # and reads every one under queue.path, whichever node id named it.
+        keeps_marks = not isinstance(self.queue.store, SharedClaims)
         marks = mark_paths(self.config.queue.path, self.config.node.id)
+        left = await self._io(mark_files, self.config.queue.path) if keeps_marks else []
         try:
-            marked = await self._io(read_marks, marks)
-        except OSError as exc:  # only notes are missed: never a reason not to start
-            log.error("cannot read the mark log (%s); entries it named return without "
-                      "a note", exc)
+            marked = await self._io(read_marks, left)
+        except OSError as exc:  # never a reason not to start
+            log.error("cannot read the mark log (%s); attempts only it named return "
+                      "without a note", exc)
             marked = set()
         recovered = await self._io(self.queue.recover, delivered, marked)
         if recovered:
             log.info("returned %d entries left in flight by the last run", recovered)
-        if not isinstance(self.queue.store, SharedClaims):
-            try:
-                self.deliveries.marks = await self._io(MarkLog.open, marks)
-            except OSError as exc:
-                log.error("cannot open the mark log (%s); deliveries wait for the store's "
-                          "mark", exc)
         if delivered is not None and self.config.queue.journals_successes:
             try:
                 self.recorder.journal = await self._io(
@@ -361,6 +360,8 @@ class QueueManager:
         elif delivered is not None:
             for path in journal:
                 await self._io(path.unlink, True)
+        if keeps_marks:
+            self.deliveries.marks = await self._io(self._open_marks, marks, left)
         self.post(MailArrived())
         try:
             async with asyncio.TaskGroup() as group:
@@ -385,6 +386,28 @@ class QueueManager:
             if marks_open is not None:
                 marks_open.close()
             self._pool.shutdown(wait=True)
+
+    @staticmethod
+    def _open_marks(mine: Sequence[Path], left: Sequence[Path]) -> MarkLog | None:
+        """This run's mark log, empty; the files of other node ids go (read already).
+
+        None if it cannot be opened: the deliveries then wait for the
+        store's mark, and this node's files are removed, so that no old
+        line is read at a later start.
+        """
+        for path in left:
+            if path not in mine:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        try:
+            return MarkLog.open(mine)
+        except OSError as exc:
+            log.error("cannot open the mark log (%s); deliveries wait for the store's "
+                      "mark", exc)
+            for path in mine:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            return None
 
     def _cluster_part(self, stop: asyncio.Event) -> Callable[[Trouble], Awaitable[None]]:
         """The cluster agent as a part: Redis heartbeats, grants, shared changes."""
