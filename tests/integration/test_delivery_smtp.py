@@ -113,6 +113,35 @@ def test_bodies_round_trip_byte_exact(pipelining: bool) -> None:
     run(scenario())
 
 
+def test_the_content_is_closed_before_the_outcome_settles(tmp_path: Path) -> None:
+    """The store may unlink a delivered message's spool file once its outcome is
+    durable; a descriptor still open then would make the loop's close free the blocks."""
+    spool = tmp_path / "spool-file"
+    spool.write_bytes(b"Subject: t\r\n\r\n" + b"line of the body\r\n" * 6000)
+    opened: list[Any] = []
+
+    def open_content() -> Any:
+        f = spool.open("rb")
+        opened.append(f)
+        return f
+
+    closed_at_settle: list[bool] = []
+
+    async def settle(result: DeliveryResult) -> None:
+        closed_at_settle.append(all(f.closed for f in opened))
+
+    async def scenario() -> None:
+        async with sink(SinkHandler()) as s:
+            agent = make_agent()
+            res = await agent.deliver(DeliveryRequest(hop(s.port), entries("rcpt@dest.test"),
+                                                      open_content, settle=settle))
+            assert outcomes(res) == [("rcpt@dest.test", Delivered, 250, "2.0.0")]
+            await agent.close()
+
+    run(scenario())
+    assert opened and closed_at_settle == [True]
+
+
 def test_bare_line_ends_become_crlf() -> None:
     async def scenario() -> None:
         handler = SinkHandler()

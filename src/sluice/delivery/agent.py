@@ -345,6 +345,10 @@ class DeliveryAgent:
                     self._pool.drop(session)
                     raise
                 self._transactions += 1
+                # Closed before the outcome settles: the spool file may be
+                # unlinked once it is durable, and the last close of an
+                # unlinked 100 KB file frees its blocks, 0.3 ms of the loop.
+                content.close()
                 faults.point("after_reply", (e.spid for e in request.entries))
                 outcomes = _peer_outcomes(replies, session.host)
                 result = self._result(request, outcomes, session.host, started, new=new,
