@@ -2,7 +2,7 @@
 
 SUMMARY
     write_all(fd, data); writev_all(fd, pieces, total);
-    write_all_by(fd, data, deadline)
+    write_all_by(fd, data, deadline); open_log(path) -> fd
 
 DESCRIPTION
     os.write and os.writev may write less than they are given (a signal, a
@@ -11,7 +11,9 @@ DESCRIPTION
     rule "write until done" is kept in one place.  Errors are the callers'
     to name (OSError as raised).  write_all_by is for a pipe whose reader
     may never read (a child process that hangs before it does): it gives
-    up at a deadline instead of blocking for good.
+    up at a deadline instead of blocking for good.  open_log opens the
+    files that are only ever appended to and emptied whole (the success
+    journal's, the mark log's) the one way they are opened.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import select
 import time
 from collections.abc import Sequence
 
-__all__ = ["write_all", "write_all_by", "writev_all"]
+__all__ = ["open_log", "write_all", "write_all_by", "writev_all"]
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -60,3 +62,9 @@ def write_all_by(fd: int, data: bytes | memoryview, deadline: float) -> bool:
             return False
         poller.poll(min(left, 1.0) * 1000)  # (an infinite deadline too)
     return True
+
+
+def open_log(path: str | os.PathLike[str]) -> int:
+    """A descriptor appending to ``path``, created or emptied (0640, closed on exec)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
+                   0o640)

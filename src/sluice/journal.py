@@ -79,7 +79,7 @@ from typing import Any
 import orjson
 
 from sluice import faults
-from sluice._fdio import write_all
+from sluice._fdio import open_log, write_all
 from sluice._fsync import fsync_path
 from sluice.model import Delivered, QueueEntry, Reply
 from sluice.queue import AttemptResult
@@ -207,10 +207,8 @@ class SuccessJournal:
         files: list[_File] = []
         try:
             for path in paths:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-                             | os.O_CLOEXEC, 0o640)
-                files.append(_File(path, fd))
-                os.fsync(fd)  # emptied for good: a crash never replays old lines twice
+                files.append(_File(path, open_log(path)))
+                os.fsync(files[-1].fd)  # emptied for good: a crash never replays old lines twice
             for directory in {str(p.parent) for p in paths}:
                 fsync_path(directory)  # and the files' names are there after a power cut
         except OSError:

@@ -74,7 +74,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from sluice._fdio import write_all
+from sluice._fdio import open_log, write_all
 from sluice.model import QueueEntry
 
 __all__ = ["ROTATE_AT", "MarkLog", "mark_files", "mark_of", "mark_paths", "read_marks"]
@@ -149,9 +149,7 @@ class MarkLog:
         files: list[_File] = []
         try:
             for path in paths:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-                             | os.O_CLOEXEC, 0o640)
-                files.append(_File(path, fd))
+                files.append(_File(path, open_log(path)))
         except OSError:
             for f in files:
                 os.close(f.fd)
