@@ -41,8 +41,7 @@ STRATEGIES
     Two files, in turn, as the success journal's (sluice.journal): lines
     go to one until it has grown past ROTATE_AT; then, if the other is
     empty, to that one, and the first is emptied as soon as the store has
-    every mark it holds.  A mark the store never took (its commit failed)
-    keeps its file from being emptied until the next start.
+    every mark it holds.
 
     Not synced: a mark is for a crash of Sluice, not a power cut, as the
     store's uncommitted-to-disk mark was (the note needs the mark to have
@@ -166,11 +165,12 @@ class MarkLog:
             return None
         cur = self._files[self._cur]
         if cur.size >= ROTATE_AT:
-            other = (self._cur + 1) % len(self._files)
+            full = self._cur
+            other = (full + 1) % len(self._files)
             if self._files[other].pending == 0 and self._files[other].size == 0:
                 self._cur = other
                 cur = self._files[other]
-                self._empty_if_done((other + 1) % len(self._files))
+                self._empty_if_done(full)
         line = (" ".join(marks) + "\n").encode("ascii")
         try:
             write_all(cur.fd, line)

@@ -222,9 +222,7 @@ class Deliveries:
                     self.recorder.failed(exc)
                     if token is None or self.marks is None or self._stopping():
                         return
-                    if not marked.done():
-                        marked.set_result(None)
-                    await asyncio.sleep(delay)
+                    await asyncio.sleep(delay)  # marked was set with the line
                     delay = min(delay * 2, MARK_RETRY_MAX_S)
                     continue
                 if token is not None and self.marks is not None:
