@@ -67,6 +67,10 @@ def test_contents_read_ahead_are_the_inline_ones_byte_for_byte(store: Store) -> 
     assert got == want
     assert read(store, small.spid) == body(1) and read(store, big.spid) == big_body
     assert store.inline_contents([]) == {}
+    # What is not read ahead is opened with open_large, whatever its size.
+    for acc, data in ((big, big_body), (small, body(1))):
+        with store.open_large(acc.spid) as stream:
+            assert stream.read() == data
 
 
 # -- submission --------------------------------------------------------------------------

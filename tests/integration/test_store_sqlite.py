@@ -232,6 +232,24 @@ def test_big_or_streamed_content_goes_to_a_spool_file(tmp_path: Path) -> None:
         assert _spool_files(store) == [] and _content_rows(store) == []
 
 
+def test_open_large_reads_the_spool_file_and_finds_an_inline_content_too(tmp_path: Path) -> None:
+    with _store(tmp_path, spool={"inline_max": 100}) as store:
+        big = store.submit(MSG, b"x" * 101, T0)
+        kept_inline = store.submit(MSG, b"z" * 100, T0)
+    # The queue manager opens a content larger than ahead_max with
+    # open_large: the file, without a read of the database first.
+    with _store(tmp_path, spool={"inline_max": 10}) as store:
+        with store.open_large(big.spid) as stream:
+            assert Path(stream.name).name == f"{big.spid}.msg"  # type: ignore[attr-defined]
+            assert stream.read() == b"x" * 101
+        # Kept inline under the larger inline_max of before: no file, the
+        # database still has it.
+        with store.open_large(kept_inline.spid) as stream:
+            assert stream.read() == b"z" * 100
+        with pytest.raises(StorageError):
+            store.open_large("00000000000ABCDE")
+
+
 def test_inline_max_zero_writes_every_message_to_a_file(tmp_path: Path) -> None:
     with _store(tmp_path, spool={"inline_max": 0}) as store:
         acc = store.submit(MSG, b"tiny", T0)

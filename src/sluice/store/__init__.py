@@ -229,6 +229,15 @@ class ReadsContentsAhead(Protocol):
         """The contents of those of ``spids`` that are small enough; the others are absent."""
         ...
 
+    def open_large(self, spid: str) -> IO[bytes]:
+        """open_content for a message of more than ahead_max bytes, looking where such are kept.
+
+        The queue manager neither reads such a content ahead nor asks the
+        database for it first: for SQLite that read was a wasted cold
+        transaction per big message.  The answer is open_content's.
+        """
+        ...
+
 
 class Store(Protocol):
     """A meta queue flavour with its spool.  All methods are thread-safe."""

@@ -519,6 +519,15 @@ class SqliteStore(ApplyByFuture, Database):
                                 tuple(keys)).fetchall()
         return {keys[k]: bytes(data) for k, data in rows}
 
+    def open_large(self, spid: str) -> IO[bytes]:
+        """ReadsContentsAhead.open_large: the spool file, else (inline_max lowered since) inline."""
+        try:
+            return self.spool.open(spid)
+        except FileNotFoundError:
+            return self.open_content(spid)
+        except OSError as exc:
+            raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
+
     def open_content(self, spid: str) -> IO[bytes]:
         """Store.open_content: the inline content, else the spool file."""
         key = _content_key(spid)
