@@ -2,7 +2,8 @@
 
 STRATEGY
     pyproject.toml says everything but the extension modules.  These come
-    from src/sluice/_native.py's MODULES, compiled as one mypyc group, when
+    from src/sluice/_native.py's MODULES, compiled as one mypyc group, and
+    its C_MODULES, small modules written in C beside their Python twins, when
     mypyc and Sluice's dependencies are importable here (mypyc type-checks
     the code against them): scripts/setup installs the package first, then
     builds it again with `--no-build-isolation`.  A build without mypyc (an
@@ -25,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -77,7 +78,10 @@ def extensions() -> list[Any]:
     os.chdir(ROOT)
     _MANIFEST.update(NATIVE.manifest_of(SRC))  # the sources as mypyc is about to read them
     paths = [str(NATIVE.source_path(Path("src"), name)) for name in NATIVE.MODULES]
-    return list(mypycify(paths, opt_level="3", group_name="sluice"))
+    hand_written = [Extension(name, [str(NATIVE.c_source_path(Path("src"), name))],
+                              extra_compile_args=["-O2"])
+                    for name in NATIVE.C_MODULES]
+    return [*mypycify(paths, opt_level="3", group_name="sluice"), *hand_written]
 
 
 class BuildNative(build_ext):

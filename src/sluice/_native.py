@@ -104,6 +104,13 @@ MODULES: tuple[str, ...] = (
     "sluice.store._sqlite_schema",
 )
 
+#: Extension modules written by hand in C, each beside its pure-Python twin
+#: of the same name (the twin's docstring says what both do, and a test
+#: holds them to the same answers).  Built and kept out with MODULES.
+C_MODULES: tuple[str, ...] = ("sluice._wirescan",)
+#: Everything a build makes, and a stale build's finder keeps out.
+BUILT: tuple[str, ...] = MODULES + C_MODULES
+
 #: Written by setup.py beside this file once a build is done: the modules it
 #: compiled, the interpreter's extension suffix, and the SHA-256 of every
 #: source of the package (a compiled module also bakes in what it saw of the
@@ -121,6 +128,11 @@ def source_path(root: Path, name: str) -> Path:
     return root.joinpath(*name.split(".")).with_suffix(".py")
 
 
+def c_source_path(root: Path, name: str) -> Path:
+    """The .c file of a dotted name of C_MODULES under `root`."""
+    return source_path(root, name).with_suffix(".c")
+
+
 def built_path(root: Path, name: str, suffix: str = SUFFIX) -> Path:
     """Where a build puts the extension module of a dotted name (this interpreter's suffix)."""
     return root.joinpath(*name.split(".")).with_name(name.rpartition(".")[2] + suffix)
@@ -132,7 +144,7 @@ def digest(path: Path) -> str:
 
 
 def source_names(root: Path) -> list[str]:
-    """Every .py file of the package under `root`, by path relative to it (``/``), sorted.
+    """Every .py and .c file of the package under `root`, by path relative to it (``/``), sorted.
 
     The one list both checks take (sources_of, stats_of); paths as strings,
     as a Path per file cost more than the stat of it.
@@ -142,17 +154,17 @@ def source_names(root: Path) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(os.path.join(root, "sluice")):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         names += [os.path.join(dirpath, name)[skip:].replace(os.sep, "/")
-                  for name in filenames if name.endswith(".py")]
+                  for name in filenames if name.endswith((".py", ".c"))]
     return sorted(names)
 
 
 def sources_of(root: Path) -> dict[str, str]:
-    """Every .py file of the package under `root` (source_names), with its hash."""
+    """Every source file of the package under `root` (source_names), with its hash."""
     return {name: digest(root / name) for name in source_names(root)}
 
 
 def stats_of(root: Path) -> dict[str, list[int]]:
-    """Every .py file of the package under `root` (source_names), with what its stat says.
+    """Every source file of the package under `root` (source_names), with what its stat says.
 
     Without reading them: a stat each.  Size, mtime, ctime and inode: a
     tool may set a file's mtime (tar, cp -p, touch -r), but a write, a
@@ -165,7 +177,7 @@ def stats_of(root: Path) -> dict[str, list[int]]:
     return out
 
 
-def manifest_of(root: Path, names: Sequence[str] = MODULES) -> dict[str, object]:
+def manifest_of(root: Path, names: Sequence[str] = BUILT) -> dict[str, object]:
     """What setup.py writes after compiling `names` (read before mypyc reads them).
 
     The stats are taken before the hashes: a file changed in between has
@@ -193,12 +205,12 @@ def stale(root: Path) -> str | None:
     package = root / "sluice"
     path = package / MANIFEST
     if not path.exists():
-        built = any(built_path(root, name).exists() for name in MODULES)
+        built = any(built_path(root, name).exists() for name in BUILT)
         return f"{MANIFEST} is missing" if built else None
     data = recorded(root)
     if data is None:
         return f"{MANIFEST} cannot be read"
-    if data.get("modules") != list(MODULES):
+    if data.get("modules") != list(BUILT):
         return "the list of compiled modules changed since the build"
     if data.get("suffix") != SUFFIX:
         return f"the build is for another interpreter ({data.get('suffix')}, this is {SUFFIX})"
@@ -223,7 +235,7 @@ def kept_out(root: Path) -> list[str]:
     """The modules a finder must load from source: today's list and the last build's."""
     data = recorded(root) or {}
     before = data.get("modules")
-    names = list(MODULES)
+    names = list(BUILT)
     if isinstance(before, list):
         names += [name for name in before if isinstance(name, str) and name not in names]
     return names
@@ -292,7 +304,7 @@ def current(root: Path) -> bool:
 
 def in_use() -> list[str]:
     """The listed modules imported so far that run compiled."""
-    return [name for name in MODULES
+    return [name for name in BUILT
             if (module := sys.modules.get(name)) is not None
             and not str(getattr(module, "__file__", "")).endswith(".py")]
 

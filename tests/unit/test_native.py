@@ -18,11 +18,13 @@ SRC = Path(_native.__file__).resolve().parent.parent
 
 
 def _tree(root: Path) -> None:
-    """Every listed module's source under root, with a manifest of them."""
-    for name in _native.MODULES:
+    """Every listed module's source under root (a C module's too), with a manifest of them."""
+    for name in _native.BUILT:
         path = _native.source_path(root, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"NAME = {name!r}\n")
+    for name in _native.C_MODULES:
+        _native.c_source_path(root, name).write_text(f"/* {name} */\n")
     (root / "sluice" / _native.MANIFEST).write_text(json.dumps(_native.manifest_of(root)))
 
 
@@ -39,6 +41,14 @@ def test_an_edited_source_makes_the_build_stale_and_names_the_file(tmp_path: Pat
     why = _native.stale(tmp_path)
     assert why == "sluice/queue.py changed since the build"
     assert not _native.current(tmp_path)
+
+
+def test_an_edited_c_source_makes_the_build_stale(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    edited = _native.c_source_path(tmp_path, "sluice._wirescan")
+    edited.write_text(edited.read_text() + "/* an edit after the build */\n")
+    assert _native.stale(tmp_path) == "sluice/_wirescan.c changed since the build"
+    assert "sluice._wirescan" in _native.kept_out(tmp_path)
 
 
 def test_sources_as_large_and_as_old_as_at_the_build_are_not_read_again(
@@ -143,7 +153,7 @@ def test_a_new_or_removed_source_or_another_list_makes_the_build_stale(
     assert _native.stale(tmp_path) == "the list of compiled modules changed since the build"
     # and a finder then keeps out the old list's modules too
     manifest.write_text(json.dumps({**data, "modules": [*data["modules"], "sluice.gone"]}))
-    assert _native.kept_out(tmp_path) == [*_native.MODULES, "sluice.gone"]
+    assert _native.kept_out(tmp_path) == [*_native.BUILT, "sluice.gone"]
     manifest.write_text(json.dumps({**data, "suffix": ".other.so"}))
     assert _native.stale(tmp_path).startswith("the build is for another interpreter")
 
