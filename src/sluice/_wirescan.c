@@ -12,6 +12,9 @@
  *     same way: every LF must have its CR, and as many CRs as LFs leaves no
  *     CR without its LF.  About 10 us for 100 KB.
  *
+ *     The receiver's two searches (dot_line, end_mark) walk the LFs the same
+ *     way.
+ *
  *     Built by setup.py beside the mypyc modules and kept out, like them,
  *     when its source has changed since the build (sluice._native).  A
  *     property test holds it to the Python twin (tests/unit/test_wirescan.py).
@@ -82,10 +85,73 @@ clean_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(result);
 }
 
+/* Whether an LF in data is followed by ".". */
+static PyObject *
+dot_line(PyObject *module, PyObject *data)
+{
+    Py_buffer view;
+    const unsigned char *p, *end, *q;
+    int found = 0;
+
+    (void)module;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    p = (const unsigned char *)view.buf;
+    end = p + view.len;
+    for (q = p; (q = memchr(q, '\n', (size_t)(end - q))) != NULL; q++) {
+        if (q + 1 < end && q[1] == '.') {
+            found = 1;
+            break;
+        }
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(found);
+}
+
+/* The index just past the first ".CRLF" at or after start in buf, or -1.
+ * Found by its LF: a line is some 80 bytes, a "." far more frequent. */
+static PyObject *
+end_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    const unsigned char *p, *end, *q;
+    Py_ssize_t start, result = -1;
+
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "end_mark(buf, start) takes 2 arguments");
+        return NULL;
+    }
+    start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    p = (const unsigned char *)view.buf;
+    end = p + view.len;
+    if (start < 0)
+        start = 0;
+    if (start + 2 < view.len) {
+        for (q = p + start + 2; (q = memchr(q, '\n', (size_t)(end - q))) != NULL; q++) {
+            if (q[-1] == '\r' && q[-2] == '.') {
+                result = q - p + 1;
+                break;
+            }
+        }
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(result);
+}
+
 static PyMethodDef methods[] = {
     {"clean_run", (PyCFunction)(void (*)(void))clean_run, METH_FASTCALL,
      "clean_run(data, at_line_start, col, limit) -> int: the unfinished last line's "
      "length if data may go out as it is, else -1 (see _wirescan.py)."},
+    {"dot_line", dot_line, METH_O,
+     "dot_line(data) -> bool: whether an LF in data is followed by \".\"."},
+    {"end_mark", (PyCFunction)(void (*)(void))end_mark, METH_FASTCALL,
+     "end_mark(buf, start) -> int: the index just past the first \".CRLF\" at or after "
+     "start, or -1."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -79,6 +79,24 @@ def test_the_c_module_answers_what_its_twin_does(
         data, at_line_start, col, limit)
 
 
+@settings(max_examples=400)
+@given(chunks, st.integers(-3, 60))
+def test_the_receivers_searches_answer_what_the_definition_says(data: bytes, start: int) -> None:
+    assert TWIN.dot_line(data) == (b"\n." in data)
+    at = data.find(b".\r\n", max(start, 0))
+    assert TWIN.end_mark(bytearray(data), start) == (-1 if at < 0 else at + 3)
+
+
+@pytest.mark.skipif(C is None, reason="no current build of the C module in this tree "
+                    "(scripts/setup builds one)")
+@settings(max_examples=400)
+@given(chunks, st.integers(-3, 60))
+def test_the_c_modules_searches_answer_what_its_twin_does(data: bytes, start: int) -> None:
+    assert C is not None
+    assert C.dot_line(data) == TWIN.dot_line(data)
+    assert C.end_mark(bytearray(data), start) == TWIN.end_mark(bytearray(data), start)
+
+
 @pytest.mark.skipif(C is None, reason="no current build of the C module in this tree")
 def test_the_c_module_takes_any_buffer_and_refuses_wrong_calls() -> None:
     assert C is not None
@@ -90,6 +108,11 @@ def test_the_c_module_takes_any_buffer_and_refuses_wrong_calls() -> None:
         C.clean_run("text", True, 0, 998)
     with pytest.raises(TypeError):
         C.clean_run(text, True, 0)
+    with pytest.raises(TypeError):
+        C.dot_line("text")
+    with pytest.raises(TypeError):
+        C.end_mark(text)
+    assert C.end_mark(memoryview(b"a.\r\n"), 0) == 4 and C.end_mark(b".\r\n", 1) == -1
 
 
 def test_the_package_runs_the_c_module_while_its_build_is_current() -> None:

@@ -36,10 +36,10 @@ INVARIANTS
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from typing import Final
 
+from sluice._wirescan import end_mark
 from sluice.smtpd.protocol import LINE_READ_MAX
 
 __all__ = ["HIGH_WATER", "LOW_WATER", "TOO_LONG", "Inbox"]
@@ -48,8 +48,6 @@ HIGH_WATER = 4 * LINE_READ_MAX
 LOW_WATER = LINE_READ_MAX
 #: What readline returns for a line longer than LINE_READ_MAX (thrown away).
 TOO_LONG: Final = b"\x00too long\x00"
-#: The end-of-data mark's last three bytes; re finds it faster than bytearray.find.
-_END_MARK = re.compile(rb"\.\r\n")
 
 
 class Inbox:
@@ -153,9 +151,9 @@ class Inbox:
         start = 0
         while True:
             buf = self._buf
-            found = _END_MARK.search(buf, start)
-            if found is not None:
-                return self._take(found.end())
+            end = end_mark(buf, start)
+            if end >= 0:
+                return self._take(end)
             if len(buf) >= LINE_READ_MAX:
                 return self._take(len(buf) - 2)
             if self._eof:
