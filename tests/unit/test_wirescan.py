@@ -112,6 +112,14 @@ def test_the_c_module_takes_any_buffer_and_refuses_wrong_calls() -> None:
         C.dot_line("text")
     with pytest.raises(TypeError):
         C.end_mark(text)
+    for module in (C, TWIN):
+        with pytest.raises(ValueError):
+            module.clean_run(text, True, -1, 998)
+        with pytest.raises(ValueError):
+            module.clean_run(text, True, 0, -1)
+    with pytest.raises(OverflowError):
+        C.clean_run(text, True, sys.maxsize - 2, 0)
+    assert C.end_mark(text, sys.maxsize) == -1 == TWIN.end_mark(text, sys.maxsize)
     assert C.end_mark(memoryview(b"a.\r\n"), 0) == 4 and C.end_mark(b".\r\n", 1) == -1
 
 

@@ -44,8 +44,9 @@ STRATEGIES
     content larger than the store's ahead_max (its entry's size says so)
     is neither read ahead nor looked for in the database: it is opened
     where such contents are kept (ReadsContentsAhead.open_large; for
-    SQLite the spool file), which at 100 KB spared each delivery two
-    cold read transactions on the event loop.
+    SQLite the spool file).  At 100 KB each delivery had paid a cold read
+    transaction of its own on the event loop, after the step's read-ahead
+    had asked for it in vain.
 
     Exactly one answer.  Every StartDelivery is answered by exactly one
     DeliveryFinished: at once when stopping or when the job is gone,
