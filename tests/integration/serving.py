@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
@@ -9,7 +10,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,27 @@ import yaml
 
 from sluice._loopback import free_port
 from tests.conftest import ROOT, SLUICE, subprocess_env
+
+
+def run_in_process(srv: Any, sink: Any, body: Callable[[], Awaitable[None]]) -> None:
+    """Start an in-process Server, await ``body``, stop the server; then stop the sink's thread.
+
+    ``srv`` is a sluice.runtime.serve.Server and ``sink`` a sluice.sink.Sink
+    started with start_in_thread (typed loosely: this module is imported
+    by tests that run serve in a child process and need neither).
+    """
+
+    async def main() -> None:
+        await srv.start()
+        try:
+            await body()
+        finally:
+            await asyncio.wait_for(srv.stop(), 30)
+
+    try:
+        asyncio.run(main())
+    finally:
+        sink.stop_thread()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:

@@ -24,7 +24,7 @@ from sluice.runtime.serve import Server
 from sluice.sink import Sink
 from sluice.store.sqlite import SqliteStore
 from tests.conftest import make_config
-from tests.integration.serving import free_port, wait_until
+from tests.integration.serving import free_port, run_in_process, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -64,24 +64,18 @@ def test_a_big_content_is_opened_from_its_file_and_a_small_one_read_ahead(
     monkeypatch.setattr(SqliteStore, "open_content", open_content)
     cfg = make_config(tmp_path, queue={"store": "sqlite"},
                       smtpd={"listen": [f"127.0.0.1:{free_port()}"], "processes": 1},
-                      delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sink_port}"}})
+                      delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sink_port}"}},
+                      api={"enabled": False})  # no fixed port for tests side by side
     srv = Server(cfg, poll_s=0.05)
     spids: dict[str, str] = {}
 
-    async def main() -> None:
-        await srv.start()
-        try:
-            host, port = srv.addresses[0]
-            await asyncio.to_thread(_send, host, port, "big@rcpt.example", BIG)
-            await asyncio.to_thread(_send, host, port, "small@rcpt.example", SMALL)
-            await asyncio.to_thread(wait_until, lambda: len(sink.messages) >= 2, 20)
-        finally:
-            await asyncio.wait_for(srv.stop(), 30)
+    async def body() -> None:
+        host, port = srv.addresses[0]
+        await asyncio.to_thread(_send, host, port, "big@rcpt.example", BIG)
+        await asyncio.to_thread(_send, host, port, "small@rcpt.example", SMALL)
+        await asyncio.to_thread(wait_until, lambda: len(sink.messages) >= 2, 20)
 
-    try:
-        asyncio.run(main())
-    finally:
-        sink.stop_thread()
+    run_in_process(srv, sink, body)
     got = {m.recipients[0]: m.data for m in sink.messages}
     assert got["big@rcpt.example"].endswith(BIG)
     assert got["small@rcpt.example"].endswith(SMALL)

@@ -27,7 +27,7 @@ from sluice.sink import Sink
 from sluice.store import StorageError, Transition
 from sluice.store.sqlite import SqliteStore
 from tests.conftest import make_config
-from tests.integration.serving import free_port, wait_until
+from tests.integration.serving import free_port, run_in_process, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,25 +55,19 @@ def test_a_failing_store_mark_is_retried_and_does_not_hold_the_delivery(
     monkeypatch.setattr(SqliteStore, "apply_future", apply_future)
     cfg = make_config(tmp_path, queue={"store": "sqlite"},
                       smtpd={"listen": [f"127.0.0.1:{free_port()}"], "processes": 1},
-                      delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sink_port}"}})
+                      delivery={"transport": {"*": f"smtp:[127.0.0.1]:{sink_port}"}},
+                      api={"enabled": False})  # no fixed port for tests side by side
     srv = Server(cfg, poll_s=0.05, health=Health(backoff=Backoff(first_s=0.01, max_s=0.05)))
     seen: list[str] = []
 
-    async def main() -> None:
-        await srv.start()
-        try:
-            await asyncio.to_thread(_send, *srv.addresses[0])
-            await asyncio.to_thread(
-                wait_until, lambda: len(marks) >= 3 and len(sink.messages) >= 1, 20)
-            # the line was written before the content went, and is still there
-            seen.extend(read_marks(mark_paths(tmp_path / "queue", "test-node")))
-        finally:
-            await asyncio.wait_for(srv.stop(), 30)
+    async def body() -> None:
+        await asyncio.to_thread(_send, *srv.addresses[0])
+        await asyncio.to_thread(
+            wait_until, lambda: len(marks) >= 3 and len(sink.messages) >= 1, 20)
+        # the line was written before the content went, and is still there
+        seen.extend(read_marks(mark_paths(tmp_path / "queue", "test-node")))
 
-    try:
-        asyncio.run(main())
-    finally:
-        sink.stop_thread()
+    run_in_process(srv, sink, body)
     assert len(sink.messages) == 1
     # the message went while the store refused its mark, which was tried
     # again until the store took it (once the sink had the message)
