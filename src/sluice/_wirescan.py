@@ -79,7 +79,7 @@ def clean_run(data: bytes, at_line_start: bool, col: int, limit: int) -> int:
         return -1
     # With no CR that is not followed by an LF, each CR has its own LF; as
     # many CRs as LFs then leaves no LF alone.
-    if (_DOT_LINE.search(data) is not None or data.count(b"\n") != data.count(b"\r")
+    if (dot_line(data) or data.count(b"\n") != data.count(b"\r")
             or _BARE_CR.search(data) is not None):
         return -1
     last = data.rfind(b"\n")
@@ -93,7 +93,7 @@ def clean_run(data: bytes, at_line_start: bool, col: int, limit: int) -> int:
 
 
 def _longest_line(data: bytes, col: int, limit: int, last: int) -> int:
-    """The longest line of clean CRLF ``data`` up to its ``last`` LF, or limit + 1 if over it.
+    """The longest line of clean CRLF ``data`` up to its ``last`` LF, or one found over the limit.
 
     A line over the limit is a run of at least limit + 1 bytes without an
     LF, and such a run holds a whole block of (limit + 1) // 2 bytes

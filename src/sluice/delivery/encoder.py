@@ -37,8 +37,9 @@ STRATEGIES
     with "." and none is over the limit is returned as it is (no copy).
     Deciding that was most of the cost of sending a big message: five
     passes of bytes methods and regular expressions over every chunk
-    (about 230 µs for 100 KB).  sluice._wirescan decides it in one pass
-    in C, with memchr (about 24 µs), or in Python where it is not built.
+    (about 230 µs for 100 KB).  sluice._wirescan decides it in one call:
+    two memchr walks in C (about 24 µs), or those passes in Python where
+    it is not built.
 
     Work in C otherwise.  A chunk that needs changes is normalised with
     bytes.replace (CRLF and CR to LF, stuff "\n.", LF to CRLF), not a

@@ -140,10 +140,7 @@ class Deliveries:
         # queue's for good, so whether it can is decided once.
         self._ahead: list[_Ahead] = []
         store = queue.store
-        ahead = store if isinstance(store, ReadsContentsAhead) else None
-        self._inline_contents = None if ahead is None else ahead.inline_contents
-        self._open_large = None if ahead is None else ahead.open_large
-        self._ahead_max = -1 if ahead is None else ahead.ahead_max
+        self._reads_ahead = store if isinstance(store, ReadsContentsAhead) else None
 
     def start(self, job: DeliveryJob, localip: str, qids: tuple[str, ...]) -> None:
         """Start delivering ``qids`` of ``job`` from ``localip`` (StartDelivery)."""
@@ -165,12 +162,14 @@ class Deliveries:
         self.stats.deliveries += 1
         # The entry's size is its content's (QueueEntry.size): one over the
         # store's ahead_max cannot be read ahead, so it is not asked for.
-        ahead = _Ahead(entries[0].spid, entries[0].size > self._ahead_max >= 0)
+        reader = self._reads_ahead
+        ahead = _Ahead(entries[0].spid,
+                       reader is not None and entries[0].size > reader.ahead_max)
         if self._spawn_delivery(self._deliver(info, tuple(entries), localip,
                                               self._marked, ahead)) is None:
             self._post(DeliveryFinished(job.ref, (), connection_failed=False,
                                         new_connection=False, localip=localip))
-        elif self._inline_contents is not None and not ahead.large:
+        elif reader is not None and not ahead.large:
             self._ahead.append(ahead)
 
     def mark_started(self) -> None:
@@ -196,11 +195,11 @@ class Deliveries:
 
         A failed read leaves each delivery to read its own, as without it.
         """
-        read = self._inline_contents
-        if read is None:  # start() keeps no _Ahead then
+        reader = self._reads_ahead
+        if reader is None:  # start() keeps no _Ahead then
             return
         try:
-            contents = read(list({a.spid for a in ahead}))
+            contents = reader.inline_contents(list({a.spid for a in ahead}))
         except Exception:
             log.debug("reading contents ahead failed; each delivery reads its own",
                       exc_info=True)
@@ -212,8 +211,8 @@ class Deliveries:
         """A delivery's content: read ahead for it, else from the store."""
         if ahead.data is not None:
             return io.BytesIO(ahead.data)
-        if ahead.large and self._open_large is not None:
-            return self._open_large(ahead.spid)
+        if ahead.large and self._reads_ahead is not None:
+            return self._reads_ahead.open_large(ahead.spid)
         return self.queue.store.open_content(ahead.spid)
 
     async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None],
