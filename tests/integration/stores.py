@@ -17,9 +17,11 @@ from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, Store, Transition, open_store
 from tests.conftest import make_config
 
-#: ``sqlite`` keeps small content in the database (the default);
-#: ``sqlite_files`` is the same store with every message in a spool file.
-FLAVOURS: list[str] = ["sqlite", "sqlite_files", "fs", "postgres", "kv"]
+#: ``sqlite`` keeps small content in the database and the rest in spool
+#: segments (the default); ``sqlite_files`` is the same store with every
+#: message in a spool file of its own, ``sqlite_segments`` with every
+#: message in a segment.
+FLAVOURS: list[str] = ["sqlite", "sqlite_files", "sqlite_segments", "fs", "postgres", "kv"]
 
 
 def flavour_sections(flavour: str, tmp: Path) -> dict[str, dict[str, Any]]:
@@ -29,7 +31,9 @@ def flavour_sections(flavour: str, tmp: Path) -> dict[str, dict[str, Any]]:
 
         return {"queue": {"store": "postgres", "postgres": {"dsn": dsn_for(tmp)}}}
     if flavour == "sqlite_files":
-        return {"queue": {"store": "sqlite", "spool": {"inline_max": 0}}}
+        return {"queue": {"store": "sqlite", "spool": {"inline_max": 0, "layout": "files"}}}
+    if flavour == "sqlite_segments":
+        return {"queue": {"store": "sqlite", "spool": {"inline_max": 0, "layout": "segments"}}}
     return {"queue": {"store": flavour}}
 
 

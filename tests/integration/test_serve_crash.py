@@ -9,7 +9,8 @@ the messages they had not had accepted.  At the end every message answered
 with 250 has reached the sink.  Duplicates (accepted, delivered, killed
 before the delivery was recorded) are allowed: they are counted and
 reported.  (``sqlite_files`` is left out: it is the sqlite store with its
-content in spool files, which the fs flavour's files already cover here.)
+content in spool files, which the fs flavour's files already cover here;
+``sqlite_segments`` puts every message in a spool segment.)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tests.integration.stores import flavour_sections
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CRASH_FLAVOURS = ["sqlite", "fs", "postgres", "kv"]
+CRASH_FLAVOURS = ["sqlite", "sqlite_segments", "fs", "postgres", "kv"]
 TOTAL = 1200
 KILLS = 2
 TOKEN = "0123456789abcdef0123"

@@ -198,14 +198,15 @@ FULL_DISK_CHILD = textwrap.dedent('''
     from sluice.queue import Queue
     from sluice.smtpd import Receiver
 
-    root, port, inline_max = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    root, port, inline_max, layout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     small = os.path.join(root, "small")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", small], check=True)
     cfg = config_from_dict({
         "node": {"hostname": "mx.sluice.test"},
         "queue": {"path": small + "/queue", "spool": {"rootpath": small + "/spool",
                                                        "partitiondepth": 0,
-                                                       "inline_max": inline_max}},
+                                                       "inline_max": inline_max,
+                                                       "layout": layout}},
         "accounting": {"path": root + "/log"},
         "smtpd": {"listen": [f"127.0.0.1:{port}"]},
     })
@@ -242,14 +243,18 @@ FULL_DISK_CHILD = textwrap.dedent('''
     spool = [n for n in os.listdir(small + "/spool") if n.endswith(".msg")]
     with sqlite3.connect(small + "/queue/queue.db") as db:
         (inline,) = db.execute("SELECT COUNT(*) FROM content").fetchone()
+        (in_segments,) = db.execute("SELECT COUNT(*) FROM content_at").fetchone()
     print(json.dumps({"messages": queue.store.count().messages, "spool_files": len(spool),
-                      "inline": inline}))
+                      "inline": inline, "in_segments": in_segments}))
     queue.close()
 ''')
 
 
-@pytest.mark.parametrize("inline_max", [65536, 0], ids=["inline", "files"])
-def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path, inline_max: int) -> None:
+@pytest.mark.parametrize(("inline_max", "layout"), [(65536, "segments"), (0, "files"),
+                                                    (0, "segments")],
+                         ids=["inline", "files", "segments"])
+def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path, inline_max: int,
+                                                    layout: str) -> None:
     # The queue lives on a 2 MB tmpfs mounted in a private mount namespace of
     # a child process (we are root here and in CI); the network is shared.
     skip_without_private_mounts()
@@ -258,7 +263,7 @@ def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path, inline_max: 
     script.write_text(FULL_DISK_CHILD)
     port = free_port()
     with subprocess.Popen(["unshare", "-m", "--propagation", "private", sys.executable,
-                           str(script), str(tmp_path), str(port), str(inline_max)],
+                           str(script), str(tmp_path), str(port), str(inline_max), layout],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
         stdin, stdout = child.stdin, child.stdout
         assert stdin is not None
@@ -292,6 +297,7 @@ def test_a_full_disk_answers_451_and_queues_nothing(tmp_path: Path, inline_max: 
             if child.poll() is None:
                 child.kill()
     # Nothing is left of the refused one, wherever content lives.
-    assert result == {"messages": 1, "spool_files": int(not inline_max),
-                      "inline": int(bool(inline_max))}
+    where = "inline" if inline_max else "spool_files" if layout == "files" else "in_segments"
+    assert result == {"messages": 1, "spool_files": 0, "inline": 0, "in_segments": 0,
+                      where: 1}
     assert not os.path.ismount(tmp_path / "small")  # the mount stayed in its namespace

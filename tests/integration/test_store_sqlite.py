@@ -216,7 +216,7 @@ def test_small_content_is_committed_in_the_database_without_a_file(tmp_path: Pat
 
 
 def test_big_or_streamed_content_goes_to_a_spool_file(tmp_path: Path) -> None:
-    with _store(tmp_path, spool={"inline_max": 100}) as store:
+    with _store(tmp_path, spool={"inline_max": 100, "layout": "files"}) as store:
         big = store.submit(MSG, b"x" * 101, T0)
         streamed = store.submit(MSG, iter([b"y" * 10]), T0)
         small = store.submit(MSG, b"z" * 100, T0)
@@ -233,12 +233,12 @@ def test_big_or_streamed_content_goes_to_a_spool_file(tmp_path: Path) -> None:
 
 
 def test_open_large_reads_the_spool_file_and_finds_an_inline_content_too(tmp_path: Path) -> None:
-    with _store(tmp_path, spool={"inline_max": 100}) as store:
+    with _store(tmp_path, spool={"inline_max": 100, "layout": "files"}) as store:
         big = store.submit(MSG, b"x" * 101, T0)
         kept_inline = store.submit(MSG, b"z" * 100, T0)
     # The queue manager opens a content larger than ahead_max with
     # open_large: the file, without a read of the database first.
-    with _store(tmp_path, spool={"inline_max": 10}) as store:
+    with _store(tmp_path, spool={"inline_max": 10, "layout": "files"}) as store:
         with store.open_large(big.spid) as stream:
             assert Path(stream.name).name == f"{big.spid}.msg"  # type: ignore[attr-defined]
             assert stream.read() == b"x" * 101
@@ -251,7 +251,7 @@ def test_open_large_reads_the_spool_file_and_finds_an_inline_content_too(tmp_pat
 
 
 def test_inline_max_zero_writes_every_message_to_a_file(tmp_path: Path) -> None:
-    with _store(tmp_path, spool={"inline_max": 0}) as store:
+    with _store(tmp_path, spool={"inline_max": 0, "layout": "files"}) as store:
         acc = store.submit(MSG, b"tiny", T0)
         assert _content_rows(store) == []
         assert [p.stem for p in _spool_files(store)] == [acc.spid]
@@ -431,7 +431,7 @@ def test_a_version_1_queue_is_migrated_when_opened(tmp_path: Path) -> None:
         assert store.count().messages == 1
         check_migrated_v1_queue(store, OLD_SPID, "b@example.net", b"hello", T0 + 1)
     version, columns = _schema(db)
-    assert version == str(sqlite_module.SCHEMA_VERSION) == "3"
+    assert version == str(sqlite_module.SCHEMA_VERSION) == "4"
     assert [columns.count(c) for c in ("smtputf8", "last_mta", "last_attempt_at")] == [1, 1, 1]
     with _store(tmp_path) as store:  # opening again changes nothing
         assert len(list(store.entries(Selector()))) == 2
@@ -444,7 +444,7 @@ def test_processes_opening_a_version_1_queue_at_once_migrate_it_once(tmp_path: P
         db = _v1_queue(root)
         assert _open_at_once(root, 4) == ["ok"] * 4
         version, columns = _schema(db)
-        assert version == "3" and columns.count("smtputf8") == columns.count("last_mta") == 1
+        assert version == "4" and columns.count("smtputf8") == columns.count("last_mta") == 1
 
 
 def test_a_queue_newer_than_the_code_is_refused_and_left_alone(tmp_path: Path) -> None:
@@ -452,9 +452,9 @@ def test_a_queue_newer_than_the_code_is_refused_and_left_alone(tmp_path: Path) -
         store.submit(MSG, b"kept", T0)
     db = tmp_path / "queue" / "queue.db"
     with contextlib.closing(sqlite3.connect(db)) as conn, conn:
-        conn.execute("UPDATE qmeta SET value = '4' WHERE key = 'schema_version'")
+        conn.execute("UPDATE qmeta SET value = '5' WHERE key = 'schema_version'")
     before = _schema(db)
-    with pytest.raises(StorageError, match=rf"{db}.*schema version 4.*newer"):
+    with pytest.raises(StorageError, match=rf"{db}.*schema version 5.*newer"):
         _store(tmp_path)
     assert _schema(db) == before
 

@@ -76,6 +76,10 @@ class SpoolConfig:
     bufsize: int = 8192
     sync_method: str = "fsync"
     inline_max: int = 65536
+    #: Contents over inline_max: a "files" each, or appended to "segments".
+    layout: str = "segments"
+    segment_max: int = 16 << 20
+    segment_age: float = _dur("10s")
 
 
 @dataclass(frozen=True, slots=True)

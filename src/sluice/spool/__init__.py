@@ -119,12 +119,17 @@ def iter_chunks(content: Content, bufsize: int) -> Iterator[bytes | memoryview]:
 
 @dataclass(slots=True)
 class SpoolFile:
-    """Content written but not yet synced.  ``fd`` stays open until sync/discard."""
+    """Content written but not yet synced.  ``fd`` stays open until sync/discard.
+
+    ``offset`` is where the content starts in a shared segment
+    (sluice.spool.segments), or -1 for a file of its own.
+    """
 
     spid: str
     path: str
     size: int
     fd: int = -1
+    offset: int = -1
 
 
 class Spool(Protocol):

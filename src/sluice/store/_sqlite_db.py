@@ -58,6 +58,7 @@ from mypy_extensions import mypyc_attr
 from sluice._batches import take_queued
 from sluice.spool import SpoolFile
 from sluice.spool.fs import FsSpool
+from sluice.spool.segments import Segments
 from sluice.store import StorageError
 from sluice.store._commit import GroupCommitter, Op
 
@@ -78,15 +79,19 @@ BULK = "bulk"
 class Batch:
     """What the operations of one commit share.
 
-    The connection, and the content to delete once the commit is durable.
+    The connection, the spool files to delete once the commit is durable,
+    and the segments in which it dropped a content (to sweep after it).
     """
 
     conn: sqlite3.Connection
     unlink: list[str] = field(default_factory=list)
+    freed: set[int] = field(default_factory=set)
 
-    def __init__(self, conn: sqlite3.Connection, unlink: list[str] | None = None) -> None:
+    def __init__(self, conn: sqlite3.Connection, unlink: list[str] | None = None,
+                 freed: set[int] | None = None) -> None:
         self.conn = conn
         self.unlink = [] if unlink is None else unlink
+        self.freed = set() if freed is None else freed
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # SqliteStore is not compiled (sluice._native)
@@ -95,11 +100,14 @@ class Database:
 
     db_path: Path
     spool: FsSpool
+    segments: Segments | None
     _busy_timeout_ms: int
     _local: threading.local
     _readers: list[sqlite3.Connection]
     _readers_lock: threading.Lock
     _closed: bool
+    #: While close() finishes the segments' sweeps, readers still open.
+    _reads_after_close: bool = False
     _lock_fd: int
     _writer: sqlite3.Connection
     _committer: GroupCommitter
@@ -123,7 +131,7 @@ class Database:
         return conn
 
     def _reader(self) -> sqlite3.Connection:
-        if self._closed:
+        if self._closed and not self._reads_after_close:
             raise StorageError("the store is closed")
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
@@ -197,20 +205,46 @@ class Database:
     def _discard(self, op: Op) -> None:
         """An operation cancelled before its commit: its content goes."""
         for f in op.files:
+            self._drop(f)
+
+    def _drop(self, f: SpoolFile) -> None:
+        """Content written for an operation that will not commit."""
+        if f.offset < 0:
             self.spool.discard(f)
+        elif self.segments is not None:
+            self.segments.settle((f,))  # its bytes stay until the segment goes
+
+    def _sync(self, files: list[SpoolFile]) -> None:
+        """Make a batch's content durable: spool files, segments, or both."""
+        alone = [f for f in files if f.offset < 0]
+        if alone:
+            self.spool.sync(alone)
+        if self.segments is not None and len(alone) < len(files):
+            self.segments.sync([f for f in files if f.offset >= 0])
+
+    def segments_referenced(self, numbers: list[int]) -> set[int]:
+        """Which of these segments hold a content some message still has."""
+        found: set[int] = set()
+        with self._reading() as conn:
+            for at in range(0, len(numbers), 500):
+                chunk = numbers[at : at + 500]
+                found.update(n for n, in conn.execute(
+                    "SELECT DISTINCT seg FROM content_at WHERE seg IN "
+                    f"({','.join('?' * len(chunk))})", chunk))
+        return found
 
     def _commit(self, batch: list[Op]) -> None:
         # 1. Content first: sync every spool file of the batch in one go.
         files = [f for op in batch for f in op.files]
         if files:
             try:
-                self.spool.sync(files)
+                self._sync(files)
             except OSError as exc:
                 err = StorageError(f"spool sync failed: {exc}")
                 for op in batch:
                     if op.files:
                         for f in op.files:
-                            self.spool.discard(f)
+                            self._drop(f)
                         op.future.set_exception(err)
                 batch = [op for op in batch if not op.files]
                 if not batch:
@@ -233,13 +267,21 @@ class Database:
                 err = StorageError(f"queue commit failed: {exc}")
                 for op in batch:
                     for f in op.files:
-                        self.spool.discard(f)
+                        self._drop(f)
                     op.future.set_exception(err)
                 return
         # 3. Callers that need no flush (a claim, a "delivering" mark, a
         #    failed attempt) and operations that failed hear of the commit
         #    now: they do not wait for a flush that other operations of
         #    their batch asked for.
+        segments = self.segments
+        if segments is not None:
+            # Committed content: its segment may be sealed; dropped content:
+            # its segment may be free once the commit is durable.
+            segments.settle(f for op, _, failure in results if failure is None
+                            for f in op.files if f.offset >= 0)
+            if after.freed:
+                segments.sweep_soon(after.freed)
         waiting: list[tuple[Op, Any]] = []
         for op, value, failure in results:
             if failure is not None or not (op.durable or op.files):
@@ -268,7 +310,7 @@ class Database:
             op.future.set_result(value)
         else:
             for f in op.files:
-                self.spool.discard(f)
+                self._drop(f)
             if isinstance(failure, sqlite3.Error):
                 failure = StorageError(str(failure))
             op.future.set_exception(failure)

@@ -36,7 +36,7 @@ __all__ = ["MIGRATIONS", "SCHEMA", "SCHEMA_VERSION", "Sqlite", "open_schema"]
 
 #: The version of SCHEMA (kept in qmeta); MIGRATIONS[v] takes a queue
 #: of version v to v + 1 when it is opened (sluice.store._sql.migrate).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 2: the message arrived with SMTPUTF8 (RFC 6531); older mail did not say.
@@ -45,6 +45,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     # Last-Attempt-Date); older replies read as Sluice's own, at no time.
     2: ("ALTER TABLE queue ADD COLUMN last_mta TEXT",
         "ALTER TABLE queue ADD COLUMN last_attempt_at REAL"),
+    # 4: contents in spool segments (table content_at, created with the
+    # schema); an older Sluice would not find them, so it must refuse.
+    3: (),
 }
 
 SCHEMA = """
@@ -117,6 +120,16 @@ CREATE TABLE IF NOT EXISTS qmeta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWI
 -- Content of small messages (spool.inline_max), committed with their rows;
 -- the rowid is the SPID read as a hexadecimal number.
 CREATE TABLE IF NOT EXISTS content (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
+
+-- Where a content kept in a spool segment lies (spool.layout: segments):
+-- the segment's number, the offset and the length.
+CREATE TABLE IF NOT EXISTS content_at (
+    id  INTEGER PRIMARY KEY,
+    seg INTEGER NOT NULL,
+    off INTEGER NOT NULL,
+    len INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS content_at_seg ON content_at (seg);
 """
 
 

@@ -108,6 +108,7 @@ from sluice.model import (
 )
 from sluice.spool import Content, SpoolIOError, new_spid
 from sluice.spool.fs import FsSpool
+from sluice.spool.segments import Segments
 from sluice.store import (
     CHANGES_KEEP_S,
     ORPHAN_AGE_S,
@@ -180,10 +181,12 @@ class SqliteStore(ApplyByFuture, Database):
         max_batch: int = 2000,
         busy_timeout_s: float = 60.0,
         inline_max: int = 0,
+        segments: Segments | None = None,
     ) -> None:
         if inline_max < 0:
             raise ValueError("inline_max must be >= 0")
         self.inline_max = inline_max
+        self.segments = segments
         self.dir = Path(path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.db_path = self.dir / "queue.db"
@@ -223,6 +226,8 @@ class SqliteStore(ApplyByFuture, Database):
         self._committer = GroupCommitter(self._commit, max_batch=max_batch, name="sluice-commit",
                                          dropped=self._discard)
         self._sql = SqlQueue(Sqlite(), self._reading)
+        if segments is not None:
+            segments.bind(self.segments_referenced, lambda: self._flush_wal())
 
     @classmethod
     def from_config(cls, config: Config) -> SqliteStore:
@@ -230,8 +235,12 @@ class SqliteStore(ApplyByFuture, Database):
         q = config.queue
         spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
                         q.spool.sync_method)
+        segments = None
+        if q.spool.layout == "segments":
+            segments = Segments(q.spool.rootpath, q.spool.segment_max, q.spool.segment_age,
+                                q.spool.bufsize)
         store = cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch,
-                    inline_max=q.spool.inline_max)
+                    inline_max=q.spool.inline_max, segments=segments)
         store.tenant_weights = TenantWeights.of(config.scheduler.tenants)
         return store
 
@@ -243,6 +252,9 @@ class SqliteStore(ApplyByFuture, Database):
         blob = self._inline(content)
         if blob is not None:
             return self._submit_inline(submission, blob, now)
+        if self.segments is not None and isinstance(content, bytes | bytearray | memoryview
+                                                    | list | tuple):
+            return self._submit_segment(submission, self.segments, content, now)
         try:
             sf = self.spool.write(content, submission.spid)
         except SpoolIOError as exc:
@@ -274,6 +286,41 @@ class SqliteStore(ApplyByFuture, Database):
                 return None
             return b"".join(content)
         return None  # a file or a stream: its size is unknown until read
+
+    def _submit_segment(self, submission: Submission, segments: Segments,
+                        content: bytes | bytearray | memoryview | list[bytes] | tuple[bytes, ...],
+                        now: float) -> concurrent.futures.Future[Accepted]:
+        """Content appended to a segment, its place recorded with the rows (module doc)."""
+        pieces: Sequence[bytes | bytearray | memoryview] = (
+            [content] if isinstance(content, bytes | bytearray | memoryview) else content)
+        size = sum(len(p) for p in pieces)
+        try:
+            sf = segments.write(pieces, size, submission.spid)
+        except SpoolIOError as exc:
+            raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
+        where = (int(sf.path.rsplit("/", 1)[1][:16], 16), sf.offset, size)
+
+        def work(after: Batch) -> Accepted:
+            conn = after.conn
+            spid = sf.spid
+            while True:
+                # A SPID another process took meanwhile: draw again (as inline).
+                try:
+                    conn.execute("INSERT INTO content_at (id, seg, off, len) VALUES (?, ?, ?, ?)",
+                                 (int(spid, 16), *where))
+                    rows, accepted = queue_rows(submission, spid, size, now)
+                    self._sql.insert(conn, rows)
+                except sqlite3.IntegrityError:
+                    conn.execute(f"ROLLBACK TO {OP_SAVEPOINT}")
+                    spid = new_spid()
+                    continue
+                return accepted
+
+        try:
+            return self._submit_op(work, [sf])
+        except BaseException:
+            segments.settle((sf,))
+            raise
 
     def _submit_inline(self, submission: Submission, blob: bytes, now: float
                        ) -> concurrent.futures.Future[Accepted]:
@@ -381,9 +428,17 @@ class SqliteStore(ApplyByFuture, Database):
                 continue
             # Content kept inline goes in this very transaction; a file only
             # once the commit is durable.
+            keys = [int(spid, 16) for spid in gone]
             inline = {i for i, in conn.execute(
-                f"DELETE FROM content WHERE id IN ({','.join('?' * len(gone))}) RETURNING id",
-                [int(spid, 16) for spid in gone])}
+                f"DELETE FROM content WHERE id IN ({','.join('?' * len(keys))}) RETURNING id",
+                keys)}
+            rest = [k for k in keys if k not in inline]
+            if rest and self.segments is not None:
+                for i, seg in conn.execute(
+                        f"DELETE FROM content_at WHERE id IN ({','.join('?' * len(rest))}) "
+                        "RETURNING id, seg", rest):
+                    inline.add(i)
+                    after.freed.add(seg)
             after.unlink.extend(spid for spid in gone if int(spid, 16) not in inline)
             conn.execute("UPDATE qstats SET n = n - ? WHERE key = 'messages'", (len(gone),))
 
@@ -427,6 +482,8 @@ class SqliteStore(ApplyByFuture, Database):
                 row = conn.execute("SELECT 1 FROM queue WHERE spid = ? LIMIT 1", (spid,))
                 if row.fetchone() is None:
                     self.spool.delete(spid)
+        if self.segments is not None:
+            self.segments.sweep_all()
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
@@ -520,7 +577,14 @@ class SqliteStore(ApplyByFuture, Database):
         return {keys[k]: bytes(data) for k, data in rows}
 
     def open_large(self, spid: str) -> IO[bytes]:
-        """ReadsContentsAhead.open_large: the spool file, else (inline_max lowered since) inline."""
+        """ReadsContentsAhead.open_large: the segment or spool file, else inline.
+
+        Inline when ``inline_max`` was lowered since the message came in.
+        """
+        if self.segments is not None:
+            found = self._open_segment(spid)
+            if found is not None:
+                return found
         try:
             return self.spool.open(spid)
         except FileNotFoundError:
@@ -535,8 +599,25 @@ class SqliteStore(ApplyByFuture, Database):
             row = conn.execute("SELECT data FROM content WHERE id = ?", (key,)).fetchone()
         if row is not None:
             return io.BytesIO(row[0])
+        if self.segments is not None:
+            found = self._open_segment(spid)
+            if found is not None:
+                return found
         try:
             return self.spool.open(spid)
+        except OSError as exc:
+            raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
+
+    def _open_segment(self, spid: str) -> IO[bytes] | None:
+        """The content's range in its segment, or None if it is not in one."""
+        assert self.segments is not None
+        with self._reading() as conn:
+            row = conn.execute("SELECT seg, off, len FROM content_at WHERE id = ?",
+                               (_content_key(spid),)).fetchone()
+        if row is None:
+            return None
+        try:
+            return self.segments.open(*row)
         except OSError as exc:
             raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
 
@@ -550,6 +631,13 @@ class SqliteStore(ApplyByFuture, Database):
         self._committer.close()
         self._syncer.close()
         self.spool.close()
+        if self.segments is not None:
+            # Its last sweeps still ask which segments are referenced.
+            self._reads_after_close = True
+            try:
+                self.segments.close()
+            finally:
+                self._reads_after_close = False
         os.close(self._lock_fd)
         with contextlib.suppress(sqlite3.Error):
             self._writer.close()

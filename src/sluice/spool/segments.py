@@ -1,0 +1,455 @@
+"""Segments: large contents appended to shared files, one fsync a batch, one unlink a segment.
+
+SUMMARY
+    Segments(rootpath, segment_max=16 MiB, segment_age_s=10, bufsize=8192)
+
+DESCRIPTION
+    The files spool (sluice.spool.fs) gives every message a file of its
+    own: an exclusive create, an fsync, and later an unlink, each a walk
+    through the file system's allocator.  For 100 KB messages those three
+    cost more CPU than the rest of the spool's work together (docs/
+    benchmarks.md, "Segments").  Here each process appends the contents it
+    spools to its *active segment*, a file under ROOT/segments named by a
+    fresh SPID (so names sort by age), and a store records where each
+    content lies: (segment, offset, length).  A batch's contents are made
+    durable by one fdatasync of the segment, and a segment is unlinked
+    once no content in it is referenced any more -- one unlink for a
+    segment's worth of messages.
+
+STRATEGIES
+    Appends without a lock held over the write.  write() reserves the
+    content's range under a lock and writes it with pwritev outside it, so
+    two threads of one process fill one segment side by side.
+
+    A segment is sealed by its writer.  The writing process holds an
+    exclusive flock(2) on each segment it may still write or whose writes
+    are not yet committed or discarded (``pending``).  A segment is retired
+    when it reaches ``segment_max`` bytes or ``segment_age_s`` seconds,
+    and its lock is dropped when its last pending write is settled.  The
+    lock is taken before the segment has its final name: it is created as
+    ``NAME.new``, locked, then renamed to ``NAME.seg`` (the directory
+    fsynced before any content in it can be committed), so no sweeper ever
+    sees an unlocked segment that a writer is about to fill.  A writer that
+    dies loses its locks with it.
+
+    Sweeping.  The store binds two functions: ``referenced`` (which of
+    these segments hold a content still queued) and ``barrier`` (its log
+    flush).  sweep_soon(segments) queues segments that may have become
+    free: those whose last reference a commit removed, and those this
+    process has just sealed.  A background thread locks each one without
+    waiting (a locked one is still being written, and its writer offers
+    it again when it seals it), asks ``referenced``, runs ``barrier`` (so
+    the commits that dropped the references are durable) and unlinks the
+    rest.  The same thread retires an active segment that has grown old
+    without new writes, so an idle spool empties itself.  sweep_all() does
+    the same for every segment on disk: the store's start-up recovery,
+    which also removes the ``.new`` files of writers that died before
+    renaming them.
+
+INVARIANTS
+    A segment is unlinked only while this process holds its lock, after
+    the store said no content in it is referenced and after ``barrier``
+    returned.  Content of a write is durable (data and the file's size)
+    when sync() returns, and its segment's name is durable since before the
+    write.  Space of discarded writes, and of delivered contents in a
+    segment that still holds a deferred one, is given back only when the
+    whole segment goes.
+
+LIMITATIONS
+    A segment that keeps one long-deferred message keeps its whole size
+    on disk until that message leaves the queue (at most segment_max, 16 MiB
+    by default, per such message; a lower segment_max trades more unlinks
+    for less held space).  Contents handed over as streams of unknown size
+    go to the files spool instead.
+
+SEE ALSO
+    sluice.spool.fs (the files spool), sluice.store.sqlite (the index of
+    contents, table ``content_at``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from sluice._batches import take_queued
+from sluice._fsync import fsync_path
+from sluice.spool import SpoolFile, SpoolIOError, new_spid, spid_candidates
+
+__all__ = ["Segments"]
+
+_log = logging.getLogger(__name__)
+
+_SEG = ".seg"
+_NEW = ".new"
+#: A ``.new`` file older than this, and not locked, was left by a writer that died.
+_STALE_NEW_S = 60.0
+#: pwritev takes at most this many pieces a call (IOV_MAX is 1024 on Linux).
+_IOV = 512
+
+
+
+@dataclass(slots=True)
+class _Segment:
+    """A segment this process writes, or whose writes are not all settled."""
+
+    number: int
+    path: str
+    fd: int
+    born: float
+    end: int = 0
+    pending: int = 0
+    retired: bool = False
+
+
+def segment_name(number: int) -> str:
+    """A segment's file name: its number as 16 hexadecimal digits."""
+    return f"{number:016X}{_SEG}"
+
+
+class Segments:
+    """Large contents appended to segment files under ``rootpath/segments``."""
+
+    def __init__(self, rootpath: str | os.PathLike[str], segment_max: int = 16 << 20,
+                 segment_age_s: float = 10.0, bufsize: int = 8192,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if segment_max < 1:
+            raise ValueError("segment_max must be positive")
+        if segment_age_s <= 0:
+            raise ValueError("segment_age_s must be positive")
+        self.dir = Path(rootpath) / "segments"
+        self._dir = str(self.dir)
+        self.segment_max = segment_max
+        self.segment_age_s = segment_age_s
+        self.bufsize = bufsize
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._active: _Segment | None = None
+        self._open: dict[str, _Segment] = {}
+        self._sweeps: queue.SimpleQueue[set[int] | None] = queue.SimpleQueue()
+        self._janitor: threading.Thread | None = None
+        self._janitor_lock = threading.Lock()
+        self._referenced: Callable[[list[int]], set[int]] = _all_referenced
+        self._barrier: Callable[[], None] | None = None
+        if not self.dir.is_dir():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fsync_path(self._dir)
+            fsync_path(str(self.dir.parent))
+
+    def bind(self, referenced: Callable[[list[int]], set[int]],
+             barrier: Callable[[], None] | None) -> None:
+        """The store's answers for sweeps (module doc, "Sweeping")."""
+        self._referenced, self._barrier = referenced, barrier
+
+    def path(self, number: int) -> str:
+        """The file of segment ``number``."""
+        return f"{self._dir}/{segment_name(number)}"
+
+    # -- writing -------------------------------------------------------------
+
+    def write(self, pieces: Sequence[bytes | bytearray | memoryview], size: int,
+              spid: str = "") -> SpoolFile:
+        """Append ``pieces`` (``size`` bytes in all); not durable until sync().
+
+        The SpoolFile's ``path`` is the segment's, its ``offset`` where the
+        content starts, and its ``spid`` the one wanted or a fresh one (the
+        store settles collisions when it records the content).
+        """
+        with self._lock:
+            seg = self._active
+            if seg is None or seg.end >= self.segment_max or (
+                    self._clock() - seg.born >= self.segment_age_s):
+                if seg is not None:
+                    self._retire(seg)
+                seg = self._active = self._create()
+            offset = seg.end
+            seg.end += size
+            seg.pending += 1
+        try:
+            _pwrite_all(seg.fd, pieces, size, offset, seg.path)
+        except BaseException:
+            self._settle_one(seg)
+            raise
+        return SpoolFile(spid=spid or new_spid(), path=seg.path, size=size, fd=-1,
+                         offset=offset)
+
+    def _create(self) -> _Segment:
+        """A new segment, locked before it has the name sweepers look at."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        for candidate in spid_candidates():
+            number = int(candidate, 16)
+            final = self.path(number)
+            temp = final[: -len(_SEG)] + _NEW
+            try:
+                fd = os.open(temp, flags, 0o640)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise SpoolIOError(exc.errno, exc.strerror, temp) from exc
+            if os.path.exists(final):  # pragma: no cover - a SPID drawn twice
+                os.close(fd)
+                os.unlink(temp)
+                continue
+            break
+        else:  # pragma: no cover - 100 collisions in a row means a broken RNG
+            raise RuntimeError("could not allocate a unique segment name")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(temp, final)
+            fsync_path(self._dir)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise SpoolIOError(exc.errno, exc.strerror, final) from exc
+        seg = _Segment(number=number, path=final, fd=fd, born=self._clock())
+        self._open[final] = seg
+        self._start_janitor()
+        return seg
+
+    def _retire(self, seg: _Segment) -> None:
+        """No more writes go to ``seg``; it is sealed when its last one settles."""
+        seg.retired = True
+        if self._active is seg:
+            self._active = None
+        if seg.pending == 0:
+            self._seal(seg)
+
+    def _seal(self, seg: _Segment) -> None:
+        """Drop the lock (by closing) and offer the segment to the sweeper."""
+        self._open.pop(seg.path, None)
+        os.close(seg.fd)
+        seg.fd = -1
+        self.sweep_soon({seg.number})
+
+    def sync(self, files: Sequence[SpoolFile]) -> None:
+        """Make the batch durable: one fdatasync a segment it wrote to (data and size)."""
+        paths = dict.fromkeys(f.path for f in files)
+        with self._lock:
+            fds = [self._open[p].fd for p in paths if p in self._open]
+        for fd in fds:
+            os.fdatasync(fd)
+
+    def settle(self, files: Iterable[SpoolFile]) -> None:
+        """These writes were committed or discarded: their segments may seal."""
+        with self._lock:
+            for f in files:
+                seg = self._open.get(f.path)
+                if seg is not None:
+                    self._settle_locked(seg)
+
+    def _settle_one(self, seg: _Segment) -> None:
+        with self._lock:
+            self._settle_locked(seg)
+
+    def _settle_locked(self, seg: _Segment) -> None:
+        seg.pending -= 1
+        if seg.pending == 0 and seg.retired:
+            self._seal(seg)
+
+    # -- reading -------------------------------------------------------------
+
+    def open(self, number: int, offset: int, size: int) -> IO[bytes]:
+        """The content at ``offset`` of segment ``number``, for streaming reads."""
+        fd = os.open(self.path(number), os.O_RDONLY | os.O_CLOEXEC)
+        return io.BufferedReader(_Range(fd, offset, size), buffer_size=self.bufsize)
+
+    def numbers(self) -> list[int]:
+        """Every segment on disk, oldest first."""
+        try:
+            names = os.listdir(self._dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n[: -len(_SEG)], 16) for n in names if n.endswith(_SEG))
+
+    # -- sweeping ------------------------------------------------------------
+
+    def sweep_soon(self, numbers: set[int]) -> None:
+        """Unlink, on a background thread, those of ``numbers`` no content refers to."""
+        if numbers:
+            self._start_janitor()
+            self._sweeps.put(set(numbers))
+
+    def sweep_all(self) -> int:
+        """Sweep every segment on disk now; returns how many were unlinked."""
+        self._drop_stale_new()
+        return self._sweep(set(self.numbers()))
+
+    def _start_janitor(self) -> None:
+        with self._janitor_lock:
+            if self._janitor is None:
+                self._janitor = threading.Thread(target=self._run, name="sluice-segments",
+                                                 daemon=True)
+                self._janitor.start()
+
+    def _run(self) -> None:
+        tick = self.segment_age_s / 2
+        while True:
+            try:
+                item = self._sweeps.get(timeout=tick)
+            except queue.Empty:
+                item = set()
+            if item is None:
+                return
+            work, stop = take_queued(self._sweeps, item)
+            try:
+                self._retire_idle()
+                numbers = set().union(*(w for w in work if w is not None))
+                if numbers:
+                    self._sweep(numbers)
+            except Exception:  # keep the segments; the next sweep decides
+                _log.exception("sweeping spool segments failed")
+            if stop:
+                return
+
+    def _retire_idle(self) -> None:
+        """Retire the active segment once it is old, written to or not."""
+        with self._lock:
+            seg = self._active
+            if seg is not None and self._clock() - seg.born >= self.segment_age_s:
+                self._retire(seg)
+
+    def _sweep(self, numbers: set[int]) -> int:
+        referenced, barrier = self._referenced, self._barrier
+        locked: dict[int, int] = {}
+        try:
+            for number in sorted(numbers):
+                fd = _lock_free(self.path(number))
+                if fd is not None:
+                    locked[number] = fd
+            if not locked:
+                return 0
+            kept = referenced(list(locked))
+            free = [n for n in locked if n not in kept]
+            if not free:
+                return 0
+            if barrier is not None:
+                barrier()
+            for number in free:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path(number))
+            return len(free)
+        finally:
+            for fd in locked.values():
+                os.close(fd)
+
+    def _drop_stale_new(self) -> None:
+        """Remove the ``.new`` files of writers that died before naming them."""
+        try:
+            names = os.listdir(self._dir)
+        except FileNotFoundError:
+            return
+        now = time.time()
+        for name in names:
+            if not name.endswith(_NEW):
+                continue
+            path = f"{self._dir}/{name}"
+            fd = _lock_free(path)
+            if fd is None:
+                continue
+            try:
+                if now - os.fstat(fd).st_mtime >= _STALE_NEW_S:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            finally:
+                os.close(fd)
+
+    # -- life ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Retire the active segment and finish the queued sweeps."""
+        with self._lock:
+            if self._active is not None:
+                self._retire(self._active)
+        with self._janitor_lock:
+            janitor, self._janitor = self._janitor, None
+        if janitor is not None:
+            self._sweeps.put(None)
+            janitor.join()
+
+
+class _Range(io.RawIOBase):
+    """``size`` bytes of a file from ``offset``, read with pread."""
+
+    def __init__(self, fd: int, offset: int, size: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self._pos = offset
+        self._left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._left)
+        if n <= 0:
+            return 0
+        view = memoryview(buffer).cast("B")[:n]
+        got = os.preadv(self._fd, [view], self._pos)
+        if got == 0:
+            raise OSError(f"spool segment ends {self._left} bytes early")
+        self._pos += got
+        self._left -= got
+        return got
+
+    def close(self) -> None:
+        if not self.closed and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        super().close()
+
+
+def _all_referenced(numbers: list[int]) -> set[int]:
+    """Before a store binds its own: every segment is referenced, none goes."""
+    return set(numbers)
+
+
+def _lock_free(path: str) -> int | None:
+    """A descriptor holding ``path``'s exclusive lock, or None if it is held or gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pwrite_all(fd: int, pieces: Sequence[bytes | bytearray | memoryview], size: int, offset: int,
+                path: str) -> None:
+    """Write every piece at ``offset`` on, however short the kernel's writes."""
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    at = offset
+    try:
+        while views:
+            batch = views[:_IOV]
+            n = os.pwritev(fd, batch, at)
+            at += n
+            while n:
+                first = views[0]
+                if n >= len(first):
+                    n -= len(first)
+                    views.pop(0)
+                else:
+                    views[0] = first[n:]
+                    n = 0
+    except OSError as exc:
+        raise SpoolIOError(exc.errno, exc.strerror, path) from exc
+    if at - offset != size:
+        raise SpoolIOError(0, f"wrote {at - offset} bytes of {size}", path)

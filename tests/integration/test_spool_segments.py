@@ -1,0 +1,235 @@
+"""Spool segments on a real file system: appends, locks, seals and sweeps.
+
+What sluice.spool.segments promises: each content reads back as written;
+a segment a writer may still fill is never swept; a sealed one goes only
+when nothing refers to it, and only after the store's barrier; an idle
+active segment retires on its own; a dead writer's files are cleaned up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sluice.spool import SpoolFile, SpoolIOError
+from sluice.spool.segments import Segments
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _segments(tmp_path: Path, **kw: object) -> tuple[Segments, Clock, set[int], list[str]]:
+    """Segments whose store says ``refs`` are referenced, and logs barrier calls."""
+    clock = Clock()
+    segs = Segments(tmp_path, clock=clock, **kw)  # type: ignore[arg-type]
+    refs: set[int] = set()
+    log: list[str] = []
+
+    def referenced(numbers: list[int]) -> set[int]:
+        log.append("referenced")
+        return refs & set(numbers)
+
+    def barrier() -> None:
+        log.append("barrier")
+
+    segs.bind(referenced, barrier)
+    return segs, clock, refs, log
+
+
+def _number(f: SpoolFile) -> int:
+    return int(os.path.basename(f.path)[:16], 16)
+
+
+def _is_locked(path: str) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_contents_read_back_as_written_side_by_side(tmp_path: Path) -> None:
+    segs, *_ = _segments(tmp_path)
+    bodies = [os.urandom(n) for n in (1, 100_000, 8191, 8192, 300_001)]
+    files = [segs.write([b[:7], memoryview(b)[7:]], len(b)) for b in bodies]
+    segs.sync(files)
+    assert len({f.path for f in files}) == 1
+    assert [f.offset for f in files] == [sum(map(len, bodies[:i])) for i in range(5)]
+    for f, body in zip(files, bodies, strict=True):
+        with segs.open(_number(f), f.offset, f.size) as fh:
+            pieces = []
+            while piece := fh.read(5000):
+                pieces.append(piece)
+        assert b"".join(pieces) == body
+    segs.settle(files)
+    segs.close()
+
+
+def test_a_range_cut_short_on_disk_is_an_error_not_short_content(tmp_path: Path) -> None:
+    segs, *_ = _segments(tmp_path)
+    f = segs.write([b"x" * 1000], 1000)
+    segs.sync([f])
+    os.truncate(f.path, 600)
+    with segs.open(_number(f), f.offset, f.size) as fh, pytest.raises(OSError, match="early"):
+        fh.read()
+    segs.settle([f])
+    segs.close()
+
+
+def test_a_full_segment_is_retired_and_sealed_when_its_last_write_settles(
+        tmp_path: Path) -> None:
+    segs, _, refs, _ = _segments(tmp_path, segment_max=100_000)
+    a = segs.write([b"a" * 60_000], 60_000)
+    b = segs.write([b"b" * 60_000], 60_000)  # still fits: the check is before the write
+    c = segs.write([b"c" * 10], 10)          # the first is full: a new segment
+    assert a.path == b.path != c.path
+    refs.update({_number(a), _number(c)})
+    assert _is_locked(a.path) and _is_locked(c.path)
+    segs.settle([a])
+    assert _is_locked(a.path)               # b is not settled yet
+    segs.settle([b])
+    assert not _is_locked(a.path)           # sealed: its writer let go
+    assert _is_locked(c.path)               # the active one stays locked
+    segs.settle([c])
+    segs.close()
+
+
+def test_a_locked_segment_is_never_swept_even_with_nothing_in_it(tmp_path: Path) -> None:
+    segs, _, _, log = _segments(tmp_path)
+    f = segs.write([b"x" * 10], 10)
+    segs.settle([f])                        # discarded: nothing refers to it
+    other, *_ = _segments(tmp_path)         # another process's view
+    other.bind(lambda numbers: set(), None)
+    assert other.sweep_all() == 0
+    assert os.path.exists(f.path)
+    segs.close()                            # retired, sealed, swept by its writer
+    assert not os.path.exists(f.path)
+    assert log == ["referenced", "barrier"]
+
+
+def test_a_sweep_keeps_referenced_segments_and_runs_the_barrier_before_unlinking(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    segs, _, refs, log = _segments(tmp_path, segment_max=10)
+    files = [segs.write([b"%d" % i * 20], 20) for i in range(3)]
+    assert len({f.path for f in files}) == 3
+    segs.settle(files)
+    segs.close()
+    for f in files:
+        assert not os.path.exists(f.path)   # none referenced: all gone
+    log.clear()
+    segs, _, refs, log = _segments(tmp_path, segment_max=10)
+    files = [segs.write([b"%d" % i * 20], 20) for i in range(3)]
+    refs.add(_number(files[1]))
+    real_unlink = os.unlink
+
+    def unlink(path: str, *a: object, **kw: object) -> None:
+        log.append("unlink")
+        real_unlink(path)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    segs.settle(files)
+    segs.close()
+    assert [os.path.exists(f.path) for f in files] == [False, True, False]
+    assert log.index("barrier") < log.index("unlink")
+    assert "unlink" not in log[: log.index("referenced")]
+
+
+def test_an_idle_active_segment_retires_on_its_own(tmp_path: Path) -> None:
+    segs, clock, _, _ = _segments(tmp_path, segment_age_s=10.0)
+    f = segs.write([b"x" * 10], 10)
+    segs.sync([f])
+    segs.settle([f])
+    segs._retire_idle()
+    assert os.path.exists(f.path) and _is_locked(f.path)
+    clock.now += 10.0
+    segs._retire_idle()                     # what the janitor does each tick
+    assert not os.path.exists(f.path) or not _is_locked(f.path)  # its sweep may be done
+    segs.close()
+    assert not os.path.exists(f.path)
+
+
+def test_an_old_segment_takes_no_new_content(tmp_path: Path) -> None:
+    segs, clock, _, _ = _segments(tmp_path, segment_age_s=10.0)
+    a = segs.write([b"x"], 1)
+    clock.now += 10.0
+    b = segs.write([b"y"], 1)
+    assert a.path != b.path
+    segs.settle([a, b])
+    segs.close()
+
+
+_CHILD = """
+import os, sys
+from sluice.spool.segments import Segments
+segs = Segments(sys.argv[1])
+f = segs.write([b"orphan" * 100], 600)
+segs.sync([f])
+print(f.path, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_dead_writer_s_segment_is_swept_at_start_up(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == -9, out.stderr
+    path = out.stdout.strip()
+    assert os.path.exists(path) and not _is_locked(path)
+    stale = tmp_path / "segments" / "0000000000000001.new"
+    stale.write_bytes(b"half made")
+    os.utime(stale, (time.time() - 3600,) * 2)
+    fresh = tmp_path / "segments" / "0000000000000002.new"
+    fresh.write_bytes(b"being made")
+    segs, *_ = _segments(tmp_path)
+    assert segs.sweep_all() == 1
+    assert not os.path.exists(path)
+    assert not stale.exists() and fresh.exists()
+
+
+def test_a_referenced_segment_of_a_dead_writer_stays(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)],
+                         capture_output=True, text=True, check=False)
+    path = out.stdout.strip()
+    segs, _, refs, _ = _segments(tmp_path)
+    refs.add(int(os.path.basename(path)[:16], 16))
+    assert segs.sweep_all() == 0
+    with segs.open(next(iter(refs)), 0, 600) as fh:
+        assert fh.read() == b"orphan" * 100
+
+
+def test_a_failed_write_is_a_spool_error_and_leaves_the_segment_sealable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    segs, _, _, _ = _segments(tmp_path)
+    ok = segs.write([b"ok"], 2)
+
+    def full(*a: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(SpoolIOError, match="No space"):
+        segs.write([b"x" * 100], 100)
+    monkeypatch.undo()
+    segs.settle([ok])
+    segs.close()
+    assert not os.path.exists(ok.path)      # nothing pending kept it locked
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="segment_max"):
+        Segments(tmp_path, segment_max=0)
+    with pytest.raises(ValueError, match="segment_age_s"):
+        Segments(tmp_path, segment_age_s=0)
