@@ -233,3 +233,19 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
         Segments(tmp_path, segment_max=0)
     with pytest.raises(ValueError, match="segment_age_s"):
         Segments(tmp_path, segment_age_s=0)
+
+
+def test_the_background_thread_compacts_when_it_is_due(tmp_path: Path) -> None:
+    segs, clock, _, _ = _segments(tmp_path, segment_age_s=0.02)
+    calls: list[float] = []
+    segs.bind_compaction(lambda now: calls.append(now) or 0, every_s=60.0)
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:  # ticks pass; not due on the fake clock
+        time.sleep(0.02)
+    assert calls == []
+    clock.now += 60.0
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 1 and abs(calls[0] - time.time()) < 5  # POSIX time, for SPIDs
+    segs.close()

@@ -154,3 +154,50 @@ def test_recovery_keeps_a_content_committed_before_a_crash(tmp_path: Path) -> No
             assert stream.read() == b"k" * 1000
         assert fresh.count()[QueueState.INCOMING] == 1
     assert len(_segment_files(tmp_path)) == 1
+
+
+def _four_in_one_segment(tmp_path: Path) -> tuple[list[str], Path]:
+    """Four 30 KB messages in one sealed segment (the store closed since)."""
+    with _store(tmp_path, segment_max=100_000) as store:
+        spids = [store.submit(MSG, bytes([48 + i]) * 30_000, T0).spid for i in range(4)]
+    (segment,) = _segment_files(tmp_path)
+    return spids, segment
+
+
+def _deliver(store: SqliteStore, spids: list[str]) -> None:
+    entries = store.claim(10, T0, 10)
+    store.apply([Transition(e.qid, None) for e in entries if e.spid in spids])
+
+
+def test_compaction_moves_the_survivors_of_an_old_mostly_free_segment(tmp_path: Path) -> None:
+    spids, segment = _four_in_one_segment(tmp_path)
+    with _store(tmp_path, segment_max=100_000) as store:
+        store.recover(T0)
+        _deliver(store, spids[:3])
+        assert store.compact_segments(time.time()) == 0  # too young
+        assert store.compact_segments(time.time() + 3600) == 1
+        assert not segment.exists()
+        ((key, (seg, _off, size)),) = _located(store).items()
+        assert key == int(spids[3], 16) and size == 30_000
+        assert seg != int(segment.name[:16], 16)
+        with store.open_content(spids[3]) as stream:
+            assert stream.read() == b"3" * 30_000
+        assert store.compact_segments(time.time() + 3600) == 0  # the copy is new
+
+
+def test_a_segment_still_half_queued_is_not_compacted(tmp_path: Path) -> None:
+    spids, segment = _four_in_one_segment(tmp_path)
+    with _store(tmp_path, segment_max=100_000) as store:
+        store.recover(T0)
+        _deliver(store, spids[:2])
+        assert store.compact_segments(time.time() + 3600) == 0
+        assert segment.exists() and len(_located(store)) == 2
+
+
+def test_a_segment_being_written_is_not_compacted(tmp_path: Path) -> None:
+    with _store(tmp_path, segment_max=100_000) as store:
+        spids = [store.submit(MSG, bytes([48 + i]) * 30_000, T0).spid for i in range(4)]
+        _deliver(store, spids[:3])
+        (segment,) = _segment_files(tmp_path)
+        assert store.compact_segments(time.time() + 3600) == 0  # its writer holds it
+        assert segment.exists()

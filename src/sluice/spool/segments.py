@@ -141,6 +141,9 @@ class Segments:
         self._janitor_lock = threading.Lock()
         self._referenced: Callable[[list[int]], set[int]] = _all_referenced
         self._barrier: Callable[[], None] | None = None
+        self._compact: Callable[[float], int] | None = None
+        self._compact_every = 0.0
+        self._compact_next = 0.0
         if not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
             fsync_path(self._dir)
@@ -150,6 +153,16 @@ class Segments:
              barrier: Callable[[], None] | None) -> None:
         """The store's answers for sweeps (module doc, "Sweeping")."""
         self._referenced, self._barrier = referenced, barrier
+
+    def bind_compaction(self, compact: Callable[[float], int], every_s: float) -> None:
+        """Run ``compact(time.time())`` every ``every_s`` on the background thread.
+
+        The store's compaction (sluice.store._sqlite_segments); one process
+        of a queue binds it, the one that recovered it.
+        """
+        self._compact, self._compact_every = compact, every_s
+        self._compact_next = self._clock() + every_s
+        self._start_janitor()
 
     def path(self, number: int) -> str:
         """The file of segment ``number``."""
@@ -264,6 +277,17 @@ class Segments:
         fd = os.open(self.path(number), os.O_RDONLY | os.O_CLOEXEC)
         return io.BufferedReader(_Range(fd, offset, size), buffer_size=self.bufsize)
 
+    def size(self, number: int) -> int | None:
+        """The size of segment ``number``'s file, or None if it is gone."""
+        try:
+            return os.stat(self.path(number)).st_size
+        except FileNotFoundError:
+            return None
+
+    def lock(self, number: int) -> int | None:
+        """A descriptor holding segment ``number``'s lock, or None if held or gone."""
+        return _lock_free(self.path(number))
+
     def numbers(self) -> list[int]:
         """Every segment on disk, oldest first."""
         try:
@@ -309,6 +333,12 @@ class Segments:
                     self._sweep(numbers)
             except Exception:  # keep the segments; the next sweep decides
                 _log.exception("sweeping spool segments failed")
+            if self._compact is not None and self._clock() >= self._compact_next and not stop:
+                self._compact_next = self._clock() + self._compact_every
+                try:
+                    self._compact(time.time())
+                except Exception:  # the contents stay where they are; next time
+                    _log.exception("compacting spool segments failed")
             if stop:
                 return
 
@@ -320,28 +350,35 @@ class Segments:
                 self._retire(seg)
 
     def _sweep(self, numbers: set[int]) -> int:
-        referenced, barrier = self._referenced, self._barrier
         locked: dict[int, int] = {}
         try:
             for number in sorted(numbers):
                 fd = _lock_free(self.path(number))
                 if fd is not None:
                     locked[number] = fd
-            if not locked:
-                return 0
-            kept = referenced(list(locked))
-            free = [n for n in locked if n not in kept]
-            if not free:
-                return 0
-            if barrier is not None:
-                barrier()
-            for number in free:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path(number))
-            return len(free)
+            return self.sweep_locked(locked)
         finally:
             for fd in locked.values():
                 os.close(fd)
+
+    def sweep_locked(self, locked: dict[int, int]) -> int:
+        """Unlink those of the segments whose locks the caller holds that nothing refers to.
+
+        ``locked`` maps each number to the descriptor holding its lock; the
+        caller closes them.  Returns how many were unlinked.
+        """
+        if not locked:
+            return 0
+        kept = self._referenced(list(locked))
+        free = [n for n in locked if n not in kept]
+        if not free:
+            return 0
+        if self._barrier is not None:
+            self._barrier()
+        for number in free:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(number))
+        return len(free)
 
     def _drop_stale_new(self) -> None:
         """Remove the ``.new`` files of writers that died before naming them."""

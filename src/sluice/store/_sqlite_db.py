@@ -222,17 +222,6 @@ class Database:
         if self.segments is not None and len(alone) < len(files):
             self.segments.sync([f for f in files if f.offset >= 0])
 
-    def segments_referenced(self, numbers: list[int]) -> set[int]:
-        """Which of these segments hold a content some message still has."""
-        found: set[int] = set()
-        with self._reading() as conn:
-            for at in range(0, len(numbers), 500):
-                chunk = numbers[at : at + 500]
-                found.update(n for n, in conn.execute(
-                    "SELECT DISTINCT seg FROM content_at WHERE seg IN "
-                    f"({','.join('?' * len(chunk))})", chunk))
-        return found
-
     def _commit(self, batch: list[Op]) -> None:
         # 1. Content first: sync every spool file of the batch in one go.
         files = [f for op in batch for f in op.files]

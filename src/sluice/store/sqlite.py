@@ -13,8 +13,10 @@ DESCRIPTION
     triggers, so qcount costs nothing at a million rows.  ``qchanges`` is
     the operator change feed a running queue manager polls.  ``content``
     holds the content of small messages (``spool.inline_max``, 64 KiB by
-    default), keyed by the SPID read as a number; bigger ones, and content
-    handed over as a file or a stream, go to the filesystem spool.
+    default), keyed by the SPID read as a number; bigger ones go to spool
+    segments, ``content_at`` recording where (sluice.store._sqlite_segments),
+    and with ``spool.layout: files``, or when handed over as a file or a
+    stream, to a spool file of their own.
     ``qmeta`` records the schema version: opening a queue written by an
     older Sluice migrates it, under the write lock and in one transaction
     (sluice.store._sql, "Schema versions"); a newer one is refused.
@@ -73,8 +75,9 @@ STRATEGIES
 
 INVARIANTS
     A row is in exactly one state.  ``qstats`` equals COUNT(*) per state.
-    Content (a ``content`` row or a spool file) exists for every spid that
-    has a row; a ``content`` row exists only while its spid has rows.
+    Content (a ``content`` row, a ``content_at`` row and its segment, or a
+    spool file) exists for every spid that has a row; a ``content`` or
+    ``content_at`` row exists only while its spid has rows.
 
 LIMITATIONS
     One machine: for several nodes sharing a queue use the postgres flavour.
@@ -82,7 +85,8 @@ LIMITATIONS
 SEE ALSO
     sluice.store (the interface), sluice.store._sqlite_schema (tables and
     triggers), sluice.store._sqlite_db (connections and the committer),
-    sluice.store._sqlite_apply (the statements of apply), sluice.spool.fs,
+    sluice.store._sqlite_apply (the statements of apply),
+    sluice.store._sqlite_segments (contents in segments), sluice.spool.fs,
     seeds/000 section 4.3.3.
 """
 
@@ -124,44 +128,22 @@ from sluice.store._commit import GroupCommitter
 from sluice.store._refill import EQUAL, TenantWeights
 from sluice.store._sql import SqlQueue, queue_rows
 from sluice.store._sqlite_apply import KEYS_PER_STATEMENT, grouped, keys_where
-from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database, WalSyncer
-from sluice.store._sqlite_schema import SCHEMA_VERSION, Sqlite, open_schema
+from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, WalSyncer
+from sluice.store._sqlite_schema import (
+    CHECKED,
+    SCHEMA_VERSION,
+    Sqlite,
+    check_whole_queue,
+    open_schema,
+)
+from sluice.store._sqlite_segments import COMPACT_EVERY_S, InSegments
 
 if TYPE_CHECKING:
     from sluice.config import Config
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
-#: The qmeta key that says _check_whole_queue() has run on this queue.
-_CHECKED = "whole_queue_checked"
-
-
-def _check_whole_queue(conn: sqlite3.Connection) -> None:
-    """Repair what only an older version or a hand edit could leave; once a queue.
-
-    Inline content and its rows come and go in one transaction, and the
-    triggers keep ``qstats`` in the transaction that changes a row, so
-    neither an orphan content row nor a wrong counter can come from a
-    crash.  Both checks read every row (2.6 s and 64 MB of page cache at a
-    million, under the write lock the receivers need), so they run at the
-    first recovery of a queue, and the queue records that they did.
-    """
-    conn.execute(
-        "DELETE FROM content WHERE NOT EXISTS (SELECT 1 FROM queue "
-        "WHERE queue.spid = printf('%016X', content.id))"
-    )
-    conn.execute(
-        "UPDATE qstats SET n = (SELECT COUNT(*) FROM queue q WHERE q.state = qstats.key) "
-        "WHERE key <> 'messages'"
-    )
-    conn.execute(
-        "UPDATE qstats SET n = (SELECT COUNT(*) FROM (SELECT DISTINCT spid FROM queue)) "
-        "WHERE key = 'messages'"
-    )
-    conn.execute(f"INSERT OR REPLACE INTO qmeta (key, value) VALUES ('{_CHECKED}', '1')")
-
-
-class SqliteStore(ApplyByFuture, Database):
+class SqliteStore(ApplyByFuture, InSegments):
     """Meta queue on SQLite (WAL), small content inline, the rest in files.
 
     The files are a filesystem spool; see the module doc.
@@ -227,7 +209,7 @@ class SqliteStore(ApplyByFuture, Database):
                                          dropped=self._discard)
         self._sql = SqlQueue(Sqlite(), self._reading)
         if segments is not None:
-            segments.bind(self.segments_referenced, lambda: self._flush_wal())
+            self._bind_segments(segments)
 
     @classmethod
     def from_config(cls, config: Config) -> SqliteStore:
@@ -286,41 +268,6 @@ class SqliteStore(ApplyByFuture, Database):
                 return None
             return b"".join(content)
         return None  # a file or a stream: its size is unknown until read
-
-    def _submit_segment(self, submission: Submission, segments: Segments,
-                        content: bytes | bytearray | memoryview | list[bytes] | tuple[bytes, ...],
-                        now: float) -> concurrent.futures.Future[Accepted]:
-        """Content appended to a segment, its place recorded with the rows (module doc)."""
-        pieces: Sequence[bytes | bytearray | memoryview] = (
-            [content] if isinstance(content, bytes | bytearray | memoryview) else content)
-        size = sum(len(p) for p in pieces)
-        try:
-            sf = segments.write(pieces, size, submission.spid)
-        except SpoolIOError as exc:
-            raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
-        where = (int(sf.path.rsplit("/", 1)[1][:16], 16), sf.offset, size)
-
-        def work(after: Batch) -> Accepted:
-            conn = after.conn
-            spid = sf.spid
-            while True:
-                # A SPID another process took meanwhile: draw again (as inline).
-                try:
-                    conn.execute("INSERT INTO content_at (id, seg, off, len) VALUES (?, ?, ?, ?)",
-                                 (int(spid, 16), *where))
-                    rows, accepted = queue_rows(submission, spid, size, now)
-                    self._sql.insert(conn, rows)
-                except sqlite3.IntegrityError:
-                    conn.execute(f"ROLLBACK TO {OP_SAVEPOINT}")
-                    spid = new_spid()
-                    continue
-                return accepted
-
-        try:
-            return self._submit_op(work, [sf])
-        except BaseException:
-            segments.settle((sf,))
-            raise
 
     def _submit_inline(self, submission: Submission, blob: bytes, now: float
                        ) -> concurrent.futures.Future[Accepted]:
@@ -466,8 +413,8 @@ class SqliteStore(ApplyByFuture, Database):
                 (now,),
             )
             conn.execute("DELETE FROM qchanges WHERE at < ?", (now - CHANGES_KEEP_S,))
-            if conn.execute(f"SELECT 1 FROM qmeta WHERE key = '{_CHECKED}'").fetchone() is None:
-                _check_whole_queue(conn)
+            if conn.execute(f"SELECT 1 FROM qmeta WHERE key = '{CHECKED}'").fetchone() is None:
+                check_whole_queue(conn)
             return int(cur.rowcount)
 
         moved: int = self._call(work, bulk=True)
@@ -484,6 +431,8 @@ class SqliteStore(ApplyByFuture, Database):
                     self.spool.delete(spid)
         if self.segments is not None:
             self.segments.sweep_all()
+            # The queue manager recovers the queue; it also compacts it.
+            self.segments.bind_compaction(self.compact_segments, COMPACT_EVERY_S)
 
     def expired(self, cutoff_at: float, reports_cutoff_at: float, limit: int = 10000
                 ) -> list[QueueEntry]:
@@ -582,7 +531,7 @@ class SqliteStore(ApplyByFuture, Database):
         Inline when ``inline_max`` was lowered since the message came in.
         """
         if self.segments is not None:
-            found = self._open_segment(spid)
+            found = self._open_segment(_content_key(spid), spid)
             if found is not None:
                 return found
         try:
@@ -600,24 +549,11 @@ class SqliteStore(ApplyByFuture, Database):
         if row is not None:
             return io.BytesIO(row[0])
         if self.segments is not None:
-            found = self._open_segment(spid)
+            found = self._open_segment(_content_key(spid), spid)
             if found is not None:
                 return found
         try:
             return self.spool.open(spid)
-        except OSError as exc:
-            raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
-
-    def _open_segment(self, spid: str) -> IO[bytes] | None:
-        """The content's range in its segment, or None if it is not in one."""
-        assert self.segments is not None
-        with self._reading() as conn:
-            row = conn.execute("SELECT seg, off, len FROM content_at WHERE id = ?",
-                               (_content_key(spid),)).fetchone()
-        if row is None:
-            return None
-        try:
-            return self.segments.open(*row)
         except OSError as exc:
             raise StorageError(f"cannot open the content of {spid}: {exc}") from exc
 
