@@ -38,7 +38,9 @@ class Counters:
 
 def _queue(tmp_path: Path, n: int, success_sync: str = "flush", content: bytes = b"x\r\n"
            ) -> tuple[Queue, list[AttemptResult]]:
-    config = flavour_config("sqlite", tmp_path, queue={"success_sync": success_sync})
+    # A big content in a file of its own, whose deletion waits for the flush.
+    config = flavour_config("sqlite", tmp_path, queue={"success_sync": success_sync,
+                                                      "spool": {"layout": "files"}})
     queue = Queue.open(config, clock=lambda: T0)
     for i in range(n):
         queue.submit(Submission("a@example.org", (f"r{i}@example.net",)), content)

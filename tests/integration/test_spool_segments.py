@@ -249,3 +249,43 @@ def test_the_background_thread_compacts_when_it_is_due(tmp_path: Path) -> None:
         time.sleep(0.01)
     assert len(calls) == 1 and abs(calls[0] - time.time()) < 5  # POSIX time, for SPIDs
     segs.close()
+
+
+def test_a_failed_sync_fails_every_write_pending_in_that_segment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After an fdatasync error the kernel may report success next time for
+    # pages it dropped; so no later batch may trust that segment.
+    segs, *_ = _segments(tmp_path)
+    a = segs.write([b"a" * 100], 100)
+    b = segs.write([b"b" * 100], 100)
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(SpoolIOError, match="Input/output"):
+        segs.sync([a])
+    monkeypatch.setattr(os, "fdatasync", real)
+    with pytest.raises(SpoolIOError, match="Input/output"):
+        segs.sync([b])  # fdatasync would now "succeed"
+    c = segs.write([b"c" * 100], 100)
+    assert c.path != a.path  # the failed segment takes nothing more
+    segs.sync([c])
+    segs.settle([a, b, c])
+    segs.close()
+    assert not os.path.exists(a.path)
+
+
+def test_a_sweep_of_many_segments_holds_a_few_locks_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sluice.spool.segments.SWEEP_CHUNK", 2)
+    writer = Segments(tmp_path, segment_max=10)
+    files = [writer.write([b"x" * 20], 20) for _ in range(5)]
+    writer.settle(files)  # sealed, never bound: nothing swept yet
+    asked: list[int] = []
+    segs, *_ = _segments(tmp_path)
+    segs.bind(lambda numbers: (asked.append(len(numbers)), set())[1], None)
+    assert segs.sweep_all() == 5 - 1  # the writer's active one is locked
+    assert max(asked) <= 2
+    writer.close()

@@ -201,3 +201,60 @@ def test_a_segment_being_written_is_not_compacted(tmp_path: Path) -> None:
         (segment,) = _segment_files(tmp_path)
         assert store.compact_segments(time.time() + 3600) == 0  # its writer holds it
         assert segment.exists()
+
+
+def test_contents_in_segments_stay_readable_and_go_after_a_switch_to_files(
+        tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        acc = store.submit(MSG, b"s" * 1000, T0)
+    (segment,) = _segment_files(tmp_path)
+    with _store(tmp_path, layout="files") as store:
+        store.recover(T0)
+        later = store.submit(MSG, b"f" * 1000, T0)
+        assert [p.stem for p in (tmp_path / "spool").rglob("*.msg")] == [later.spid]
+        for a, byte in ((acc, b"s"), (later, b"f")):
+            with store.open_large(a.spid) as stream:
+                assert stream.read() == byte * 1000
+        _deliver(store, [acc.spid, later.spid])
+        assert _located(store) == {}
+    assert not segment.exists()
+
+
+def test_a_message_deleted_while_its_segment_is_compacted_stays_deleted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spids, segment = _four_in_one_segment(tmp_path)
+    with _store(tmp_path, segment_max=100_000) as store:
+        store.recover(T0)
+        _deliver(store, spids[:3])
+        assert store.segments is not None
+        write = store.segments.write
+
+        def write_then_deliver(*a: object, **kw: object) -> object:
+            copy = write(*a, **kw)  # type: ignore[arg-type]
+            store.modify(Selector(), Action.DELETE, T0)  # between the copy and the update
+            return copy
+
+        monkeypatch.setattr(store.segments, "write", write_then_deliver)
+        assert store.compact_segments(time.time() + 3600) == 1
+        assert _located(store) == {} and store.count().messages == 0
+        assert not segment.exists()
+
+
+def test_a_reader_looks_again_when_the_content_moved(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    with _store(tmp_path) as store:
+        acc = store.submit(MSG, b"m" * 1000, T0)
+        assert store.segments is not None
+        real = store.segments.open
+        calls: list[int] = []
+
+        def moved_once(*a: int) -> object:
+            calls.append(a[0])
+            if len(calls) == 1:
+                raise FileNotFoundError(2, "No such file or directory")
+            return real(*a)
+
+        monkeypatch.setattr(store.segments, "open", moved_once)
+        with store.open_large(acc.spid) as stream:
+            assert stream.read() == b"m" * 1000
+        assert len(calls) == 2

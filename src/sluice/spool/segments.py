@@ -96,6 +96,8 @@ _NEW = ".new"
 _STALE_NEW_S = 60.0
 #: pwritev takes at most this many pieces a call (IOV_MAX is 1024 on Linux).
 _IOV = 512
+#: A sweep holds at most this many segments' locks (descriptors) at once.
+SWEEP_CHUNK = 256
 
 
 
@@ -110,6 +112,9 @@ class _Segment:
     end: int = 0
     pending: int = 0
     retired: bool = False
+    #: Its fdatasync failed once: the kernel may not say so twice, so every
+    #: write still pending in it fails too.
+    failed: OSError | None = None
 
 
 def segment_name(number: int) -> str:
@@ -144,6 +149,7 @@ class Segments:
         self._compact: Callable[[float], int] | None = None
         self._compact_every = 0.0
         self._compact_next = 0.0
+        self._closing = False
         if not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
             fsync_path(self._dir)
@@ -217,7 +223,8 @@ class Segments:
         else:  # pragma: no cover - 100 collisions in a row means a broken RNG
             raise RuntimeError("could not allocate a unique segment name")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Blocking: a sweeper looking at ``.new`` files holds one briefly.
+            fcntl.flock(fd, fcntl.LOCK_EX)
             os.rename(temp, final)
             fsync_path(self._dir)
         except OSError as exc:
@@ -249,9 +256,20 @@ class Segments:
         """Make the batch durable: one fdatasync a segment it wrote to (data and size)."""
         paths = dict.fromkeys(f.path for f in files)
         with self._lock:
-            fds = [self._open[p].fd for p in paths if p in self._open]
-        for fd in fds:
-            os.fdatasync(fd)
+            segs = [self._open.get(p) for p in paths]
+        for seg in segs:
+            if seg is None:  # pragma: no cover - a write is pending until settled
+                raise SpoolIOError(0, "syncing a segment that is not open", str(paths))
+            if seg.failed is not None:
+                raise seg.failed
+            try:
+                os.fdatasync(seg.fd)
+            except OSError as exc:
+                with self._lock:
+                    seg.failed = SpoolIOError(exc.errno, exc.strerror, seg.path)
+                    if not seg.retired:
+                        self._retire(seg)
+                raise seg.failed from exc
 
     def settle(self, files: Iterable[SpoolFile]) -> None:
         """These writes were committed or discarded: their segments may seal."""
@@ -306,12 +324,12 @@ class Segments:
 
     def sweep_all(self) -> int:
         """Sweep every segment on disk now; returns how many were unlinked."""
-        self._drop_stale_new()
-        return self._sweep(set(self.numbers()))
+        self.drop_stale_new()
+        return self.sweep(set(self.numbers()))
 
     def _start_janitor(self) -> None:
         with self._janitor_lock:
-            if self._janitor is None:
+            if self._janitor is None and not self._closing:
                 self._janitor = threading.Thread(target=self._run, name="sluice-segments",
                                                  daemon=True)
                 self._janitor.start()
@@ -330,7 +348,7 @@ class Segments:
                 self._retire_idle()
                 numbers = set().union(*(w for w in work if w is not None))
                 if numbers:
-                    self._sweep(numbers)
+                    self.sweep(numbers)
             except Exception:  # keep the segments; the next sweep decides
                 _log.exception("sweeping spool segments failed")
             if self._compact is not None and self._clock() >= self._compact_next and not stop:
@@ -349,17 +367,22 @@ class Segments:
             if seg is not None and self._clock() - seg.born >= self.segment_age_s:
                 self._retire(seg)
 
-    def _sweep(self, numbers: set[int]) -> int:
-        locked: dict[int, int] = {}
-        try:
-            for number in sorted(numbers):
-                fd = _lock_free(self.path(number))
-                if fd is not None:
-                    locked[number] = fd
-            return self.sweep_locked(locked)
-        finally:
-            for fd in locked.values():
-                os.close(fd)
+    def sweep(self, numbers: set[int]) -> int:
+        """Unlink those of ``numbers`` that are unlocked and unreferenced, now; how many."""
+        listed = sorted(numbers)
+        gone = 0
+        for at in range(0, len(listed), SWEEP_CHUNK):
+            locked: dict[int, int] = {}
+            try:
+                for number in listed[at : at + SWEEP_CHUNK]:
+                    fd = _lock_free(self.path(number))
+                    if fd is not None:
+                        locked[number] = fd
+                gone += self.sweep_locked(locked)
+            finally:
+                for fd in locked.values():
+                    os.close(fd)
+        return gone
 
     def sweep_locked(self, locked: dict[int, int]) -> int:
         """Unlink those of the segments whose locks the caller holds that nothing refers to.
@@ -380,7 +403,7 @@ class Segments:
                 os.unlink(self.path(number))
         return len(free)
 
-    def _drop_stale_new(self) -> None:
+    def drop_stale_new(self) -> None:
         """Remove the ``.new`` files of writers that died before naming them."""
         try:
             names = os.listdir(self._dir)
@@ -409,6 +432,7 @@ class Segments:
             if self._active is not None:
                 self._retire(self._active)
         with self._janitor_lock:
+            self._closing = True  # no thread starts again, whatever settles late
             janitor, self._janitor = self._janitor, None
         if janitor is not None:
             self._sweeps.put(None)

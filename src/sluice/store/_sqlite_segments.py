@@ -21,7 +21,9 @@ STRATEGIES
     contents out: copied to its own active segment and synced, their rows
     pointed at the copies in one durable commit (only rows that still name
     the old segment: a message delivered meanwhile leaves a dead copy),
-    then the old segment goes as any free one.  It holds the old segment's
+    then the old segment goes as any free one.  The same pass sweeps the
+    segments no row names (a sweep that failed, a writer killed before it
+    committed anything).  It holds the old segment's
     lock throughout, so no other process's compaction or sweep works on it
     at the same time.  So a segment older than ten minutes is at least half
     queued content; the space held beyond the queued contents is at most
@@ -147,7 +149,10 @@ class InSegments(Database):
             return 0
         with self._reading() as conn:
             queued = dict(conn.execute("SELECT seg, SUM(len) FROM content_at GROUP BY seg"))
-        emptied = 0
+        # Segments nothing refers to that no sweep took: a sweep that failed,
+        # or a writer killed before it committed anything.
+        segments.drop_stale_new()
+        emptied = segments.sweep(set(segments.numbers()) - set(queued))
         for number, held in sorted(queued.items()):
             if now - spid_time(f"{number:016X}") < COMPACT_AFTER_S:
                 continue
@@ -187,8 +192,14 @@ class InSegments(Database):
                     (_number(sf), sf.offset, key, number)).rowcount
             return moved
 
-        # The copies are synced before the commit and settled after it.
-        self._submit_op(work, [sf for _, sf in copies]).result()
+        # The copies are synced before the commit and settled after it (or
+        # dropped, if it fails); only a refusal to take the work is ours to settle.
+        try:
+            done = self._submit_op(work, [sf for _, sf in copies])
+        except BaseException:
+            segments.settle(sf for _, sf in copies)
+            raise
+        done.result()
 
 
 def _number(sf: SpoolFile) -> int:

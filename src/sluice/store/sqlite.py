@@ -164,11 +164,15 @@ class SqliteStore(ApplyByFuture, InSegments):
         busy_timeout_s: float = 60.0,
         inline_max: int = 0,
         segments: Segments | None = None,
+        write_segments: bool = True,
     ) -> None:
         if inline_max < 0:
             raise ValueError("inline_max must be >= 0")
         self.inline_max = inline_max
         self.segments = segments
+        #: Big contents go to segments (queue.spool.layout); either way the
+        #: ones already in segments are read and freed there.
+        self.write_segments = write_segments and segments is not None
         self.dir = Path(path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.db_path = self.dir / "queue.db"
@@ -217,12 +221,11 @@ class SqliteStore(ApplyByFuture, InSegments):
         q = config.queue
         spool = FsSpool(q.spool.rootpath, q.spool.partitiondepth, q.spool.bufsize,
                         q.spool.sync_method)
-        segments = None
-        if q.spool.layout == "segments":
-            segments = Segments(q.spool.rootpath, q.spool.segment_max, q.spool.segment_age,
-                                q.spool.bufsize)
+        segments = Segments(q.spool.rootpath, q.spool.segment_max, q.spool.segment_age,
+                            q.spool.bufsize)
         store = cls(q.path, spool, node_id=config.node.id, max_batch=q.commit_max_batch,
-                    inline_max=q.spool.inline_max, segments=segments)
+                    inline_max=q.spool.inline_max, segments=segments,
+                    write_segments=q.spool.layout == "segments")
         store.tenant_weights = TenantWeights.of(config.scheduler.tenants)
         return store
 
@@ -234,8 +237,8 @@ class SqliteStore(ApplyByFuture, InSegments):
         blob = self._inline(content)
         if blob is not None:
             return self._submit_inline(submission, blob, now)
-        if self.segments is not None and isinstance(content, bytes | bytearray | memoryview
-                                                    | list | tuple):
+        if self.write_segments and self.segments is not None and isinstance(
+                content, bytes | bytearray | memoryview | list | tuple):
             return self._submit_segment(submission, self.segments, content, now)
         try:
             sf = self.spool.write(content, submission.spid)
@@ -564,16 +567,15 @@ class SqliteStore(ApplyByFuture, InSegments):
         if self._closed:
             return
         self._closed = True
+        # Sweeps queued by the last commits still ask which segments are
+        # referenced; new operations are refused from here on.
+        self._reads_after_close = True
         self._committer.close()
         self._syncer.close()
         self.spool.close()
         if self.segments is not None:
-            # Its last sweeps still ask which segments are referenced.
-            self._reads_after_close = True
-            try:
-                self.segments.close()
-            finally:
-                self._reads_after_close = False
+            self.segments.close()
+        self._reads_after_close = False
         os.close(self._lock_fd)
         with contextlib.suppress(sqlite3.Error):
             self._writer.close()
