@@ -10,11 +10,13 @@ import multiprocessing
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import sluice.store._sqlite_segments as sqlite_segments
 import sluice.store.sqlite as sqlite_module
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition
@@ -257,12 +259,18 @@ def test_inline_max_zero_writes_every_message_to_a_file(tmp_path: Path) -> None:
         assert [p.stem for p in _spool_files(store)] == [acc.spid]
 
 
+def _draw_from(drawn: Iterator[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """New SPIDs come from ``drawn``: the first draw and any draw again."""
+    for module in (sqlite_module, sqlite_segments):
+        monkeypatch.setattr(module, "new_spid", lambda: next(drawn))
+
+
 def test_a_spid_taken_by_another_process_is_drawn_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with _store(tmp_path) as store:
         first = store.submit(MSG, b"one", T0)
         drawn = iter([first.spid, "00000000000ABCDE"])
-        monkeypatch.setattr(sqlite_module, "new_spid", lambda: next(drawn))
+        _draw_from(drawn, monkeypatch)
         second = store.submit(MSG, b"two", T0)
         assert second.spid == "00000000000ABCDE"
         for acc, data in ((first, b"one"), (second, b"two")):
@@ -276,7 +284,7 @@ def test_a_spid_whose_rows_belong_to_a_spooled_message_is_drawn_again(
     with _store(tmp_path, spool={"inline_max": 10}) as store:
         spooled = store.submit(MSG, b"a spooled message", T0)  # a file, no content row
         drawn = iter([spooled.spid, "00000000000ABCDF"])
-        monkeypatch.setattr(sqlite_module, "new_spid", lambda: next(drawn))
+        _draw_from(drawn, monkeypatch)
         small = store.submit(MSG, b"small", T0)
         assert small.spid == "00000000000ABCDF"
         assert _content_rows(store) == [(int(small.spid, 16), b"small")]

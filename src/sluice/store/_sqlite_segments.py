@@ -43,7 +43,7 @@ import concurrent.futures
 import os
 import sqlite3
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 from sluice.model import Accepted, Submission
 from sluice.spool import SpoolFile, SpoolIOError, new_spid, spid_time
@@ -52,7 +52,7 @@ from sluice.store import StorageError
 from sluice.store._sql import SqlQueue, queue_rows
 from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database
 
-__all__ = ["COMPACT_AFTER_S", "COMPACT_BELOW", "COMPACT_EVERY_S", "InSegments"]
+__all__ = ["COMPACT_AFTER_S", "COMPACT_BELOW", "COMPACT_EVERY_S", "InSegments", "insert_message"]
 
 #: A segment younger than this is left alone: most of it is still on its way out.
 COMPACT_AFTER_S = 600.0
@@ -99,20 +99,9 @@ class InSegments(Database):
         where = (_number(sf), sf.offset, size)
 
         def work(after: Batch) -> Accepted:
-            conn = after.conn
-            spid = sf.spid
-            while True:
-                # A SPID another process took meanwhile: draw again (as inline).
-                try:
-                    conn.execute("INSERT INTO content_at (id, seg, off, len) VALUES (?, ?, ?, ?)",
-                                 (int(spid, 16), *where))
-                    rows, accepted = queue_rows(submission, spid, size, now)
-                    self._sql.insert(conn, rows)
-                except sqlite3.IntegrityError:
-                    conn.execute(f"ROLLBACK TO {OP_SAVEPOINT}")
-                    spid = new_spid()
-                    continue
-                return accepted
+            return insert_message(self._sql, after.conn, submission, sf.spid, size, now,
+                                  "INSERT INTO content_at (id, seg, off, len) VALUES (?, ?, ?, ?)",
+                                  where)
 
         try:
             return self._submit_op(work, [sf])
@@ -200,6 +189,27 @@ class InSegments(Database):
             segments.settle(sf for _, sf in copies)
             raise
         done.result()
+
+
+def insert_message(sql: SqlQueue, conn: sqlite3.Connection, submission: Submission, spid: str,
+                   size: int, now: float, content_sql: str, content: tuple[Any, ...]
+                   ) -> Accepted:
+    """A message's content record (``content_sql``: its key, then ``content``) and its rows.
+
+    SPIDs of different processes can collide (exclusive create settles it
+    for files); here the primary keys do: undo the operation so far (its
+    savepoint in the batch) and draw again.
+    """
+    while True:
+        try:
+            conn.execute(content_sql, (int(spid, 16), *content))
+            rows, accepted = queue_rows(submission, spid, size, now)
+            sql.insert(conn, rows)
+        except sqlite3.IntegrityError:
+            conn.execute(f"ROLLBACK TO {OP_SAVEPOINT}")
+            spid = new_spid()
+            continue
+        return accepted
 
 
 def _number(sf: SpoolFile) -> int:

@@ -128,7 +128,7 @@ from sluice.store._commit import GroupCommitter
 from sluice.store._refill import EQUAL, TenantWeights
 from sluice.store._sql import SqlQueue, queue_rows
 from sluice.store._sqlite_apply import KEYS_PER_STATEMENT, grouped, keys_where
-from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, WalSyncer
+from sluice.store._sqlite_db import Batch, WalSyncer
 from sluice.store._sqlite_schema import (
     CHECKED,
     SCHEMA_VERSION,
@@ -136,7 +136,7 @@ from sluice.store._sqlite_schema import (
     check_whole_queue,
     open_schema,
 )
-from sluice.store._sqlite_segments import COMPACT_EVERY_S, InSegments
+from sluice.store._sqlite_segments import COMPACT_EVERY_S, InSegments, insert_message
 
 if TYPE_CHECKING:
     from sluice.config import Config
@@ -280,22 +280,9 @@ class SqliteStore(ApplyByFuture, InSegments):
         """
 
         def work(after: Batch) -> Accepted:
-            conn = after.conn
-            spid = submission.spid or new_spid()
-            while True:
-                # SPIDs of different processes can collide (exclusive create
-                # settles it for files); here the primary keys do: undo this
-                # operation so far (_transaction's savepoint) and draw again.
-                try:
-                    conn.execute("INSERT INTO content (id, data) VALUES (?, ?)",
-                                 (int(spid, 16), blob))
-                    rows, accepted = queue_rows(submission, spid, len(blob), now)
-                    self._sql.insert(conn, rows)
-                except sqlite3.IntegrityError:
-                    conn.execute(f"ROLLBACK TO {OP_SAVEPOINT}")
-                    spid = new_spid()
-                    continue
-                return accepted
+            return insert_message(self._sql, after.conn, submission,
+                                  submission.spid or new_spid(), len(blob), now,
+                                  "INSERT INTO content (id, data) VALUES (?, ?)", (blob,))
 
         return self._submit_op(work)
 
