@@ -2,7 +2,8 @@
 
 SUMMARY
     write_all(fd, data); writev_all(fd, pieces, total);
-    write_all_by(fd, data, deadline); open_log(path) -> fd
+    pwritev_all(fd, pieces, total, offset); write_all_by(fd, data, deadline);
+    open_log(path) -> fd
 
 DESCRIPTION
     os.write and os.writev may write less than they are given (a signal, a
@@ -23,7 +24,10 @@ import select
 import time
 from collections.abc import Sequence
 
-__all__ = ["open_log", "write_all", "write_all_by", "writev_all"]
+__all__ = ["IOV_PIECES", "open_log", "pwritev_all", "write_all", "write_all_by", "writev_all"]
+
+#: Pieces one pwritev takes at most here (IOV_MAX is 1024 on Linux).
+IOV_PIECES = 512
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -38,6 +42,29 @@ def writev_all(fd: int, pieces: Sequence[bytes | memoryview], total: int) -> Non
     n = os.writev(fd, pieces)
     if n < total:
         write_all(fd, memoryview(b"".join(pieces))[n:])
+
+
+def pwritev_all(fd: int, pieces: Sequence[bytes | bytearray | memoryview], total: int,
+                offset: int) -> int:
+    """Write ``pieces`` (``total`` bytes in all) at ``offset`` of ``fd``; the bytes written.
+
+    One pwritev for each IOV_PIECES pieces, each finished with pwrite if
+    short.  The file position is not used, so threads may write at
+    offsets of their own through one descriptor.
+    """
+    at = offset
+    for start in range(0, len(pieces), IOV_PIECES):
+        group = pieces[start : start + IOV_PIECES]
+        size = total if len(pieces) <= IOV_PIECES else sum(len(p) for p in group)
+        n = os.pwritev(fd, group, at)
+        at += n
+        if n < size:
+            rest = memoryview(b"".join(group))[n:]
+            while rest:
+                n = os.pwrite(fd, rest, at)
+                at += n
+                rest = rest[n:]
+    return at - offset
 
 
 def write_all_by(fd: int, data: bytes | memoryview, deadline: float) -> bool:

@@ -1,4 +1,4 @@
-"""write_all and writev_all finish what a short write leaves (sluice._fdio)."""
+"""write_all, writev_all and pwritev_all finish what a short write leaves (sluice._fdio)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,20 @@ def short_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     def writev(fd: int, pieces: list[bytes | memoryview]) -> int:
         return write(fd, b"".join(pieces))
 
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:
+        n = real_pwrite(fd, bytes(memoryview(data)[:7]), offset)
+        calls.append(n)
+        return n
+
+    def pwritev(fd: int, pieces: list[bytes | memoryview], offset: int) -> int:
+        return pwrite(fd, b"".join(pieces), offset)
+
     monkeypatch.setattr(_fdio.os, "write", write)
     monkeypatch.setattr(_fdio.os, "writev", writev)
+    monkeypatch.setattr(_fdio.os, "pwrite", pwrite)
+    monkeypatch.setattr(_fdio.os, "pwritev", pwritev)
     return calls
 
 
@@ -51,6 +63,29 @@ def test_writev_all_finishes_a_short_writev(tmp_path: Path, short_writes: list[i
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"header\n" + b"x" * 50 + b"end"
+
+
+def test_pwritev_all_finishes_short_writes_at_its_offset(tmp_path: Path,
+                                                          short_writes: list[int]) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"-" * 10)
+    pieces: list[bytes | memoryview] = [b"header\n", memoryview(b"x" * 50), b"end"]
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert _fdio.pwritev_all(fd, pieces, 60, 4) == 60
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"----header\n" + b"x" * 50 + b"end"
+
+
+def test_pwritev_all_takes_more_pieces_than_one_call_may(tmp_path: Path) -> None:
+    pieces = [bytes([i % 256]) * 3 for i in range(3 * _fdio.IOV_PIECES + 5)]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert _fdio.pwritev_all(fd, pieces, 3 * len(pieces), 0) == 3 * len(pieces)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"".join(pieces)
 
 
 def test_a_full_writev_is_one_call(tmp_path: Path) -> None:

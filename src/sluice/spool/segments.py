@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sluice._batches import take_queued
+from sluice._fdio import pwritev_all
 from sluice._fsync import fsync_path
 from sluice.spool import SpoolFile, SpoolIOError, new_spid, spid_candidates
 
@@ -94,8 +95,6 @@ _SEG = ".seg"
 _NEW = ".new"
 #: A ``.new`` file older than this, and not locked, was left by a writer that died.
 _STALE_NEW_S = 60.0
-#: pwritev takes at most this many pieces a call (IOV_MAX is 1024 on Linux).
-_IOV = 512
 #: A sweep holds at most this many segments' locks (descriptors) at once.
 SWEEP_CHUNK = 256
 
@@ -494,23 +493,10 @@ def _lock_free(path: str) -> int | None:
 
 def _pwrite_all(fd: int, pieces: Sequence[bytes | bytearray | memoryview], size: int, offset: int,
                 path: str) -> None:
-    """Write every piece at ``offset`` on, however short the kernel's writes."""
-    views = [memoryview(p).cast("B") for p in pieces if len(p)]
-    at = offset
+    """pwritev_all, its errors naming the segment."""
     try:
-        while views:
-            batch = views[:_IOV]
-            n = os.pwritev(fd, batch, at)
-            at += n
-            while n:
-                first = views[0]
-                if n >= len(first):
-                    n -= len(first)
-                    views.pop(0)
-                else:
-                    views[0] = first[n:]
-                    n = 0
+        written = pwritev_all(fd, pieces, size, offset)
     except OSError as exc:
         raise SpoolIOError(exc.errno, exc.strerror, path) from exc
-    if at - offset != size:
-        raise SpoolIOError(0, f"wrote {at - offset} bytes of {size}", path)
+    if written != size:
+        raise SpoolIOError(0, f"wrote {written} bytes of {size}", path)
