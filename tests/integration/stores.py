@@ -9,6 +9,7 @@ schema of its own per queue directory on the tests' server (tests/integration/pg
 from __future__ import annotations
 
 import functools
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,15 @@ def flavour_config(flavour: str, tmp: Path, **sections: dict[str, Any]) -> Confi
 
 def open_flavour(flavour: str, tmp: Path, **sections: dict[str, Any]) -> Store:
     return open_store(flavour_config(flavour, tmp, **sections))
+
+
+def fail_inserts(store: Any, monkeypatch: Any, error: str) -> None:
+    """The SQL stores' insert of a message's rows raises sqlite3.OperationalError(error)."""
+
+    def broken(conn: object, rows: object) -> None:
+        raise sqlite3.OperationalError(error)
+
+    monkeypatch.setattr(store._sql, "insert", broken)
 
 
 def spy_dirs(monkeypatch: Any, module: Any, name: str) -> list[str]:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.spool import SpoolFile, SpoolIOError
-from sluice.spool.segments import Segments
+from sluice.spool import SpoolIOError
+from sluice.spool.segments import Segments, segment_number
 
 
 class Clock:
@@ -47,10 +47,6 @@ def _segments(tmp_path: Path, **kw: object) -> tuple[Segments, Clock, set[int], 
     return segs, clock, refs, log
 
 
-def _number(f: SpoolFile) -> int:
-    return int(os.path.basename(f.path)[:16], 16)
-
-
 def _is_locked(path: str) -> bool:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -70,7 +66,7 @@ def test_contents_read_back_as_written_side_by_side(tmp_path: Path) -> None:
     assert len({f.path for f in files}) == 1
     assert [f.offset for f in files] == [sum(map(len, bodies[:i])) for i in range(5)]
     for f, body in zip(files, bodies, strict=True):
-        with segs.open(_number(f), f.offset, f.size) as fh:
+        with segs.open(segment_number(f.path), f.offset, f.size) as fh:
             pieces = []
             while piece := fh.read(5000):
                 pieces.append(piece)
@@ -84,7 +80,8 @@ def test_a_range_cut_short_on_disk_is_an_error_not_short_content(tmp_path: Path)
     f = segs.write([b"x" * 1000], 1000)
     segs.sync([f])
     os.truncate(f.path, 600)
-    with segs.open(_number(f), f.offset, f.size) as fh, pytest.raises(OSError, match="early"):
+    with (segs.open(segment_number(f.path), f.offset, f.size) as fh,
+          pytest.raises(OSError, match="early")):
         fh.read()
     segs.settle([f])
     segs.close()
@@ -97,7 +94,7 @@ def test_a_full_segment_is_retired_and_sealed_when_its_last_write_settles(
     b = segs.write([b"b" * 60_000], 60_000)  # still fits: the check is before the write
     c = segs.write([b"c" * 10], 10)          # the first is full: a new segment
     assert a.path == b.path != c.path
-    refs.update({_number(a), _number(c)})
+    refs.update({segment_number(a.path), segment_number(c.path)})
     assert _is_locked(a.path) and _is_locked(c.path)
     segs.settle([a])
     assert _is_locked(a.path)               # b is not settled yet
@@ -137,7 +134,7 @@ def test_a_sweep_keeps_referenced_segments_and_runs_the_barrier_before_unlinking
     log.clear()
     segs, _, refs, log = _segments(tmp_path, segment_max=10)
     files = [segs.write([b"%d" % i * 20], 20) for i in range(3)]
-    refs.add(_number(files[1]))
+    refs.add(segment_number(files[1].path))
     real_unlink = os.unlink
 
     def unlink(path: str, *a: object, **kw: object) -> None:
@@ -178,7 +175,7 @@ def test_an_old_segment_takes_no_new_content(tmp_path: Path) -> None:
 
 _CHILD = """
 import os, sys
-from sluice.spool.segments import Segments
+from sluice.spool.segments import Segments, segment_number
 segs = Segments(sys.argv[1])
 f = segs.write([b"orphan" * 100], 600)
 segs.sync([f])
@@ -209,7 +206,7 @@ def test_a_referenced_segment_of_a_dead_writer_stays(tmp_path: Path) -> None:
                          capture_output=True, text=True, check=False)
     path = out.stdout.strip()
     segs, _, refs, _ = _segments(tmp_path)
-    refs.add(int(os.path.basename(path)[:16], 16))
+    refs.add(segment_number(path))
     assert segs.sweep_all() == 0
     with segs.open(next(iter(refs)), 0, 600) as fh:
         assert fh.read() == b"orphan" * 100

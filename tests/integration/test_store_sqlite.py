@@ -21,7 +21,12 @@ import sluice.store.sqlite as sqlite_module
 from sluice.model import QueueState, Reply, Selector, Submission
 from sluice.store import Action, StorageError, Transition
 from sluice.store.sqlite import SqliteStore
-from tests.integration.stores import check_migrated_v1_queue, open_flavour, run_diskfull
+from tests.integration.stores import (
+    check_migrated_v1_queue,
+    fail_inserts,
+    open_flavour,
+    run_diskfull,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -296,10 +301,7 @@ def test_a_spid_whose_rows_belong_to_a_spooled_message_is_drawn_again(
 def test_a_submission_that_fails_leaves_no_content(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with _store(tmp_path) as store:
-        def broken(conn: object, rows: object) -> None:
-            raise sqlite3.OperationalError("disk I/O error")
-
-        monkeypatch.setattr(store._sql, "insert", broken)
+        fail_inserts(store, monkeypatch, "disk I/O error")
         with pytest.raises(StorageError):
             store.submit(MSG, b"lost", T0)
         assert _content_rows(store) == []

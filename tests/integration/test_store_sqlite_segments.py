@@ -16,7 +16,7 @@ import pytest
 from sluice.model import QueueState, Selector, Submission
 from sluice.store import Action, StorageError, Transition
 from sluice.store.sqlite import SqliteStore
-from tests.integration.stores import open_flavour
+from tests.integration.stores import fail_inserts, open_flavour
 
 T0 = 1_800_000_000.0
 MSG = Submission("a@example.org", ("b@example.net",))
@@ -114,10 +114,7 @@ def test_an_operator_delete_frees_the_segment(tmp_path: Path) -> None:
 def test_a_failed_submission_leaves_no_record_and_its_bytes_go_with_the_segment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with _store(tmp_path) as store:
-        def broken(conn: object, rows: object) -> None:
-            raise sqlite3.OperationalError("injected")
-
-        monkeypatch.setattr(store._sql, "insert", broken)
+        fail_inserts(store, monkeypatch, "injected")
         with pytest.raises(StorageError, match="injected"):
             store.submit(MSG, b"x" * 1000, T0)
         monkeypatch.undo()

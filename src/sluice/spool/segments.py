@@ -87,7 +87,7 @@ from sluice._fdio import pwritev_all
 from sluice._fsync import fsync_path
 from sluice.spool import SpoolFile, SpoolIOError, new_spid, spid_candidates
 
-__all__ = ["Segments"]
+__all__ = ["Segments", "segment_name", "segment_number"]
 
 _log = logging.getLogger(__name__)
 
@@ -119,6 +119,11 @@ class _Segment:
 def segment_name(number: int) -> str:
     """A segment's file name: its number as 16 hexadecimal digits."""
     return f"{number:016X}{_SEG}"
+
+
+def segment_number(path: str) -> int:
+    """The number of the segment whose file (name or path) this is; segment_name's inverse."""
+    return int(os.path.basename(path)[:16], 16)
 
 
 class Segments:
@@ -311,7 +316,7 @@ class Segments:
             names = os.listdir(self._dir)
         except FileNotFoundError:
             return []
-        return sorted(int(n[: -len(_SEG)], 16) for n in names if n.endswith(_SEG))
+        return sorted(segment_number(n) for n in names if n.endswith(_SEG))
 
     # -- sweeping ------------------------------------------------------------
 
@@ -374,7 +379,7 @@ class Segments:
             locked: dict[int, int] = {}
             try:
                 for number in listed[at : at + SWEEP_CHUNK]:
-                    fd = _lock_free(self.path(number))
+                    fd = self.lock(number)
                     if fd is not None:
                         locked[number] = fd
                 gone += self.sweep_locked(locked)

@@ -47,7 +47,7 @@ from typing import IO, Any
 
 from sluice.model import Accepted, Submission
 from sluice.spool import SpoolFile, SpoolIOError, new_spid, spid_time
-from sluice.spool.segments import Segments
+from sluice.spool.segments import Segments, segment_name, segment_number
 from sluice.store import StorageError
 from sluice.store._sql import SqlQueue, queue_rows
 from sluice.store._sqlite_db import OP_SAVEPOINT, Batch, Database
@@ -96,7 +96,7 @@ class InSegments(Database):
             sf = segments.write(pieces, size, submission.spid)
         except SpoolIOError as exc:
             raise StorageError(f"spool write failed: {exc.strerror or exc}") from exc
-        where = (_number(sf), sf.offset, size)
+        where = (segment_number(sf.path), sf.offset, size)
 
         def work(after: Batch) -> Accepted:
             return insert_message(self._sql, after.conn, submission, sf.spid, size, now,
@@ -143,7 +143,7 @@ class InSegments(Database):
         segments.drop_stale_new()
         emptied = segments.sweep(set(segments.numbers()) - set(queued))
         for number, held in sorted(queued.items()):
-            if now - spid_time(f"{number:016X}") < COMPACT_AFTER_S:
+            if now - spid_time(segment_name(number)) < COMPACT_AFTER_S:
                 continue
             size = segments.size(number)
             if size is None or held >= COMPACT_BELOW * size:
@@ -178,7 +178,7 @@ class InSegments(Database):
             for key, sf in copies:
                 moved += after.conn.execute(
                     "UPDATE content_at SET seg = ?, off = ? WHERE id = ? AND seg = ?",
-                    (_number(sf), sf.offset, key, number)).rowcount
+                    (segment_number(sf.path), sf.offset, key, number)).rowcount
             return moved
 
         # The copies are synced before the commit and settled after it (or
@@ -210,8 +210,3 @@ def insert_message(sql: SqlQueue, conn: sqlite3.Connection, submission: Submissi
             spid = new_spid()
             continue
         return accepted
-
-
-def _number(sf: SpoolFile) -> int:
-    """The segment a content was written to, from its file's name."""
-    return int(os.path.basename(sf.path)[:16], 16)

@@ -363,20 +363,21 @@ class SqliteStore(ApplyByFuture, InSegments):
             gone = [spid for spid in chunk if spid not in kept]
             if not gone:
                 continue
-            # Content kept inline goes in this very transaction; a file only
-            # once the commit is durable.
+            # Content kept inline, and a segment's record of one, go in this
+            # very transaction (the segment once nothing in it is queued); a
+            # file only once the commit is durable.
             keys = [int(spid, 16) for spid in gone]
-            inline = {i for i, in conn.execute(
+            recorded = {i for i, in conn.execute(
                 f"DELETE FROM content WHERE id IN ({','.join('?' * len(keys))}) RETURNING id",
                 keys)}
-            rest = [k for k in keys if k not in inline]
+            rest = [k for k in keys if k not in recorded]
             if rest and self.segments is not None:
                 for i, seg in conn.execute(
                         f"DELETE FROM content_at WHERE id IN ({','.join('?' * len(rest))}) "
                         "RETURNING id, seg", rest):
-                    inline.add(i)
+                    recorded.add(i)
                     after.freed.add(seg)
-            after.unlink.extend(spid for spid in gone if int(spid, 16) not in inline)
+            after.unlink.extend(spid for spid in gone if int(spid, 16) not in recorded)
             conn.execute("UPDATE qstats SET n = n - ? WHERE key = 'messages'", (len(gone),))
 
     def claim_bounces(self, limit: int, now: float, lease_s: float) -> list[QueueEntry]:
@@ -519,8 +520,10 @@ class SqliteStore(ApplyByFuture, InSegments):
         """ReadsContentsAhead.open_large: the segment or spool file, else inline.
 
         Inline when ``inline_max`` was lowered since the message came in.
+        Where big contents are written as files, no segment is looked for
+        before the file (open_content looks, for those written before).
         """
-        if self.segments is not None:
+        if self.write_segments:
             found = self._open_segment(_content_key(spid), spid)
             if found is not None:
                 return found
@@ -539,7 +542,7 @@ class SqliteStore(ApplyByFuture, InSegments):
         if row is not None:
             return io.BytesIO(row[0])
         if self.segments is not None:
-            found = self._open_segment(_content_key(spid), spid)
+            found = self._open_segment(key, spid)
             if found is not None:
                 return found
         try:
