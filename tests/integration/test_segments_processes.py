@@ -1,4 +1,4 @@
-"""Spool segments under three processes at once: two writers, and a queue manager that delivers and compacts.
+"""Spool segments under three processes: two writers, and a manager that delivers and compacts.
 
 The lock protocol of sluice.spool.segments is tested piece by piece in
 test_spool_segments.py.  Here it runs whole, as `serve` runs it: two
