@@ -5,7 +5,8 @@ SUMMARY
     marked = read_marks(paths)              (at start, before recovery)
     marks = MarkLog.open(paths)             (after the recovery: starts empty)
     token = marks.write([mark_of(e) ...])   (None: not written, wait for the store)
-    marks.stored(token); marks.close()
+    retired = marks.take_retired()          (a full file to cover, or None)
+    marks.covered(retired); marks.close()
 
 DESCRIPTION
     A crash after a message's content went out leaves an entry the next
@@ -20,17 +21,13 @@ DESCRIPTION
     commits: about 4 ms of each delivery's cycle at 1 KB, measured between
     the next hop's 354 and the content (docs/floor.md).  A line appended
     to a local file is a write(2) to the page cache.  So the queue manager
-    writes each step's marks here, lets its deliveries send at once, and
-    applies the same marks to the store without waiting for them; once
-    the store has every mark a file holds, the store's state says what
-    the file said, and the file may be emptied.
-
-    At the next start, before in-flight entries are returned to the queue,
-    the files are read and every entry they name that is still claimed
-    (active) with the attempts it had when the line was written is noted
-    as recovered, as a "delivering" one is (Queue.recover).  An attempt
-    that ended counted itself, so an entry that failed, was claimed again
-    and was waiting for its next attempt at the crash is not noted.
+    writes each step's marks here and its deliveries send at once.  The
+    store gets no mark for them at all while the line is kept: applying
+    the same marks to the store afterwards, unwaited, took a fifth of the
+    queue manager's store thread at 1 KB (docs/benchmarks.md, "The
+    store's marks").  A line is needed only as long as its attempts may
+    be under way; once an attempt's outcome is in the store, the entry is
+    no longer claimed with the attempts the line names.
 
 STRATEGIES
     One line a loop step: a mark per attempt it started, the queue id and
@@ -40,8 +37,13 @@ STRATEGIES
 
     Two files, in turn, as the success journal's (sluice.journal): lines
     go to one until it has grown past ROTATE_AT; then, if the other is
-    empty, to that one, and the first is emptied as soon as the store has
-    every mark it holds.
+    empty, to that one, and the full one is *retired* (take_retired).  A
+    retired file is emptied (covered) once the store has a "delivering"
+    mark for every attempt it names whose outcome is not yet in the store:
+    the queue manager keeps those attempts in memory and marks them in the
+    store in one operation, a few hundred entries at most every ROTATE_AT
+    of lines (sluice.runtime.deliveries).  Until then the current file
+    grows past ROTATE_AT.
 
     Not synced: a mark is for a crash of Sluice, not a power cut, as the
     store's uncommitted-to-disk mark was (the note needs the mark to have
@@ -49,10 +51,11 @@ STRATEGIES
     manager's event loop, as the accounting log's and the success
     journal's do: a few hundred bytes to the page cache.
 
-    A store mark that fails is tried again (sluice.runtime.deliveries)
-    until it is in, or until the manager stops: its file is emptied only
-    then, and while the store fails the log grows by a line a step.  A
-    write that fails and cannot be cut off again ends the log for the run.
+    A cover whose store mark fails is tried again (sluice.runtime.
+    deliveries) until it is in, or until the manager stops: the retired
+    file is emptied only then, and while the store fails the current file
+    grows by a line a step.  A write that fails and cannot be cut off
+    again ends the log for the run.
 
 LIMITATIONS
     Only stores no other node writes: on a queue nodes share (PostgreSQL)
@@ -123,15 +126,14 @@ def read_marks(paths: Iterable[str | os.PathLike[str]]) -> set[str]:
 
 
 class _File:
-    """One of the two files: its descriptor, its size, marks not yet in the store."""
+    """One of the two files: its descriptor and its size."""
 
-    __slots__ = ("fd", "path", "pending", "size")
+    __slots__ = ("fd", "path", "size")
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self.fd = fd
         self.size = 0
-        self.pending = 0  # lines written here whose store commit has not succeeded
 
 
 class MarkLog:
@@ -141,6 +143,7 @@ class MarkLog:
         self._files = list(files)
         self._cur = 0
         self._failing = False
+        self._retired: int | None = None  # retired, not yet handed to take_retired()
 
     @classmethod
     def open(cls, paths: Sequence[Path]) -> MarkLog:
@@ -156,7 +159,7 @@ class MarkLog:
         return cls(files)
 
     def write(self, marks: Sequence[str]) -> int | None:
-        """Append one line of ``marks``; the file's token for stored(), or None if not written.
+        """Append one line of ``marks``; the file's token (for covered()), or None if not written.
 
         None (a full disk, a closed log): the caller waits for the store's
         mark instead.  The first failure of a series is logged.
@@ -167,10 +170,10 @@ class MarkLog:
         if cur.size >= ROTATE_AT:
             full = self._cur
             other = (full + 1) % len(self._files)
-            if self._files[other].pending == 0 and self._files[other].size == 0:
+            if self._files[other].size == 0:
                 self._cur = other
                 cur = self._files[other]
-                self._empty_if_done(full)
+                self._retired = full
         line = (" ".join(marks) + "\n").encode("ascii")
         try:
             write_all(cur.fd, line)
@@ -192,21 +195,22 @@ class MarkLog:
             log.warning("the mark log %s is written again", cur.path)
             self._failing = False
         cur.size += len(line)
-        cur.pending += 1
         return self._cur
 
-    def stored(self, token: int) -> None:
-        """The store committed the marks of a line ``write`` answered with ``token``."""
-        if not self._files:
+    def take_retired(self) -> int | None:
+        """The token of a file lines no longer go to, once; None if none was retired."""
+        retired, self._retired = self._retired, None
+        return retired
+
+    def covered(self, token: int) -> None:
+        """The store has the marks of every attempt file ``token`` names still under way.
+
+        The file is emptied, unless lines go to it (a late answer).
+        """
+        if not self._files or token == self._cur:
             return
         f = self._files[token]
-        f.pending -= 1
-        if token != self._cur:
-            self._empty_if_done(token)
-
-    def _empty_if_done(self, index: int) -> None:
-        f = self._files[index]
-        if f.pending or not f.size:
+        if not f.size:
             return
         try:
             os.ftruncate(f.fd, 0)

@@ -46,47 +46,52 @@ def test_open_starts_both_files_empty(tmp_path: Path) -> None:
     assert read_marks(paths) == set()
 
 
-def test_a_full_file_is_left_for_the_other_and_emptied_once_the_store_has_its_marks(
+def test_a_full_file_is_retired_for_the_other_and_emptied_once_covered(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(marks_mod, "ROTATE_AT", 20)
     paths = mark_paths(tmp_path, "n1")
     log = MarkLog.open(paths)
     try:
         first = log.write(["AAAAAAAAAAAAAAAAAAAAAA-0/0"])  # past 20 bytes at once
-        assert first == 0
+        assert first == 0 and log.take_retired() is None
         second = log.write(["B-0/0"])
         assert second == 1  # the other file, which was empty
+        assert log.take_retired() == 0 and log.take_retired() is None  # handed out once
         assert read_marks(paths[:1]) == {"AAAAAAAAAAAAAAAAAAAAAA-0/0"}
-        log.stored(second)  # the current file is never emptied under its writer
+        log.covered(second)  # the current file is never emptied under its writer
         assert read_marks(paths[1:]) == {"B-0/0"}
-        log.stored(first)  # the store has every mark of the first: it goes
+        log.covered(first)  # the store has what the first said: it goes
         assert paths[0].stat().st_size == 0
         third = log.write(["CCCCCCCCCCCCCCCCCCCCCC-0/0"])
         assert third == 1
-        # file 1 is full; file 0 is empty, so lines go there, and file 1 is
-        # emptied when its last mark is stored
+        # file 1 is full; file 0 is empty, so lines go there and file 1 is
+        # retired, emptied once covered
         assert log.write(["D-0/0"]) == 0
+        assert log.take_retired() == 1
         assert read_marks(paths[1:]) == {"B-0/0", "CCCCCCCCCCCCCCCCCCCCCC-0/0"}
-        log.stored(third)
+        log.covered(third)
         assert paths[1].stat().st_size == 0
         assert read_marks(paths) == {"D-0/0"}
     finally:
         log.close()
 
 
-def test_a_mark_the_store_never_took_keeps_its_file(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_never_covered_keeps_its_lines_and_the_other_grows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(marks_mod, "ROTATE_AT", 10)
     paths = mark_paths(tmp_path, "n1")
     log = MarkLog.open(paths)
     try:
         assert log.write(["KEPT-0/0", "GONE-1/0"]) == 0
         assert log.write(["NEXT-0/0"]) == 1
+        assert log.take_retired() == 0
         assert log.write(["MORE-0/0"]) == 1  # file 1 is past ROTATE_AT now
-        # the first line's store mark failed (no stored(0)): file 0 keeps it,
-        # and lines stay in file 1 past ROTATE_AT
+        # file 0 was never covered (its store mark failed): it keeps its
+        # lines, and lines stay in file 1 past ROTATE_AT
         assert log.write(["LAST-0/0"]) == 1
+        assert log.take_retired() is None
         assert read_marks(paths[:1]) == {"KEPT-0/0", "GONE-1/0"}
+        assert read_marks(paths[1:]) == {"NEXT-0/0", "MORE-0/0", "LAST-0/0"}
     finally:
         log.close()
 
@@ -115,7 +120,7 @@ def test_a_closed_log_writes_nothing(tmp_path: Path) -> None:
     log = MarkLog.open(mark_paths(tmp_path, "n1"))
     log.close()
     assert log.write(["A-0/0"]) is None
-    log.stored(0)  # a late store answer after the close is ignored
+    log.covered(0)  # a late store answer after the close is ignored
 
 
 def test_every_node_ids_files_are_read_and_only_this_ones_kept(tmp_path: Path) -> None:

@@ -19,18 +19,26 @@ DESCRIPTION
 STRATEGIES
     At least once, with short windows (docs/queue.md, "What is
     promised").  The "delivering" marks of every attempt started in one
-    loop step are one line of the mark log (sluice.marks) and one store
-    operation (mark_started), and a delivery waits for the first of them
-    that is written after the server's 354, before the message goes out:
-    the line, at once, unless it could not be written (or the store is
-    shared by nodes, which keeps no log); then the store's.  A crash after
-    that point is logged at the next start as "in flight at crash, may be
-    a duplicate".  Once the replies are in, the agent calls
-    back (DeliveryRequest.settle): the outcomes go to the recorder's next
-    group commit and the connection waits for it (or, with a success
-    journal, for its sync, which precedes the store's), so a success is
-    durable one commit after its reply.  Outcomes of deliveries without a
-    transaction are recorded after, as before.
+    loop step are one line of the mark log (sluice.marks), and a delivery
+    waits for it after the server's 354, before the message goes out.
+    Where no line can be written (a full disk, or a store shared by nodes,
+    which keeps no log) the marks are one store operation instead, and the
+    deliveries wait for its commit.  A crash after that point is logged at
+    the next start as "in flight at crash, may be a duplicate".
+
+    Attempts marked by a line alone are kept in memory (_unmarked) until
+    their outcomes are in the store (the recorder calls applied()).  When
+    the mark log retires a full file, those of its attempts still under
+    way get the store's mark, in one operation, and the file is emptied
+    (_cover): so the store always says what an emptied line said, and the
+    store's write lock is taken for marks once a file, not once a step.
+
+    Once the replies are in, the agent calls back (DeliveryRequest.
+    settle): the outcomes go to the recorder's next group commit and the
+    connection waits for it (or, with a success journal, for its sync,
+    which precedes the store's), so a success is durable one commit after
+    its reply.  Outcomes of deliveries without a transaction are recorded
+    after, as before.
 
     One read for a step's contents.  The small contents of every
     delivery started in one loop step are read with one statement at
@@ -50,8 +58,8 @@ STRATEGIES
 
     Exactly one answer.  Every StartDelivery is answered by exactly one
     DeliveryFinished: at once when stopping or when the job is gone,
-    with no outcomes when the task is cancelled (the entries stay
-    "delivering" and return at the next start), and with temporary
+    with no outcomes when the task is cancelled (the entries stay claimed
+    and marked, and return at the next start), and with temporary
     failures when the delivery crashed.
 
 SEE ALSO
@@ -66,7 +74,7 @@ import dataclasses
 import functools
 import io
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import IO, Any, Protocol
 
 from sluice.delivery.agent import DeliveryAgent, DeliveryRequest, DeliveryResult
@@ -86,8 +94,8 @@ __all__ = ["Deliveries"]
 
 log = logging.getLogger("sluice.manager")
 
-#: A failed store mark whose line is in the mark log is tried again after
-#: this, doubling up to MARK_RETRY_MAX_S.
+#: A failed store mark that covers a retired file of the mark log is tried
+#: again after this, doubling up to MARK_RETRY_MAX_S.
 MARK_RETRY_S = 0.05
 MARK_RETRY_MAX_S = 5.0
 
@@ -134,6 +142,9 @@ class Deliveries:
         #: The mark log (sluice.marks), set by the manager when it keeps one:
         #: a step's marks are written there and its deliveries go on at once.
         self.marks: MarkLog | None = None
+        #: Attempts marked by a line alone whose outcomes are not yet in the
+        #: store: queue id -> (entry, the token of the line's file).
+        self._unmarked: dict[str, tuple[QueueEntry, int]] = {}
         self._delivering: list[QueueEntry] = []
         self._marked: asyncio.Future[None] | None = None  # the mark of this step's starts
         # The contents to read ahead for this step's starts; the store is the
@@ -173,22 +184,32 @@ class Deliveries:
             self._ahead.append(ahead)
 
     def mark_started(self) -> None:
-        """Mark the attempts started in this step "delivering", as one store operation.
+        """Mark the attempts started in this step "delivering": a line, else the store.
 
         Each of them waits for it after the server's 354.
         """
         if self._ahead:
             ahead, self._ahead = self._ahead, []
             self._read_ahead(ahead)
-        if self._delivering:
-            entries, marked = self._delivering, self._marked
-            self._delivering, self._marked = [], None
-            token = None if self.marks is None else self.marks.write([mark_of(e) for e in entries])
-            if token is not None and marked is not None:
-                marked.set_result(None)  # the line has it: the content may go now
-            if (marked is not None and self._spawn(self._mark(entries, marked, token)) is None
+        if not self._delivering:
+            return
+        entries, marked = self._delivering, self._marked
+        self._delivering, self._marked = [], None
+        marks = self.marks
+        token = None if marks is None else marks.write([mark_of(e) for e in entries])
+        if marks is not None:
+            retired = marks.take_retired()
+            if retired is not None:
+                self._spawn(self._cover(retired))  # if not (stopping): read at the next start
+        if token is None:
+            if (marked is not None and self._spawn(self._mark(entries, marked)) is None
                     and not marked.done()):
                 marked.set_result(None)
+            return
+        for e in entries:
+            self._unmarked[e.qid] = (e, token)
+        if marked is not None:
+            marked.set_result(None)  # the line has it: the content may go now
 
     def _read_ahead(self, ahead: list[_Ahead]) -> None:
         """The small contents of this step's starts, in one read (ReadsContentsAhead).
@@ -215,34 +236,50 @@ class Deliveries:
             return self._reads_ahead.open_large(ahead.spid)
         return self.queue.store.open_content(ahead.spid)
 
-    async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None],
-                    token: int | None = None) -> None:
-        """The store's mark of a step's attempts; with a line of the mark log, tried until in.
+    async def _mark(self, entries: list[QueueEntry], marked: asyncio.Future[None]) -> None:
+        """The store's mark of a step's attempts, where no line has them.
 
-        Without a line, a failed mark only costs the note at a restart, and
-        the deliveries go on after it.  With one, the line's file is
-        emptied only once the store has the mark (sluice.marks), so a
-        failing store is tried again after a back-off, until the manager
-        stops (the line is then read at the next start).
+        A failed mark only costs the note at a restart; the deliveries go
+        on after it.
         """
-        delay = MARK_RETRY_S
         try:
-            while True:
-                try:
-                    await asyncio.wrap_future(self.queue.mark_delivering_future(entries))
-                except Exception as exc:
-                    self.recorder.failed(exc)
-                    if token is None or self.marks is None or self._stopping():
-                        return
-                    await asyncio.sleep(delay)  # marked was set with the line
-                    delay = min(delay * 2, MARK_RETRY_MAX_S)
-                    continue
-                if token is not None and self.marks is not None:
-                    self.marks.stored(token)  # the store says what the line said
-                return
+            await asyncio.wrap_future(self.queue.mark_delivering_future(entries))
+        except Exception as exc:
+            self.recorder.failed(exc)
         finally:
             if not marked.done():
                 marked.set_result(None)
+
+    async def _cover(self, token: int) -> None:
+        """The store's mark of the attempts a retired file names still under way; then empty it.
+
+        Tried until it is in, or until the manager stops (the file is then
+        read at the next start, as its lines say).
+        """
+        entries = [e for e, t in self._unmarked.values() if t == token]
+        delay = MARK_RETRY_S
+        while entries:
+            try:
+                await asyncio.wrap_future(self.queue.mark_delivering_future(entries))
+                break
+            except Exception as exc:
+                self.recorder.failed(exc)
+                if self._stopping():
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MARK_RETRY_MAX_S)
+        for e in entries:
+            if self._unmarked.get(e.qid, (e, -1))[1] == token:
+                del self._unmarked[e.qid]
+        if self.marks is not None:
+            self.marks.covered(token)
+
+    def applied(self, results: Sequence[AttemptResult]) -> None:
+        """These outcomes are in the store: their attempts need no mark any more."""
+        unmarked = self._unmarked
+        if unmarked:
+            for r in results:
+                unmarked.pop(r.entry.qid, None)
 
     async def _deliver(self, info: Job, entries: tuple[QueueEntry, ...], localip: str,
                        marked: asyncio.Future[None], ahead: _Ahead) -> None:
@@ -279,7 +316,7 @@ class Deliveries:
                 connection_failed=result.connection_failed,
                 new_connection=result.new_connection, localip=localip))
         except asyncio.CancelledError:
-            # Stopped hard: the entries stay "delivering" and return at the next start.
+            # Stopped hard: the entries stay claimed, marked, and return at the next start.
             self._post(DeliveryFinished(ref, (), connection_failed=False,
                                         new_connection=False, localip=localip))
             raise

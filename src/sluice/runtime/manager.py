@@ -62,8 +62,8 @@ STRATEGIES
 
     At least once, with short windows (docs/queue.md, "What is
     promised").  Each step's "delivering" marks are one line of the mark
-    log (sluice.marks) and one store operation; a delivery waits for the
-    line (or, without one, for the store) after the server's 354, before
+    log (sluice.marks), or where none can be kept one store operation; a
+    delivery waits for it after the server's 354, before
     the message goes out: a crash after that point is logged at the next
     start as "in flight at crash, may be a duplicate".  Once the replies
     are in, the agent calls back (DeliveryRequest.settle): the outcomes
@@ -250,6 +250,7 @@ class QueueManager:
                                      spawn=self._spawn,
                                      spawn_delivery=functools.partial(self._spawn, delivery=True),
                                      stopping=lambda: self._stopping)
+        self.recorder.on_applied = self.deliveries.applied
 
     # -- plumbing -----------------------------------------------------------------
 

@@ -119,6 +119,9 @@ class Recorder:
         self._syncing: set[asyncio.Future[None]] = set()  # journal syncs not yet ended
         #: The success journal (sluice.journal), when serve keeps one.
         self.journal: SuccessJournal | None = None
+        #: Told of every batch of outcomes once the store has applied it
+        #: (the deliveries' attempts marked by the mark log alone).
+        self.on_applied: Callable[[Sequence[AttemptResult]], None] | None = None
         self._releasing = health.part("giving claims back")
 
     @property
@@ -256,6 +259,8 @@ class Recorder:
                 continue
             self._wake(waiters)
             self._recording.ok()
+            if self.on_applied is not None:
+                self.on_applied(batch)
             if self.journal is not None:
                 self.journal.committed(r.entry.qid for r in batch
                                        if isinstance(r.outcome, Delivered))
