@@ -1,4 +1,4 @@
-"""The mark log in a running queue manager: the line is the mark, the store's comes only to cover a file.
+"""The mark log in a running queue manager: the line is the mark; the store marks to cover a file.
 
 A real Server (receivers, queue manager, SQLite store) delivering to a real
 sink on loopback.  While the mark log keeps a step's line, the store gets no
