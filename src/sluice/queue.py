@@ -258,9 +258,10 @@ class Queue:
         Not flushed: recovery returns active and delivering entries alike,
         the mark only lets it say "in flight at crash, may be a duplicate"
         (see recover()).  The queue manager waits for it before the
-        message's first byte goes out: after a crash of the process (not of
-        the machine) the mark is always there for an attempt that may have
-        delivered.
+        message's first byte goes out where it keeps no mark log (a shared
+        queue, or a log that cannot be written): after a crash of the
+        process (not of the machine) the mark is always there for an
+        attempt that may have delivered.
         """
         self.mark_delivering_future(entries).result()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import smtplib
+import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,20 +47,31 @@ def _server(tmp_path: Path, sink_port: int) -> Server:
     return Server(cfg, poll_s=0.05, health=Health(backoff=Backoff(first_s=0.01, max_s=0.05)))
 
 
-def _spy_marks(monkeypatch: pytest.MonkeyPatch, refuse: int = 0) -> list[list[str]]:
-    """The queue ids of every store "delivering" mark tried; the first ``refuse`` fail."""
+def _spy_marks(monkeypatch: pytest.MonkeyPatch, refuse: int = 0,
+               watch: Path | None = None) -> list[tuple[list[str], int]]:
+    """Every store "delivering" mark tried: its queue ids and the size of ``watch`` then.
+
+    The first ``refuse`` tries fail.
+    """
     real = SqliteStore.apply_future
-    tried: list[list[str]] = []
+    tried: list[tuple[list[str], int]] = []
 
     def apply_future(self: SqliteStore, transitions: Sequence[Transition], **kw: Any) -> Any:
         if any(t.state is QueueState.DELIVERING for t in transitions):
-            tried.append([t.qid for t in transitions])
+            size = watch.stat().st_size if watch is not None and watch.exists() else -1
+            tried.append(([t.qid for t in transitions], size))
             if len(tried) <= refuse:
                 raise StorageError("injected: the store refuses the mark")
         return real(self, transitions, **kw)
 
     monkeypatch.setattr(SqliteStore, "apply_future", apply_future)
     return tried
+
+
+def _queued(tmp_path: Path) -> int:
+    with sqlite3.connect(tmp_path / "queue" / "queue.db") as conn:
+        n: int = conn.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
+    return n
 
 
 def test_deliveries_go_on_the_line_alone_and_the_store_gets_no_mark(
@@ -83,33 +95,46 @@ def test_deliveries_go_on_the_line_alone_and_the_store_gets_no_mark(
 
 def test_a_retired_file_s_attempts_under_way_get_the_store_s_mark_before_it_is_emptied(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(marks_mod, "ROTATE_AT", 1)  # every line retires the file before
-    tried = _spy_marks(monkeypatch, refuse=2)
+    # Two lines fill a file: the third goes to the other and retires the first.
+    monkeypatch.setattr(marks_mod, "ROTATE_AT", 30)
+    files = mark_paths(tmp_path / "queue", "test-node")
+    tried = _spy_marks(monkeypatch, refuse=2, watch=files[0])
     sink = Sink({"slow.example": Behaviour("slow", seconds=2.0)}, keep=True)
     srv = _server(tmp_path, sink.start_in_thread())
-    files = mark_paths(tmp_path / "queue", "test-node")
     seen: dict[str, Any] = {}
 
     async def body() -> None:
-        # The slow one's attempt is under way (its line in file 0) when the
-        # fast one's line goes to file 1 and retires file 0.
-        await asyncio.to_thread(_send, *srv.addresses[0], "b@slow.example")
-        await asyncio.to_thread(wait_until, lambda: bool(read_marks(files[:1])), 10)
-        seen["slow"] = read_marks(files[:1])
-        await asyncio.to_thread(_send, *srv.addresses[0], "b@fast.example")
+        addr = srv.addresses[0]
+        # The first line: an attempt that ends, its outcome in the store.
+        await asyncio.to_thread(_send, *addr, "b@done.example")
+        await asyncio.to_thread(wait_until, lambda: len(sink.messages) == 1, 10)
+        await asyncio.to_thread(wait_until, lambda: _queued(tmp_path) == 0, 10)
+        # The second: an attempt under way (the next hop is slow) ...
+        await asyncio.to_thread(_send, *addr, "b@slow.example")
+        await asyncio.to_thread(wait_until, lambda: len(read_marks(files[:1])) == 2, 10)
+        seen["file0"] = read_marks(files[:1])
+        # ... when the third line retires the file.
+        await asyncio.to_thread(_send, *addr, "b@fast.example")
         await asyncio.to_thread(wait_until, lambda: len(tried) >= 3, 10)
         await asyncio.to_thread(wait_until, lambda: files[0].stat().st_size == 0, 10)
-        seen["fast"] = read_marks(files[1:])
+        seen["file1"] = read_marks(files[1:])
         seen["slow_delivered_before_cover"] = any(
             m.recipients == ("b@slow.example",) for m in sink.messages)
-        await asyncio.to_thread(wait_until, lambda: len(sink.messages) >= 2, 20)
+        await asyncio.to_thread(wait_until, lambda: len(sink.messages) >= 3, 20)
 
     run_in_process(srv, sink, body)
-    assert len(sink.messages) == 2
-    (slow_mark,) = seen["slow"]
-    slow_qid = slow_mark.split("/")[0]
-    # one cover, the slow attempt alone, refused twice and tried until in;
-    # the file was emptied only after that, while the slow one was under way
-    assert len(tried) == 3 and all(t == [slow_qid] for t in tried), tried
+    assert len(sink.messages) == 3
+    by_rcpt = {m.recipients[0]: m for m in sink.messages}
+    assert set(by_rcpt) == {"b@done.example", "b@slow.example", "b@fast.example"}
+    assert len(seen["file0"]) == 2
+    # One cover: the attempt still under way alone (the ended one's outcome
+    # was in the store), refused twice and tried until in, the file still
+    # holding its lines at every try; emptied after that, while the slow
+    # delivery was still under way.
+    qids = [q for q, _ in tried]
+    assert len(tried) == 3 and len({tuple(q) for q in qids}) == 1, tried
+    (slow_qid,) = qids[0]
+    assert f"{slow_qid}/0" in seen["file0"]
+    assert all(size > 0 for _, size in tried), tried
     assert not seen["slow_delivered_before_cover"]
-    assert len(seen["fast"]) == 1 and slow_mark not in seen["fast"]
+    assert len(seen["file1"]) == 1 and not seen["file1"] & seen["file0"]

@@ -268,8 +268,11 @@ class Deliveries:
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MARK_RETRY_MAX_S)
+                # Ended meanwhile (and maybe claimed again): no mark for those.
+                entries = [e for e in entries
+                           if self._unmarked.get(e.qid, (None, -1)) == (e, token)]
         for e in entries:
-            if self._unmarked.get(e.qid, (e, -1))[1] == token:
+            if self._unmarked.get(e.qid, (None, -1)) == (e, token):
                 del self._unmarked[e.qid]
         if self.marks is not None:
             self.marks.covered(token)
@@ -279,7 +282,10 @@ class Deliveries:
         unmarked = self._unmarked
         if unmarked:
             for r in results:
-                unmarked.pop(r.entry.qid, None)
+                kept = unmarked.get(r.entry.qid)
+                # The same attempt, not a later one of the same entry.
+                if kept is not None and kept[0] is r.entry:
+                    del unmarked[r.entry.qid]
 
     async def _deliver(self, info: Job, entries: tuple[QueueEntry, ...], localip: str,
                        marked: asyncio.Future[None], ahead: _Ahead) -> None:

@@ -446,8 +446,9 @@ class QueueManager:
         try:
             self._decide()
         finally:
-            # The "delivering" mark of every attempt started in this step,
-            # as one store operation; each waits for it after 354.
+            # The "delivering" mark of every attempt started in this step:
+            # one line of the mark log, else one store operation; each
+            # waits for it after 354.
             self.deliveries.mark_started()
 
     def _decide(self) -> None:

@@ -187,7 +187,7 @@ def explain_stored(entry: QueueEntry, now: float, retry: _Retry | None = None) -
             expected = max(due, now)
         case QueueState.ACTIVE | QueueState.DELIVERING:
             what = "being delivered" if entry.state is QueueState.DELIVERING \
-                else "in the active queue"
+                else "claimed (waiting or being delivered)"
             reasons.append(Reason(Waiting.ELSEWHERE, f"{what} of a running queue manager; ask "
                                                      "it (REST API) for the pickup details"))
             expected = None
