@@ -269,23 +269,27 @@ class Deliveries:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MARK_RETRY_MAX_S)
                 # Ended meanwhile (and maybe claimed again): no mark for those.
-                entries = [e for e in entries
-                           if self._unmarked.get(e.qid, (None, -1)) == (e, token)]
+                entries = [e for e in entries if self._line_alone(e, token)]
         for e in entries:
-            if self._unmarked.get(e.qid, (None, -1)) == (e, token):
+            if self._line_alone(e, token):
                 del self._unmarked[e.qid]
         if self.marks is not None:
             self.marks.covered(token)
 
+    def _line_alone(self, entry: QueueEntry, token: int | None = None) -> bool:
+        """Whether this attempt is marked by a line alone (in file ``token``, if given).
+
+        This very entry object: a later attempt of the same entry is another.
+        """
+        kept = self._unmarked.get(entry.qid)
+        return kept is not None and kept[0] is entry and (token is None or kept[1] == token)
+
     def applied(self, results: Sequence[AttemptResult]) -> None:
         """These outcomes are in the store: their attempts need no mark any more."""
-        unmarked = self._unmarked
-        if unmarked:
+        if self._unmarked:
             for r in results:
-                kept = unmarked.get(r.entry.qid)
-                # The same attempt, not a later one of the same entry.
-                if kept is not None and kept[0] is r.entry:
-                    del unmarked[r.entry.qid]
+                if self._line_alone(r.entry):
+                    del self._unmarked[r.entry.qid]
 
     async def _deliver(self, info: Job, entries: tuple[QueueEntry, ...], localip: str,
                        marked: asyncio.Future[None], ahead: _Ahead) -> None:
